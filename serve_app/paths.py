@@ -1,0 +1,12 @@
+"""Where the project keeps files it generates outside git."""
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_model_dir() -> Path:
+    """The generated tiny Qwen3-Next checkpoint (``SERVE_APP_MODEL_DIR`` overrides the default)."""
+    override = os.environ.get("SERVE_APP_MODEL_DIR")
+    return Path(override) if override else REPO_ROOT / ".models" / "tiny-qwen3-next"

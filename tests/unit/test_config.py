@@ -1,0 +1,100 @@
+import json
+
+import pytest
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from serve_app.app import model_deployment_options
+from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
+from tests.conftest import app_args, load_serve_config
+
+
+def minimal(**model):
+    return {"models": [{"id": "qwen-3.6-35b-a3b", **model}]}
+
+
+def test_defaults_are_explicit_autoscaling_numbers():
+    args = AppArgs.model_validate(minimal())
+    model = args.models[0]
+    assert model.autoscaling.target_ongoing_requests > 0
+    assert model.max_ongoing_requests >= model.autoscaling.target_ongoing_requests
+    assert model.max_queued_requests >= 0
+    assert args.router.num_cpus < 1
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ({"models": [], "region": "x"}, "models"),
+        ({"modles": []}, "modles"),
+        (minimal(enigne={}), "models.0.enigne"),
+        (minimal(engine={"max_model_length": 10}), "models.0.engine.max_model_length"),
+        ({"models": [{"id": "gpt-4o"}]}, "not a canonical catalog id"),
+        ({"models": [{"id": "qwen-3.6-a3b"}]}, "not a canonical catalog id"),
+        (minimal(autoscaling={"min_replicas": 3, "max_replicas": 2}), "min_replicas (3) > max_replicas (2)"),
+        (minimal(resources={"accelerator_type": "B200"}), "num_gpus is 0"),
+        (minimal(resources={"num_gpus": 2}), "num_gpus"),
+        ({"models": [{"id": "qwen-3.6-35b-a3b"}, {"id": "qwen-3.6-35b-a3b"}]}, "listed twice"),
+    ],
+)
+def test_bad_args_are_rejected_with_a_message_naming_the_problem(raw, fragment):
+    with pytest.raises(ValueError) as err:
+        parse_app_args(raw)
+    assert fragment in str(err.value)
+
+
+def test_engine_flags_start_from_the_catalog_and_take_overrides():
+    model = ModelDeploymentArgs(
+        id="qwen-3.6-35b-a3b",
+        engine={"tool_call_parser": "hermes", "max_num_seqs": 4, "extra_args": {"seed": 7}},
+    )
+    flags = model.engine_cli_args("/models/tiny")
+    parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(flags)
+    assert parsed.model == "/models/tiny"
+    assert parsed.served_model_name == ["qwen-3.6-35b-a3b"]
+    assert parsed.max_model_len == 8192
+    assert parsed.enforce_eager is True
+    assert parsed.tool_call_parser == "hermes"
+    assert parsed.enable_auto_tool_choice is True
+    assert parsed.reasoning_parser == "qwen3"
+    assert parsed.max_num_seqs == 4
+    assert parsed.seed == 7
+    assert parsed.default_chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
+    model = ModelDeploymentArgs(
+        id="qwen-3.6-35b-a3b",
+        autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 12},
+        max_ongoing_requests=40,
+        max_queued_requests=80,
+        resources={"num_cpus": 4, "num_gpus": 1, "accelerator_type": "B200", "env": {"A": "1"}},
+    )
+    options = model_deployment_options(model)
+    assert options["name"] == "model-qwen-3.6-35b-a3b"
+    assert options["autoscaling_config"]["target_ongoing_requests"] == 12
+    assert options["autoscaling_config"]["max_replicas"] == 3
+    assert options["max_ongoing_requests"] == 40
+    assert options["max_queued_requests"] == 80
+    assert options["ray_actor_options"] == {
+        "num_cpus": 4,
+        "num_gpus": 1,
+        "accelerator_type": "B200",
+        "runtime_env": {"env_vars": {"A": "1"}},
+    }
+
+
+def test_local_config_serves_the_tiny_model_on_cpu_under_the_canonical_id():
+    config = load_serve_config("local.yaml")
+    assert config["http_options"]["host"] == "127.0.0.1"
+    assert config["http_options"]["port"] == 8000
+    args = parse_app_args(app_args(config))
+    (model,) = args.models
+    assert model.id == "qwen-3.6-35b-a3b"
+    assert model.engine.source == "tiny-local"
+    options = model_deployment_options(model)
+    assert "num_gpus" not in options["ray_actor_options"]
+    assert options["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
+    # Router + model replica must both fit on a 2-CPU machine.
+    assert args.router.num_cpus + model.resources.num_cpus <= 2
+    json.dumps(options)  # plain data: Serve ships it to the controller

@@ -1,0 +1,45 @@
+"""GPU region configs cannot run here; their production settings are checked instead."""
+
+from pathlib import Path
+
+import pytest
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from serve_app import catalog
+from serve_app.app import model_deployment_options
+from serve_app.config import parse_app_args
+from tests.conftest import REPO, app_args, load_serve_config
+
+BLACKWELL = {"B200", "B300", "GB200", "GB300", "RTX-PRO-6000"}
+GPU_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml") if p.name != "local.yaml")
+
+
+def test_there_is_at_least_one_gpu_region():
+    assert GPU_CONFIGS
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_region_config_runs_the_production_checkpoint_on_one_blackwell_gpu(name):
+    config = load_serve_config(name)
+    args = parse_app_args(app_args(config))
+    assert args.region == Path(name).stem
+    for model in args.models:
+        entry = catalog.get(model.id)
+        options = model_deployment_options(model)
+        assert options["ray_actor_options"]["num_gpus"] == 1
+        assert options["ray_actor_options"]["accelerator_type"] in BLACKWELL
+        assert model.engine.source is None, "regions serve the catalog's checkpoint"
+        flags = make_arg_parser(FlexibleArgumentParser()).parse_args(
+            model.engine_cli_args(entry.hf_repo)
+        )
+        assert flags.model == entry.hf_repo
+        assert flags.model.endswith("-FP8")
+        assert flags.quantization is None  # FP8 comes from the checkpoint, no runtime requantization
+        assert flags.max_model_len == 8192
+        assert flags.enforce_eager is True
+        assert flags.default_chat_template_kwargs == {"enable_thinking": False}
+        scaling = options["autoscaling_config"]
+        assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
+        assert scaling["target_ongoing_requests"] <= options["max_ongoing_requests"]
+        assert options["max_queued_requests"] > 0
