@@ -54,6 +54,37 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, "internal error; it has been logged"), status_code=500)
 
 
+# Helpers stand above the class: serve.ingress pickles the FastAPI app when the class is
+# decorated, so names defined below it would be missing in the replica.
+async def _read_json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _relay_events(stream) -> AsyncIterator[str]:
+    """Forward the replica's SSE events as they arrive; a client that leaves cancels the replica."""
+    finished = False
+    try:
+        async for event in stream:
+            yield event
+        finished = True
+    except Exception:
+        # The status line is sent already: end the stream with an error event, never a hang.
+        logger.exception("stream from model replica failed")
+        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n"
+        yield "data: [DONE]\n\n"
+        finished = True
+    finally:
+        if not finished:  # the client went away: abort the engine request, free its KV cache
+            stream.cancel()
+
+
 @serve.deployment
 @serve.ingress(app)
 class Router:
@@ -148,32 +179,3 @@ class Router:
         # A bounded wait: an engine that cannot answer in this time is not ready for traffic.
         await asyncio.wait_for(handle.check_health.remote(), timeout=10)
         return True
-
-
-async def _read_json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return body
-
-
-async def _relay_events(stream) -> AsyncIterator[str]:
-    """Forward the replica's SSE events as they arrive; a client that leaves cancels the replica."""
-    finished = False
-    try:
-        async for event in stream:
-            yield event
-        finished = True
-    except Exception:
-        # The status line is sent already: end the stream with an error event, never a hang.
-        logger.exception("stream from model replica failed")
-        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n"
-        yield "data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:  # the client went away: abort the engine request, free its KV cache
-            stream.cancel()

@@ -1,0 +1,118 @@
+"""Start real Ray Serve with configs/local.yaml once per test session, and stop it after.
+
+The pytest process starts its own local Ray instance (``address="local"``, so a developer's
+running ``serve run`` is never touched), then deploys the config with the real ``serve deploy``
+CLI against that instance's dashboard, as an SRE deploys a region. Only the HTTP port is changed,
+to a free one. Teardown shuts Serve and this Ray instance down through their own APIs.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.conftest import load_serve_config
+
+APP_NAME = "llm"
+STARTUP_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve_cli() -> str:
+    return str(Path(sys.executable).with_name("serve"))
+
+
+def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float:
+    """Poll ``serve status`` and the router's /health; fail fast if the deploy fails."""
+    started = time.monotonic()
+    while time.monotonic() < deadline:
+        status = subprocess.run(
+            [_serve_cli(), "status", "--address", dashboard], capture_output=True, text=True
+        )
+        report = yaml.safe_load(status.stdout or "{}") or {}
+        app = (report.get("applications") or {}).get(APP_NAME) or {}
+        if app.get("status") == "DEPLOY_FAILED":
+            pytest.fail(f"serve deploy failed:\n{status.stdout}")
+        if app.get("status") == "RUNNING":
+            try:
+                if httpx.get(f"{base_url}/health", timeout=15).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+        time.sleep(3)
+    pytest.fail(f"Serve did not become ready in {STARTUP_TIMEOUT_S}s:\n{status.stdout}")
+
+
+@pytest.fixture(scope="session")
+def serve_app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    port, dashboard_port = _free_port(), _free_port()
+    config = load_serve_config("local.yaml")
+    config["http_options"]["port"] = port
+    config_path = tmp_path_factory.mktemp("serve") / "local.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+
+    ray.init(
+        address="local",
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=dashboard_port,
+    )
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        subprocess.run(
+            [_serve_cli(), "deploy", str(config_path), "--address", dashboard],
+            check=True,
+            env={**os.environ, "RAY_ADDRESS": ""},
+        )
+        startup_s = _wait_until_running(dashboard, base_url, time.monotonic() + STARTUP_TIMEOUT_S)
+        print(f"\nServe ready at {base_url} after {startup_s:.1f}s")
+        yield {"base_url": base_url, "app_name": APP_NAME}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def base_url(serve_app) -> str:
+    return serve_app["base_url"]
+
+
+@pytest.fixture(scope="session")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused-until-auth", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client(base_url) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused-until-auth", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_handle(serve_app):
+    from ray import serve
+
+    return serve.get_deployment_handle("model-qwen-3.6-35b-a3b", app_name=serve_app["app_name"])
+
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
