@@ -21,6 +21,9 @@ class EngineDefaults(BaseModel):
         None, description="None lets vLLM read the checkpoint's own quantization_config."
     )
     tool_call_parser: str | None = None
+    tool_strict_level: str | None = Field(
+        None, description="vLLM's floor for tool-call constraints: auto, function or parameter."
+    )
     reasoning_parser: str | None = None
 
 
@@ -60,6 +63,10 @@ QWEN36_35B_A3B = CatalogModel(
         # what vLLM's qwen3_coder parser reads; Hermes JSON would not parse them. vLLM recipe
         # "Qwen3.5 & Qwen3.6": --reasoning-parser qwen3.
         tool_call_parser="qwen3_coder",
+        # Every tool call's arguments are decoded against the tool's JSON schema, as if each tool
+        # were `strict: true`: under tool_choice required/named vLLM's default ("auto") only
+        # constrains the envelope, and arguments can come back as any JSON value.
+        tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
 )
@@ -75,6 +82,7 @@ QWEN35_27B = CatalogModel(
         max_model_len=8192,
         enforce_eager=True,  # same Gated-DeltaNet CUDA-graph workaround (model card)
         tool_call_parser="qwen3_coder",
+        tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
 )

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app import catalog
+from serve_app.auth.config import AuthArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
 
@@ -72,6 +73,7 @@ class EngineOverrides(_Strict):
     dtype: str | None = None
     quantization: str | None = None
     tool_call_parser: str | None = None
+    tool_strict_level: str | None = None
     reasoning_parser: str | None = None
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
@@ -130,11 +132,14 @@ class ModelDeploymentArgs(_Strict):
         }
         args: list[str] = []
         for name, value in flags.items():
-            if value is None or value is False:
+            if value is None:
                 continue
-            args.append(f"--{name}")
-            if value is not True:
-                args.append(str(value))
+            if value is False:  # vLLM's boolean flags all take the --no- form
+                args.append(f"--no-{name}")
+            elif value is True:
+                args.append(f"--{name}")
+            else:
+                args += [f"--{name}", str(value)]
         return args
 
 
@@ -150,6 +155,12 @@ class AppArgs(_Strict):
     region: str = Field("local", description="Region id reported in responses and traces.")
     models: list[ModelDeploymentArgs] = Field(min_length=1)
     router: RouterArgs = Field(default_factory=RouterArgs)
+    auth: AuthArgs = Field(default_factory=AuthArgs)
+
+    @model_validator(mode="after")
+    def _auth_fits_region(self) -> "AppArgs":
+        self.auth.check_region(self.region)  # regions: real key material, never the dev key
+        return self
 
     @field_validator("models")
     @classmethod

@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
+from serve_app.engine import context_cap
 from serve_app.errors import error_body
 
 logger = logging.getLogger("ray.serve")
@@ -61,6 +62,8 @@ class ModelServer:
         await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
         self._chat = state.openai_serving_chat
         self._completion = state.openai_serving_completion
+        context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
+        context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
 
     async def chat(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -85,9 +88,18 @@ class ModelServer:
         except ValidationError as err:
             yield _validation_error_head(err)
             return
+        except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
+            yield _error_head(create_error_response(exc))
+            return
         try:
             result = await create(request, None)
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
+            if self.engine.errored:
+                # The engine core died; Serve's health check replaces this replica. 503 tells
+                # clients (the openai SDK retries it by default) to come back, not that it's a bug.
+                logger.exception("%s engine is dead", self.model_id)
+                yield _ENGINE_UNAVAILABLE
+                return
             result = create_error_response(exc)
             if result.error.code >= 500:
                 logger.exception("%s request failed", self.model_id)
@@ -116,6 +128,15 @@ class ModelServer:
             self.engine.shutdown()
 
 
+_ENGINE_UNAVAILABLE: Head = {
+    "status": 503,
+    "body": error_body(
+        503, "the model engine on this replica failed and is being replaced; retry", code="engine_unavailable"
+    ),
+    "stream": False,
+}
+
+
 def _apply_enable_thinking(body: dict[str, Any]) -> None:
     """The product's top-level ``enable_thinking`` switch is a chat-template kwarg in vLLM."""
     if "enable_thinking" in body:
@@ -126,9 +147,10 @@ def _apply_enable_thinking(body: dict[str, Any]) -> None:
 
 def _error_head(response) -> Head:
     error = response.error
+    code = context_cap.CONTEXT_LENGTH_EXCEEDED if context_cap.is_context_overflow(error) else None
     return {
         "status": error.code,
-        "body": error_body(error.code, error.message, param=error.param),
+        "body": error_body(error.code, error.message, param=error.param, code=code),
         "stream": False,
     }
 

@@ -1,8 +1,9 @@
 """The router deployment: the FastAPI ingress every request enters through.
 
-Request path, top to bottom: Serve proxy → ``Router`` (read body, resolve alias, pick the model's
-handle) → ``ModelServer`` over a streaming handle → vLLM. The router never imports vLLM; it relays
-the replica's head (status + body) and, for streams, the replica's SSE events unchanged.
+Request path, top to bottom: Serve proxy → ``Router`` (authenticate, read body, resolve alias,
+check the caller's model scope and rate limit, pick the model's handle) → ``ModelServer`` over a
+streaming handle → vLLM. The router never imports vLLM; it relays the replica's head (status +
+body) and, for streams, the replica's SSE events unchanged. Auth lives in ``serve_app.auth``.
 """
 
 import asyncio
@@ -22,12 +23,19 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import catalog
+from serve_app.auth.authenticator import Authenticator, Principal
+from serve_app.auth.config import AuthArgs
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
 from serve_app.errors import APIError, error_body
 
 logger = logging.getLogger("ray.serve")
 
 # Retry hint for load shedding: long enough for autoscaling to react, short for an SDK retry loop.
 OVERLOADED_RETRY_AFTER_S = 2
+# A full 8192-token prompt is ~32 KiB of text; tools and schemas add some. Anything near this is
+# abuse or a client bug, and reading it would cost router memory for nothing.
+MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 
 app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
@@ -57,7 +65,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 # Helpers stand above the class: serve.ingress pickles the FastAPI app when the class is
 # decorated, so names defined below it would be missing in the replica.
 async def _read_json_object(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    raw = await _read_body_within_limit(request)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -65,6 +73,34 @@ async def _read_json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return body
+
+
+async def _read_body_within_limit(request: Request) -> bytes:
+    """The body, refusing (413) before buffering more than MAX_REQUEST_BODY_BYTES."""
+    too_large = APIError(
+        413,
+        f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BODY_BYTES:
+        raise too_large
+    received = bytearray()
+    async for chunk in request.stream():  # chunked uploads carry no content-length
+        received += chunk
+        if len(received) > MAX_REQUEST_BODY_BYTES:
+            raise too_large
+    return bytes(received)
+
+
+async def _api_key_in_body(request: Request) -> str | None:
+    """``POST /v1/auth/token`` takes ``{"api_key": ...}``; without one, the Bearer value is the key."""
+    if request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers:
+        return None
+    api_key = (await _read_json_object(request)).get("api_key")
+    if api_key is not None and not isinstance(api_key, str):
+        raise APIError(400, "api_key must be a string", param="api_key", code="invalid_api_key_field")
+    return api_key or None
 
 
 async def _relay_events(stream) -> AsyncIterator[str]:
@@ -88,10 +124,12 @@ async def _relay_events(stream) -> AsyncIterator[str]:
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, models: dict[str, DeploymentHandle], region: str):
+    def __init__(self, models: dict[str, DeploymentHandle], region: str, auth: AuthArgs):
         self.models = models
         self.region = region
         self.created = int(time.time())
+        # Rate limits live in one actor per region, shared by every router replica.
+        self.auth = Authenticator(auth, region, SharedRateLimiter(region))
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
@@ -106,13 +144,39 @@ class Router:
             status_code=200 if healthy else 503,
         )
 
+    @app.get("/.well-known/jwks.json")
+    async def jwks(self) -> JSONResponse:
+        """Public by design: the keys any region verifies our tokens with."""
+        return JSONResponse(self.auth.jwks(), headers={"Cache-Control": "public, max-age=300"})
+
+    @app.post("/v1/auth/token")
+    async def issue_token(self, request: Request) -> dict[str, Any]:
+        return self.auth.issue_token(request.headers.get("authorization"), await _api_key_in_body(request))
+
     @app.get("/v1/models")
-    async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_card(model_id) for model_id in self.models]}
+    async def list_models(self, request: Request) -> dict[str, Any]:
+        caller = self._caller(request)
+        cards = [self._model_card(model_id) for model_id in self.models if caller.allows_model(model_id)]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}")
-    async def retrieve_model(self, model: str) -> dict[str, Any]:
-        return self._model_card(self._resolve(model))
+    async def retrieve_model(self, model: str, request: Request) -> dict[str, Any]:
+        caller = self._caller(request)
+        model_id = self._resolve(model)
+        self.auth.authorize_model(caller, model_id)
+        return self._model_card(model_id)
+
+    @app.get("/v1/admin/keys")
+    async def admin_list_keys(self, request: Request) -> dict[str, Any]:
+        self._caller(request, SCOPE_ADMIN)
+        return {"object": "list", "data": self.auth.list_keys()}
+
+    @app.post("/v1/admin/keys/{key_id}/revoke")
+    async def admin_revoke_key(self, key_id: str, request: Request) -> dict[str, Any]:
+        self._caller(request, SCOPE_ADMIN)
+        if not self.auth.revoke_key(key_id):
+            raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
+        return {"key_id": key_id, "revoked": True}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -123,8 +187,11 @@ class Router:
         return await self._relay(request, "completions")
 
     async def _relay(self, request: Request, method: str):
+        caller = self._caller(request)  # 401 / 403 before the body is even read
         body = await _read_json_object(request)
         body["model"] = self._resolve(body.get("model"))
+        self.auth.authorize_model(caller, body["model"])
+        limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
         handle = self.models[body["model"]]
         stream = getattr(handle.options(stream=True), method).remote(body)
         try:
@@ -145,8 +212,11 @@ class Router:
                 headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
             ) from None
         if not head["stream"]:
-            return JSONResponse(head["body"], status_code=head["status"])
-        return StreamingResponse(_relay_events(stream), media_type="text/event-stream")
+            return JSONResponse(head["body"], status_code=head["status"], headers=limits)
+        return StreamingResponse(_relay_events(stream), media_type="text/event-stream", headers=limits)
+
+    def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
+        return self.auth.authenticate(request.headers.get("authorization"), scope=scope)
 
     def _resolve(self, name: Any) -> str:
         if not isinstance(name, str) or not name.strip():

@@ -2,11 +2,16 @@
 
 The pytest process starts its own local Ray instance (``address="local"``, so a developer's
 running ``serve run`` is never touched), then deploys the config with the real ``serve deploy``
-CLI against that instance's dashboard, as an SRE deploys a region. Only the HTTP port is changed,
-to a free one. Teardown shuts Serve and this Ray instance down through their own APIs.
+CLI against that instance's dashboard, as an SRE deploys a region. Changed from the config: the
+HTTP port (a free one); the auth key store and signing keys (a tmp dir the tests also write to,
+as the CLI would), a ``tiny`` rate-limit tier, and two router replicas (so the region-wide rate
+limit is tested across replicas). The dev key is a random one, set before ``ray.init`` because
+Ray's local workers inherit the driver's environment. Teardown shuts Serve and this Ray instance
+down through their own APIs.
 """
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,10 +23,13 @@ import openai
 import pytest
 import yaml
 
+from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
 from tests.conftest import load_serve_config
 
 APP_NAME = "llm"
 STARTUP_TIMEOUT_S = 900
+DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
+TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
 
 
 def _free_port() -> int:
@@ -63,8 +71,20 @@ def serve_app(tmp_path_factory):
     port, dashboard_port = _free_port(), _free_port()
     config = load_serve_config("local.yaml")
     config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    auth_dir = tmp_path_factory.mktemp("auth")
+    args["auth"] = {
+        **args["auth"],
+        "key_store_path": str(auth_dir / "keys.sqlite3"),
+        "signing_keys_path": str(auth_dir / "signing-keys.json"),
+        "tiers": {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER},
+    }
+    args["router"]["num_replicas"] = 2
     config_path = tmp_path_factory.mktemp("serve") / "local.yaml"
     config_path.write_text(yaml.safe_dump(config))
+    dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
+    previous_dev_key = os.environ.get(DEV_KEY_ENV)
+    os.environ[DEV_KEY_ENV] = dev_key
 
     ray.init(
         address="local",
@@ -82,12 +102,22 @@ def serve_app(tmp_path_factory):
         )
         startup_s = _wait_until_running(dashboard, base_url, time.monotonic() + STARTUP_TIMEOUT_S)
         print(f"\nServe ready at {base_url} after {startup_s:.1f}s")
-        yield {"base_url": base_url, "app_name": APP_NAME}
+        yield {
+            "base_url": base_url,
+            "app_name": APP_NAME,
+            "dev_key": dev_key,
+            "config_path": config_path,
+            "auth": AuthArgs.model_validate(args["auth"]),
+        }
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+            if previous_dev_key is None:
+                os.environ.pop(DEV_KEY_ENV, None)
+            else:
+                os.environ[DEV_KEY_ENV] = previous_dev_key
 
 
 @pytest.fixture(scope="session")
@@ -96,13 +126,24 @@ def base_url(serve_app) -> str:
 
 
 @pytest.fixture(scope="session")
-def client(base_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused-until-auth", max_retries=0, timeout=120)
+def dev_key(serve_app) -> str:
+    return serve_app["dev_key"]
 
 
 @pytest.fixture(scope="session")
-def async_client(base_url) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused-until-auth", max_retries=0, timeout=120)
+def auth_headers(dev_key) -> dict[str, str]:
+    """For raw httpx calls: the dev key as a Bearer credential."""
+    return {"Authorization": f"Bearer {dev_key}"}
+
+
+@pytest.fixture(scope="session")
+def client(base_url, dev_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=dev_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def async_client(base_url, dev_key) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=dev_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

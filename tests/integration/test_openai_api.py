@@ -98,8 +98,8 @@ def test_unknown_model_in_a_stream_request_is_also_404(client):
         ({"messages": MESSAGES}, "model"),
     ],
 )
-def test_bad_body_is_an_openai_style_400(base_url, body, param):
-    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+def test_bad_body_is_an_openai_style_400(base_url, auth_headers, body, param):
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=auth_headers, timeout=60)
     assert response.status_code == 400
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -109,9 +109,9 @@ def test_bad_body_is_an_openai_style_400(base_url, body, param):
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe"])
-def test_non_json_body_is_400(base_url, raw):
+def test_non_json_body_is_400(base_url, auth_headers, raw):
     response = httpx.post(
-        f"{base_url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+        f"{base_url}/v1/chat/completions", content=raw, headers={"content-type": "application/json", **auth_headers}
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
@@ -138,7 +138,7 @@ def _unfinished(model_handle) -> int:
     return model_handle.engine_stats.remote().result()["unfinished_requests"]
 
 
-def test_client_disconnect_mid_stream_aborts_the_engine_request(base_url, model_handle):
+def test_client_disconnect_mid_stream_aborts_the_engine_request(base_url, auth_headers, model_handle):
     body = {
         "model": MODEL,
         "messages": MESSAGES,
@@ -146,7 +146,7 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(base_url, model_
         "ignore_eos": True,  # keep generating until the client leaves
         "stream": True,
     }
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=auth_headers, timeout=60) as response:
         assert response.status_code == 200
         events = response.iter_lines()
         received = [line for _, line in zip(range(6), events) if line.startswith("data:")]

@@ -1,0 +1,266 @@
+"""The one object the router asks: who is calling, may they do this, may they do it now.
+
+``Authorization: Bearer <credential>`` carries one of three things, told apart by shape:
+- a JWT minted by ``POST /v1/auth/token`` (any region's, if its keys are in our keyset): verified
+  with the public key alone; the local key store is consulted only for revocation;
+- a raw API key ``pgk_...`` (what an unmodified openai SDK sends as ``api_key=``): looked up in the
+  key store (cached for ``cache_ttl_s``) and turned into the same claims a token would carry;
+- in the local region only, the dev key from ``$SERVE_APP_DEV_API_KEY``.
+
+Failures raise ``APIError``: 401 with ``WWW-Authenticate`` (RFC 6750), 403 for scope, model and
+region, 429 with ``Retry-After`` and ``x-ratelimit-*``. No message ever quotes a credential.
+"""
+
+import hmac
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from serve_app.auth import tokens
+from serve_app.auth.config import LOCAL_REGION, AuthArgs
+from serve_app.auth.keys import ALL, SCOPES, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.ratelimit import Decision
+from serve_app.errors import APIError
+
+logger = logging.getLogger("ray.serve")
+
+REALM = "serve_app"
+DEV_KEY_ID = "dev"
+
+
+class Limiter(Protocol):
+    async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None: ...
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str
+    owner: str
+    models: frozenset[str]  # canonical ids; {"*"}: all
+    regions: frozenset[str]  # {"*"}: all
+    scopes: frozenset[str]
+    tier: str
+    via: str  # "token", "api_key" or "dev_key"
+
+    def allows_model(self, model_id: str) -> bool:
+        return ALL in self.models or model_id in self.models
+
+    def allows_region(self, region: str) -> bool:
+        return ALL in self.regions or region in self.regions
+
+    @classmethod
+    def from_record(cls, record: KeyRecord) -> "Principal":
+        return cls(
+            key_id=record.key_id,
+            owner=record.owner,
+            models=frozenset(record.models),
+            regions=frozenset(record.regions),
+            scopes=frozenset(record.scopes),
+            tier=record.tier,
+            via="api_key",
+        )
+
+    def claims(self) -> dict[str, Any]:
+        """What a token minted for this caller asserts besides the registered claims."""
+        return {
+            "owner": self.owner,
+            "models": sorted(self.models),
+            "regions": sorted(self.regions),
+            "tier": self.tier,
+            "scope": " ".join(sorted(self.scopes)),  # OAuth style: space-separated
+        }
+
+    @classmethod
+    def from_claims(cls, claims: dict[str, Any]) -> "Principal":
+        """The inverse of ``claims()`` for a verified token; wrong types are a 401, not a 500."""
+        strings = [claims.get(name) for name in ("sub", "owner", "tier", "scope")]
+        lists = [claims.get(name) for name in ("models", "regions")]
+        if not all(isinstance(v, str) for v in strings) or not all(
+            isinstance(v, list) and all(isinstance(i, str) for i in v) for v in lists
+        ):
+            raise unauthorized("token claims are malformed", "invalid_token")
+        sub, owner, tier, scope = strings
+        return cls(sub, owner, frozenset(lists[0]), frozenset(lists[1]), frozenset(scope.split()), tier, "token")
+
+
+def unauthorized(message: str, code: str, error: str | None = "invalid_token") -> APIError:
+    challenge = f'Bearer realm="{REALM}"'
+    if error:  # RFC 6750 §3.1: no error attribute when the request carried no credential at all
+        challenge += f', error="{error}", error_description="{message}"'
+    return APIError(401, message, code=code, headers={"WWW-Authenticate": challenge})
+
+
+def forbidden(message: str, code: str, scope: str | None = None) -> APIError:
+    challenge = f'Bearer realm="{REALM}", error="insufficient_scope"' + (f', scope="{scope}"' if scope else "")
+    return APIError(403, message, code=code, headers={"WWW-Authenticate": challenge})
+
+
+def _looks_like_jwt(credential: str) -> bool:
+    return credential.count(".") == 2
+
+
+class Authenticator:
+    def __init__(
+        self,
+        args: AuthArgs,
+        region: str,
+        limiter: Limiter,
+        environ: Mapping[str, str] = os.environ,
+    ):
+        args.check_region(region)
+        self.args, self.region, self.limiter = args, region, limiter
+        # Only the local region may create missing key material; a region must be provisioned.
+        create = region == LOCAL_REGION
+        self.keys = KeyStore(args.key_store(), cache_ttl_s=args.cache_ttl_s, create=create)
+        self.keyset = tokens.KeysetFile(args.signing_keys(), check_interval_s=args.cache_ttl_s, create=create)
+        dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
+        # Only its hash is kept, and compared in constant time like any other key.
+        self._dev_key_digest = digest(dev_key) if dev_key else None
+
+    # --- who is calling ---------------------------------------------------------------------
+    def authenticate(self, authorization: str | None, *, scope: str) -> Principal:
+        """The caller, if its credential is valid, allowed in this region and holds ``scope``."""
+        with _logged_refusal():
+            credential = _bearer(authorization)
+            principal = self._from_token(credential) if _looks_like_jwt(credential) else self._from_key(credential)
+            if not principal.allows_region(self.region):
+                raise forbidden(f"this key is not allowed in region {self.region}", "region_not_allowed")
+            if scope not in principal.scopes:
+                raise forbidden(f"this endpoint needs the {scope!r} scope", "insufficient_scope", scope)
+            return principal
+
+    def _from_token(self, token: str) -> Principal:
+        try:
+            claims = tokens.verify(
+                token, self.keyset, issuer=self.args.issuer, audience=self.args.audience, leeway_s=self.args.leeway_s
+            )
+        except tokens.TokenError as err:
+            raise unauthorized(str(err), err.code) from None
+        principal = Principal.from_claims(claims)
+        if self.keys.is_jti_revoked(claims["jti"]):
+            raise unauthorized("token has been revoked", "token_revoked")
+        # A token is checked against the key it came from when this region's store knows that
+        # key; a token from a region whose keys we do not hold is trusted for its short lifetime.
+        record = self.keys.get(principal.key_id)
+        if record is not None:
+            _check_active(record)
+        return principal
+
+    def _from_key(self, credential: str) -> Principal:
+        if self._dev_key_digest is not None and hmac.compare_digest(digest(credential), self._dev_key_digest):
+            return Principal(
+                key_id=DEV_KEY_ID,
+                owner="local-dev",
+                models=frozenset({ALL}),
+                regions=frozenset({LOCAL_REGION}),
+                scopes=frozenset(SCOPES),
+                tier=self.args.dev_tier,
+                via="dev_key",
+            )
+        record = self.keys.lookup(credential) if looks_like_key(credential) else None
+        if record is None:
+            raise unauthorized("Incorrect API key provided", "invalid_api_key")
+        _check_active(record)
+        return Principal.from_record(record)
+
+    # --- may they do this, now ----------------------------------------------------------------
+    def authorize_model(self, principal: Principal, model_id: str) -> None:
+        if not principal.allows_model(model_id):
+            raise forbidden(f"this key is not allowed to use {model_id}", "model_not_allowed")
+
+    async def admit(self, principal: Principal, tokens_estimate: int) -> dict[str, str]:
+        """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429."""
+        tier = self.args.tiers.get(principal.tier)
+        if tier is None:  # fail closed: a tier missing from this region's config is not "unlimited"
+            raise forbidden(f"rate-limit tier {principal.tier!r} is not offered in region {self.region}", "unknown_tier")
+        decision = await self.limiter.acquire(
+            principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate
+        )
+        if decision is None:  # the limiter is unavailable and has logged why
+            return {}
+        if not decision.allowed:
+            raise APIError(
+                429,
+                f"Rate limit reached for key {principal.key_id} (tier {principal.tier}: "
+                f"{tier.requests_per_minute} requests/min, {tier.tokens_per_minute} tokens/min); "
+                f"retry in {decision.retry_after_s:.1f}s",
+                code="rate_limit_exceeded",
+                headers=decision.headers(),
+            )
+        return decision.headers()
+
+    # --- the token endpoint and key admin ---------------------------------------------------
+    def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:
+        """Exchange an API key (never a token: a token must not be able to renew itself) for a JWT.
+        The key comes from the body (``api_key``) or else from the Authorization header."""
+        with _logged_refusal():
+            credential = api_key or _bearer(authorization)
+            if _looks_like_jwt(credential):
+                raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")
+            principal = self._from_key(credential)
+        record = self.keys.get(principal.key_id) if principal.via == "api_key" else None
+        return mint_token(self.args, self.keyset.current(), principal, record.expires_at if record else None)
+
+    def jwks(self) -> dict[str, Any]:
+        return self.keyset.current().jwks()
+
+    def list_keys(self) -> list[dict[str, Any]]:
+        return [record.public() for record in self.keys.list_keys()]
+
+    def revoke_key(self, key_id: str) -> bool:
+        return self.keys.revoke_key(key_id)
+
+
+def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_after: int | None) -> dict[str, Any]:
+    """The token endpoint's answer (OAuth 2 shape); the CLI's `token mint` uses it too."""
+    token, payload = tokens.mint(
+        keyset,
+        issuer=args.issuer,
+        audience=args.audience,
+        subject=principal.key_id,
+        ttl_s=args.token_ttl_s,
+        claims=principal.claims(),
+        not_after=not_after,
+    )
+    return {
+        "access_token": token,
+        "token_type": "Bearer",
+        "expires_in": payload["exp"] - payload["iat"],
+        "scope": payload["scope"],
+    }
+
+
+def _bearer(authorization: str | None) -> str:
+    if not authorization or not authorization.strip():
+        raise unauthorized(
+            "missing Authorization header; send 'Authorization: Bearer <API key or token>'",
+            "missing_authorization",
+            error=None,
+        )
+    parts = authorization.split()
+    if len(parts) != 2 or parts[0].lower() != "bearer":
+        raise unauthorized(
+            "malformed Authorization header; expected 'Bearer <API key or token>'",
+            "invalid_authorization_header",
+            error="invalid_request",
+        )
+    return parts[1]
+
+
+def _check_active(record: KeyRecord) -> None:
+    status = record.status(time.time())
+    if status != "active":
+        raise unauthorized(f"API key {record.key_id} is {status}", f"api_key_{status}")
+
+
+@contextmanager
+def _logged_refusal() -> Iterator[None]:
+    try:
+        yield
+    except APIError as err:
+        logger.info("auth refused: %s %s", err.status, err.code)  # the code only, never the credential
+        raise

@@ -1,0 +1,92 @@
+"""``auth:`` in a Serve config's args: where keys live, who issues tokens, rate-limit tiers.
+
+There is deliberately no switch that turns authentication off. The only relaxation is the local
+dev key (``dev_api_key_env``), and ``AppArgs`` refuses it for any region other than ``local``.
+"""
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.paths import state_dir
+
+LOCAL_REGION = "local"
+
+
+class Tier(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int = Field(gt=0)
+    tokens_per_minute: int = Field(gt=0)
+
+
+DEFAULT_TIERS = {
+    "free": Tier(requests_per_minute=20, tokens_per_minute=40_000),
+    "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
+    "enterprise": Tier(requests_per_minute=6_000, tokens_per_minute=10_000_000),
+    # The local dev key's tier: generous, never the thing a developer trips over.
+    "dev": Tier(requests_per_minute=100_000, tokens_per_minute=1_000_000_000),
+}
+
+
+class AuthArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    key_store_path: str | None = Field(
+        None,
+        description="SQLite API-key store (absolute path). Default, local region only: "
+        "<repo>/.state/keys.sqlite3, created on first start.",
+    )
+    signing_keys_path: str | None = Field(
+        None,
+        description="Signing keyset JSON (absolute path). Default, local region only: "
+        "<repo>/.state/signing-keys.json, created on first start.",
+    )
+    # Every region that should accept each other's tokens uses the same issuer and audience.
+    issuer: str = Field("serve_app", min_length=1)
+    audience: str = Field("serve_app", min_length=1)
+    token_ttl_s: int = Field(900, ge=60, le=3600, description="Lifetime of a minted JWT.")
+    leeway_s: int = Field(30, ge=0, le=120, description="Clock skew tolerated on exp/nbf/iat.")
+    # How stale a router's view of the key store and keyset may be: CLI edits (create, revoke,
+    # rotate) reach every router within this many seconds, without a restart.
+    cache_ttl_s: float = Field(5, ge=0, le=60)
+    tiers: dict[str, Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
+    default_tier: str = "standard"
+    dev_api_key_env: str | None = Field(
+        None,
+        description="Name of an env var whose value is accepted as an all-access API key. "
+        "Only allowed in the local region.",
+    )
+    dev_tier: str = "dev"
+
+    @field_validator("key_store_path", "signing_keys_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Ray workers do not share the deployer's working directory: a relative path would
+        # point somewhere different in every process.
+        if value is not None and not Path(value).is_absolute():
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _tiers_exist(self) -> "AuthArgs":
+        for name in (self.default_tier, self.dev_tier):
+            if name not in self.tiers:
+                raise ValueError(f"tier {name!r} is not defined in tiers ({', '.join(self.tiers)})")
+        return self
+
+    def check_region(self, region: str) -> None:
+        """Regions run with real key material and no dev key; only ``local`` may use defaults."""
+        if region == LOCAL_REGION:
+            return
+        if self.dev_api_key_env:
+            raise ValueError(f"dev_api_key_env is only allowed in the {LOCAL_REGION!r} region")
+        missing = [n for n in ("key_store_path", "signing_keys_path") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"region {region!r} must set {' and '.join(missing)}")
+
+    def key_store(self) -> Path:
+        return Path(self.key_store_path) if self.key_store_path else state_dir() / "keys.sqlite3"
+
+    def signing_keys(self) -> Path:
+        return Path(self.signing_keys_path) if self.signing_keys_path else state_dir() / "signing-keys.json"

@@ -1,0 +1,277 @@
+"""API keys: their format, their hashes, and the SQLite store the router reads and the CLI writes.
+
+A key is ``pgk_<key_id>_<secret>``. The prefix makes leaked keys easy to recognise (secret
+scanners, log filters); the key id is public and names the row; the secret is 43 random base62
+characters (~256 bits). Only SHA-256 of the secret is stored: with that much entropy a slow
+password hash adds nothing, and a fast hash keeps verification cheap on every request.
+
+Claims live in columns so the CLI can list and edit them. Reads go through a short TTL cache so a
+router sees CLI edits within ``cache_ttl_s`` without a restart, and without a query per request.
+"""
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import sqlite3
+import string
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PREFIX = "pgk"
+ALL = "*"
+SCOPE_INFERENCE = "inference"
+SCOPE_ADMIN = "admin"
+SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
+
+_ALPHABET = string.ascii_letters + string.digits
+_SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
+_KEY_RE = re.compile(rf"^{PREFIX}_([0-9a-f]{{12}})_([0-9A-Za-z]{{{_SECRET_LEN}}})$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id        TEXT PRIMARY KEY,
+    secret_sha256 BLOB NOT NULL,
+    owner         TEXT NOT NULL,
+    models        TEXT NOT NULL,  -- JSON list of canonical model ids, or ["*"]
+    regions       TEXT NOT NULL,  -- JSON list of region ids, or ["*"]
+    tier          TEXT NOT NULL,
+    scopes        TEXT NOT NULL,  -- JSON list, e.g. ["inference", "admin"]
+    created_at    INTEGER NOT NULL,
+    expires_at    INTEGER,        -- NULL: never
+    disabled_at   INTEGER         -- NULL: active; set by `serve-app keys revoke`
+);
+CREATE TABLE IF NOT EXISTS revoked_tokens (
+    jti         TEXT PRIMARY KEY,
+    revoked_at  INTEGER NOT NULL,
+    purge_after INTEGER NOT NULL  -- once the token has expired anyway, the row can go
+);
+"""
+
+
+def digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def parse_key(raw: str) -> tuple[str, str] | None:
+    """``(key_id, secret)`` when ``raw`` has the API-key shape, else None."""
+    match = _KEY_RE.match(raw)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def looks_like_key(raw: str) -> bool:
+    return raw.startswith(PREFIX + "_")
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    key_id: str
+    owner: str
+    models: tuple[str, ...]
+    regions: tuple[str, ...]
+    tier: str
+    scopes: tuple[str, ...]
+    created_at: int
+    expires_at: int | None = None
+    disabled_at: int | None = None
+    secret_sha256: bytes = field(default=b"", repr=False)
+
+    def secret_matches(self, secret: str) -> bool:
+        # Constant-time: response timing must not reveal how much of a guessed hash matched.
+        return hmac.compare_digest(digest(secret), self.secret_sha256)
+
+    def status(self, now: float) -> str:
+        if self.disabled_at is not None:
+            return "revoked"
+        if self.expires_at is not None and now >= self.expires_at:
+            return "expired"
+        return "active"
+
+    def public(self) -> dict[str, Any]:
+        """Everything but the hash: what `keys list` and the admin endpoint show."""
+        return {
+            "key_id": self.key_id,
+            "owner": self.owner,
+            "models": list(self.models),
+            "regions": list(self.regions),
+            "tier": self.tier,
+            "scopes": list(self.scopes),
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "status": self.status(time.time()),
+        }
+
+
+class _TTLCache:
+    """A tiny cache whose entries (misses too) live ``ttl`` seconds. Bounded, so a flood of
+    made-up key ids cannot grow it without limit."""
+
+    MAX_ENTRIES = 50_000
+
+    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic):
+        self.ttl, self.clock = ttl, clock
+        self._entries: dict[Any, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, load: Callable[[], Any]) -> Any:
+        now = self.clock()
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0] > now:
+                return hit[1]
+        value = load()
+        with self._lock:
+            if len(self._entries) >= self.MAX_ENTRIES:
+                self._entries = {k: v for k, v in self._entries.items() if v[0] > now}
+                if len(self._entries) >= self.MAX_ENTRIES:
+                    self._entries.clear()
+            self._entries[key] = (now + self.ttl, value)
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class KeyStore:
+    def __init__(self, path: Path | str, *, cache_ttl_s: float = 5, create: bool = False):
+        self.path = Path(path)
+        if not self.path.exists():
+            if not create:
+                raise FileNotFoundError(
+                    f"API key store {self.path} does not exist; create it with "
+                    "`serve-app keys create` (see docs/auth.md)"
+                )
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.path.touch(mode=0o600)
+        with self._connect() as db:
+            db.executescript(_SCHEMA)
+        self._keys = _TTLCache(cache_ttl_s)
+        self._revoked = _TTLCache(cache_ttl_s)
+
+    @contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        # A connection per operation: reads are rare (cached) and this stays correct across
+        # threads and processes. mode=rw never creates a file by accident.
+        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
+        db.row_factory = sqlite3.Row
+        try:
+            with db:
+                yield db
+        finally:
+            db.close()
+
+    # --- reads (cached) ---------------------------------------------------------------------
+    def get(self, key_id: str) -> KeyRecord | None:
+        return self._keys.get(key_id, lambda: self._load(key_id))
+
+    def lookup(self, raw_key: str) -> KeyRecord | None:
+        """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret)."""
+        parsed = parse_key(raw_key)
+        if parsed is None:
+            return None
+        record = self.get(parsed[0])
+        if record is None or not record.secret_matches(parsed[1]):
+            return None
+        return record
+
+    def is_jti_revoked(self, jti: str) -> bool:
+        return self._revoked.get(jti, lambda: self._jti_row_exists(jti))
+
+    def _load(self, key_id: str) -> KeyRecord | None:
+        with self._connect() as db:
+            row = db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+        return _record(row) if row else None
+
+    def _jti_row_exists(self, jti: str) -> bool:
+        with self._connect() as db:
+            return db.execute("SELECT 1 FROM revoked_tokens WHERE jti = ?", (jti,)).fetchone() is not None
+
+    # --- writes (the CLI and the admin endpoint) --------------------------------------------
+    def create_key(
+        self,
+        *,
+        owner: str,
+        tier: str,
+        models: tuple[str, ...] = (ALL,),
+        regions: tuple[str, ...] = (ALL,),
+        scopes: tuple[str, ...] = (SCOPE_INFERENCE,),
+        expires_at: int | None = None,
+    ) -> tuple[str, KeyRecord]:
+        """A new key. The returned string is the only copy of the secret that will ever exist."""
+        unknown = set(scopes) - set(SCOPES)
+        if unknown:
+            raise ValueError(f"unknown scopes {sorted(unknown)}; known: {', '.join(SCOPES)}")
+        secret = "".join(secrets.choice(_ALPHABET) for _ in range(_SECRET_LEN))
+        record = KeyRecord(
+            key_id=secrets.token_hex(6),
+            owner=owner,
+            models=tuple(models),
+            regions=tuple(regions),
+            tier=tier,
+            scopes=tuple(scopes),
+            created_at=int(time.time()),
+            expires_at=expires_at,
+            secret_sha256=digest(secret),
+        )
+        with self._connect() as db:
+            db.execute(
+                "INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                (
+                    record.key_id,
+                    record.secret_sha256,
+                    owner,
+                    json.dumps(record.models),
+                    json.dumps(record.regions),
+                    tier,
+                    json.dumps(record.scopes),
+                    record.created_at,
+                    expires_at,
+                ),
+            )
+        return f"{PREFIX}_{record.key_id}_{secret}", record
+
+    def list_keys(self) -> list[KeyRecord]:
+        with self._connect() as db:
+            rows = db.execute("SELECT * FROM api_keys ORDER BY created_at, key_id").fetchall()
+        return [_record(row) for row in rows]
+
+    def revoke_key(self, key_id: str) -> bool:
+        """Disable a key for good; True if it existed. Tokens minted from it stop working too."""
+        with self._connect() as db:
+            cursor = db.execute(
+                "UPDATE api_keys SET disabled_at = COALESCE(disabled_at, ?) WHERE key_id = ?",
+                (int(time.time()), key_id),
+            )
+        self._keys.clear()
+        return cursor.rowcount > 0
+
+    def revoke_jti(self, jti: str, *, purge_after: int) -> None:
+        now = int(time.time())
+        with self._connect() as db:
+            db.execute("DELETE FROM revoked_tokens WHERE purge_after < ?", (now,))
+            db.execute(
+                "INSERT OR REPLACE INTO revoked_tokens VALUES (?, ?, ?)", (jti, now, purge_after)
+            )
+        self._revoked.clear()
+
+
+def _record(row: sqlite3.Row) -> KeyRecord:
+    return KeyRecord(
+        key_id=row["key_id"],
+        owner=row["owner"],
+        models=tuple(json.loads(row["models"])),
+        regions=tuple(json.loads(row["regions"])),
+        tier=row["tier"],
+        scopes=tuple(json.loads(row["scopes"])),
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        disabled_at=row["disabled_at"],
+        secret_sha256=row["secret_sha256"],
+    )

@@ -1,0 +1,186 @@
+"""Per-key rate limits: requests/min and tokens/min, enforced region-wide.
+
+``RateLimiter`` is plain token-bucket arithmetic (unit-tested without Ray). In a region it lives in
+one named Ray actor that every router replica calls (``SharedRateLimiter``), so N router replicas
+enforce the limit once, not N times.
+
+Tokens are charged up front, when the request is admitted: the prompt estimated from its length
+(~4 characters a token) plus the completion budget (``max_completion_tokens``/``max_tokens``, or
+``UNSPECIFIED_COMPLETION_TOKENS`` when the request sets none), times ``n``. There is no refund for
+a shorter answer: simple, bounded, and it is what a caller asked to be allowed to use.
+"""
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+UNSPECIFIED_COMPLETION_TOKENS = 1024
+CHARS_PER_TOKEN = 4
+ACTOR_NAMESPACE = "serve_app"
+# The limiter is on every request's path: if it does not answer this fast, let the request
+# through rather than stall the region (fail open, logged).
+ACTOR_TIMEOUT_S = 2
+
+
+def request_token_cost(body: dict[str, Any]) -> int:
+    prompt = body.get("messages", body.get("prompt", ""))
+    prompt_tokens = len(json.dumps(prompt, ensure_ascii=False)) // CHARS_PER_TOKEN
+    budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n")
+    # Malformed values are the engine's to reject with a 400; here they just get the default.
+    budget = budget if isinstance(budget, int) and budget > 0 else UNSPECIFIED_COMPLETION_TOKENS
+    n = n if isinstance(n, int) and n > 0 else 1
+    return prompt_tokens + budget * n
+
+
+@dataclass(frozen=True)
+class Window:
+    """One dimension (requests or tokens) as the ``x-ratelimit-*`` headers report it."""
+
+    limit: int
+    remaining: int
+    reset_s: float  # until the bucket is full again
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    requests: Window
+    tokens: Window
+    retry_after_s: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        headers = {}
+        for name, window in (("requests", self.requests), ("tokens", self.tokens)):
+            headers[f"x-ratelimit-limit-{name}"] = str(window.limit)
+            headers[f"x-ratelimit-remaining-{name}"] = str(window.remaining)
+            headers[f"x-ratelimit-reset-{name}"] = f"{window.reset_s:.3f}s"
+        if not self.allowed:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            headers["retry-after-ms"] = str(max(1, math.ceil(self.retry_after_s * 1000)))
+        return headers
+
+
+@dataclass
+class _Bucket:
+    capacity: float
+    level: float
+    updated: float
+
+    def refill(self, capacity: float, now: float) -> float:
+        # A tier change applies at once: the bucket is clamped to the new capacity.
+        self.capacity = capacity
+        self.level = min(capacity, self.level + (now - self.updated) * capacity / 60)
+        self.updated = now
+        return self.level
+
+    def seconds_until(self, level: float) -> float:
+        return max(0.0, (level - self.level) * 60 / self.capacity)
+
+
+class RateLimiter:
+    """Token buckets per (key, dimension): capacity = the per-minute limit, refilled continuously."""
+
+    PRUNE_EVERY = 10_000  # acquisitions between sweeps that drop full (idle) buckets
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self._calls = 0
+
+    def acquire(self, key_id: str, requests_per_minute: int, tokens_per_minute: int, tokens: int) -> Decision:
+        """Admit one request costing ``tokens``, or not; both buckets or neither are charged."""
+        now = self.clock()
+        self._prune(now)
+        requests = self._bucket(key_id, "requests", requests_per_minute, now)
+        token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
+        # A request larger than a whole minute's tokens could never pass: it costs a full bucket.
+        cost = min(tokens, tokens_per_minute)
+        allowed = requests.level >= 1 and token_bucket.level >= cost
+        retry_after = 0.0
+        if allowed:
+            requests.level -= 1
+            token_bucket.level -= cost
+        else:
+            retry_after = max(requests.seconds_until(1), token_bucket.seconds_until(cost))
+        return Decision(
+            allowed=allowed,
+            requests=self._window(requests),
+            tokens=self._window(token_bucket),
+            retry_after_s=retry_after,
+        )
+
+    def _bucket(self, key_id: str, dimension: str, capacity: int, now: float) -> _Bucket:
+        bucket = self._buckets.setdefault((key_id, dimension), _Bucket(capacity, capacity, now))
+        bucket.refill(capacity, now)
+        return bucket
+
+    @staticmethod
+    def _window(bucket: _Bucket) -> Window:
+        return Window(int(bucket.capacity), int(bucket.level), bucket.seconds_until(bucket.capacity))
+
+    def _prune(self, now: float) -> None:
+        # A full bucket is the same as no bucket: forgetting it bounds memory by active keys.
+        self._calls += 1
+        if self._calls % self.PRUNE_EVERY == 0:
+            self._buckets = {k: b for k, b in self._buckets.items() if b.refill(b.capacity, now) < b.capacity}
+
+    def bucket_count(self) -> int:
+        return len(self._buckets)
+
+
+class LocalRateLimiter:
+    """In-process limiter with the router-side interface (unit tests, single-process use)."""
+
+    def __init__(self, limiter: RateLimiter | None = None):
+        self.limiter = limiter or RateLimiter()
+
+    async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        return self.limiter.acquire(key_id, rpm, tpm, tokens)
+
+
+class SharedRateLimiter:
+    """The router replicas' client of the region's one limiter actor.
+
+    The actor is named per region and created by whichever replica asks first
+    (``get_if_exists``); it is detached so it outlives the replica that created it, asks for no
+    CPU (it must never keep a model replica from being placed), and Ray restarts it if it dies.
+    """
+
+    def __init__(self, region: str):
+        self.actor_name = f"ratelimit-{region}"
+        self._actor = None
+
+    def actor(self):
+        if self._actor is None:
+            import ray
+
+            self._actor = (
+                ray.remote(RateLimiter)
+                .options(
+                    name=self.actor_name,
+                    namespace=ACTOR_NAMESPACE,
+                    get_if_exists=True,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_restarts=-1,
+                )
+                .remote()
+            )
+        return self._actor
+
+    async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        try:
+            ref = self.actor().acquire.remote(key_id, rpm, tpm, tokens)
+            return await asyncio.wait_for(ref, timeout=ACTOR_TIMEOUT_S)
+        except Exception as err:  # availability over limits: a limiter outage must not stop traffic
+            logger.error("rate limiter %s unavailable (%s); admitting the request", self.actor_name, type(err).__name__)
+            self._actor = None  # look it up again next time
+            return None

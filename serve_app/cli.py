@@ -1,0 +1,241 @@
+"""serve-app: manage API keys, signing keys and tokens for one region.
+
+Every command reads the key store and signing keyset that a Serve config's ``auth`` args name
+(``--config``, default ``configs/local.yaml``, whose files live in ``.state/``), i.e. exactly the
+files that config's routers read. Routers pick up changes within ``auth.cache_ttl_s``.
+
+Secrets are printed once: a new API key by ``keys create``, a token by ``token mint`` (its purpose).
+Nothing else prints a secret; ``keys list`` shows ids and claims, never hashes.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import yaml
+
+from serve_app import catalog
+from serve_app.auth import tokens
+from serve_app.auth.authenticator import Principal, mint_token
+from serve_app.auth.config import AuthArgs
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.config import parse_app_args
+from serve_app.paths import REPO_ROOT
+from serve_app.regions_cli import app as regions_app
+
+# Never print local variables in a traceback: they can hold a key or a private key.
+app = typer.Typer(no_args_is_help=True, help=__doc__.splitlines()[0], pretty_exceptions_show_locals=False)
+keys_app = typer.Typer(no_args_is_help=True, help="Create, list and revoke API keys.")
+signing_app = typer.Typer(no_args_is_help=True, help="Rotate, list, remove, export and import signing keys.")
+token_app = typer.Typer(no_args_is_help=True, help="Mint a token for a key; revoke a token.")
+app.add_typer(keys_app, name="keys")
+app.add_typer(signing_app, name="signing")
+app.add_typer(token_app, name="token")
+app.add_typer(regions_app, name="regions", help="Render and check configs/ and terraform/ from regions/.")
+
+APP_IMPORT_PATH = "serve_app.app:build_app"
+
+
+class _Context:
+    def __init__(self, config: Path, key_store: Path | None, signing_keys: Path | None):
+        raw = yaml.safe_load(config.read_text())
+        (application,) = [a for a in raw["applications"] if a.get("import_path") == APP_IMPORT_PATH]
+        args = parse_app_args(application.get("args") or {})
+        self.region: str = args.region
+        overrides = {"key_store_path": key_store, "signing_keys_path": signing_keys}
+        self.auth: AuthArgs = args.auth.model_copy(
+            update={name: str(path.resolve()) for name, path in overrides.items() if path is not None}
+        )
+
+    def store(self, create: bool = False) -> KeyStore:
+        # cache_ttl_s=0: the CLI always reads what is on disk.
+        try:
+            return KeyStore(self.auth.key_store(), cache_ttl_s=0, create=create)
+        except FileNotFoundError as err:
+            _fail(str(err))
+
+    def keyset(self) -> tokens.Keyset:
+        path = self.auth.signing_keys()
+        if not path.exists():
+            _fail(f"no signing keyset at {path}; create one with `serve-app signing rotate`")
+        return tokens.load_keyset(path)
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    config: Annotated[
+        Path,
+        typer.Option(envvar="SERVE_APP_CONFIG", help="Serve config whose `auth` args name the files."),
+    ] = REPO_ROOT / "configs" / "local.yaml",
+    key_store: Annotated[
+        Path | None,
+        typer.Option(envvar="SERVE_APP_KEY_STORE", help="Use this key store instead of the config's."),
+    ] = None,
+    signing_keys: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="SERVE_APP_SIGNING_KEYS",
+            help="Use this signing keyset instead of the config's (e.g. to create a region's keyset "
+            "on an operator machine before it becomes a Secret).",
+        ),
+    ] = None,
+) -> None:
+    try:
+        ctx.obj = _Context(config, key_store, signing_keys)
+    except (OSError, ValueError) as err:
+        _fail(f"cannot read {config}: {err}")
+
+
+def _ctx(ctx: typer.Context) -> _Context:
+    return ctx.obj
+
+
+# --- keys --------------------------------------------------------------------------------------
+@keys_app.command("create")
+def keys_create(
+    ctx: typer.Context,
+    owner: Annotated[str, typer.Option(help="Who the key is for (a customer or team id).")],
+    model: Annotated[list[str], typer.Option(help="Allowed model (repeatable); default: all.")] = [],  # noqa: B006
+    region: Annotated[list[str], typer.Option(help="Allowed region (repeatable); default: all.")] = [],  # noqa: B006
+    tier: Annotated[str | None, typer.Option(help="Rate-limit tier; default: auth.default_tier.")] = None,
+    admin: Annotated[bool, typer.Option(help="Also grant the admin scope (key admin endpoints).")] = False,
+    expires_in_days: Annotated[float | None, typer.Option(help="Expire after this many days.")] = None,
+) -> None:
+    """Create a key and print it once; only its hash is stored."""
+    c = _ctx(ctx)
+    models = []
+    for name in model:
+        model_id = catalog.canonical_id(name)
+        if model_id is None:
+            _fail(f"unknown model {name!r}; known: {', '.join(catalog.CATALOG)}")
+        models.append(model_id)
+    tier = tier or c.auth.default_tier
+    if tier not in c.auth.tiers:
+        _fail(f"unknown tier {tier!r}; this config defines: {', '.join(c.auth.tiers)}")
+    key, record = c.store(create=True).create_key(
+        owner=owner,
+        tier=tier,
+        models=tuple(models) or (ALL,),
+        regions=tuple(region) or (ALL,),
+        scopes=(SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,),
+        expires_at=int(time.time() + expires_in_days * 86400) if expires_in_days else None,
+    )
+    typer.echo(f"created key {record.key_id} for {owner} (tier {tier}, scopes {' '.join(record.scopes)})", err=True)
+    typer.echo("store it now: it is shown this once and cannot be recovered", err=True)
+    typer.echo(key)  # stdout carries only the key, for KEY=$(serve-app keys create ...)
+
+
+@keys_app.command("list")
+def keys_list(ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """List keys with their claims and status (never their hashes)."""
+    records = [r.public() for r in _ctx(ctx).store().list_keys()]
+    if as_json:
+        typer.echo(json.dumps(records, indent=2))
+        return
+    typer.echo(f"{'KEY ID':<14}{'STATUS':<9}{'TIER':<12}{'SCOPES':<18}{'OWNER':<20}MODELS / REGIONS / EXPIRES")
+    for r in records:
+        expires = time.strftime("%Y-%m-%d", time.gmtime(r["expires_at"])) if r["expires_at"] else "never"
+        typer.echo(
+            f"{r['key_id']:<14}{r['status']:<9}{r['tier']:<12}{' '.join(r['scopes']):<18}{r['owner']:<20}"
+            f"{','.join(r['models'])} / {','.join(r['regions'])} / {expires}"
+        )
+
+
+@keys_app.command("revoke")
+def keys_revoke(ctx: typer.Context, key_id: str) -> None:
+    """Disable a key for good; tokens minted from it stop working in this region too."""
+    if not _ctx(ctx).store().revoke_key(key_id):
+        _fail(f"no key {key_id!r}")
+    typer.echo(f"revoked {key_id}")
+
+
+# --- signing keys ------------------------------------------------------------------------------
+@signing_app.command("rotate")
+def signing_rotate(ctx: typer.Context) -> None:
+    """Add a new signing key; it signs from now on, older keys keep verifying until removed."""
+    path = _ctx(ctx).auth.signing_keys()
+    keyset = tokens.load_keyset(path).rotated() if path.exists() else tokens.Keyset((tokens.SigningKey.generate(),))
+    tokens.save_keyset(path, keyset)
+    typer.echo(f"signing with {keyset.signing_key().kid}; {len(keyset.keys)} key(s) verify ({path})")
+
+
+@signing_app.command("list")
+def signing_list(ctx: typer.Context) -> None:
+    keyset = _ctx(ctx).keyset()
+    signer = keyset.signing_key().kid
+    for key in keyset.keys:
+        role = "signs+verifies" if key.kid == signer else ("verifies" if key.private_pem else "verifies (imported)")
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(key.created_at))
+        typer.echo(f"{key.kid:<22}{created:<18}{role}")
+
+
+@signing_app.command("remove")
+def signing_remove(ctx: typer.Context, kid: str) -> None:
+    """Stop trusting a key: every token it signed fails from now on. Wait one token TTL after
+    a rotation before removing the previous key."""
+    path = _ctx(ctx).auth.signing_keys()
+    try:
+        keyset = _ctx(ctx).keyset().without(kid)
+    except (KeyError, ValueError) as err:
+        _fail(str(err).strip("'\""))
+    tokens.save_keyset(path, keyset)
+    typer.echo(f"removed {kid}; signing with {keyset.signing_key().kid}")
+
+
+@signing_app.command("export-jwks")
+def signing_export(ctx: typer.Context) -> None:
+    """Print the public keys (JWKS) to import into other regions."""
+    typer.echo(json.dumps(_ctx(ctx).keyset().jwks(), indent=2))
+
+
+@signing_app.command("import-jwks")
+def signing_import(ctx: typer.Context, jwks_file: Path) -> None:
+    """Trust another region's public keys (verify-only), so its tokens verify here."""
+    path = _ctx(ctx).auth.signing_keys()
+    keyset = _ctx(ctx).keyset()
+    updated = keyset.with_imported(json.loads(jwks_file.read_text()))
+    tokens.save_keyset(path, updated)
+    typer.echo(f"imported {len(updated.keys) - len(keyset.keys)} key(s)")
+
+
+# --- tokens ------------------------------------------------------------------------------------
+@token_app.command("mint")
+def token_mint(ctx: typer.Context, key_id: str) -> None:
+    """Mint a token for an active key (no secret needed: this is the operator's tool)."""
+    c = _ctx(ctx)
+    record = c.store().get(key_id)
+    if record is None:
+        _fail(f"no key {key_id!r}")
+    if record.status(time.time()) != "active":
+        _fail(f"key {key_id} is {record.status(time.time())}")
+    answer = mint_token(c.auth, c.keyset(), Principal.from_record(record), record.expires_at)
+    typer.echo(f"expires in {answer['expires_in']}s; scope {answer['scope']}", err=True)
+    typer.echo(answer["access_token"])
+
+
+@token_app.command("revoke")
+def token_revoke(ctx: typer.Context, jti_or_token: str) -> None:
+    """Revoke one token by its jti (or by the token itself) before it expires."""
+    c = _ctx(ctx)
+    jti, purge_after = jti_or_token, int(time.time()) + 3600 + c.auth.leeway_s  # the longest TTL
+    if jti_or_token.count(".") == 2:
+        payload = _verified_payload(c, jti_or_token)
+        jti, purge_after = payload["jti"], int(payload["exp"]) + c.auth.leeway_s
+    c.store().revoke_jti(jti, purge_after=purge_after)
+    typer.echo(f"revoked token {jti}")
+
+
+def _verified_payload(c: _Context, token: str) -> dict[str, Any]:
+    keys = tokens.KeysetFile(c.auth.signing_keys())
+    try:
+        return tokens.verify(token, keys, issuer=c.auth.issuer, audience=c.auth.audience, leeway_s=c.auth.leeway_s)
+    except tokens.TokenError as err:
+        _fail(f"not a valid token of this config ({err}); pass its jti instead")

@@ -1,0 +1,152 @@
+"""Shared set-up for the auth unit tests: a real key store and keyset in a tmp dir, a tiny FastAPI
+app wired like the router (authenticate → model scope → rate limit), and a token forger that signs
+with the real keys (or deliberately wrong ones). No Ray: the limiter is the in-process one."""
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+
+from serve_app.auth.authenticator import Authenticator
+from serve_app.auth.config import AuthArgs, Tier
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, request_token_cost
+from serve_app.auth.tokens import Keyset, SigningKey, create_keyset
+from serve_app.errors import APIError
+
+MODEL = "qwen-3.6-35b-a3b"
+OTHER_MODEL = "qwen-3.5-27b"
+DEV_KEY = "sk-unit-dev-key-0123456789"
+
+
+def auth_args(tmp_path: Path, **overrides: Any) -> AuthArgs:
+    values: dict[str, Any] = {
+        "key_store_path": str(tmp_path / "keys.sqlite3"),
+        "signing_keys_path": str(tmp_path / "signing-keys.json"),
+        "issuer": "https://auth.test",
+        "audience": "https://api.test",
+        "cache_ttl_s": 0,  # tests see store edits at once unless they test the cache
+        "tiers": {
+            "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
+            "tiny": Tier(requests_per_minute=2, tokens_per_minute=1_000),
+            "dev": Tier(requests_per_minute=100_000, tokens_per_minute=10**9),
+        },
+        "dev_api_key_env": "SERVE_APP_DEV_API_KEY",
+    }
+    return AuthArgs(**(values | overrides))
+
+
+def authenticator(tmp_path: Path, region: str = "local", limiter: RateLimiter | None = None, **overrides) -> Authenticator:
+    args = auth_args(tmp_path, **overrides)
+    if region != "local":  # a region is provisioned by the operator (CLI) before it starts
+        KeyStore(args.key_store(), create=True)
+        create_keyset(args.signing_keys())
+    return Authenticator(
+        args,
+        region,
+        LocalRateLimiter(limiter),
+        environ={"SERVE_APP_DEV_API_KEY": DEV_KEY},
+    )
+
+
+def router_like_app(auth: Authenticator) -> TestClient:
+    app = FastAPI()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        caller = auth.authenticate(request.headers.get("authorization"), scope=SCOPE_INFERENCE)
+        body = await request.json()
+        auth.authorize_model(caller, body["model"])
+        limits = await auth.admit(caller, request_token_cost(body))
+        return JSONResponse({"key_id": caller.key_id, "via": caller.via}, headers=limits)
+
+    @app.get("/v1/admin/keys")
+    async def admin(request: Request) -> dict:
+        auth.authenticate(request.headers.get("authorization"), scope=SCOPE_ADMIN)
+        return {"data": auth.list_keys()}
+
+    @app.post("/v1/auth/token")
+    async def token(request: Request) -> dict:
+        body = await request.body()
+        return auth.issue_token(request.headers.get("authorization"), json.loads(body)["api_key"] if body else None)
+
+    return TestClient(app)
+
+
+def bearer(credential: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {credential}"}
+
+
+def chat(client: TestClient, credential: str | None, model: str = MODEL, **body):
+    headers = bearer(credential) if credential else {}
+    return client.post("/v1/chat/completions", json={"model": model, "max_tokens": 4, **body}, headers=headers)
+
+
+# --- forging tokens --------------------------------------------------------------------------
+def claims(auth: Authenticator, **overrides: Any) -> dict[str, Any]:
+    now = int(time.time())
+    base = {
+        "iss": auth.args.issuer,
+        "aud": auth.args.audience,
+        "sub": "0123456789ab",
+        "iat": now,
+        "nbf": now,
+        "exp": now + 300,
+        "jti": secrets.token_urlsafe(8),
+        "owner": "mallory",
+        "models": ["*"],
+        "regions": ["*"],
+        "tier": "standard",
+        "scope": "inference admin",
+    }
+    base.update(overrides)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def sign(key: SigningKey, payload: dict[str, Any], kid: str | None = None) -> str:
+    return jwt.encode(payload, key.private_key, algorithm="EdDSA", headers={"kid": kid or key.kid})
+
+
+def current_key(auth: Authenticator) -> SigningKey:
+    return auth.keyset.current().signing_key()
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def unsigned(header: dict[str, Any], payload: dict[str, Any], signature: bytes = b"") -> str:
+    return f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(payload).encode())}.{_b64(signature)}"
+
+
+def hs256_with_public_key(key: SigningKey, payload: dict[str, Any]) -> str:
+    """The algorithm-confusion attack: HMAC keyed with the (public) verification key's PEM."""
+    pem = key.public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    header = {"alg": "HS256", "typ": "JWT", "kid": key.kid}
+    signing_input = unsigned(header, payload).rsplit(".", 1)[0]
+    return f"{signing_input}.{_b64(hmac.new(pem, signing_input.encode(), hashlib.sha256).digest())}"
+
+
+def tamper_signature(token: str) -> str:
+    head, body, sig = token.split(".")
+    middle = len(sig) // 2  # not the last char: its low bits are padding and may not matter
+    flipped = "A" if sig[middle] != "A" else "B"
+    return f"{head}.{body}.{sig[:middle]}{flipped}{sig[middle + 1:]}"
+
+
+def fresh_keyset() -> Keyset:
+    return Keyset((SigningKey.generate(),))

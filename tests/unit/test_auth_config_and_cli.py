@@ -1,0 +1,166 @@
+"""``auth`` args (no off switch, the dev key only in ``local``) and the ``serve-app`` CLI against a
+real store and keyset, through a Serve config exactly as an operator runs it."""
+
+import json
+
+import jwt
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from serve_app.auth import tokens
+from serve_app.auth.config import AuthArgs
+from serve_app.auth.keys import KeyStore
+from serve_app.cli import app
+from serve_app.config import parse_app_args
+from tests.conftest import app_args, load_serve_config
+
+
+def test_local_config_uses_the_dev_key_env_and_the_state_dir(monkeypatch):
+    monkeypatch.delenv("SERVE_APP_STATE_DIR", raising=False)
+    args = parse_app_args(app_args(load_serve_config("local.yaml")))
+    assert args.auth.dev_api_key_env == "SERVE_APP_DEV_API_KEY"
+    assert args.auth.key_store().parent.name == ".state"
+    assert args.auth.signing_keys().parent.name == ".state"
+
+
+@pytest.mark.parametrize("name", ["yul-02.yaml"])
+def test_region_configs_name_their_key_material_and_have_no_dev_key(name):
+    args = parse_app_args(app_args(load_serve_config(name)))
+    assert args.auth.dev_api_key_env is None
+    assert args.auth.key_store_path and args.auth.signing_keys_path
+    assert args.auth.issuer.startswith("https://") and args.auth.audience.startswith("https://")
+
+
+def _region(**auth) -> dict:
+    return {"region": "yul-02", "models": [{"id": "qwen-3.6-35b-a3b"}], "auth": auth}
+
+
+PATHS = {"key_store_path": "/srv/keys.sqlite3", "signing_keys_path": "/srv/signing.json"}
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        (_region(), "must set key_store_path and signing_keys_path"),
+        (_region(**PATHS, dev_api_key_env="SERVE_APP_DEV_API_KEY"), "only allowed in the 'local' region"),
+        (_region(**PATHS, enabled=False), "auth.enabled"),
+        (_region(**PATHS, disabled=True), "auth.disabled"),
+        (_region(key_store_path="keys.sqlite3", signing_keys_path="/x"), "absolute path"),
+        (_region(**PATHS, default_tier="gold"), "tier 'gold' is not defined"),
+        (_region(**PATHS, token_ttl_s=86400), "token_ttl_s"),
+    ],
+)
+def test_auth_args_have_no_off_switch_and_reject_mistakes(raw, fragment):
+    with pytest.raises(ValueError) as err:
+        parse_app_args(raw)
+    assert fragment in str(err.value)
+
+
+def test_a_region_with_its_files_named_is_valid():
+    assert parse_app_args(_region(**PATHS)).auth.key_store().as_posix() == "/srv/keys.sqlite3"
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+@pytest.fixture
+def cli(tmp_path):
+    config = load_serve_config("local.yaml")
+    (application,) = config["applications"]
+    application["args"]["auth"] = {
+        "key_store_path": str(tmp_path / "keys.sqlite3"),
+        "signing_keys_path": str(tmp_path / "signing-keys.json"),
+        "dev_api_key_env": "SERVE_APP_DEV_API_KEY",
+    }
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    runner = CliRunner()
+
+    def run(*argv: str, ok: bool = True):
+        result = runner.invoke(app, ["--config", str(path), *argv])
+        assert (result.exit_code == 0) is ok, result.output
+        return result
+
+    run.auth = AuthArgs.model_validate(application["args"]["auth"])
+    return run
+
+
+def test_cli_creates_lists_and_revokes_keys_printing_the_secret_once(cli):
+    created = cli("keys", "create", "--owner", "alice", "--model", "qwen-3.6-a3b", "--tier", "free", "--admin")
+    key = created.stdout.strip()  # stdout is the key alone
+    assert key.startswith("pgk_") and "\n" not in key
+    key_id = key.split("_")[1]
+    record = KeyStore(cli.auth.key_store()).lookup(key)
+    assert record.models == ("qwen-3.6-35b-a3b",)  # aliases are stored as canonical ids
+    assert set(record.scopes) == {"inference", "admin"}
+
+    listed = cli("keys", "list")
+    assert key_id in listed.output and "alice" in listed.output and "active" in listed.output
+    assert key.split("_")[2] not in listed.output
+    as_json = json.loads(cli("keys", "list", "--json").stdout)
+    assert as_json[0]["key_id"] == key_id and "secret_sha256" not in as_json[0]
+
+    cli("keys", "revoke", key_id)
+    assert json.loads(cli("keys", "list", "--json").stdout)[0]["status"] == "revoked"
+    assert "no key" in cli("keys", "revoke", "ffffffffffff", ok=False).output
+
+
+def test_cli_rejects_unknown_models_and_tiers(cli):
+    assert "unknown model" in cli("keys", "create", "--owner", "a", "--model", "gpt-4o", ok=False).output
+    assert "unknown tier" in cli("keys", "create", "--owner", "a", "--tier", "gold", ok=False).output
+
+
+def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
+    cli("signing", "rotate")
+    key_id = cli("keys", "create", "--owner", "bob").stdout.strip().split("_")[1]
+    token = cli("token", "mint", key_id).stdout.strip()
+    keys = tokens.KeysetFile(cli.auth.signing_keys(), check_interval_s=0)
+    verify = dict(issuer=cli.auth.issuer, audience=cli.auth.audience, leeway_s=0)
+    payload = tokens.verify(token, keys, **verify)
+    assert payload["sub"] == key_id
+
+    first_kid = jwt.get_unverified_header(token)["kid"]
+    cli("signing", "rotate")
+    listed = cli("signing", "list").output
+    assert first_kid in listed and "signs+verifies" in listed
+    tokens.verify(token, keys, **verify)  # still valid after rotation
+    cli("signing", "remove", first_kid)
+    with pytest.raises(tokens.TokenError):
+        tokens.verify(token, keys, **verify)
+
+    fresh = cli("token", "mint", key_id).stdout.strip()
+    cli("token", "revoke", fresh)
+    assert KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked(jwt.decode(fresh, options={"verify_signature": False})["jti"])
+    cli("token", "revoke", "some-jti")
+    assert KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked("some-jti")
+
+
+def test_cli_exports_and_imports_jwks_between_regions(cli, tmp_path):
+    cli("signing", "rotate")
+    jwks = cli("signing", "export-jwks").stdout
+    assert '"d"' not in jwks and "PRIVATE" not in jwks
+    peer = tokens.Keyset((tokens.SigningKey.generate(),))
+    peer_file = tmp_path / "peer.json"
+    peer_file.write_text(json.dumps(peer.jwks()))
+    assert "imported 1" in cli("signing", "import-jwks", str(peer_file)).output
+    assert "verifies (imported)" in cli("signing", "list").output
+    assert "imported 0" in cli("signing", "import-jwks", str(peer_file)).output  # idempotent
+
+
+def test_cli_refuses_to_remove_the_last_signing_key(cli):
+    cli("signing", "rotate")
+    (kid,) = [k.kid for k in tokens.load_keyset(cli.auth.signing_keys()).keys]
+    assert "no private key" in cli("signing", "remove", kid, ok=False).output
+
+
+def test_cli_can_prepare_a_regions_keyset_on_an_operator_machine(tmp_path):
+    """A region's config names in-cluster paths; --signing-keys points the CLI elsewhere."""
+    from tests.conftest import REPO
+
+    keyset = tmp_path / "yul-02.signing-keys.json"
+    result = CliRunner().invoke(
+        app, ["--config", str(REPO / "configs" / "yul-02.yaml"), "--signing-keys", str(keyset), "signing", "rotate"]
+    )
+    assert result.exit_code == 0, result.output
+    assert tokens.load_keyset(keyset).signing_key().private_pem
+    missing = CliRunner().invoke(app, ["--config", str(REPO / "configs" / "yul-02.yaml"), "keys", "list"])
+    assert missing.exit_code == 1 and "does not exist" in missing.output

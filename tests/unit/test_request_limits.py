@@ -1,0 +1,57 @@
+"""Router body handling and the context cap message, without Ray."""
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from serve_app.engine.context_cap import overflow_message
+from serve_app.errors import APIError
+from serve_app.router import ingress
+
+
+@pytest.fixture
+def client():
+    app = FastAPI()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.post("/echo")
+    async def echo(request: Request):
+        return await ingress._read_json_object(request)
+
+    return TestClient(app)
+
+
+def test_json_object_passes(client):
+    assert client.post("/echo", json={"model": "m"}).json() == {"model": "m"}
+
+
+@pytest.mark.parametrize("raw", [b"nope", b"[1]", b'"text"', b"\xff"])
+def test_non_object_bodies_are_400_invalid_json(client, raw):
+    response = client.post("/echo", content=raw)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_body_over_the_limit_is_413_by_declared_length(client):
+    response = client.post("/echo", content=b" " * (ingress.MAX_REQUEST_BODY_BYTES + 1))
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+
+
+def test_chunked_body_over_the_limit_is_413(client):
+    def chunks():
+        for _ in range(ingress.MAX_REQUEST_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    response = client.post("/echo", content=chunks())
+    assert response.status_code == 413
+
+
+def test_overflow_message_states_the_numbers():
+    message = overflow_message(8192, 4016, 6000)
+    assert "8192" in message and "10016" in message and "4016" in message and "6000" in message
