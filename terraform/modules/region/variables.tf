@@ -1,0 +1,93 @@
+variable "region" {
+  description = "The region's facts, generated from regions/<id>.yaml by serve_app.regions."
+  type = object({
+    id               = string
+    location         = string
+    status           = string
+    public_host      = string
+    hostnames        = list(string)
+    namespace        = string
+    accelerator_type = string
+    gpu_nodes        = map(number)
+    gpu_workers      = object({ min = number, max = number })
+    head             = object({ cpus = number, memory_gib = number })
+    gpu_worker       = object({ cpus = number, memory_gib = number })
+    otlp_endpoint    = string
+  })
+
+  validation {
+    condition     = contains(["RTX-PRO-6000", "B200"], var.region.accelerator_type)
+    error_message = "accelerator_type must be a Blackwell Ray accelerator type: RTX-PRO-6000 or B200."
+  }
+}
+
+variable "ray_version" {
+  description = "Ray version inside var.image (KubeRay's rayVersion)."
+  type        = string
+}
+
+variable "auth_mounts" {
+  description = "Mount points the region's auth config names (serve_app/regions.py)."
+  type = object({
+    signing_keys_dir  = string
+    signing_keys_file = string
+    state_dir         = string
+  })
+}
+
+variable "image" {
+  description = "serve_app image with the GPU build of vLLM, pinned by digest (repo@sha256:...)."
+  type        = string
+
+  validation {
+    condition     = can(regex("@sha256:[0-9a-f]{64}$", var.image))
+    error_message = "Pin the image by digest (repo@sha256:<64 hex>): a tag can move under a running region."
+  }
+}
+
+variable "serve_config" {
+  description = "The rendered Serve config (configs/<id>.yaml), embedded as the RayService's serveConfigV2."
+  type        = string
+}
+
+variable "signing_keyset_json" {
+  description = "This region's JWT signing keyset JSON (docs/auth.md). Never in git: TF_VAR_signing_keyset_json."
+  type        = string
+  sensitive   = true
+}
+
+variable "kuberay_chart_version" {
+  description = "kuberay-operator Helm chart version."
+  type        = string
+  default     = "1.5.1"
+}
+
+variable "ingress_class_name" {
+  description = "Ingress class of the cluster's ingress controller (ingress-nginx annotations are set)."
+  type        = string
+  default     = "nginx"
+}
+
+variable "cluster_issuer" {
+  description = "cert-manager ClusterIssuer for the TLS certificate; DNS-01, since GA regions also serve the latency-routed global name."
+  type        = string
+  default     = "letsencrypt-dns01"
+}
+
+variable "state_storage_class" {
+  description = "StorageClass with ReadWriteMany for the API-key store shared by every router pod (null: the cluster default)."
+  type        = string
+  default     = null
+}
+
+variable "model_cache_path" {
+  description = "Host directory on each GPU node that caches model weights across pod restarts (~35 GB per model)."
+  type        = string
+  default     = "/var/lib/serve_app/model-cache"
+}
+
+variable "pod_fs_group" {
+  description = "fsGroup of the Ray pods: the image's user must be in it to read the signing keys and write the key store."
+  type        = number
+  default     = 1000
+}
