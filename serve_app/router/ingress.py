@@ -10,15 +10,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,11 +25,14 @@ from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
 from serve_app.errors import APIError, error_body
+from serve_app.router.relay import CLIENT_CLOSED, Exchange, call_model, json_response, relay_events
+from serve_app.telemetry.config import TelemetryArgs
+from serve_app.telemetry.metrics import setup_metrics
+from serve_app.telemetry.timing import ROUTE_CHAT, ROUTE_COMPLETIONS
+from serve_app.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("ray.serve")
 
-# Retry hint for load shedding: long enough for autoscaling to react, short for an SDK retry loop.
-OVERLOADED_RETRY_AFTER_S = 2
 # A full 8192-token prompt is ~32 KiB of text; tools and schemas add some. Anything near this is
 # abuse or a client bug, and reading it would cost router memory for nothing.
 MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
@@ -103,31 +103,19 @@ async def _api_key_in_body(request: Request) -> str | None:
     return api_key or None
 
 
-async def _relay_events(stream) -> AsyncIterator[str]:
-    """Forward the replica's SSE events as they arrive; a client that leaves cancels the replica."""
-    finished = False
-    try:
-        async for event in stream:
-            yield event
-        finished = True
-    except Exception:
-        # The status line is sent already: end the stream with an error event, never a hang.
-        logger.exception("stream from model replica failed")
-        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n"
-        yield "data: [DONE]\n\n"
-        finished = True
-    finally:
-        if not finished:  # the client went away: abort the engine request, free its KV cache
-            stream.cancel()
-
-
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, models: dict[str, DeploymentHandle], region: str, auth: AuthArgs):
+    def __init__(
+        self, models: dict[str, DeploymentHandle], region: str, auth: AuthArgs, telemetry: TelemetryArgs
+    ):
         self.models = models
         self.region = region
+        self.replica = serve.get_replica_context().replica_id.unique_id
         self.created = int(time.time())
+        # This process owns the global tracer provider (docs/operations.md, "Tracing").
+        setup_tracing(telemetry, region=region, deployment="Router", replica=self.replica)
+        setup_metrics(telemetry)
         # Rate limits live in one actor per region, shared by every router replica.
         self.auth = Authenticator(auth, region, SharedRateLimiter(region))
 
@@ -180,40 +168,40 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._relay(request, "chat")
+        return await self._relay(request, ROUTE_CHAT, "chat")
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._relay(request, "completions")
+        return await self._relay(request, ROUTE_COMPLETIONS, "completions")
 
-    async def _relay(self, request: Request, method: str):
-        caller = self._caller(request)  # 401 / 403 before the body is even read
-        body = await _read_json_object(request)
-        body["model"] = self._resolve(body.get("model"))
-        self.auth.authorize_model(caller, body["model"])
-        limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
-        handle = self.models[body["model"]]
-        stream = getattr(handle.options(stream=True), method).remote(body)
+    async def _relay(self, request: Request, route: str, method: str):
+        exchange = Exchange(route, request.headers, region=self.region, replica=self.replica)
         try:
-            head = await stream.__anext__()
-        except BackPressureError:
-            raise APIError(
-                503,
-                f"{body['model']} is at capacity in region {self.region}; retry shortly",
-                code="overloaded",
-                headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
-            ) from None
-        except RayActorError:
-            logger.exception("model replica for %s died", body["model"])
-            raise APIError(
-                503,
-                f"{body['model']} replica became unavailable; retry shortly",
-                code="replica_unavailable",
-                headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
-            ) from None
+            with exchange.record.measure_auth():
+                caller = self._caller(request)  # 401 / 403 before the body is even read
+            body = await _read_json_object(request)
+            exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
+            body["model"] = exchange.record.model = self._resolve(body.get("model"))
+            self.auth.authorize_model(caller, body["model"])
+            limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
+            stream, head = await call_model(self.models[body["model"]], method, body, self.region)
+        except APIError as err:
+            exchange.finish(err.status, err.code)
+            exchange.close()
+            raise
+        except asyncio.CancelledError:  # the client left before the model answered
+            exchange.finish(CLIENT_CLOSED, "client_closed")
+            exchange.close()
+            raise
+        except Exception:
+            exchange.finish(500, "internal")
+            exchange.close()
+            raise
         if not head["stream"]:
-            return JSONResponse(head["body"], status_code=head["status"], headers=limits)
-        return StreamingResponse(_relay_events(stream), media_type="text/event-stream", headers=limits)
+            return json_response(head, exchange, limits)
+        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = relay_events(stream, exchange, client_wants_usage=client_wants_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=limits)
 
     def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
         return self.auth.authenticate(request.headers.get("authorization"), scope=scope)

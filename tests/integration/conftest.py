@@ -25,6 +25,7 @@ import yaml
 
 from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
 from tests.conftest import load_serve_config
+from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
 APP_NAME = "llm"
 STARTUP_TIMEOUT_S = 900
@@ -64,7 +65,7 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
 
 
 @pytest.fixture(scope="session")
-def serve_app(tmp_path_factory):
+def serve_app(tmp_path_factory, otlp_receiver):
     import ray
     from ray import serve
 
@@ -80,11 +81,22 @@ def serve_app(tmp_path_factory):
         "tiers": {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER},
     }
     args["router"]["num_replicas"] = 2
+    # Traces go to a real OTLP receiver (Arize Phoenix) the tracing tests read back.
+    args["telemetry"] = {
+        "tracing": {
+            "enabled": True,
+            "protocol": "http/protobuf",
+            "endpoint": otlp_receiver["endpoint_http"],
+            "sampling_ratio": 1.0,
+            "service_name": "serve_app-test",
+        }
+    }
     config_path = tmp_path_factory.mktemp("serve") / "local.yaml"
     config_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
-    previous_dev_key = os.environ.get(DEV_KEY_ENV)
+    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY")}
     os.environ[DEV_KEY_ENV] = dev_key
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # export spans within 0.2 s, not 5 s
 
     ray.init(
         address="local",
@@ -114,10 +126,11 @@ def serve_app(tmp_path_factory):
             serve.shutdown()
         finally:
             ray.shutdown()
-            if previous_dev_key is None:
-                os.environ.pop(DEV_KEY_ENV, None)
-            else:
-                os.environ[DEV_KEY_ENV] = previous_dev_key
+            for name, value in previous_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

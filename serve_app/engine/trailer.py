@@ -1,0 +1,76 @@
+"""What the replica tells the router about a finished request, peeled off vLLM's own output.
+
+vLLM (``--enable-per-request-metrics``) attaches per-request engine timing as ``metrics`` to a
+response or, for a stream, to the final usage chunk, which it only emits when usage is requested.
+The replica always asks for usage, hands the numbers to the router in a *trailer*
+(``{"trailer": {...}}``) and shows the client only what the client asked for: the usage chunk only
+if requested, never the ``metrics`` field. The router ends every stream itself (timing event, then
+``[DONE]``), so vLLM's ``[DONE]`` is dropped here.
+
+vLLM's durations are differences of engine-core monotonic timestamps: queue = scheduled − queued,
+prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), decode = last token
+− first token. No clock is mixed with another.
+"""
+
+import json
+from typing import Any
+
+DONE = "data: [DONE]"
+
+
+def engine_timing(metrics: dict[str, Any] | None) -> dict[str, float | None]:
+    metrics = metrics or {}
+    return {
+        "queue_ms": metrics.get("queue_time_ms"),
+        "prefill_ms": metrics.get("time_to_first_token_ms"),
+        "decode_ms": metrics.get("generation_time_ms"),
+    }
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a stream request carry usage (and so timing); returns whether the client asked."""
+    options = dict(body.get("stream_options") or {})
+    wanted = bool(options.get("include_usage"))
+    options["include_usage"] = True
+    body["stream_options"] = options
+    return wanted
+
+
+def _finish_reasons(choices: list[dict[str, Any]]) -> list[str]:
+    return [c["finish_reason"] for c in choices if c.get("finish_reason")]
+
+
+def from_response(body: dict[str, Any]) -> dict[str, Any]:
+    """The trailer of a non-stream response; removes ``metrics`` from ``body``."""
+    return {
+        "engine_timing": engine_timing(body.pop("metrics", None)),
+        "usage": body.get("usage"),
+        "finish_reasons": _finish_reasons(body.get("choices") or []),
+    }
+
+
+class StreamTrailer:
+    """Watches a vLLM SSE stream on its way out and collects the trailer."""
+
+    def __init__(self, client_wants_usage: bool):
+        self.client_wants_usage = client_wants_usage
+        self.usage: dict[str, Any] | None = None
+        self.timing = engine_timing(None)
+        self.finish_reasons: list[str] = []
+
+    def pass_on(self, event: str) -> str | None:
+        """The event to forward to the client, or None to drop it."""
+        if event.startswith(DONE):
+            return None
+        # Cheap substring tests first: most events are plain token deltas, parsed by nobody.
+        if '"finish_reason":"' in event:
+            self.finish_reasons += _finish_reasons(json.loads(event[5:]).get("choices") or [])
+        if '"choices":[]' in event and '"usage":' in event:
+            payload = json.loads(event[5:])
+            self.usage = payload.get("usage")
+            self.timing = engine_timing(payload.pop("metrics", None))
+            return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if self.client_wants_usage else None
+        return event
+
+    def trailer(self) -> dict[str, Any]:
+        return {"engine_timing": self.timing, "usage": self.usage, "finish_reasons": self.finish_reasons}

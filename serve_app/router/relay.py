@@ -1,0 +1,148 @@
+"""The router's half of one inference request: call the model replica, relay its answer, and
+account for the time (trace spans, metrics, the timing returned to the client).
+
+The replica answers over a Serve streaming handle: first a *head* (``{"status", "body",
+"stream"}``), then for streams vLLM's SSE events, and last a *trailer* (engine timing, usage,
+finish reasons; serve_app/engine/trailer.py). The router turns the trailer into the final
+``event: pg_metadata`` of a stream, or the ``Server-Timing`` header and ``pg_metadata`` field of a
+JSON response, and draws the request's spans from the same numbers.
+"""
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.errors import APIError, error_body
+from serve_app.telemetry import tracing
+from serve_app.telemetry.metrics import observe
+from serve_app.telemetry.timing import (
+    RequestRecord,
+    pg_metadata,
+    pg_metadata_event,
+    server_timing_header,
+    sse_data,
+)
+
+logger = logging.getLogger("ray.serve")
+
+# Retry hint for load shedding: long enough for autoscaling to react, short for an SDK retry loop.
+OVERLOADED_RETRY_AFTER_S = 2
+DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+
+
+class Exchange:
+    """One request's telemetry: its record, its SERVER span, finished exactly once."""
+
+    def __init__(self, route: str, headers, *, region: str, replica: str):
+        self.record = RequestRecord.begin(route, region=region, replica=replica)
+        self.trace = tracing.start_server_span(self.record, headers)
+        self.split = None
+
+    def note_trailer(self, trailer: dict[str, Any] | None) -> None:
+        if trailer:
+            self.record.note_engine(
+                trailer.get("engine_timing"),
+                usage=trailer.get("usage"),
+                finish_reasons=trailer.get("finish_reasons"),
+                replica=trailer.get("replica"),
+            )
+
+    def finish(self, status: int, error_type: str | None = None):
+        """Stop the clock; the first call wins (a later ``finally`` changes nothing)."""
+        if self.split is None:
+            self.split = self.record.finish(status, error_type)
+        return self.split
+
+    def close(self) -> None:
+        """End the spans and record the metrics; safe to call more than once."""
+        if self.trace.split is None:
+            split = self.finish(self.record.status)
+            tracing.finish_request_spans(self.trace, split)
+            observe(self.record, split)
+
+    def metadata(self) -> dict[str, Any]:
+        return pg_metadata(self.record, self.split, self.trace.trace_id)
+
+
+async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any], region: str):
+    """Start the call and wait for the head; load shedding and dead replicas become 503s."""
+    stream = getattr(handle.options(stream=True), method).remote(body)
+    try:
+        return stream, await stream.__anext__()
+    except BackPressureError:
+        raise APIError(
+            503,
+            f"{body['model']} is at capacity in region {region}; retry shortly",
+            code="overloaded",
+            headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
+        ) from None
+    except RayActorError:
+        logger.exception("model replica for %s died", body["model"])
+        raise APIError(
+            503,
+            f"{body['model']} replica became unavailable; retry shortly",
+            code="replica_unavailable",
+            headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
+        ) from None
+
+
+def json_response(head: dict[str, Any], exchange: Exchange, headers: dict[str, str]) -> JSONResponse:
+    """A non-stream answer: timing in ``Server-Timing`` and, on success, ``pg_metadata``."""
+    exchange.note_trailer(head.get("trailer"))
+    status, body = head["status"], head["body"]
+    error = body.get("error") if status >= 400 else None
+    split = exchange.finish(status, (error or {}).get("code") or (error or {}).get("type"))
+    if status < 400:
+        body["pg_metadata"] = exchange.metadata()
+    exchange.close()
+    return JSONResponse(body, status_code=status, headers={**headers, "Server-Timing": server_timing_header(split)})
+
+
+async def relay_events(stream, exchange: Exchange, *, client_wants_usage: bool) -> AsyncIterator[str]:
+    """Forward the replica's SSE events as they arrive, then ``pg_metadata`` and ``[DONE]``.
+
+    A client that leaves cancels the replica call (vLLM aborts the request, freeing its KV cache).
+    """
+    first: dict[str, Any] | None = None  # the first chunk: the pg_metadata event reuses its id
+    usage = None
+    finished = False
+    try:
+        async for event in stream:
+            if isinstance(event, dict):  # the trailer, last item: the engine is done
+                exchange.note_trailer(event["trailer"])
+                usage = event["trailer"].get("usage")
+                continue
+            if first is None:
+                first = sse_data(event) or {}
+                exchange.record.mark_first_chunk()
+            yield event
+        exchange.finish(200)
+        yield pg_metadata_event(
+            exchange.metadata(),
+            route=exchange.record.route,
+            chunk_id=(first or {}).get("id"),
+            created=(first or {}).get("created"),
+            model=exchange.record.model,
+            usage=usage if client_wants_usage else None,
+        )
+        yield DONE
+        finished = True
+    except Exception:
+        # The status line is sent already: end the stream with an error event, never a hang.
+        logger.exception("stream from model replica failed")
+        exchange.finish(500, "stream_failed")
+        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n"
+        yield DONE
+        finished = True
+    finally:
+        if not finished:  # the client went away: abort the engine request, free its KV cache
+            stream.cancel()
+            exchange.finish(CLIENT_CLOSED, "client_closed")
+        exchange.close()

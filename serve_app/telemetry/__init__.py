@@ -1,0 +1,52 @@
+"""Observability: one trace per request (tracing), Prometheus metrics (metrics), and the
+network/queue/inference split both are drawn from (timing, pure). ``config`` is the ``telemetry:``
+block of the Serve config's args.
+
+Typical use in the router (see docs/operations.md for the operator's side)::
+
+    record = RequestRecord.begin(route, region=region, replica=replica)
+    request_trace = start_server_span(record, request.headers)
+    with record.measure_auth():
+        caller = authenticate(...)
+    record.note_request(body, model=canonical_id)
+    ...                                         # engine timing + usage from the replica:
+    record.note_engine(engine_timing, usage, finish_reasons, response_id, replica=model_replica_tag)
+    split = record.finish(status)
+    metadata = pg_metadata(record, split, request_trace.trace_id)
+    # stream: yield pg_metadata_event(metadata, route=..., chunk_id=..., created=..., model=...)
+    #         then "data: [DONE]\\n\\n"
+    # JSON:   body["pg_metadata"] = metadata; headers["Server-Timing"] = server_timing_header(split)
+    finish_request_spans(request_trace, split)
+    observe(record, split)
+
+Only ``config`` and ``timing`` are imported here; ``tracing`` (OpenTelemetry SDK) and ``metrics``
+(Ray) are imported by name where they are used.
+"""
+
+from serve_app.telemetry.config import MetricsArgs, TelemetryArgs, TracingArgs
+from serve_app.telemetry.timing import (
+    PG_METADATA_EVENT,
+    RequestRecord,
+    Split,
+    compute_split,
+    parse_server_timing,
+    pg_metadata,
+    pg_metadata_event,
+    server_timing_header,
+    sse_data,
+)
+
+__all__ = [
+    "PG_METADATA_EVENT",
+    "MetricsArgs",
+    "RequestRecord",
+    "Split",
+    "TelemetryArgs",
+    "TracingArgs",
+    "compute_split",
+    "parse_server_timing",
+    "pg_metadata",
+    "pg_metadata_event",
+    "server_timing_header",
+    "sse_data",
+]

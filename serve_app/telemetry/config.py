@@ -1,0 +1,139 @@
+"""``telemetry:`` in a Serve config's args: where traces go and whether metrics are recorded.
+
+Validated like every other block of ``args`` (unknown keys are rejected with their path). Secrets
+never need to be in the YAML: ``headers_env`` names environment variables whose values become
+exporter headers, read in the router replica when tracing starts (``serve_app.telemetry.tracing``).
+Nothing here imports Ray or OpenTelemetry.
+"""
+
+import os
+import re
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# HTTP header names (RFC 9110 token) — also valid gRPC metadata keys once lower-cased.
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TracingArgs(_Strict):
+    """OpenTelemetry tracing of every inference request, exported over OTLP.
+
+    Off by default: a deployment opts in by naming its collector. The router replicas own the
+    process-wide tracer provider (see docs/operations.md, "Who owns the tracer provider").
+    """
+
+    enabled: bool = False
+    endpoint: str | None = Field(
+        None,
+        description="OTLP receiver URL. http/protobuf: the traces URL, e.g. "
+        "http://otel-collector:4318/v1/traces (a bare http://host:4318 gets /v1/traces appended). "
+        "grpc: http://host:4317 (plaintext) or https://host:4317 (TLS). None: the OTel SDK's "
+        "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT environment variables, else its localhost default.",
+    )
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Static exporter headers (e.g. X-Scope-OrgID for Tempo). Not for secrets: "
+        "use headers_env.",
+    )
+    headers_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Header name -> name of an environment variable holding its value (e.g. "
+        "Authorization: TEMPO_AUTH_HEADER). Read in the router replica at start; a missing "
+        "variable fails the replica with a message naming it.",
+    )
+    sampling_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces recorded (TraceIdRatioBased). A request that arrives with "
+        "a traceparent follows its caller's sampled flag (ParentBased).",
+    )
+    service_name: str = Field("serve_app", min_length=1)
+    resource_attributes: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra OTel resource attributes (e.g. deployment.environment: prod). They "
+        "override the defaults serve_app sets (cloud.region, service.instance.id, ...).",
+    )
+    export_timeout_s: float = Field(10, gt=0, le=60, description="Per-batch OTLP export timeout.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parsed = urlparse(value)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        return value
+
+    @field_validator("headers", "headers_env")
+    @classmethod
+    def _header_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid header name")
+        return value
+
+    @field_validator("headers_env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for header, env in value.items():
+            if not _ENV_NAME.match(env):
+                raise ValueError(f"headers_env.{header}: {env!r} is not an environment variable name")
+        return value
+
+    @field_validator("resource_attributes")
+    @classmethod
+    def _service_name_has_its_own_key(cls, value: dict[str, str]) -> dict[str, str]:
+        if "service.name" in value:
+            raise ValueError("set the service name with tracing.service_name, not resource_attributes")
+        return value
+
+    @model_validator(mode="after")
+    def _no_header_twice(self) -> "TracingArgs":
+        both = {h.lower() for h in self.headers} & {h.lower() for h in self.headers_env}
+        if both:
+            raise ValueError(f"header(s) set in both headers and headers_env: {', '.join(sorted(both))}")
+        return self
+
+    def resolved_headers(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+        """Static headers plus the values of ``headers_env``'s variables (KeyError names a missing one)."""
+        environ = os.environ if environ is None else environ
+        headers = dict(self.headers)
+        for header, env in self.headers_env.items():
+            value = environ.get(env)
+            if value is None:
+                raise KeyError(
+                    f"telemetry.tracing.headers_env.{header} names the environment variable {env}, "
+                    "which is not set in this process (set it in the router's runtime env)"
+                )
+            headers[header] = value
+        return headers
+
+    def resolved_endpoint(self) -> str | None:
+        """The URL handed to the exporter: http/protobuf gets ``/v1/traces`` when only a base is given."""
+        if self.endpoint is None or self.protocol != "http/protobuf":
+            return self.endpoint
+        parsed = urlparse(self.endpoint)
+        if parsed.path in ("", "/"):
+            return self.endpoint.rstrip("/") + "/v1/traces"
+        return self.endpoint
+
+
+class MetricsArgs(_Strict):
+    """Prometheus metrics through Ray's metrics agent (``ray_serve_app_*`` series)."""
+
+    enabled: bool = True
+
+
+class TelemetryArgs(_Strict):
+    tracing: TracingArgs = Field(default_factory=TracingArgs)
+    metrics: MetricsArgs = Field(default_factory=MetricsArgs)

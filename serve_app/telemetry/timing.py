@@ -1,0 +1,351 @@
+"""Where a request's time went: the network / queue / inference split, with no OpenTelemetry in it.
+
+The router owns the clock. ``RequestRecord.begin`` takes ``time.time_ns()`` (the wall-clock start
+every span is laid out from) and a ``perf_counter_ns()`` origin; every duration the router measures
+afterwards is monotonic. The engine's durations (``queue_ms``, ``prefill_ms``, ``decode_ms``) are
+differences of vLLM engine-core monotonic timestamps (``--enable-per-request-metrics``), so no two
+clocks are ever subtracted from each other.
+
+Partition of the server time S (receipt → last byte, router clock)::
+
+    queue      Q = engine arrival → first scheduled              (engine)
+    inference  I = prefill + decode = first scheduled → last token (engine)
+    network    N = S − Q − I: everything not in the engine — router work (auth, body, rate
+                   limit), the handle hop to the replica and back, tokenization, SSE transport
+
+so N + Q + I = S exactly. Spans and ``pg_metadata`` are drawn from one ``Split``, which keeps
+the trace, the ``Server-Timing`` header and the client-visible metadata consistent to the digit.
+"""
+
+import json
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_COMPLETIONS = "/v1/completions"
+
+# GenAI semantic conventions' gen_ai.operation.name per route.
+OPERATION_BY_ROUTE = {ROUTE_CHAT: "chat", ROUTE_COMPLETIONS: "text_completion"}
+# The ``object`` of a stream chunk per route (what the openai SDK's chunk types expect).
+CHUNK_OBJECT_BY_ROUTE = {ROUTE_CHAT: "chat.completion.chunk", ROUTE_COMPLETIONS: "text_completion"}
+
+PG_METADATA_EVENT = "pg_metadata"
+
+# Sampling and length knobs a trace may carry: numbers and flags only, never text.
+_REQUEST_PARAMS = {
+    "max_tokens": "gen_ai.request.max_tokens",
+    "max_completion_tokens": "gen_ai.request.max_tokens",
+    "temperature": "gen_ai.request.temperature",
+    "top_p": "gen_ai.request.top_p",
+    "top_k": "gen_ai.request.top_k",
+    "frequency_penalty": "gen_ai.request.frequency_penalty",
+    "presence_penalty": "gen_ai.request.presence_penalty",
+    "seed": "gen_ai.request.seed",
+    "n": "gen_ai.request.choice.count",
+}
+MAX_ALIAS_CHARS = 128
+
+
+def _ms_since(origin_ns: int) -> float:
+    return (time.perf_counter_ns() - origin_ns) / 1e6
+
+
+@dataclass
+class RequestRecord:
+    """Everything the router learns about one request; the single input to spans, metrics, headers.
+
+    Offsets (``*_start_ms``) and durations are in milliseconds on the router's monotonic clock,
+    measured from receipt. Engine fields come from the model replica (``note_engine``). Nothing
+    here holds prompt or completion text, or the caller's credential.
+    """
+
+    route: str
+    region: str
+    replica: str  # the router replica (Serve replica tag) that took the request
+    start_ns: int = field(default_factory=time.time_ns)  # wall clock at receipt: span start
+    start_perf_ns: int = field(default_factory=time.perf_counter_ns)  # monotonic origin
+    method: str = "POST"
+    alias: str | None = None  # the model name the caller sent (truncated)
+    model: str | None = None  # the canonical id it resolved to; None if it did not resolve
+    stream: bool = False
+    request_params: dict[str, int | float] = field(default_factory=dict)  # gen_ai.request.* attrs
+    status: int = 200
+    error_type: str | None = None  # short machine code (e.g. "overloaded"), never a message
+    auth_start_ms: float | None = None
+    auth_ms: float | None = None
+    first_chunk_ms: float | None = None  # receipt → first streamed event written (router clock)
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+    response_id: str | None = None  # chatcmpl-… / cmpl-…
+    model_replica: str | None = None  # the model replica (Serve replica tag) that ran inference
+    server_ms: float | None = None  # set once, by finish()
+
+    @classmethod
+    def begin(cls, route: str, *, region: str, replica: str, method: str = "POST") -> "RequestRecord":
+        """Call first thing when the request arrives."""
+        return cls(route=route, region=region, replica=replica, method=method)
+
+    @property
+    def operation(self) -> str:
+        return OPERATION_BY_ROUTE.get(self.route, "unknown")
+
+    def elapsed_ms(self) -> float:
+        return _ms_since(self.start_perf_ns)
+
+    @contextmanager
+    def measure_auth(self) -> Iterator[None]:
+        """``with record.measure_auth(): caller = authenticate(...)`` — kept even if it raises."""
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.auth_start_ms = (start - self.start_perf_ns) / 1e6
+            self.auth_ms = _ms_since(start)
+
+    def note_request(self, body: Mapping[str, Any], *, model: str | None = None) -> None:
+        """The alias, stream flag and numeric sampling parameters of a body; never its text.
+
+        Call before the body's ``model`` is rewritten to the canonical id, or pass the alias-free
+        body and the caller's name separately by setting ``alias`` yourself.
+        """
+        name = body.get("model")
+        if isinstance(name, str):
+            self.alias = name[:MAX_ALIAS_CHARS]
+        self.stream = body.get("stream") is True
+        for key, attribute in _REQUEST_PARAMS.items():
+            value = body.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.request_params[attribute] = value
+        if model is not None:
+            self.model = model
+
+    def note_engine(
+        self,
+        engine_timing: Mapping[str, float | None] | None,
+        usage: Mapping[str, Any] | None = None,
+        finish_reasons: list[str] | None = None,
+        response_id: str | None = None,
+        replica: str | None = None,
+    ) -> None:
+        """What the model replica reports: ``{"queue_ms", "prefill_ms", "decode_ms"}`` (values may
+        be None), OpenAI ``usage`` (``prompt_tokens``/``completion_tokens``), finish reasons, the
+        response id and its own replica tag."""
+        if engine_timing:
+            self.queue_ms = _non_negative(engine_timing.get("queue_ms"))
+            self.prefill_ms = _non_negative(engine_timing.get("prefill_ms"))
+            self.decode_ms = _non_negative(engine_timing.get("decode_ms"))
+        if usage:
+            self.input_tokens = _int_or_none(usage.get("prompt_tokens", usage.get("input_tokens")))
+            self.output_tokens = _int_or_none(
+                usage.get("completion_tokens", usage.get("output_tokens"))
+            )
+        if finish_reasons is not None:
+            self.finish_reasons = [str(reason) for reason in finish_reasons if reason is not None]
+        if response_id is not None:
+            self.response_id = response_id
+        if replica is not None:
+            self.model_replica = replica
+
+    def mark_first_chunk(self) -> None:
+        """Call when the first streamed event is handed to the client (TTFT as the router sees it)."""
+        if self.first_chunk_ms is None:
+            self.first_chunk_ms = self.elapsed_ms()
+
+    def finish(self, status: int | None = None, error_type: str | None = None) -> "Split":
+        """Stop the server clock (first call only) and return the split.
+
+        For a stream call it after the last engine event, right before writing ``pg_metadata`` and
+        ``[DONE]``; for a JSON response right before building it (the header needs the numbers).
+        """
+        if status is not None:
+            self.status = status
+        if error_type is not None:
+            self.error_type = error_type
+        if self.server_ms is None:
+            self.server_ms = self.elapsed_ms()
+        return compute_split(self)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The server time, partitioned. ``network_ms + queue_ms + inference_ms == server_ms``."""
+
+    server_ms: float
+    network_ms: float
+    queue_ms: float
+    inference_ms: float
+    prefill_ms: float | None
+    decode_ms: float | None
+    engine: bool  # False: no engine timing (error before the engine, or metrics off) → all network
+    clamped: bool = False  # engine time exceeded the router's measurement; server_ms was raised
+    ttft_ms: float | None = None  # server-side time to first token (see compute_split)
+    tokens_per_s: float | None = None  # output tokens / inference time (scheduled → last token)
+    time_per_output_token_ms: float | None = None  # decode / (output tokens − 1)
+
+
+def compute_split(record: RequestRecord) -> Split:
+    """Partition ``record.server_ms`` (or the time elapsed so far) into network/queue/inference.
+
+    Engine parts that are unknown count as zero; if none is known, network is the whole span.
+    Engine time never exceeds the router's (it happens inside it); if rounding or a late
+    ``finish`` ever made it so, network becomes 0 and the server time is raised to match, so the
+    sum stays exact (``clamped``).
+
+    ``ttft_ms``: the router-observed time to the first streamed event when there is one (a stream);
+    otherwise ``server − decode`` (everything up to the first token, plus the short tail).
+    """
+    server = record.server_ms if record.server_ms is not None else record.elapsed_ms()
+    engine = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms))
+    queue = record.queue_ms or 0.0
+    inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0)
+    clamped = False
+    if queue + inference > server:
+        server, clamped = queue + inference, True
+    network = server - queue - inference
+
+    ttft = record.first_chunk_ms
+    if ttft is None and record.prefill_ms is not None:
+        ttft = server - (record.decode_ms or 0.0)
+    tokens_per_s = None
+    if record.output_tokens and inference > 0:
+        tokens_per_s = record.output_tokens / (inference / 1000)
+    tpot = None
+    if record.decode_ms is not None and record.output_tokens and record.output_tokens > 1:
+        tpot = record.decode_ms / (record.output_tokens - 1)
+    return Split(
+        server_ms=server,
+        network_ms=network,
+        queue_ms=queue,
+        inference_ms=inference,
+        prefill_ms=record.prefill_ms,
+        decode_ms=record.decode_ms,
+        engine=engine,
+        clamped=clamped,
+        ttft_ms=ttft,
+        tokens_per_s=tokens_per_s,
+        time_per_output_token_ms=tpot,
+    )
+
+
+def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> dict[str, Any]:
+    """The client-visible timing, identical in the final SSE event and a JSON body's ``pg_metadata``.
+
+    ``inference_ttft_ms`` is the engine's prefill (first scheduled → first token);
+    ``inference_total_ms`` is prefill + decode (first scheduled → last token). Both are None when
+    the engine reported no timing. ``network_ms + queue_ms + inference_total_ms == server_ms``.
+    ``replica`` is the model replica that ran the request (None if it never reached one),
+    ``router_replica`` the router replica that answered.
+    """
+    return {
+        "inference_ttft_ms": _ms(split.prefill_ms),
+        "inference_total_ms": _ms(split.inference_ms) if split.engine else None,
+        "queue_ms": _ms(split.queue_ms) if split.engine else None,
+        "network_ms": _ms(split.network_ms),
+        "server_ms": _ms(split.server_ms),
+        "region": record.region,
+        "replica": record.model_replica,
+        "router_replica": record.replica,
+        "model": record.model,
+        "alias": record.alias,
+        "trace_id": trace_id,
+    }
+
+
+def server_timing_header(split: Split) -> str:
+    """W3C ``Server-Timing``: ``network;dur=12.3, queue;dur=0.4, inference;dur=85.1, total;dur=97.8``."""
+    parts = [("network", split.network_ms)]
+    if split.engine:
+        parts += [("queue", split.queue_ms), ("inference", split.inference_ms)]
+    parts.append(("total", split.server_ms))
+    return ", ".join(f"{name};dur={duration:.3f}" for name, duration in parts)
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """``{"network": 12.3, ...}`` from a ``Server-Timing`` value (clients and tests)."""
+    durations: dict[str, float] = {}
+    for metric in header.split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur":
+                durations[name] = float(value)
+    return durations
+
+
+def pg_metadata_event(
+    metadata: Mapping[str, Any],
+    *,
+    route: str,
+    chunk_id: str | None,
+    created: int | None,
+    model: str | None,
+    usage: Mapping[str, Any] | None = None,
+) -> str:
+    """The stream's last event before ``data: [DONE]``, shaped like a chunk of that stream.
+
+    The openai SDK yields every SSE event before ``[DONE]`` as a chunk, whatever its ``event:``
+    name, so this one carries one choice with an empty delta (chat) or empty text (completions):
+    ``chunk.choices[0].delta.content`` is None and loops written for vLLM/OpenAI streams keep
+    working. The timing rides along as ``chunk.pg_metadata`` (an extra field the SDK keeps).
+
+    ``usage``: when the caller asked for ``stream_options.include_usage``, pass the usage the
+    stream already reported, so code that reads ``chunks[-1].usage`` (OpenAI sends usage on the
+    last chunk before ``[DONE]``) still finds it on what is now the last chunk.
+    """
+    if route == ROUTE_COMPLETIONS:
+        choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": None}
+    else:
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}
+    chunk = {
+        "id": chunk_id or f"pgmeta-{metadata.get('trace_id') or 'none'}",
+        "object": CHUNK_OBJECT_BY_ROUTE.get(route, "chat.completion.chunk"),
+        "created": created if created is not None else int(time.time()),
+        "model": model or metadata.get("model") or "",
+        "choices": [choice],
+        "pg_metadata": dict(metadata),
+    }
+    if usage is not None:
+        chunk["usage"] = dict(usage)
+    return f"event: {PG_METADATA_EVENT}\ndata: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
+def sse_data(event: str) -> dict[str, Any] | None:
+    """The JSON object of one ``data: {...}`` SSE event, or None (``[DONE]``, comments, non-JSON).
+
+    Handy for reading ``id``/``created``/``usage`` off vLLM's chunks as they are relayed.
+    """
+    payload = []
+    for line in event.splitlines():
+        if line.startswith("data:"):
+            payload.append(line[5:].removeprefix(" "))
+    if not payload:
+        return None
+    text = "\n".join(payload)
+    if not text.startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _non_negative(value: Any) -> float | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return max(float(value), 0.0)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,371 @@
+"""One trace per request: a SERVER span at the router with ``auth``, ``network``, ``queue`` and
+``inference`` children, exported over OTLP (http/protobuf or gRPC).
+
+Who owns the tracer provider: **we do**, in the router replicas. ``setup_tracing`` installs the
+process-wide provider once (idempotent). The model replicas start vLLM without
+``--otlp-traces-endpoint``, so vLLM never calls ``init_tracer`` and never installs a provider of
+its own; they emit no spans — the engine's timestamps reach the trace through the router, which
+draws the ``queue`` and ``inference`` spans from them. If something else installed a global
+provider first (Ray Serve's own tracing via ``RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH``, say), we
+leave it alone, log a warning and export through a private provider, so our sampling and endpoint
+still hold.
+
+Spans are created after the fact with explicit timestamps from one ``Split``
+(``serve_app.telemetry.timing``): network [start, start+N], queue [start+N, start+N+Q],
+inference [start+N+Q, end], so the three durations add up to the server span exactly. Attributes
+follow the OpenTelemetry GenAI semantic conventions; prompt and completion text, the
+``Authorization`` header and API keys are never recorded.
+
+With tracing disabled, spans are not recorded or exported, but trace ids are still minted (and an
+incoming ``traceparent`` still continues), so ``pg_metadata.trace_id`` always identifies the request
+in logs.
+"""
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from serve_app.telemetry.config import TelemetryArgs, TracingArgs
+from serve_app.telemetry.timing import RequestRecord, Split
+
+logger = logging.getLogger("ray.serve")
+
+INSTRUMENTATION_NAME = "serve_app"
+SPAN_AUTH, SPAN_NETWORK, SPAN_QUEUE, SPAN_INFERENCE = "auth", "network", "queue", "inference"
+EVENT_FIRST_TOKEN = "first_token"
+
+
+@dataclass
+class _State:
+    provider: TracerProvider
+    tracer: trace.Tracer
+    enabled: bool
+    owns_global: bool
+
+
+_state: _State | None = None
+_fallback: trace.Tracer | None = None
+_lock = threading.Lock()
+
+
+@dataclass
+class RequestTrace:
+    """The SERVER span of one request and what the response needs from it."""
+
+    span: Span
+    context: Context  # the span in its (possibly client-continued) context, for child work
+    trace_id: str  # 32 lower-case hex digits
+    span_id: str  # 16 hex digits
+    sampled: bool
+    record: RequestRecord
+    split: Split | None = None  # set by finish_request_spans; a second call returns it unchanged
+
+
+def setup_tracing(
+    args: TelemetryArgs | TracingArgs | None,
+    *,
+    region: str,
+    deployment: str,
+    replica: str,
+    model: str | None = None,
+    exporter: SpanExporter | None = None,
+    set_global: bool = True,
+) -> bool:
+    """Install this process's tracer provider once; later calls are no-ops. True if spans export.
+
+    ``region``, ``deployment`` (Serve deployment name) and ``replica`` (Serve replica id) become
+    resource attributes (``cloud.region``, ``serve_app.*``, ``service.instance.id``); ``model``
+    too where a process serves one model. ``exporter`` replaces the OTLP exporter (tests: an
+    ``InMemorySpanExporter``, exported synchronously). ``set_global=False`` keeps the provider
+    private (tests; the global provider can be set only once per process).
+    """
+    global _state
+    tracing = args.tracing if isinstance(args, TelemetryArgs) else (args or TracingArgs())
+    with _lock:
+        if _state is not None:
+            return _state.enabled
+        resource = Resource.create(_resource_attributes(tracing, region, deployment, replica, model))
+        if not tracing.enabled:
+            # Ids are still minted (pg_metadata.trace_id), nothing is recorded or exported.
+            provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
+            _state = _State(provider, provider.get_tracer(INSTRUMENTATION_NAME), False, False)
+            return False
+        provider = TracerProvider(
+            resource=resource, sampler=ParentBased(TraceIdRatioBased(tracing.sampling_ratio))
+        )
+        if exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        else:
+            provider.add_span_processor(BatchSpanProcessor(otlp_exporter(tracing)))
+        owns_global = False
+        if set_global:
+            current = trace.get_tracer_provider()
+            if isinstance(current, trace.ProxyTracerProvider):
+                trace.set_tracer_provider(provider)
+                owns_global = True
+            else:
+                logger.warning(
+                    "a global OpenTelemetry tracer provider is already installed (%s; Ray Serve "
+                    "tracing or vLLM's --otlp-traces-endpoint?). serve_app exports its request "
+                    "spans through its own provider and leaves that one alone.",
+                    type(current).__name__,
+                )
+        _state = _State(provider, provider.get_tracer(INSTRUMENTATION_NAME), True, owns_global)
+        logger.info(
+            "tracing on: OTLP %s to %s, sampling %.3g, service %s",
+            tracing.protocol,
+            tracing.resolved_endpoint() or "the OTEL_EXPORTER_OTLP_* default",
+            tracing.sampling_ratio,
+            tracing.service_name,
+        )
+        return True
+
+
+def otlp_exporter(tracing: TracingArgs) -> SpanExporter:
+    """The OTLP span exporter for ``tracing.protocol``; ``headers_env`` values are read now."""
+    headers = tracing.resolved_headers()
+    if tracing.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        # gRPC metadata keys must be lower case; http:// means plaintext, https:// TLS.
+        return Grpc(
+            endpoint=tracing.endpoint,
+            headers={k.lower(): v for k, v in headers.items()} or None,
+            timeout=tracing.export_timeout_s,
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+    return Http(endpoint=tracing.resolved_endpoint(), headers=headers or None, timeout=tracing.export_timeout_s)
+
+
+def tracing_enabled() -> bool:
+    return _state is not None and _state.enabled
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop this process's provider (a replica's shutdown; tests between cases)."""
+    global _state
+    with _lock:
+        state, _state = _state, None
+    if state is not None:
+        state.provider.shutdown()
+
+
+def force_flush(timeout_ms: int = 5000) -> bool:
+    return _state.provider.force_flush(timeout_ms) if _state is not None else True
+
+
+def _tracer() -> trace.Tracer:
+    global _fallback
+    if _state is not None:
+        return _state.tracer
+    # Not set up (a unit test, or a process that never called setup_tracing): mint ids only,
+    # without taking the place a later setup_tracing call will fill.
+    if _fallback is None:
+        _fallback = TracerProvider(sampler=ALWAYS_OFF).get_tracer(INSTRUMENTATION_NAME)
+    return _fallback
+
+
+def start_server_span(record: RequestRecord, headers: Mapping[str, str]) -> RequestTrace:
+    """Open the request's SERVER span at ``record.start_ns``, continuing a W3C ``traceparent``.
+
+    ``headers`` is the request's headers (Starlette ``Headers`` or a dict; only ``traceparent``,
+    ``tracestate`` and ``baggage`` are read, through the global propagator).
+    """
+    parent = propagate.extract(headers)
+    span = _tracer().start_span(
+        f"{record.method} {record.route}",
+        context=parent,
+        kind=SpanKind.SERVER,
+        start_time=record.start_ns,
+        attributes={
+            "http.request.method": record.method,
+            "http.route": record.route,
+            "url.path": record.route,
+            "gen_ai.operation.name": record.operation,
+            "serve_app.region": record.region,
+            "serve_app.replica": record.replica,
+        },
+    )
+    ctx = span.get_span_context()
+    return RequestTrace(
+        span=span,
+        context=trace.set_span_in_context(span, parent),
+        trace_id=trace.format_trace_id(ctx.trace_id),
+        span_id=trace.format_span_id(ctx.span_id),
+        sampled=ctx.trace_flags.sampled,
+        record=record,
+    )
+
+
+def finish_request_spans(request: RequestTrace, split: Split | None = None) -> Split:
+    """Draw the children from ``split`` (default: ``request.record.finish()``) and end the server span.
+
+    Children, all parented to the SERVER span and laid end to end: ``network``, ``queue``,
+    ``inference`` (with a ``first_token`` event at start + prefill); ``auth`` at its real interval
+    (inside ``network``). Without engine timing there is only ``network`` (= the whole request).
+    Call after the response's last byte (stream) or when the JSON response is built; calling it
+    again (an error path and a ``finally``, say) does nothing and returns the first split.
+    """
+    if request.split is not None:
+        return request.split
+    record = request.record
+    if split is None:
+        split = record.finish()
+    request.split = split
+    span = request.span
+    start = record.start_ns
+
+    def at(offset_ms: float) -> int:
+        return start + round(offset_ms * 1e6)
+
+    end = at(split.server_ms)
+    if not span.is_recording():
+        span.end(end_time=end)
+        return split
+
+    tracer = _tracer()
+    parent = request.context
+    common = {"serve_app.region": record.region}
+
+    if record.auth_ms is not None and record.auth_start_ms is not None:
+        auth_start = max(record.auth_start_ms, 0.0)
+        auth_end = min(auth_start + record.auth_ms, split.server_ms)
+        tracer.start_span(SPAN_AUTH, context=parent, start_time=at(auth_start), attributes=common).end(
+            end_time=at(auth_end)
+        )
+
+    network = tracer.start_span(
+        SPAN_NETWORK,
+        context=parent,
+        start_time=start,
+        attributes={**common, "serve_app.network_ms": split.network_ms},
+    )
+    network.end(end_time=at(split.network_ms))
+
+    if split.engine:
+        queue_start = split.network_ms
+        inference_start = queue_start + split.queue_ms
+        tracer.start_span(
+            SPAN_QUEUE,
+            context=parent,
+            start_time=at(queue_start),
+            attributes={**common, "serve_app.queue_ms": split.queue_ms},
+        ).end(end_time=at(inference_start))
+        inference = tracer.start_span(
+            SPAN_INFERENCE,
+            context=parent,
+            start_time=at(inference_start),
+            attributes={**common, **_genai_attributes(record), **_inference_attributes(split)},
+        )
+        if split.prefill_ms is not None:
+            inference.add_event(
+                EVENT_FIRST_TOKEN,
+                attributes={"serve_app.prefill_ms": split.prefill_ms},
+                timestamp=at(inference_start + split.prefill_ms),
+            )
+        inference.end(end_time=end)
+
+    span.set_attributes(_server_attributes(record, split))
+    if record.status >= 500:
+        span.set_status(Status(StatusCode.ERROR, record.error_type or f"HTTP {record.status}"))
+    span.end(end_time=end)
+    return split
+
+
+def _resource_attributes(
+    tracing: TracingArgs, region: str, deployment: str, replica: str, model: str | None
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "service.namespace": "serve_app",
+        "service.instance.id": replica,
+        "cloud.region": region,
+        "serve_app.region": region,
+        "serve_app.deployment": deployment,
+        "serve_app.replica": replica,
+    }
+    if model:
+        attributes["serve_app.model"] = model
+    return {**attributes, **tracing.resource_attributes, "service.name": tracing.service_name}
+
+
+def _genai_attributes(record: RequestRecord) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": record.operation,
+        "gen_ai.provider.name": "vllm",
+        **record.request_params,
+    }
+    if record.alias is not None:
+        attributes["gen_ai.request.model"] = record.alias
+    if record.model is not None:
+        attributes["gen_ai.response.model"] = record.model
+    if record.input_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = record.input_tokens
+    if record.output_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = record.output_tokens
+    if record.finish_reasons:
+        attributes["gen_ai.response.finish_reasons"] = list(record.finish_reasons)
+    if record.response_id is not None:
+        attributes["gen_ai.response.id"] = record.response_id
+    if record.model_replica is not None:
+        attributes["serve_app.model_replica"] = record.model_replica
+    return attributes
+
+
+def _inference_attributes(split: Split) -> dict[str, Any]:
+    attributes: dict[str, Any] = {"serve_app.inference_ms": split.inference_ms}
+    for key, value in (
+        ("serve_app.prefill_ms", split.prefill_ms),
+        ("serve_app.decode_ms", split.decode_ms),
+        ("serve_app.tokens_per_s", split.tokens_per_s),
+        ("serve_app.time_per_output_token_ms", split.time_per_output_token_ms),
+    ):
+        if value is not None:
+            attributes[key] = value
+    return attributes
+
+
+def _server_attributes(record: RequestRecord, split: Split) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        **_genai_attributes(record),
+        "http.response.status_code": record.status,
+        "serve_app.stream": record.stream,
+        "serve_app.server_ms": split.server_ms,
+        "serve_app.network_ms": split.network_ms,
+        "serve_app.queue_ms": split.queue_ms,
+        "serve_app.inference_ms": split.inference_ms,
+        "serve_app.engine_timing": split.engine,
+    }
+    if record.alias is not None:
+        attributes["serve_app.alias"] = record.alias
+    if split.ttft_ms is not None:
+        attributes["serve_app.ttft_ms"] = split.ttft_ms
+    if split.tokens_per_s is not None:
+        attributes["serve_app.tokens_per_s"] = split.tokens_per_s
+    if split.clamped:
+        attributes["serve_app.timing_clamped"] = True
+    if record.status >= 400:
+        attributes["error.type"] = record.error_type or str(record.status)
+    return attributes
+
+
+__all__ = [
+    "RequestTrace",
+    "finish_request_spans",
+    "force_flush",
+    "otlp_exporter",
+    "setup_tracing",
+    "shutdown_tracing",
+    "start_server_span",
+    "tracing_enabled",
+]

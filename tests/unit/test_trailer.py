@@ -1,0 +1,58 @@
+"""The replica's trailer: engine timing and usage peeled off vLLM's output, the client's view kept."""
+
+import json
+
+from serve_app.engine import trailer
+
+METRICS = {"queue_time_ms": 1.5, "time_to_first_token_ms": 20.0, "generation_time_ms": 80.0, "tokens_per_second": 9}
+DELTA = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+FINAL = 'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\n'
+USAGE = "data: " + json.dumps(
+    {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}, "metrics": METRICS},
+    separators=(",", ":"),
+) + "\n\n"
+
+
+def test_ask_for_usage_forces_usage_and_reports_what_the_client_wanted():
+    body = {"stream": True}
+    assert trailer.ask_for_usage(body) is False
+    assert body["stream_options"] == {"include_usage": True}
+    body = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert trailer.ask_for_usage(body) is True
+    assert body["stream_options"]["continuous_usage_stats"] is True
+
+
+def run(watcher, events):
+    return [out for e in events if (out := watcher.pass_on(e)) is not None]
+
+
+def test_stream_without_usage_request_hides_the_usage_chunk_and_done():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    assert run(watcher, [DELTA, FINAL, USAGE, "data: [DONE]\n\n"]) == [DELTA, FINAL]
+    assert watcher.trailer() == {
+        "engine_timing": {"queue_ms": 1.5, "prefill_ms": 20.0, "decode_ms": 80.0},
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+        "finish_reasons": ["length"],
+    }
+
+
+def test_stream_with_usage_request_keeps_usage_but_never_metrics():
+    watcher = trailer.StreamTrailer(client_wants_usage=True)
+    out = run(watcher, [DELTA, FINAL, USAGE, "data: [DONE]\n\n"])
+    assert out[:2] == [DELTA, FINAL]
+    usage_chunk = json.loads(out[2][len("data: "):])
+    assert usage_chunk["usage"]["completion_tokens"] == 2
+    assert "metrics" not in usage_chunk
+    assert len(out) == 3
+
+
+def test_non_stream_response_trailer_removes_metrics():
+    body = {"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 4}, "metrics": METRICS}
+    summary = trailer.from_response(body)
+    assert "metrics" not in body
+    assert summary["engine_timing"]["prefill_ms"] == 20.0
+    assert summary["finish_reasons"] == ["stop"]
+
+
+def test_missing_metrics_give_empty_timing():
+    assert trailer.engine_timing(None) == {"queue_ms": None, "prefill_ms": None, "decode_ms": None}
