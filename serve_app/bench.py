@@ -46,6 +46,7 @@ class Run:
 
 
 def stream_once(client: httpx.Client, url: str, model: str, max_tokens: int) -> Run:
+    """One streaming chat completion, timed on the client's wall clock (end to end)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": PROMPT}],
@@ -120,8 +121,11 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     return summary
 
 
-def bench_target(url: str, model: str, runs: int, max_tokens: int, warmup: int) -> dict[str, Any]:
-    with httpx.Client(timeout=120) as client:
+def bench_target(
+    url: str, model: str, runs: int, max_tokens: int, warmup: int, api_key: str | None = None
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=120, headers=headers) as client:
         for _ in range(warmup):
             stream_once(client, url, model, max_tokens)
         results = [stream_once(client, url, model, max_tokens) for _ in range(runs)]
@@ -149,6 +153,7 @@ def bare_vllm(config_path: Path):
                "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, **model.resources.env}
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-{port}.log", "w")
+    started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -163,6 +168,7 @@ def bare_vllm(config_path: Path):
                 time.sleep(2)
         else:
             raise RuntimeError(f"bare vLLM not ready in 600 s; see {log.name}")
+        print(f"bare vLLM ready after {time.monotonic() - started:.1f} s")
         yield url, model.id
     finally:
         process.terminate()
@@ -181,13 +187,14 @@ def main(
     warmup: int = 3,
     baseline_vllm: Annotated[Path | None, typer.Option(help="Serve config whose first model bare vLLM runs.")] = None,
     out: Path = Path("bench-results/bench.json"),
+    api_key: Annotated[str | None, typer.Option(envvar="SERVE_APP_DEV_API_KEY", help="Bearer key for --target.")] = None,
 ) -> None:
     results: dict[str, Any] = {}
     for spec in target:
         name, _, url = spec.partition("=")
         if not url.startswith(("http://127.", "http://localhost")):
             raise typer.BadParameter(f"{spec}: benchmarks here target 127.0.0.1 only")
-        results[name] = bench_target(url, model, runs, max_tokens, warmup)
+        results[name] = bench_target(url, model, runs, max_tokens, warmup, api_key)
     if baseline_vllm:
         with bare_vllm(baseline_vllm) as (url, served_model):
             results["vllm"] = bench_target(url, served_model, runs, max_tokens, warmup)

@@ -77,20 +77,16 @@ async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any]
     try:
         return stream, await stream.__anext__()
     except BackPressureError:
-        raise APIError(
-            503,
-            f"{body['model']} is at capacity in region {region}; retry shortly",
-            code="overloaded",
-            headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
-        ) from None
+        raise _retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
     except RayActorError:
         logger.exception("model replica for %s died", body["model"])
-        raise APIError(
-            503,
-            f"{body['model']} replica became unavailable; retry shortly",
-            code="replica_unavailable",
-            headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)},
-        ) from None
+        raise _retry_later(f"{body['model']} replica became unavailable", "replica_unavailable") from None
+
+
+def _retry_later(reason: str, code: str) -> APIError:
+    return APIError(
+        503, f"{reason}; retry shortly", code=code, headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
+    )
 
 
 def json_response(head: dict[str, Any], exchange: Exchange, headers: dict[str, str]) -> JSONResponse:
