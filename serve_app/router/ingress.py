@@ -116,8 +116,12 @@ class Router:
         # This process owns the global tracer provider (docs/operations.md, "Tracing").
         setup_tracing(telemetry, region=region, deployment="Router", replica=self.replica)
         setup_metrics(telemetry)
-        # Rate limits live in one actor per region, shared by every router replica.
-        self.auth = Authenticator(auth, region, SharedRateLimiter(region))
+        # Rate limits live in one actor per region, shared by every router replica. Look it up
+        # (or start it) now: its worker process takes ~1 s to start, which the first request
+        # would otherwise wait for, or be admitted unlimited when the limiter's 2 s timeout hits.
+        limiter = SharedRateLimiter(region)
+        limiter.actor()
+        self.auth = Authenticator(auth, region, limiter)
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
