@@ -1,3 +1,4 @@
+import socket
 import sys
 from pathlib import Path
 
@@ -14,3 +15,10 @@ def load_serve_config(name: str) -> dict:
 def app_args(config: dict) -> dict:
     (application,) = config["applications"]
     return application["args"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -190,16 +190,13 @@ class Router:
             limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
             stream, head = await call_model(self.models[body["model"]], method, body, self.region)
         except APIError as err:
-            exchange.finish(err.status, err.code)
-            exchange.close()
+            exchange.fail(err.status, err.code)
             raise
         except asyncio.CancelledError:  # the client left before the model answered
-            exchange.finish(CLIENT_CLOSED, "client_closed")
-            exchange.close()
+            exchange.fail(CLIENT_CLOSED, "client_closed")
             raise
         except Exception:
-            exchange.finish(500, "internal")
-            exchange.close()
+            exchange.fail(500, "internal")
             raise
         if not head["stream"]:
             return json_response(head, exchange, limits)

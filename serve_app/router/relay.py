@@ -60,6 +60,11 @@ class Exchange:
             self.split = self.record.finish(status, error_type)
         return self.split
 
+    def fail(self, status: int, error_type: str) -> None:
+        """The request ended before a response was built: record why, end the spans."""
+        self.finish(status, error_type)
+        self.close()
+
     def close(self) -> None:
         """End the spans and record the metrics; safe to call more than once."""
         if self.trace.split is None:

@@ -12,7 +12,6 @@ down through their own APIs.
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -24,19 +23,13 @@ import pytest
 import yaml
 
 from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
-from tests.conftest import load_serve_config
+from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
 APP_NAME = "llm"
 STARTUP_TIMEOUT_S = 900
 DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serve_cli() -> str:
@@ -69,7 +62,7 @@ def serve_app(tmp_path_factory, otlp_receiver):
     import ray
     from ray import serve
 
-    port, dashboard_port = _free_port(), _free_port()
+    port, dashboard_port = free_port(), free_port()
     config = load_serve_config("local.yaml")
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]

@@ -23,16 +23,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TOOLS_PYTHON = REPO / ".venv-tools" / "bin" / "python"
 READY_TIMEOUT_S = 180
 PROJECT = "default"  # spans without an openinference.project.name resource attribute land here
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _value(any_value: dict[str, Any] | None) -> Any:
@@ -86,7 +82,7 @@ class PhoenixReceiver:
 
     def __init__(self, working_dir: Path):
         self.working_dir = Path(working_dir)
-        self.http_port, self.grpc_port = _free_port(), _free_port()
+        self.http_port, self.grpc_port = free_port(), free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"
         self.endpoint_http = f"{self.base_url}/v1/traces"
         self.endpoint_grpc = f"http://127.0.0.1:{self.grpc_port}"
