@@ -10,8 +10,39 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
+from serve_app.engine.autoscaling import POLICY_PATH
 from serve_app.engine.deployment import ModelServer
 from serve_app.router.ingress import Router
+
+
+def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
+    """Serve's autoscaling for a model: our hot-load policy between 0 and the region's maximum.
+
+    Serve's bounds start at 0 so an unloaded model can run no replica; the policy keeps a loaded
+    one at ``min_replicas`` or more and applies the region's scaling delays itself (Serve's own
+    are zeroed: they would also delay loads and unloads; serve_app/engine/autoscaling.py).
+    """
+    scaling = model.autoscaling
+    loaded_initial = scaling.initial_replicas or scaling.min_replicas
+    return {
+        "min_replicas": 0,
+        "initial_replicas": loaded_initial if model.initial_state == "loaded" else 0,
+        "max_replicas": scaling.max_replicas,
+        "target_ongoing_requests": scaling.target_ongoing_requests,
+        "upscale_delay_s": 0,
+        "downscale_delay_s": 0,
+        "downscale_to_zero_delay_s": 0,
+        "policy": {
+            "policy_function": POLICY_PATH,
+            "policy_kwargs": {
+                "min_replicas": scaling.min_replicas,
+                "initial_state": model.initial_state,
+                "upscale_delay_s": scaling.upscale_delay_s,
+                "downscale_delay_s": scaling.downscale_delay_s,
+                "drain_timeout_s": model.graceful_shutdown_timeout_s,
+            },
+        },
+    }
 
 
 def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
@@ -25,7 +56,7 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         ray_actor_options["runtime_env"] = {"env_vars": dict(model.resources.env)}
     return {
         "name": model.deployment_name,
-        "autoscaling_config": model.autoscaling.model_dump(exclude_none=True),
+        "autoscaling_config": autoscaling_config(model),
         "max_ongoing_requests": model.max_ongoing_requests,
         "max_queued_requests": model.max_queued_requests,
         "graceful_shutdown_timeout_s": model.graceful_shutdown_timeout_s,
@@ -44,7 +75,7 @@ def build(args: AppArgs) -> Application:
         num_replicas=args.router.num_replicas,
         max_ongoing_requests=args.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": args.router.num_cpus},
-    ).bind(models, args.region, args.auth, args.telemetry)
+    ).bind(models, args)
 
 
 def build_app(args: dict[str, Any]) -> Application:

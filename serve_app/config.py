@@ -6,7 +6,8 @@ the CLI use it directly.
 """
 
 import json
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -28,8 +29,9 @@ class Autoscaling(_Strict):
     never looks busy, so nothing ever scales out.
     """
 
-    min_replicas: int = Field(1, ge=0)
-    initial_replicas: int | None = Field(None, ge=0)
+    # At least one while loaded; a model that should run no replicas is unloaded (state cold).
+    min_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float = Field(8, gt=0)
     upscale_delay_s: float = Field(15, ge=0)
@@ -92,9 +94,14 @@ class ModelDeploymentArgs(_Strict):
     # Requests one replica admits into vLLM at once: the engine batches them continuously.
     max_ongoing_requests: int = Field(32, ge=1)
     # Requests a router may hold waiting for a replica before it sheds load (503, Retry-After).
-    max_queued_requests: int = Field(64, ge=0)
+    max_queued_requests: int = Field(64, ge=1)  # Serve: -1 (unbounded) or >= 1
     # Lets in-flight streams finish when a replica is scaled down or redeployed.
     graceful_shutdown_timeout_s: float = Field(120, ge=0)
+    initial_state: Literal["loaded", "cold"] = Field(
+        "loaded",
+        description="At deploy: loaded starts replicas; cold starts none until POST /v1/models/load "
+        "(serve_app/model_state.py). A state set through the API outlives redeploys.",
+    )
 
     @field_validator("id")
     @classmethod
@@ -155,16 +162,50 @@ class RouterArgs(_Strict):
     max_ongoing_requests: int = Field(1000, ge=1)
 
 
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class Peer(_Strict):
+    region: str = Field(description="The peer region's id.")
+    endpoint: str = Field(description="Base URL of its router: https://..., or http:// on loopback.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _https(cls, value: str) -> str:
+        url = urlsplit(value)
+        # Forwarded requests carry the caller's credential: plaintext only never leaves the host.
+        if url.scheme == "https" or (url.scheme == "http" and url.hostname in _LOOPBACK_HOSTS):
+            if url.hostname:
+                return value.rstrip("/")
+        raise ValueError(f"{value!r}: a peer endpoint must be https:// (http:// only on 127.0.0.1)")
+
+
+class FailoverArgs(_Strict):
+    """Cross-region failover (serve_app/router/failover.py): one hop to a peer region's router."""
+
+    peers: list[Peer] = Field(default_factory=list, description="Most preferred first.")
+    max_attempts: int = Field(2, ge=1, description="Peers tried per request before giving up.")
+    connect_timeout_s: float = Field(2, gt=0, description="Per peer: a dead peer costs this much.")
+    # Between bytes of the peer's answer; a non-streamed completion sends nothing until it is done.
+    read_timeout_s: float = Field(600, gt=0)
+
+
 class AppArgs(_Strict):
     region: str = Field("local", description="Region id reported in responses and traces.")
     models: list[ModelDeploymentArgs] = Field(min_length=1)
     router: RouterArgs = Field(default_factory=RouterArgs)
     auth: AuthArgs = Field(default_factory=AuthArgs)
     telemetry: TelemetryArgs = Field(default_factory=TelemetryArgs)
+    failover: FailoverArgs = Field(default_factory=FailoverArgs)
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":
         self.auth.check_region(self.region)  # regions: real key material, never the dev key
+        peers = [peer.region for peer in self.failover.peers]
+        if self.region in peers:
+            raise ValueError(f"failover.peers: region {self.region!r} cannot fail over to itself")
+        if len(set(peers)) != len(peers):
+            raise ValueError("failover.peers: a region is listed twice")
         return self
 
     @field_validator("models")

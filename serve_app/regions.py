@@ -60,6 +60,11 @@ _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # Kubernetes
 _AWS_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]$")
 
 
+def public_endpoint(region_id: str) -> str:
+    """A region's router, as clients and failover peers reach it."""
+    return f"https://api.{region_id}.{DNS_ZONE}"
+
+
 class RegionError(ValueError):
     """A region file, or the set of them, is invalid; the message lists every problem."""
 
@@ -139,6 +144,9 @@ class RegionModel(_Strict):
     cpus: float = Field(8, gt=0, description="Ray CPUs per replica (tokenisation, detokenisation).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(64, ge=1)
+    state: Literal["loaded", "cold"] = Field(
+        "loaded", description="At deploy. cold: no replicas until an admin POSTs /v1/models/load."
+    )
 
     @field_validator("id")
     @classmethod
@@ -219,7 +227,7 @@ class Region(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Region":
-        expected = f"https://api.{self.id}.{DNS_ZONE}"
+        expected = public_endpoint(self.id)
         if self.public_endpoint != expected:
             raise ValueError(f"public_endpoint must be {expected!r}, got {self.public_endpoint!r}")
         if self.id in self.peers:
@@ -366,8 +374,10 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
         "upscale_delay_s": model.upscale_delay_s,
         "downscale_delay_s": model.downscale_delay_s,
     }
+    state = {"initial_state": model.state} if model.state != "loaded" else {}
     return {
         "id": model.id,
+        **state,
         # Only serving knobs: the checkpoint, quantization, context cap and eager mode stay the
         # catalog's (an override here would silently fork production settings per region).
         "engine": {
@@ -385,7 +395,7 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
     }
 
 
-_ARGS_ORDER = ("region", "router", "auth", "models")
+_ARGS_ORDER = ("region", "router", "auth", "failover", "models")
 
 
 def app_args(region: Region) -> dict[str, Any]:
@@ -394,6 +404,8 @@ def app_args(region: Region) -> dict[str, Any]:
         "region": region.id,
         "router": {"num_replicas": region.router.replicas, "num_cpus": region.router.cpus},
         "auth": auth_args(region),
+        # Peers' own routers, at their public endpoints, most preferred first (one hop).
+        "failover": {"peers": [{"region": p, "endpoint": public_endpoint(p)} for p in region.peers]},
         "models": [model_args(region, m) for m in region.models],
     }
     try:

@@ -29,6 +29,8 @@ from serve_app.errors import APIError
 logger = logging.getLogger("ray.serve")
 
 REALM = "serve_app"
+# A forwarded request is verified when the peer receives it, within a second or two.
+FORWARDING_TOKEN_TTL_S = 60
 DEV_KEY_ID = "dev"
 
 
@@ -204,6 +206,21 @@ class Authenticator:
             principal = self._from_key(credential)
         record = self.keys.get(principal.key_id) if principal.via == "api_key" else None
         return mint_token(self.args, self.keyset.current(), principal, record.expires_at if record else None)
+
+    def forwarding_token(self, principal: Principal) -> str:
+        """A short-lived token for ``principal``, for a peer region that may not hold its API key
+        (failover). Same subject and claims; it expires with the key, and in a minute anyway."""
+        record = self.keys.get(principal.key_id) if principal.via == "api_key" else None
+        token, _ = tokens.mint(
+            self.keyset.current(),
+            issuer=self.args.issuer,
+            audience=self.args.audience,
+            subject=principal.key_id,
+            ttl_s=FORWARDING_TOKEN_TTL_S,
+            claims=principal.claims(),
+            not_after=record.expires_at if record else None,
+        )
+        return token
 
     def jwks(self) -> dict[str, Any]:
         return self.keyset.current().jwks()

@@ -1,9 +1,12 @@
 """The router deployment: the FastAPI ingress every request enters through.
 
 Request path, top to bottom: Serve proxy → ``Router`` (authenticate, read body, resolve alias,
-check the caller's model scope and rate limit, pick the model's handle) → ``ModelServer`` over a
-streaming handle → vLLM. The router never imports vLLM; it relays the replica's head (status +
-body) and, for streams, the replica's SSE events unchanged. Auth lives in ``serve_app.auth``.
+check the caller's model scope and rate limit, check the model is loaded here, pick the model's
+handle) → ``ModelServer`` over a streaming handle → vLLM. The router never imports vLLM; it relays
+the replica's head (status + body) and, for streams, the replica's SSE events unchanged. When this
+region cannot serve the request (the model is overloaded, not loaded, or its replica died), the
+router forwards it once to a peer region (``serve_app.router.failover``). Auth lives in
+``serve_app.auth``; hot-load states in ``serve_app.model_state``.
 """
 
 import asyncio
@@ -21,12 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import catalog
 from serve_app.auth.authenticator import Authenticator, Principal
-from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
+from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
+from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
+from serve_app.router.model_states import ModelStates
 from serve_app.router.relay import CLIENT_CLOSED, Exchange, call_model, json_response, relay_events
-from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.metrics import setup_metrics
 from serve_app.telemetry.timing import ROUTE_CHAT, ROUTE_COMPLETIONS
 from serve_app.telemetry.tracing import setup_tracing
@@ -103,37 +107,55 @@ async def _api_key_in_body(request: Request) -> str | None:
     return api_key or None
 
 
+async def _model_in_body(request: Request) -> Any:
+    """``POST /v1/models/load`` and ``/unload`` take ``{"model": <id, alias or HF repo id>}``."""
+    return (await _read_json_object(request)).get("model")
+
+
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(
-        self, models: dict[str, DeploymentHandle], region: str, auth: AuthArgs, telemetry: TelemetryArgs
-    ):
+    def __init__(self, models: dict[str, DeploymentHandle], args: AppArgs):
         self.models = models
-        self.region = region
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.region = region = args.region
+        context = serve.get_replica_context()
+        self.replica = context.replica_id.unique_id
         self.created = int(time.time())
         # This process owns the global tracer provider (docs/operations.md, "Tracing").
-        setup_tracing(telemetry, region=region, deployment="Router", replica=self.replica)
-        setup_metrics(telemetry)
+        setup_tracing(args.telemetry, region=region, deployment="Router", replica=self.replica)
+        setup_metrics(args.telemetry)
         # Rate limits live in one actor per region, shared by every router replica. Look it up
         # (or start it) now: its worker process takes ~1 s to start, which the first request
         # would otherwise wait for, or be admitted unlimited when the limiter's 2 s timeout hits.
         limiter = SharedRateLimiter(region)
         limiter.actor()
-        self.auth = Authenticator(auth, region, limiter)
+        self.auth = Authenticator(args.auth, region, limiter)
+        self.states = ModelStates(context.app_name, args.models)
+        failover = args.failover
+        self.forwarder = Forwarder(
+            region,
+            failover.peers,
+            connect_timeout_s=failover.connect_timeout_s,
+            read_timeout_s=failover.read_timeout_s,
+            max_attempts=failover.max_attempts,
+        )
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """Ready when every model has a replica that answers its engine health check."""
+        """Ready when a loaded model answers its engine health check (the global DNS health check
+        and the load balancer read this). A model that is loading or cold does not make the region
+        unhealthy; a region with no model serving is."""
+        await self.states.ensure_fresh()
+        loaded = [model_id for model_id in self.models if self.states.get(model_id).serving]
         checks = await asyncio.gather(
-            *(self._model_ready(handle) for handle in self.models.values()), return_exceptions=True
+            *(self._model_ready(self.models[model_id]) for model_id in loaded), return_exceptions=True
         )
-        models = {model_id: ok is True for model_id, ok in zip(self.models, checks)}
-        healthy = all(models.values())
+        ready = {model_id for model_id, ok in zip(loaded, checks) if ok is True}
+        models = {model_id: model_id in ready for model_id in self.models}
+        states = {model_id: self.states.get(model_id).state for model_id in self.models}
         return JSONResponse(
-            {"status": "ok" if healthy else "unavailable", "region": self.region, "models": models},
-            status_code=200 if healthy else 503,
+            {"status": "ok" if ready else "unavailable", "region": self.region, "models": models, "states": states},
+            status_code=200 if ready else 503,
         )
 
     @app.get("/.well-known/jwks.json")
@@ -148,6 +170,7 @@ class Router:
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
         caller = self._caller(request)
+        await self.states.ensure_fresh()
         cards = [self._model_card(model_id) for model_id in self.models if caller.allows_model(model_id)]
         return {"object": "list", "data": cards}
 
@@ -156,7 +179,18 @@ class Router:
         caller = self._caller(request)
         model_id = self._resolve(model)
         self.auth.authorize_model(caller, model_id)
+        await self.states.ensure_fresh()
         return self._model_card(model_id)
+
+    @app.post("/v1/models/load")
+    async def load_model(self, request: Request) -> JSONResponse:
+        """Bring a model up in this region (admin). 202 while it loads; poll GET /v1/models/{id}."""
+        return await self._set_wanted(request, "loaded")
+
+    @app.post("/v1/models/unload")
+    async def unload_model(self, request: Request) -> JSONResponse:
+        """Stop a model's replicas in this region (admin); in-flight requests finish first."""
+        return await self._set_wanted(request, "cold")
 
     @app.get("/v1/admin/keys")
     async def admin_list_keys(self, request: Request) -> dict[str, Any]:
@@ -178,6 +212,15 @@ class Router:
     async def completions(self, request: Request):
         return await self._relay(request, ROUTE_COMPLETIONS, "completions")
 
+    async def _set_wanted(self, request: Request, wanted: str) -> JSONResponse:
+        caller = self._caller(request, SCOPE_ADMIN)
+        model_id = self._resolve(await _model_in_body(request))
+        await self.states.ensure_fresh()
+        state = await self.states.set_wanted(model_id, wanted, by=caller.key_id)
+        logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, self.region)
+        settled = state.state in ("loaded", "cold")
+        return JSONResponse(self._model_card(model_id), status_code=200 if settled else 202)
+
     async def _relay(self, request: Request, route: str, method: str):
         exchange = Exchange(route, request.headers, region=self.region, replica=self.replica)
         try:
@@ -188,7 +231,17 @@ class Router:
             body["model"] = exchange.record.model = self._resolve(body.get("model"))
             self.auth.authorize_model(caller, body["model"])
             limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
-            stream, head = await call_model(self.models[body["model"]], method, body, self.region)
+            try:
+                await self.states.ensure_fresh()
+                self.states.require_serving(body["model"], self.region)  # 503 unless loaded here
+                stream, head = await call_model(self.models[body["model"]], method, body, self.region)
+            except APIError as unavailable:
+                if unavailable.status != 503:
+                    raise
+                forwarded = await self._fail_over(request, route, body, caller, exchange, unavailable)
+                if forwarded is None:
+                    raise
+                return forwarded
         except APIError as err:
             exchange.fail(err.status, err.code)
             raise
@@ -198,11 +251,36 @@ class Router:
         except Exception:
             exchange.fail(500, "internal")
             raise
+        limits[REGION_HEADER] = self.region
         if not head["stream"]:
             return json_response(head, exchange, limits)
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = relay_events(stream, exchange, client_wants_usage=client_wants_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=limits)
+
+    async def _fail_over(
+        self, request: Request, route: str, body: dict[str, Any], caller: Principal, exchange: Exchange, local: APIError
+    ):
+        """Forward to the first peer region that takes the request, or None (answer ``local``).
+
+        One hop: a request that was itself forwarded is never forwarded again. The peer sees the
+        caller's own token; a caller who used an API key (which only this region's key store may
+        know) is represented by a short-lived token minted here for the same key and claims.
+        """
+        if is_forwarded(request.headers) or not any(caller.allows_region(p.region) for p in self.forwarder.peers):
+            return None
+        headers = exchange.start_failover(local.code or "unavailable")
+        headers["authorization"] = (
+            request.headers["authorization"] if caller.via == "token" else f"Bearer {self.auth.forwarding_token(caller)}"
+        )
+        forwarded = await self.forwarder.forward(
+            route, body, headers, reason=local.code or "unavailable", allowed=caller.allows_region,
+            on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
+        )
+        exchange.note_failover(forwarded)
+        if forwarded.response is not None and not forwarded.stream:
+            exchange.forwarded_done(forwarded.status, forwarded.error_type)
+        return forwarded.response
 
     def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
         return self.auth.authenticate(request.headers.get("authorization"), scope=scope)
@@ -231,6 +309,7 @@ class Router:
             "aliases": [entry.hf_repo, *entry.aliases],
             "max_model_len": entry.engine.max_model_len,
             "region": self.region,
+            **self.states.get(model_id).to_json(),
         }
 
     @staticmethod

@@ -44,6 +44,25 @@ class Exchange:
         self.record = RequestRecord.begin(route, region=region, replica=replica)
         self.trace = tracing.start_server_span(self.record, headers)
         self.split = None
+        self.failover_span = None
+
+    def start_failover(self, reason: str) -> dict[str, str]:
+        """Open the ``failover`` CLIENT span; the headers carry it to the peer (one trace)."""
+        self.record.failover_reason = reason
+        self.failover_span = tracing.start_failover_span(self.trace, reason)
+        return tracing.propagation_headers(self.failover_span)
+
+    def note_failover(self, forwarded) -> None:
+        """What the forwarder did: every attempt, and the region that answered (if any)."""
+        self.record.failover_region = forwarded.region
+        tracing.note_failover_attempts(self.failover_span, forwarded.attempts, forwarded.region)
+        if forwarded.response is None:
+            self.failover_span.end()  # the local 503 stands; close() ends the rest
+
+    def forwarded_done(self, status: int, error_type: str | None) -> None:
+        """The peer's answer has been relayed to the end (or broke off): account for the request."""
+        self.finish(status, error_type)
+        self.close()
 
     def note_trailer(self, trailer: dict[str, Any] | None) -> None:
         if trailer:
@@ -69,6 +88,8 @@ class Exchange:
         """End the spans and record the metrics; safe to call more than once."""
         if self.trace.split is None:
             split = self.finish(self.record.status)
+            if self.failover_span is not None and self.failover_span.is_recording():
+                tracing.end_failover_span(self.failover_span, self.record, split)
             tracing.finish_request_spans(self.trace, split)
             observe(self.record, split)
 
@@ -80,12 +101,16 @@ async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any]
     """Start the call and wait for the head; load shedding and dead replicas become 503s."""
     stream = getattr(handle.options(stream=True), method).remote(body)
     try:
-        return stream, await stream.__anext__()
+        head = await stream.__anext__()
     except BackPressureError:
         raise _retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
     except RayActorError:
         logger.exception("model replica for %s died", body["model"])
         raise _retry_later(f"{body['model']} replica became unavailable", "replica_unavailable") from None
+    if head["status"] == 503:  # the replica's engine died (engine_unavailable): another may serve
+        error = head["body"]["error"]
+        raise _retry_later(error["message"].removesuffix("; retry"), error["code"] or "unavailable")
+    return stream, head
 
 
 def _retry_later(reason: str, code: str) -> APIError:

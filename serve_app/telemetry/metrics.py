@@ -17,6 +17,8 @@ Exported series (Prometheus names):
 - ``ray_serve_app_input_tokens_total`` / ``ray_serve_app_output_tokens_total`` (counters)
 - ``ray_serve_app_requests_total`` (counter, + ``status``): every request on an inference route
 - ``ray_serve_app_errors_total`` (counter, + ``status``, ``code``): responses with status ≥ 400
+- ``ray_serve_app_failovers_total`` (counter, + ``reason``, ``served_by``): requests this region
+  forwarded to a peer region (``served_by`` is ``none`` when no peer took them)
 
 The instruments are created lazily, on the first observation in the replica, so nothing is built
 when the deployment class is pickled, and importing this module needs no running Ray.
@@ -48,6 +50,8 @@ INPUT_TOKENS = "serve_app_input_tokens_total"
 OUTPUT_TOKENS = "serve_app_output_tokens_total"
 REQUESTS = "serve_app_requests_total"
 ERRORS = "serve_app_errors_total"
+FAILOVERS = "serve_app_failovers_total"
+FAILOVER_LABELS = (*LABELS, "reason", "served_by")
 
 # Seconds. Wide enough for a GPU region (tens of ms) and the CPU default (seconds).
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600]
@@ -69,6 +73,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     OUTPUT_TOKENS: ("Completion tokens generated.", LABELS),
     REQUESTS: ("Inference requests answered, by HTTP status.", LABELS_WITH_STATUS),
     ERRORS: ("Inference requests answered with status >= 400, by status and error code.", ERROR_LABELS),
+    FAILOVERS: ("Inference requests forwarded to a peer region, by reason and serving region.", FAILOVER_LABELS),
 }
 
 _CODE = re.compile(r"[^a-z0-9_]")
@@ -126,11 +131,14 @@ class RequestMetrics:
         tags = {"region": record.region, "model": record.model or "unknown", "route": record.route}
         with_status = {**tags, "status": str(record.status)}
         m[LATENCY].observe(split.server_ms / 1000, tags=with_status)
-        m[NETWORK].observe(split.network_ms / 1000, tags=tags)
         m[REQUESTS].inc(1, tags=with_status)
+        if record.failover_reason is not None:
+            served_by = record.failover_region or "none"
+            m[FAILOVERS].inc(1, tags={**tags, "reason": _code(record.failover_reason), "served_by": served_by})
+        else:  # a forwarded request's time went to the peer: it is not this region's network time
+            m[NETWORK].observe(split.network_ms / 1000, tags=tags)
         if record.status >= 400:
-            code = _CODE.sub("_", (record.error_type or "none").lower())[:40]
-            m[ERRORS].inc(1, tags={**with_status, "code": code})
+            m[ERRORS].inc(1, tags={**with_status, "code": _code(record.error_type or "none")})
         if split.engine:
             m[QUEUE].observe(split.queue_ms / 1000, tags=tags)
             m[INFERENCE].observe(split.inference_ms / 1000, tags=tags)
@@ -142,6 +150,10 @@ class RequestMetrics:
             m[INPUT_TOKENS].inc(record.input_tokens, tags=tags)
         if record.output_tokens:
             m[OUTPUT_TOKENS].inc(record.output_tokens, tags=tags)
+
+
+def _code(value: str) -> str:
+    return _CODE.sub("_", value.lower())[:40]
 
 
 _metrics: RequestMetrics | None = None

@@ -85,6 +85,8 @@ class RequestRecord:
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None  # chatcmpl-… / cmpl-…
     model_replica: str | None = None  # the model replica (Serve replica tag) that ran inference
+    failover_reason: str | None = None  # why the request was forwarded to a peer region
+    failover_region: str | None = None  # the peer region that answered it (None: none did)
     server_ms: float | None = None  # set once, by finish()
 
     @classmethod

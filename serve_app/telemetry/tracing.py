@@ -42,6 +42,7 @@ logger = logging.getLogger("ray.serve")
 
 INSTRUMENTATION_NAME = "serve_app"
 SPAN_AUTH, SPAN_NETWORK, SPAN_QUEUE, SPAN_INFERENCE = "auth", "network", "queue", "inference"
+SPAN_FAILOVER = "failover"
 EVENT_FIRST_TOKEN = "first_token"
 
 
@@ -283,6 +284,40 @@ def finish_request_spans(request: RequestTrace, split: Split | None = None) -> S
     return split
 
 
+def start_failover_span(request: RequestTrace, reason: str) -> Span:
+    """A CLIENT span, child of the SERVER span, for the forward to a peer region. Unlike the other
+    children it is started live: the peer continues the trace from it (``propagation_headers``)."""
+    return _tracer().start_span(
+        SPAN_FAILOVER,
+        context=request.context,
+        kind=SpanKind.CLIENT,
+        attributes={"serve_app.region": request.record.region, "serve_app.failover.reason": reason},
+    )
+
+
+def propagation_headers(span: Span) -> dict[str, str]:
+    """``traceparent`` (and ``tracestate``) naming ``span`` as the parent of the peer's SERVER span."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers, context=trace.set_span_in_context(span))
+    return headers
+
+
+def note_failover_attempts(span: Span, attempts: list, served_by: str | None) -> None:
+    """Each try as ``region:outcome:status`` (e.g. ``yvr-01:unavailable:503``), and who answered."""
+    span.set_attribute(
+        "serve_app.failover.attempts", [f"{a.region}:{a.outcome}:{a.status or '-'}" for a in attempts]
+    )
+    if served_by is not None:
+        span.set_attribute("serve_app.failover.region", served_by)
+    else:
+        span.set_status(Status(StatusCode.ERROR, "no peer region took the request"))
+
+
+def end_failover_span(span: Span, record: RequestRecord, split: Split) -> None:
+    span.set_attribute("http.response.status_code", record.status)
+    span.end(end_time=record.start_ns + round(split.server_ms * 1e6))
+
+
 def _resource_attributes(
     tracing: TracingArgs, region: str, deployment: str, replica: str, model: str | None
 ) -> dict[str, Any]:
@@ -348,6 +383,9 @@ def _server_attributes(record: RequestRecord, split: Split) -> dict[str, Any]:
     }
     if record.alias is not None:
         attributes["serve_app.alias"] = record.alias
+    if record.failover_reason is not None:
+        attributes["serve_app.failover.reason"] = record.failover_reason
+        attributes["serve_app.served_by_region"] = record.failover_region or record.region
     if split.ttft_ms is not None:
         attributes["serve_app.ttft_ms"] = split.ttft_ms
     if split.tokens_per_s is not None:

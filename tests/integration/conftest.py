@@ -8,8 +8,15 @@ as the CLI would), a ``tiny`` rate-limit tier, and two router replicas (so the r
 limit is tested across replicas). The dev key is a random one, set before ``ray.init`` because
 Ray's local workers inherit the driver's environment. Teardown shuts Serve and this Ray instance
 down through their own APIs.
+
+A second application stands for a second region, ``peer``, at ``/peer`` on the same port: its own
+router, rate limiter and model deployment (the same tiny model, starting cold, half a CPU, one
+request at a time), the same signing keys and key store (as regions that trust each other's
+tokens), and the two regions name each other as failover peers over 127.0.0.1. The local app
+keeps its config's settings, so every other test sees the embedded default.
 """
 
+import copy
 import os
 import secrets
 import subprocess
@@ -27,6 +34,7 @@ from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
 APP_NAME = "llm"
+PEER_APP, PEER_REGION, PEER_PREFIX = "peer", "peer", "/peer"
 STARTUP_TIMEOUT_S = 900
 DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
@@ -44,10 +52,11 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
             [_serve_cli(), "status", "--address", dashboard], capture_output=True, text=True
         )
         report = yaml.safe_load(status.stdout or "{}") or {}
-        app = (report.get("applications") or {}).get(APP_NAME) or {}
-        if app.get("status") == "DEPLOY_FAILED":
+        apps = report.get("applications") or {}
+        statuses = {(apps.get(name) or {}).get("status") for name in (APP_NAME, PEER_APP)}
+        if "DEPLOY_FAILED" in statuses:
             pytest.fail(f"serve deploy failed:\n{status.stdout}")
-        if app.get("status") == "RUNNING":
+        if statuses == {"RUNNING"}:
             try:
                 if httpx.get(f"{base_url}/health", timeout=15).status_code == 200:
                     return time.monotonic() - started
@@ -55,6 +64,31 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
                 pass
         time.sleep(3)
     pytest.fail(f"Serve did not become ready in {STARTUP_TIMEOUT_S}s:\n{status.stdout}")
+
+
+def _peer_application(local: dict, base_url: str) -> dict:
+    """The ``peer`` region: a copy of the local application with its own name, prefix and region."""
+    peer = copy.deepcopy(local)
+    peer["name"], peer["route_prefix"] = PEER_APP, PEER_PREFIX
+    args = peer["args"]
+    args["region"] = PEER_REGION
+    args["router"]["num_replicas"] = 1
+    args["auth"].pop("dev_api_key_env", None)  # only the local region may have a dev key
+    args["failover"] = {"peers": [{"region": "local", "endpoint": base_url}]}
+    (model,) = args["models"]
+    model["initial_state"] = "cold"
+    model["resources"]["num_cpus"] = 0.5  # with the local replica (1) and the routers: under 2
+    model["max_ongoing_requests"], model["max_queued_requests"] = 1, 1  # easy to overload
+    return peer
+
+
+def _create_key_material(auth: AuthArgs) -> None:
+    """What an operator provisions before a region starts (only ``local`` creates its own)."""
+    from serve_app.auth.keys import KeyStore
+    from serve_app.auth.tokens import KeysetFile
+
+    KeyStore(auth.key_store(), create=True)
+    KeysetFile(auth.signing_keys(), create=True)
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +118,15 @@ def serve_app(tmp_path_factory, otlp_receiver):
             "service_name": "serve_app-test",
         }
     }
-    config_path = tmp_path_factory.mktemp("serve") / "local.yaml"
+    base_url = f"http://127.0.0.1:{port}"
+    args["failover"] = {"peers": [{"region": PEER_REGION, "endpoint": base_url + PEER_PREFIX}]}
+    _create_key_material(AuthArgs.model_validate(args["auth"]))
+    config_dir = tmp_path_factory.mktemp("serve")
+    config_path = config_dir / "local.yaml"  # the local region alone: what the CLI reads
     config_path.write_text(yaml.safe_dump(config))
+    both = {**config, "applications": [*config["applications"], _peer_application(config["applications"][0], base_url)]}
+    deployed_path = config_dir / "two-regions.yaml"
+    deployed_path.write_text(yaml.safe_dump(both))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
     previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY")}
     os.environ[DEV_KEY_ENV] = dev_key
@@ -98,10 +139,9 @@ def serve_app(tmp_path_factory, otlp_receiver):
         dashboard_port=dashboard_port,
     )
     dashboard = f"http://127.0.0.1:{dashboard_port}"
-    base_url = f"http://127.0.0.1:{port}"
     try:
         subprocess.run(
-            [_serve_cli(), "deploy", str(config_path), "--address", dashboard],
+            [_serve_cli(), "deploy", str(deployed_path), "--address", dashboard],
             check=True,
             env={**os.environ, "RAY_ADDRESS": ""},
         )
@@ -109,6 +149,7 @@ def serve_app(tmp_path_factory, otlp_receiver):
         print(f"\nServe ready at {base_url} after {startup_s:.1f}s")
         yield {
             "base_url": base_url,
+            "peer_url": base_url + PEER_PREFIX,
             "app_name": APP_NAME,
             "dev_key": dev_key,
             "config_path": config_path,

@@ -35,12 +35,29 @@ def test_defaults_are_explicit_autoscaling_numbers():
         (minimal(resources={"accelerator_type": "B200"}), "num_gpus is 0"),
         (minimal(resources={"num_gpus": 2}), "num_gpus"),
         ({"models": [{"id": "qwen-3.6-35b-a3b"}, {"id": "qwen-3.6-35b-a3b"}]}, "listed twice"),
+        (minimal(autoscaling={"min_replicas": 0}), "models.0.autoscaling.min_replicas"),  # cold instead
+        (minimal(max_queued_requests=0), "max_queued_requests"),  # Serve: -1 or >= 1
+        (minimal(initial_state="warm"), "initial_state"),
+        # Forwarded requests carry the caller's credential: TLS unless it never leaves the host.
+        ({**minimal(), "failover": {"peers": [{"region": "b", "endpoint": "http://api.b.example"}]}}, "https"),
+        ({**minimal(), "failover": {"peers": [{"region": "b", "endpoint": "ftp://b"}]}}, "https"),
+        ({**minimal(), "failover": {"peers": [{"region": "local", "endpoint": "https://a"}]}}, "itself"),
+        (
+            {**minimal(), "failover": {"peers": [{"region": "b", "endpoint": "https://b"}] * 2}},
+            "listed twice",
+        ),
     ],
 )
 def test_bad_args_are_rejected_with_a_message_naming_the_problem(raw, fragment):
     with pytest.raises(ValueError) as err:
         parse_app_args(raw)
     assert fragment in str(err.value)
+
+
+def test_peers_may_use_plain_http_only_on_loopback():
+    for endpoint in ("https://api.b.example/", "http://127.0.0.1:8000/peer", "http://localhost:8000"):
+        args = parse_app_args({**minimal(), "failover": {"peers": [{"region": "b", "endpoint": endpoint}]}})
+        assert args.failover.peers[0].endpoint == endpoint.rstrip("/")
 
 
 def test_engine_flags_start_from_the_catalog_and_take_overrides():

@@ -9,6 +9,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from serve_app import catalog
 from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
+from serve_app.engine.autoscaling import POLICY_PATH
 from tests.conftest import REPO, app_args, load_serve_config
 
 BLACKWELL = {"B200", "B300", "GB200", "GB300", "RTX-PRO-6000"}
@@ -40,6 +41,13 @@ def test_region_config_runs_the_production_checkpoint_on_one_blackwell_gpu(name)
         assert flags.enforce_eager is True
         assert flags.default_chat_template_kwargs == {"enable_thinking": False}
         scaling = options["autoscaling_config"]
-        assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
+        # Serve's floor is 0 (a model can be unloaded); the hot-load policy keeps a loaded one up.
+        assert scaling["min_replicas"] == 0 and scaling["policy"]["policy_function"] == POLICY_PATH
+        loaded_floor = scaling["policy"]["policy_kwargs"]["min_replicas"]
+        assert 1 <= loaded_floor <= scaling["max_replicas"]
+        if model.initial_state == "loaded":
+            assert loaded_floor <= scaling["initial_replicas"] <= scaling["max_replicas"]
+        else:
+            assert scaling["initial_replicas"] == 0
         assert scaling["target_ongoing_requests"] <= options["max_ongoing_requests"]
         assert options["max_queued_requests"] > 0

@@ -13,6 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from serve_app import catalog, regions
+from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
 from serve_app.regions_cli import app as regions_app
 from serve_app.regions_cli import drift
@@ -142,10 +143,23 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
         assert model.engine.max_model_len is None
         assert model.engine.enforce_eager is None
         assert catalog.get(model.id).engine.max_model_len == 8192
+    # Failover goes to the region's peers, in order, at their public endpoints.
+    assert [(p.region, p.endpoint) for p in args.failover.peers] == [
+        (peer, REGIONS[peer].public_endpoint) for peer in region.peers
+    ]
     # Auth material at the paths the Terraform module mounts.
     assert args.auth.signing_keys_path.startswith(regions.SIGNING_KEYS_DIR + "/")
     assert args.auth.key_store_path.startswith(regions.STATE_DIR + "/")
     assert args.auth.dev_api_key_env is None
+
+
+def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
+    data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
+    data["models"][0]["state"] = "cold"
+    (model,) = regions.app_args(regions.parse_region(data))["models"]
+    assert model["initial_state"] == "cold"
+    options = model_deployment_options(parse_app_args({"models": [model], "region": "local"}).models[0])
+    assert options["autoscaling_config"]["initial_replicas"] == 0
 
 
 def test_yul_02_keeps_its_pilot_settings():

@@ -509,6 +509,23 @@ def test_metrics_errors_by_status_and_unresolved_models_are_unknown():
     assert made[telemetry_metrics.QUEUE].points == [] and made[telemetry_metrics.TTFT].points == []
 
 
+def test_metrics_count_failovers_and_leave_the_peers_time_out_of_network():
+    request_metrics, made = fake_metrics()
+    served = make_record(queue_ms=None, prefill_ms=None, decode_ms=None)
+    served.failover_reason, served.failover_region = "overloaded", "yvr-01"
+    unserved = make_record(queue_ms=None, prefill_ms=None, decode_ms=None, status=503)
+    unserved.failover_reason, unserved.error_type = "model_cold", "model_cold"
+    request_metrics.observe(served)
+    request_metrics.observe(unserved)
+    tags = {"region": "yul-02", "model": "qwen-3.6-35b-a3b", "route": ROUTE_CHAT}
+    assert made[telemetry_metrics.FAILOVERS].points == [
+        (1, {**tags, "reason": "overloaded", "served_by": "yvr-01"}),
+        (1, {**tags, "reason": "model_cold", "served_by": "none"}),
+    ]
+    assert made[telemetry_metrics.NETWORK].points == []
+    assert [p[1]["status"] for p in made[telemetry_metrics.REQUESTS].points] == ["200", "503"]
+
+
 def test_metrics_never_raise_and_can_be_disabled():
     def broken(*args):
         raise RuntimeError("no metrics agent")

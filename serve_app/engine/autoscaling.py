@@ -1,0 +1,90 @@
+"""The model deployments' autoscaling policy: Serve's queue-length policy while a model is wanted
+loaded, zero replicas while it is cold (``serve_app.model_state``).
+
+Serve applies its own delay logic to whatever a custom policy returns, with the deployment's
+``upscale_delay_s``/``downscale_delay_s``. Those would make an unload wait ``downscale_delay_s``
+(ten minutes in a region) per step, so the rendered Serve config sets them to 0 and this policy
+applies the region's delays itself, to autoscaling decisions only: a load goes straight to the
+floor and an unload straight to zero once the replicas' in-flight requests are done.
+
+Why wait for them: Serve starts a replica at once for a deployment that has zero replicas and
+requests in flight (a fast path that runs before any custom policy). Dropping to zero while a
+request still runs would stop the replica and start a new one for that request, minutes of GPU
+for nothing. Routers send nothing new to an unloading model, so the wait is bounded by the longest
+running request, and by ``drain_timeout_s`` in any case.
+
+Serve runs the policy in its controller, once per control-loop tick (~0.1 s). The wanted state is
+read from the GCS key-value store at most once a second. The policy class is pickled by value when
+the config is deployed; what it imports is imported in the controller, so it stays small.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+
+from serve_app.model_state import WantedRecord, read_wanted
+
+POLICY_PATH = "serve_app.engine.autoscaling:HotLoadPolicy"
+WANTED_REFRESH_S = 1.0
+
+
+class HotLoadPolicy:
+    def __init__(
+        self,
+        min_replicas: int,
+        initial_state: str,
+        upscale_delay_s: float,
+        downscale_delay_s: float,
+        drain_timeout_s: float = 120,
+        read: Callable[[str, str], WantedRecord | None] = read_wanted,
+    ):
+        self.min_replicas = max(1, min_replicas)  # loaded means at least one replica
+        self.initial_state = initial_state
+        self.upscale_delay_s = upscale_delay_s
+        self.downscale_delay_s = downscale_delay_s
+        self.drain_timeout_s = drain_timeout_s
+        self._read = read
+        self._wanted = WantedRecord(initial_state, 0.0)
+        self._read_at = float("-inf")
+
+    def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        wanted = self._wanted_record(ctx)
+        if wanted.state == "cold":
+            now = ctx.current_time or time.time()
+            draining = ctx.current_num_replicas > 0 and ctx.total_num_requests > 0
+            if draining and now - wanted.since < self.drain_timeout_s:
+                return ctx.target_num_replicas, {}  # unloading: let in-flight requests finish
+            return 0, {}
+        if ctx.current_num_replicas == 0:  # loading (or every replica died): straight to the floor
+            return max(self.min_replicas, ctx.target_num_replicas), {}
+        desired, _ = replica_queue_length_autoscaling_policy(ctx)
+        return self._after_delay(max(self.min_replicas, math.ceil(desired)), ctx)
+
+    def _wanted_record(self, ctx) -> WantedRecord:
+        now = time.monotonic()
+        if now - self._read_at >= WANTED_REFRESH_S:
+            self._read_at = now
+            try:
+                record = self._read(ctx.app_name, ctx.deployment_name)
+            except Exception:  # a GCS hiccup: keep the last known state rather than flap
+                return self._wanted
+            self._wanted = record or WantedRecord(self.initial_state, 0.0)
+        return self._wanted
+
+    def _after_delay(self, desired: int, ctx) -> tuple[int, dict[str, Any]]:
+        """Move to ``desired`` only once it has pointed the same way for the configured delay."""
+        target = ctx.target_num_replicas
+        if desired == target:
+            return target, {}
+        direction = "up" if desired > target else "down"
+        now = ctx.current_time or time.time()
+        state = ctx.policy_state or {}
+        since = state.get("since") if state.get("direction") == direction else None
+        since = now if since is None else since
+        delay = self.upscale_delay_s if direction == "up" else self.downscale_delay_s
+        if now - since >= delay:
+            return desired, {}
+        return target, {"direction": direction, "since": since}

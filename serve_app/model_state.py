@@ -1,0 +1,120 @@
+"""Hot-load: which models a region wants loaded, and what state each one is in.
+
+A model deployment is always part of the Serve application, but it runs replicas only while it is
+*wanted loaded*. The wanted state (``loaded`` or ``cold``) is set by ``POST /v1/models/load`` and
+``/v1/models/unload`` and kept in Ray's GCS key-value store, under the Serve application and
+deployment names, so every router replica and the Serve controller (where the autoscaling policy,
+``serve_app.engine.autoscaling``, runs) read the same value, and it survives router and
+controller restarts. Until a model has been loaded or unloaded, its config's ``initial_state``
+stands. The KV store lives as long as the Ray cluster; a new cluster starts from the config.
+
+What a caller sees (``/v1/models``) is derived from the wanted state and the replicas Serve
+reports:
+
+========== ===================================================================================
+loaded     wanted loaded and at least one replica running: requests are served
+loading    wanted loaded, no replica running yet (weights loading, or waiting for a GPU)
+failed     wanted loaded, no replica running, and Serve gave up starting one (see ``message``)
+unloading  wanted cold, replicas still draining their in-flight requests
+cold       wanted cold, no replicas: costs nothing, needs a load before it serves
+========== ===================================================================================
+
+Only ``loaded`` models receive requests; the others answer 503 with ``Retry-After`` (or the
+request fails over to a peer region). Nothing is ever sent to a cold deployment's handle, because a
+request queued there would make Serve start a replica by itself.
+"""
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+LOADED, LOADING, FAILED, UNLOADING, COLD = "loaded", "loading", "failed", "unloading", "cold"
+Wanted = Literal["loaded", "cold"]
+KV_NAMESPACE = "serve_app"
+
+# Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller.
+_STARTING = ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
+_FAILED_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+
+
+@dataclass(frozen=True)
+class WantedRecord:
+    state: Wanted
+    since: float  # unix time the state was last set
+    by: str | None = None  # key id of the admin who set it (None: the config's initial_state)
+
+
+def _key(app_name: str, deployment: str) -> bytes:
+    return f"hot_load/{app_name}/{deployment}".encode()
+
+
+def read_wanted(app_name: str, deployment: str) -> WantedRecord | None:
+    """The wanted state set through the API, or None if it was never set in this cluster."""
+    from ray.experimental import internal_kv
+
+    raw = internal_kv._internal_kv_get(_key(app_name, deployment), namespace=KV_NAMESPACE)
+    if not raw:
+        return None
+    data = json.loads(raw)
+    return WantedRecord(state=data["state"], since=float(data["since"]), by=data.get("by"))
+
+
+def write_wanted(app_name: str, deployment: str, state: Wanted, by: str) -> WantedRecord:
+    from ray.experimental import internal_kv
+
+    record = WantedRecord(state=state, since=time.time(), by=by)
+    internal_kv._internal_kv_put(
+        _key(app_name, deployment),
+        json.dumps({"state": record.state, "since": record.since, "by": record.by}).encode(),
+        overwrite=True,
+        namespace=KV_NAMESPACE,
+    )
+    return record
+
+
+@dataclass(frozen=True)
+class ModelState:
+    state: str  # one of LOADED, LOADING, FAILED, UNLOADING, COLD
+    wanted: Wanted
+    running: int = 0
+    starting: int = 0
+    stopping: int = 0
+    since: float | None = None  # when the wanted state was set (None: since deploy)
+    message: str | None = None  # Serve's own words while loading or failed (e.g. waiting for a GPU)
+
+    @property
+    def serving(self) -> bool:
+        return self.state == LOADED
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        return {
+            "state": self.state,
+            "replicas": {"running": self.running, "starting": self.starting, "stopping": self.stopping},
+            "since": self.since,
+            "elapsed_s": None if self.since is None else round(max(now - self.since, 0.0), 1),
+            "message": self.message,
+        }
+
+
+def derive_state(
+    wanted: WantedRecord,
+    replica_states: Mapping[str, int],
+    deployment_status: str | None = None,
+    message: str | None = None,
+) -> ModelState:
+    """The caller-facing state from the wanted state and Serve's replica counts by state name."""
+    running = int(replica_states.get("RUNNING", 0))
+    starting = sum(int(replica_states.get(name, 0)) for name in _STARTING)
+    stopping = int(replica_states.get("STOPPING", 0))
+    counts = {"running": running, "starting": starting, "stopping": stopping}
+    since = wanted.since if wanted.by is not None else None
+    if wanted.state == "cold":
+        state = UNLOADING if running or starting or stopping else COLD
+        return ModelState(state, "cold", since=since, **counts)
+    if running:
+        return ModelState(LOADED, "loaded", since=since, **counts)
+    failed = deployment_status in _FAILED_STATUSES
+    return ModelState(FAILED if failed else LOADING, "loaded", since=since, message=message or None, **counts)

@@ -1,0 +1,222 @@
+"""Cross-region failover: when this region cannot serve a request (the router decided on a 503:
+model overloaded, cold, loading, replica unavailable), send the same request to a peer region's
+router and relay its answer.
+
+- One hop only. The forwarded request carries ``HOP_HEADER`` (the forwarding region); a router that
+  receives it never forwards again (``is_forwarded``), so two overloaded regions cannot ping-pong.
+- Peers are tried in order, at most ``max_attempts``. Only a 503, a failed connect or a timeout
+  before the response head moves on to the next peer; any other status is the peer's verdict on
+  this request and is relayed as is (a 400 or 429 would not change elsewhere). All failed → a
+  ``Forwarded`` without a response (its attempts go into the trace), and the router answers with
+  its own 503.
+- Timeouts: connecting must be quick (a dead peer must not eat the client's patience); reading
+  is long, since a long generation can be slow between bytes.
+- Relayed: the status, the body (SSE byte for byte, as it arrives) and the headers a client acts on
+  (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-pg-region), plus
+  ``x-pg-failover-from`` / ``x-pg-failover-reason``. Hop-by-hop headers are not relayed, and
+  upstream is asked for ``identity`` encoding so the bytes relayed are the bytes the client reads.
+"""
+
+import json
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from serve_app.errors import error_body
+
+logger = logging.getLogger("ray.serve")
+
+HOP_HEADER = "x-pg-forwarded-from"
+REGION_HEADER = "x-pg-region"
+FAILOVER_FROM_HEADER = "x-pg-failover-from"
+FAILOVER_REASON_HEADER = "x-pg-failover-reason"
+
+_RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER}
+# Never copied from the router's headers: httpx or the Forwarder set these for the request it
+# sends (a stale content-length from the client's request would corrupt the forwarded body).
+_NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "content-type", "accept",
+                  "accept-encoding", HOP_HEADER}
+_PEER_BROKE = "peer_stream_failed"
+OnDone = Callable[[int, str | None], None]
+
+
+class PeerLike(Protocol):
+    """Anything with a region and an endpoint (the config's pydantic model, or ``Peer``)."""
+
+    @property
+    def region(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Peer:
+    region: str
+    endpoint: str  # the peer router's base URL; may carry a path prefix
+
+
+@dataclass
+class Attempt:
+    region: str
+    outcome: str  # served | unavailable | connect_error | timeout | error
+    status: int | None
+    duration_ms: float
+
+
+@dataclass
+class Forwarded:
+    """What ``forward`` did. ``response`` is None when no peer took the request. A JSON answer is
+    complete when returned; a stream reports its end through ``on_done``."""
+
+    response: Response | None
+    region: str | None
+    status: int | None
+    attempts: list[Attempt] = field(default_factory=list)
+    error_type: str | None = None  # peer_stream_failed when a JSON body broke off
+    stream: bool = False
+
+
+def is_forwarded(headers: Mapping[str, str]) -> bool:
+    """True if the request came from a peer router (so it must not be forwarded again)."""
+    return any(key.lower() == HOP_HEADER for key in headers.keys())
+
+
+class _RelayResponse(StreamingResponse):
+    """Starlette abandons the body iterator when the client leaves; close it here at once, so the
+    upstream connection is released and ``on_done`` runs now, not whenever the GC gets to it."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+class Forwarder:
+    def __init__(self, region: str, peers: Sequence[PeerLike], *, connect_timeout_s: float = 2.0,
+                 read_timeout_s: float = 600.0, max_attempts: int = 2,
+                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True):
+        self.region = region
+        self.peers = list(peers)
+        self.max_attempts = max_attempts
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
+                                      write=connect_timeout_s, pool=connect_timeout_s)
+        self._transport = transport
+        self._verify = verify
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        # Created lazily: the client's pool belongs to the event loop that first uses it.
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False,
+                                             verify=self._verify, transport=self._transport)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def forward(self, route: str, body: dict, headers: Mapping[str, str], *, reason: str,
+                      allowed: Callable[[str], bool] = lambda region: True,
+                      on_done: OnDone | None = None) -> Forwarded:
+        """The first peer's answer that is not a 503, ready to return, or none and why.
+
+        ``on_done(status, error_type)`` is called once when a relayed *stream* ends (or breaks off,
+        or the client leaves)."""
+        out = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+        out |= {"content-type": "application/json", HOP_HEADER: self.region, "accept-encoding": "identity",
+                "accept": "text/event-stream" if body.get("stream") else "application/json"}
+        attempts: list[Attempt] = []
+        for peer in self.peers:
+            if len(attempts) >= self.max_attempts:
+                break
+            if peer.region == self.region or not allowed(peer.region):
+                continue
+            start = time.perf_counter()
+            upstream, outcome, detail = None, "error", ""
+            try:
+                url = peer.endpoint.rstrip("/") + route
+                upstream = await self._http().send(self._http().build_request("POST", url, json=body, headers=out),
+                                                   stream=True)
+                outcome = "unavailable" if upstream.status_code == 503 else "served"
+            except httpx.ConnectError:
+                outcome = "connect_error"
+            except httpx.TimeoutException:  # connect, write, or no response head within the read timeout
+                outcome = "timeout"
+            except httpx.HTTPError as err:  # e.g. the peer closed the connection before answering
+                detail = type(err).__name__
+            status = upstream.status_code if upstream is not None else None
+            attempts.append(Attempt(peer.region, outcome, status, (time.perf_counter() - start) * 1000))
+            if outcome == "served":
+                return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None))
+            logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)
+            if upstream is not None:
+                await upstream.aclose()
+        return Forwarded(None, None, None, attempts)
+
+    async def _relay(self, peer: PeerLike, upstream: httpx.Response, reason: str, attempts: list[Attempt],
+                     on_done: OnDone) -> Forwarded:
+        status, error_type = upstream.status_code, None
+        relayed = [(k, v) for k, v in upstream.headers.multi_items()  # multi: www-authenticate may repeat
+                   if k in _RELAYED or k.startswith("x-ratelimit-")]
+        stream = upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
+        if stream:
+            response: Response = _RelayResponse(_relay_events(peer, upstream, on_done), status_code=status)
+        else:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as err:  # the head came, the body did not: nothing left to relay
+                logger.warning("failover to %s: body read failed (%s)", peer.region, type(err).__name__)
+                attempts[-1].outcome = "error"
+                status, error_type = 502, _PEER_BROKE
+                content = json.dumps(_broke_body(peer)).encode()
+                relayed = [("content-type", "application/json")]
+            finally:
+                await upstream.aclose()
+            response = Response(content, status_code=status)
+        for key, value in relayed:
+            response.headers.append(key, value)
+        if REGION_HEADER not in response.headers:
+            response.headers[REGION_HEADER] = peer.region
+        response.headers[FAILOVER_FROM_HEADER] = self.region
+        response.headers[FAILOVER_REASON_HEADER] = reason
+        return Forwarded(response, peer.region, status, attempts, error_type, stream)
+
+
+async def _relay_events(peer: PeerLike, upstream: httpx.Response, on_done: OnDone) -> AsyncIterator[bytes]:
+    """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event."""
+    result: tuple[int, str | None] = (499, "client_closed")  # unless we reach the end below
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+        result = (upstream.status_code, None)
+    except httpx.HTTPError as err:
+        # The status line is sent: end the stream properly so the client never hangs.
+        logger.warning("failover to %s: stream broke (%s)", peer.region, type(err).__name__)
+        result = (502, _PEER_BROKE)
+        yield f"data: {json.dumps(_broke_body(peer))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        _call(on_done, *result)
+        with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
+            await upstream.aclose()
+
+
+def _broke_body(peer: PeerLike) -> dict:
+    return error_body(502, f"the peer region {peer.region} failed mid-response", code=_PEER_BROKE)
+
+
+def _call(on_done: OnDone, status: int, error_type: str | None) -> None:
+    try:
+        on_done(status, error_type)
+    except Exception:  # the router's bookkeeping must not break the client's response
+        logger.exception("failover on_done callback failed")

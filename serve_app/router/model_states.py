@@ -1,0 +1,135 @@
+"""The router's view of each model's hot-load state (serve_app/model_state.py), kept fresh.
+
+A background task refreshes every model's state once a second from Serve's status and the wanted
+state in the GCS KV store, so the request path reads it from memory. A router replica that takes a
+load or unload updates its own view at once; the others follow within a second.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from serve_app.config import ModelDeploymentArgs
+from serve_app.errors import APIError
+from serve_app.model_state import (
+    COLD,
+    FAILED,
+    LOADING,
+    UNLOADING,
+    ModelState,
+    Wanted,
+    WantedRecord,
+    derive_state,
+    read_wanted,
+    write_wanted,
+)
+
+logger = logging.getLogger("ray.serve")
+
+REFRESH_S = 1.0
+# Retry hints for requests that reach a model that is not serving: a load of the FP8 checkpoint
+# takes minutes on a GPU; a cold model serves only after an admin loads it.
+RETRY_AFTER_S = {LOADING: 30, FAILED: 60, UNLOADING: 60, COLD: 60}
+
+
+class ModelStates:
+    def __init__(
+        self,
+        app_name: str,
+        models: Sequence[ModelDeploymentArgs],
+        *,
+        serve_status: Callable[[], Any] | None = None,
+        read: Callable[[str, str], WantedRecord | None] = read_wanted,
+        write: Callable[[str, str, Wanted, str], WantedRecord] = write_wanted,
+    ):
+        self.app_name = app_name
+        self.deployments = {model.id: model.deployment_name for model in models}
+        self._initial = {model.id: WantedRecord(model.initial_state, time.time()) for model in models}
+        self._serve_status = serve_status or _serve_status
+        self._read, self._write = read, write
+        self._wanted: dict[str, WantedRecord] = dict(self._initial)
+        self._states: dict[str, ModelState] = {
+            model_id: derive_state(wanted, {}) for model_id, wanted in self._wanted.items()
+        }
+        self._refreshed = False
+        self._task: asyncio.Task | None = None
+
+    def get(self, model_id: str) -> ModelState:
+        return self._states[model_id]
+
+    async def ensure_fresh(self) -> None:
+        """Start the refresh loop (first call in the replica's event loop); wait for a first view."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+        if not self._refreshed:
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        wanted = await asyncio.to_thread(self._read_all)
+        status = await asyncio.to_thread(self._serve_status)
+        deployments = _deployments_of(status, self.app_name)
+        for model_id, deployment in self.deployments.items():
+            self._wanted[model_id] = wanted[model_id]
+            self._states[model_id] = _state_of(wanted[model_id], deployments.get(deployment))
+        self._refreshed = True
+
+    async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
+        """Record the wanted state for every router and the autoscaling policy; return the new view."""
+        deployment = self.deployments[model_id]
+        self._wanted[model_id] = await asyncio.to_thread(self._write, self.app_name, deployment, state, by)
+        await self.refresh()
+        return self._states[model_id]
+
+    def require_serving(self, model_id: str, region: str) -> None:
+        """A 503 with Retry-After unless the model is loaded here (the router may then fail over)."""
+        state = self._states[model_id]
+        if state.serving:
+            return
+        reasons = {
+            LOADING: "is loading in region {region}",
+            FAILED: "failed to load in region {region}",
+            UNLOADING: "is being unloaded in region {region}",
+            COLD: "is not loaded in region {region}; an admin can POST /v1/models/load",
+        }
+        raise APIError(
+            503,
+            f"{model_id} {reasons[state.state].format(region=region)}; retry later",
+            param="model",
+            code=f"model_{state.state}",
+            headers={"Retry-After": str(RETRY_AFTER_S[state.state])},
+        )
+
+    def _read_all(self) -> dict[str, WantedRecord]:
+        return {
+            model_id: self._read(self.app_name, deployment) or self._initial[model_id]
+            for model_id, deployment in self.deployments.items()
+        }
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            try:
+                await self.refresh()
+            except Exception:  # the controller restarting, say: keep the last view and retry
+                logger.warning("could not refresh model states", exc_info=True)
+
+
+def _serve_status():
+    from ray import serve
+
+    return serve.status()
+
+
+def _deployments_of(status: Any, app_name: str) -> dict[str, Any]:
+    app = status.applications.get(app_name)
+    return dict(app.deployments) if app is not None else {}
+
+
+def _state_of(wanted: WantedRecord, deployment: Any) -> ModelState:
+    if deployment is None:  # not deployed yet (the app is still being built)
+        return derive_state(wanted, {})
+    replica_states = {str(getattr(k, "value", k)): n for k, n in deployment.replica_states.items()}
+    status = str(getattr(deployment.status, "value", deployment.status))
+    return derive_state(wanted, replica_states, status, deployment.message)

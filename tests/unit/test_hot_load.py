@@ -1,0 +1,253 @@
+"""Hot-load: the state model, the autoscaling policy (run through Serve's own policy wrapper), and
+the router's state tracker. The Serve controller and the GCS KV store are replaced by in-memory
+fakes here; tests/integration/test_regions.py loads and unloads a real model."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from serve_app.app import autoscaling_config
+from serve_app.config import ModelDeploymentArgs
+from serve_app.engine.autoscaling import HotLoadPolicy
+from serve_app.errors import APIError
+from serve_app.model_state import WantedRecord, derive_state
+from serve_app.router.model_states import ModelStates
+
+MODEL = "qwen-3.6-35b-a3b"
+SIBLING = "qwen-3.5-27b"
+
+
+# --- states ------------------------------------------------------------------------------------
+LOADED_BY_API = WantedRecord("loaded", 100.0, by="key-admin")
+COLD_BY_API = WantedRecord("cold", 100.0, by="key-admin")
+
+
+@pytest.mark.parametrize(
+    "wanted, replicas, status, expected",
+    [
+        (LOADED_BY_API, {"RUNNING": 1}, "HEALTHY", "loaded"),
+        (LOADED_BY_API, {"RUNNING": 1, "STARTING": 2}, "UPSCALING", "loaded"),
+        (LOADED_BY_API, {"STARTING": 1}, "UPDATING", "loading"),
+        (LOADED_BY_API, {}, "UPDATING", "loading"),
+        (LOADED_BY_API, {"STARTING": 1}, "DEPLOY_FAILED", "failed"),
+        (LOADED_BY_API, {}, "UNHEALTHY", "failed"),
+        (COLD_BY_API, {"RUNNING": 1}, "DOWNSCALING", "unloading"),
+        (COLD_BY_API, {"STOPPING": 1}, "HEALTHY", "unloading"),
+        (COLD_BY_API, {}, "HEALTHY", "cold"),
+    ],
+)
+def test_state_follows_wanted_state_and_replicas(wanted, replicas, status, expected):
+    assert derive_state(wanted, replicas, status, "msg").state == expected
+
+
+def test_state_reports_progress_and_when_it_was_asked_for():
+    state = derive_state(LOADED_BY_API, {"STARTING": 1}, "UPDATING", "waiting for a GPU")
+    shown = state.to_json(now=112.5)
+    assert shown == {
+        "state": "loading",
+        "replicas": {"running": 0, "starting": 1, "stopping": 0},
+        "since": 100.0,
+        "elapsed_s": 12.5,
+        "message": "waiting for a GPU",
+    }
+    # A state from the config (nobody asked through the API) has no start time.
+    assert derive_state(WantedRecord("loaded", 5.0), {}).to_json()["since"] is None
+
+
+# --- the policy, inside Serve's own wrapper -----------------------------------------------------
+def _model(**overrides) -> ModelDeploymentArgs:
+    return ModelDeploymentArgs.model_validate(
+        {
+            "id": MODEL,
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 4,
+                "target_ongoing_requests": 8,
+                "upscale_delay_s": 15,
+                "downscale_delay_s": 600,
+            },
+            **overrides,
+        }
+    )
+
+
+class Cluster:
+    """Plays the controller: calls the policy Serve builds from our config, as Serve does."""
+
+    def __init__(self, model: ModelDeploymentArgs, wanted: dict):
+        self.config = AutoscalingConfig(**autoscaling_config(model))
+        self.wanted = wanted  # the fake GCS KV store
+        policy = self.config.policy
+        policy.serialize_policy()  # what a deploy does: import the path, pickle by value
+        instance = _resolve_policy_callable(policy)
+        instance._read = lambda app, deployment: wanted.get((app, deployment))
+        self.policy = _apply_autoscaling_config(instance)
+        self.state: dict = {}
+        self.target = self.config.initial_replicas
+        self.running = self.target
+
+    def tick(self, requests: float = 0, now: float | None = None) -> int:
+        ctx = AutoscalingContext(
+            deployment_id=None,
+            deployment_name="model-x",
+            app_name="llm",
+            current_num_replicas=self.running,
+            target_num_replicas=self.target,
+            running_replicas=[],
+            total_num_requests=requests,
+            total_queued_requests=0,
+            aggregated_metrics={},
+            raw_metrics={},
+            capacity_adjusted_min_replicas=self.config.min_replicas,
+            capacity_adjusted_max_replicas=self.config.max_replicas,
+            policy_state=self.state,
+            last_scale_up_time=None,
+            last_scale_down_time=None,
+            current_time=now or time.time(),
+            config=self.config,
+        )
+        decision, self.state = self.policy(ctx)
+        self.target = max(self.config.min_replicas, min(self.config.max_replicas, decision))
+        self.running = self.target  # replicas start and stop at once here
+        return self.target
+
+
+def test_config_serve_accepts_starts_loaded_or_cold():
+    assert AutoscalingConfig(**autoscaling_config(_model())).initial_replicas == 1
+    cold = AutoscalingConfig(**autoscaling_config(_model(initial_state="cold")))
+    assert (cold.min_replicas, cold.initial_replicas, cold.max_replicas) == (0, 0, 4)
+
+
+def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero(monkeypatch):
+    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    wanted = {}
+    cluster = Cluster(_model(initial_state="cold"), wanted)
+    assert cluster.tick() == 0
+    assert cluster.tick(requests=0) == 0  # cold stays cold
+
+    wanted[("llm", "model-x")] = WantedRecord("loaded", time.time(), "admin")
+    assert cluster.tick() == 1  # no upscale delay for a load
+
+    cluster.running = cluster.target = 3  # busy: autoscaled out
+    wanted[("llm", "model-x")] = WantedRecord("cold", time.time(), "admin")
+    assert cluster.tick(requests=0) == 1  # Serve steps down to one first...
+    assert cluster.tick() == 0  # ...and to zero on the next tick, not after downscale_delay_s
+
+
+def test_an_unload_waits_for_in_flight_requests_but_not_forever(monkeypatch):
+    """Zero replicas with a request in flight would make Serve start a replica for it at once."""
+    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    wanted = {("llm", "model-x"): WantedRecord("cold", 1000.0, "admin")}
+    cluster = Cluster(_model(graceful_shutdown_timeout_s=120), wanted)
+    cluster.running = cluster.target = 2
+    assert cluster.tick(requests=3, now=1001) == 2  # draining
+    assert cluster.tick(requests=1, now=1060) == 2
+    assert cluster.tick(requests=0, now=1061) == 1  # drained: down (Serve's 1-then-0 steps)
+    assert cluster.tick(requests=0, now=1061.1) == 0
+    cluster.running = cluster.target = 1
+    assert cluster.tick(requests=1, now=1121) == 0  # a request stuck past the drain timeout
+
+
+def test_while_loaded_it_autoscales_with_the_regions_delays(monkeypatch):
+    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    cluster = Cluster(_model(), {})
+    start = 1000.0
+    assert cluster.tick(requests=0, now=start) == 1
+    assert cluster.tick(requests=30, now=start + 1) == 1  # wants 4, waits upscale_delay_s (15)
+    assert cluster.tick(requests=30, now=start + 10) == 1
+    assert cluster.tick(requests=30, now=start + 16) == 4
+    assert cluster.tick(requests=0, now=start + 20) == 4  # idle: waits downscale_delay_s (600)
+    assert cluster.tick(requests=0, now=start + 500) == 4
+    assert cluster.tick(requests=0, now=start + 621) == 1  # never below min_replicas while loaded
+    assert cluster.tick(requests=0, now=start + 2000) == 1
+
+
+def test_a_kv_outage_keeps_the_last_known_state(monkeypatch):
+    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    policy = HotLoadPolicy(1, "cold", 0, 0)
+    policy._read = lambda app, deployment: WantedRecord("loaded", 1.0, "admin")
+    ctx = SimpleNamespace(app_name="llm", deployment_name="d")
+    assert policy._wanted_record(ctx).state == "loaded"
+
+    def broken(app, deployment):
+        raise ConnectionError("GCS unavailable")
+
+    policy._read = broken
+    assert policy._wanted_record(ctx).state == "loaded"
+
+
+# --- the router's tracker -----------------------------------------------------------------------
+class FakeServe:
+    def __init__(self):
+        self.replicas = {"model-" + MODEL: {"RUNNING": 1}, "model-" + SIBLING: {}}
+        self.kv: dict = {}
+
+    def status(self):
+        deployments = {
+            name: SimpleNamespace(replica_states=counts, status="HEALTHY", message="")
+            for name, counts in self.replicas.items()
+        }
+        return SimpleNamespace(applications={"llm": SimpleNamespace(deployments=deployments)})
+
+    def read(self, app, deployment):
+        return self.kv.get((app, deployment))
+
+    def write(self, app, deployment, state, by):
+        self.kv[(app, deployment)] = record = WantedRecord(state, time.time(), by)
+        return record
+
+
+def _states(fake: FakeServe) -> ModelStates:
+    models = [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING, initial_state="cold")]
+    return ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
+
+
+def test_router_serves_only_loaded_models_and_says_why_not():
+    fake = FakeServe()
+    states = _states(fake)
+    asyncio.run(states.refresh())
+    states.require_serving(MODEL, "yul-02")
+    with pytest.raises(APIError) as cold:
+        states.require_serving(SIBLING, "yul-02")
+    assert (cold.value.status, cold.value.code) == (503, "model_cold")
+    assert int(cold.value.headers["Retry-After"]) > 0
+    assert "POST /v1/models/load" in cold.value.message
+
+
+def test_load_and_unload_write_the_wanted_state_and_update_the_view():
+    fake = FakeServe()
+    states = _states(fake)
+
+    async def scenario():
+        await states.refresh()
+        loading = await states.set_wanted(SIBLING, "loaded", by="key-admin")
+        assert loading.state == "loading"
+        assert fake.kv[("llm", "model-" + SIBLING)].by == "key-admin"
+        with pytest.raises(APIError) as err:
+            states.require_serving(SIBLING, "r")
+        assert err.value.code == "model_loading"
+
+        fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
+        await states.refresh()
+        assert states.get(SIBLING).state == "loaded"
+
+        assert (await states.set_wanted(MODEL, "cold", by="key-admin")).state == "unloading"
+        fake.replicas["model-" + MODEL] = {}
+        await states.refresh()
+        assert states.get(MODEL).state == "cold"
+
+    asyncio.run(scenario())
+
+
+def test_another_routers_change_is_seen_on_refresh():
+    fake = FakeServe()
+    states = _states(fake)
+    asyncio.run(states.refresh())
+    fake.write("llm", "model-" + MODEL, "cold", "elsewhere")
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).wanted == "cold"
