@@ -186,6 +186,7 @@ class FailoverArgs(_Strict):
     peers: list[Peer] = Field(default_factory=list, description="Most preferred first.")
     max_attempts: int = Field(2, ge=1, description="Peers tried per request before giving up.")
     connect_timeout_s: float = Field(2, gt=0, description="Per peer: a dead peer costs this much.")
+    unreachable_hold_s: float = Field(10, ge=0, description="Skip a peer this long after it was unreachable.")
     # Between bytes of the peer's answer; a non-streamed completion sends nothing until it is done.
     read_timeout_s: float = Field(600, gt=0)
 

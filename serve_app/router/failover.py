@@ -10,7 +10,9 @@ router and relay its answer.
   ``Forwarded`` without a response (its attempts go into the trace), and the router answers with
   its own 503.
 - Timeouts: connecting must be quick (a dead peer must not eat the client's patience); reading
-  is long, since a long generation can be slow between bytes.
+  is long, since a long generation can be slow between bytes. A peer that could not be reached
+  (connect error or timeout) is skipped for ``unreachable_hold_s`` afterwards, so an outage of a
+  peer does not add the connect timeout to every request of an overloaded region.
 - Relayed: the status, the body (SSE byte for byte, as it arrives) and the headers a client acts on
   (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-pg-region), plus
   ``x-pg-failover-from`` / ``x-pg-failover-reason``. Hop-by-hop headers are not relayed, and
@@ -65,7 +67,7 @@ class Peer:
 @dataclass
 class Attempt:
     region: str
-    outcome: str  # served | unavailable | connect_error | timeout | error
+    outcome: str  # served | unavailable | connect_error | timeout | error | skipped (unreachable lately)
     status: int | None
     duration_ms: float
 
@@ -103,10 +105,14 @@ class _RelayResponse(StreamingResponse):
 class Forwarder:
     def __init__(self, region: str, peers: Sequence[PeerLike], *, connect_timeout_s: float = 2.0,
                  read_timeout_s: float = 600.0, max_attempts: int = 2,
-                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True):
+                 unreachable_hold_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True, clock: Callable[[], float] = time.monotonic):
         self.region = region
         self.peers = list(peers)
         self.max_attempts = max_attempts
+        self.unreachable_hold_s = unreachable_hold_s
+        self._clock = clock
+        self._unreachable_until: dict[str, float] = {}
         self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
                                       write=connect_timeout_s, pool=connect_timeout_s)
         self._transport = transport
@@ -136,11 +142,16 @@ class Forwarder:
         out |= {"content-type": "application/json", HOP_HEADER: self.region, "accept-encoding": "identity",
                 "accept": "text/event-stream" if body.get("stream") else "application/json"}
         attempts: list[Attempt] = []
+        tried = 0
         for peer in self.peers:
-            if len(attempts) >= self.max_attempts:
+            if tried >= self.max_attempts:
                 break
             if peer.region == self.region or not allowed(peer.region):
                 continue
+            if self._unreachable_until.get(peer.region, 0.0) > self._clock():
+                attempts.append(Attempt(peer.region, "skipped", None, 0.0))
+                continue
+            tried += 1
             start = time.perf_counter()
             upstream, outcome, detail = None, "error", ""
             try:
@@ -156,6 +167,8 @@ class Forwarder:
                 detail = type(err).__name__
             status = upstream.status_code if upstream is not None else None
             attempts.append(Attempt(peer.region, outcome, status, (time.perf_counter() - start) * 1000))
+            if outcome in ("connect_error", "timeout"):
+                self._unreachable_until[peer.region] = self._clock() + self.unreachable_hold_s
             if outcome == "served":
                 return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None))
             logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)

@@ -138,6 +138,7 @@ class Router:
             connect_timeout_s=failover.connect_timeout_s,
             read_timeout_s=failover.read_timeout_s,
             max_attempts=failover.max_attempts,
+            unreachable_hold_s=failover.unreachable_hold_s,
         )
 
     @app.get("/health")

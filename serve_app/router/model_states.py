@@ -49,9 +49,8 @@ class ModelStates:
         self._initial = {model.id: WantedRecord(model.initial_state, time.time()) for model in models}
         self._serve_status = serve_status or _serve_status
         self._read, self._write = read, write
-        self._wanted: dict[str, WantedRecord] = dict(self._initial)
         self._states: dict[str, ModelState] = {
-            model_id: derive_state(wanted, {}) for model_id, wanted in self._wanted.items()
+            model_id: derive_state(wanted, {}) for model_id, wanted in self._initial.items()
         }
         self._refreshed = False
         self._task: asyncio.Task | None = None
@@ -71,14 +70,13 @@ class ModelStates:
         status = await asyncio.to_thread(self._serve_status)
         deployments = _deployments_of(status, self.app_name)
         for model_id, deployment in self.deployments.items():
-            self._wanted[model_id] = wanted[model_id]
             self._states[model_id] = _state_of(wanted[model_id], deployments.get(deployment))
         self._refreshed = True
 
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
         """Record the wanted state for every router and the autoscaling policy; return the new view."""
         deployment = self.deployments[model_id]
-        self._wanted[model_id] = await asyncio.to_thread(self._write, self.app_name, deployment, state, by)
+        await asyncio.to_thread(self._write, self.app_name, deployment, state, by)
         await self.refresh()
         return self._states[model_id]
 

@@ -208,6 +208,35 @@ def test_all_peers_failing_returns_no_response_and_logs_without_credentials():
     assert not any("sk-secret" in m or "héllo" in m for m in messages)
 
 
+def test_an_unreachable_peer_is_skipped_for_a_while_then_tried_again():
+    now = [100.0]
+    peers = Peers(yvr=httpx.ConnectError("refused"), yyz=httpx.Response(200, json={}))
+    fwd = Forwarder("yul-02", PEERS, transport=httpx.MockTransport(peers), clock=lambda: now[0])
+    assert forward(fwd).region == "yyz-01"
+    assert peers.hosts() == ["yvr.test", "yyz.test"]
+
+    now[0] += 5  # within the hold: no connect attempt, and it does not use up an attempt
+    peers.requests.clear()
+    result = forward(fwd)
+    assert peers.hosts() == ["yyz.test"] and result.region == "yyz-01"
+    assert [(a.region, a.outcome) for a in result.attempts] == [("yvr-01", "skipped"), ("yyz-01", "served")]
+
+    now[0] += 10  # the hold is over: tried again
+    peers.requests.clear()
+    peers.answers["yvr.test"] = httpx.Response(200, json={})
+    assert forward(fwd).region == "yvr-01"
+
+
+def test_a_peer_answering_503_is_not_held_back():
+    now = [100.0]
+    peers = Peers(yvr=unavailable(), yyz=httpx.Response(200, json={}))
+    fwd = Forwarder("yul-02", PEERS, transport=httpx.MockTransport(peers), clock=lambda: now[0])
+    forward(fwd)
+    peers.requests.clear()
+    forward(fwd)
+    assert peers.hosts() == ["yvr.test", "yyz.test"]  # busy is not down: ask it again
+
+
 def test_allowed_skips_peers_and_skipped_peers_do_not_count_as_attempts():
     peers = Peers(yvr=httpx.Response(200, json={}), yyz=unavailable(), ams=httpx.Response(200, json={}))
     result = forward(forwarder(peers), allowed=lambda region: region != "yvr-01")
