@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from serve_app import regions as regions_mod
+from serve_app import region_render, regions as regions_mod
 from serve_app.paths import REPO_ROOT
 
 app = typer.Typer(help="Regions: regions/<id>.yaml -> Serve configs and Terraform.", no_args_is_help=True)
@@ -30,7 +30,7 @@ def _load(repo: Path) -> dict[str, regions_mod.Region]:
 def _render(repo: Path) -> dict[str, str]:
     regions = _load(repo)
     try:
-        return regions_mod.rendered_files(regions)
+        return region_render.rendered_files(regions)
     except regions_mod.RegionError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -46,7 +46,7 @@ def drift(repo: Path) -> list[str]:
             problems.append(f"missing: {rel}")
         elif path.read_text() != text:
             problems.append(f"drifted: {rel}")
-    for rel in sorted(regions_mod.generated_files_on_disk(repo) - set(expected)):
+    for rel in sorted(region_render.generated_files_on_disk(repo) - set(expected)):
         problems.append(f"stale (no region file renders it): {rel}")
     return problems
 
@@ -55,7 +55,7 @@ def drift(repo: Path) -> list[str]:
 def render(repo: Path = RepoOption) -> None:
     """Write every generated file; remove generated files of regions that no longer exist."""
     expected = _render(repo)
-    for rel in sorted(regions_mod.generated_files_on_disk(repo) - set(expected)):
+    for rel in sorted(region_render.generated_files_on_disk(repo) - set(expected)):
         (repo / rel).unlink()
         typer.echo(f"removed {rel}")
         try:
@@ -77,7 +77,7 @@ def check(repo: Path = RepoOption) -> None:
     problems = drift(repo)
     if problems:
         typer.echo("\n".join(problems), err=True)
-        typer.echo(f"run `{regions_mod.RENDER_COMMAND}` and commit the result", err=True)
+        typer.echo(f"run `{region_render.RENDER_COMMAND}` and commit the result", err=True)
         raise typer.Exit(1)
     typer.echo("regions: every generated file is current")
 

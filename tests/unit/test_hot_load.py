@@ -1,6 +1,6 @@
 """Hot-load: the state model, the autoscaling policy (run through Serve's own policy wrapper), and
 the router's state tracker. The Serve controller and the GCS KV store are replaced by in-memory
-fakes here; tests/integration/test_regions.py loads and unloads a real model."""
+fakes here; tests/integration/test_hot_load_failover.py loads and unloads a real model."""
 
 import asyncio
 import time

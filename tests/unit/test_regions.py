@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from serve_app import catalog, regions
+from serve_app import catalog, region_render, regions
 from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
 from serve_app.regions_cli import app as regions_app
@@ -148,15 +148,15 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
         (peer, REGIONS[peer].public_endpoint) for peer in region.peers
     ]
     # Auth material at the paths the Terraform module mounts.
-    assert args.auth.signing_keys_path.startswith(regions.SIGNING_KEYS_DIR + "/")
-    assert args.auth.key_store_path.startswith(regions.STATE_DIR + "/")
+    assert args.auth.signing_keys_path.startswith(region_render.SIGNING_KEYS_DIR + "/")
+    assert args.auth.key_store_path.startswith(region_render.STATE_DIR + "/")
     assert args.auth.dev_api_key_env is None
 
 
 def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["state"] = "cold"
-    (model,) = regions.app_args(regions.parse_region(data))["models"]
+    (model,) = region_render.app_args(regions.parse_region(data))["models"]
     assert model["initial_state"] == "cold"
     options = model_deployment_options(parse_app_args({"models": [model], "region": "local"}).models[0])
     assert options["autoscaling_config"]["initial_replicas"] == 0
@@ -199,7 +199,7 @@ def test_rendered_serve_config_says_it_is_generated_and_how():
     text = (REPO / "configs" / "yul-02.yaml").read_text()
     first = text.splitlines()[0]
     assert first.startswith("# GENERATED from regions/yul-02.yaml")
-    assert regions.RENDER_COMMAND in text.split("\nproxy_location")[0]
+    assert region_render.RENDER_COMMAND in text.split("\nproxy_location")[0]
     assert "Do not edit by hand" in text
 
 
@@ -207,8 +207,8 @@ def test_rendered_serve_config_says_it_is_generated_and_how():
 
 
 def test_rendering_is_deterministic():
-    first = regions.rendered_files(regions.load_regions(REPO / "regions"))
-    second = regions.rendered_files(regions.load_regions(REPO / "regions"))
+    first = region_render.rendered_files(regions.load_regions(REPO / "regions"))
+    second = region_render.rendered_files(regions.load_regions(REPO / "regions"))
     assert list(first.items()) == list(second.items())  # same files, same order, same bytes
 
 
@@ -216,7 +216,7 @@ def test_committed_files_match_their_rendering():
     problems = drift(REPO)
     assert not problems, (
         "generated files differ from regions/ + catalog:\n  " + "\n  ".join(problems)
-        + f"\nrun `{regions.RENDER_COMMAND}` and commit the result"
+        + f"\nrun `{region_render.RENDER_COMMAND}` and commit the result"
     )
 
 
@@ -229,13 +229,13 @@ def test_every_region_has_its_serve_config_and_terraform_and_nothing_else_does()
     roots = {p.parent.name for p in (REPO / "terraform" / "regions").glob("*/*.tf")}
     assert configs == set(REGIONS), "a GPU Serve config without a region file"
     assert roots == set(REGIONS), "a Terraform region root without a region file"
-    global_vars = regions.terraform_global_vars(REGIONS)
+    global_vars = region_render.terraform_global_vars(REGIONS)
     assert set(global_vars["regions"]) == set(REGIONS)
 
 
 def test_only_ga_regions_are_behind_the_global_name():
     for region in REGIONS.values():
-        hostnames = regions.terraform_region_vars(region)["region"]["hostnames"]
+        hostnames = region_render.terraform_region_vars(region)["region"]["hostnames"]
         assert hostnames[0] == f"api.{region.id}.edge.polargrid.ai"
         assert (regions.GLOBAL_HOSTNAME in hostnames) == (region.status == "ga")
 
