@@ -132,7 +132,7 @@ def bench_target(
     return {"url": url, "summary": summarize(results), "runs": [asdict(r) for r in results]}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -147,7 +147,7 @@ def bare_vllm(config_path: Path):
 
     config = yaml.safe_load(config_path.read_text())
     model = parse_app_args(config["applications"][0]["args"]).models[0]
-    port = _free_port()
+    port = free_port()
     flags = model.engine_cli_args(resolve_model_path(model, catalog.get(model.id).hf_repo))
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
                "--host", "127.0.0.1", "--port", str(port)]
@@ -201,6 +201,11 @@ def main(
     if not results:
         raise typer.BadParameter("give at least one --target or --baseline-vllm")
 
+    report(results, {"model": model, "runs": runs, "max_tokens": max_tokens}, out)
+
+
+def report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
+    """Print the side-by-side table (ratios against the first target) and write every run to JSON."""
     first = next(iter(results.values()))["summary"]
     keys = ["ttft_ms_p50", "ttft_ms_p95", "total_ms_p50", "tokens_per_s_p50", "server_ttft_ms_p50", "network_overhead_ms_p50"]
     print(f"{'target':<10}" + "".join(f"{k:>24}" for k in keys) + f"{'errors':>8}")
@@ -213,11 +218,9 @@ def main(
             cells.append(f"{'-' if value is None else f'{value:.1f}'}{ratio}".rjust(24))
         print(f"{name:<10}" + "".join(cells) + f"{summary['errors']:>8}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model, "runs": runs, "max_tokens": max_tokens, "prompt": PROMPT,
-            "captured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = {**meta, "prompt": PROMPT, "captured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out.write_text(json.dumps({"meta": meta, "targets": results}, indent=2))
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     typer.run(main)

@@ -9,14 +9,12 @@ limit is tested across replicas). The dev key is a random one, set before ``ray.
 Ray's local workers inherit the driver's environment. Teardown shuts Serve and this Ray instance
 down through their own APIs.
 
-A second application stands for a second region, ``peer``, at ``/peer`` on the same port: its own
-router, rate limiter and model deployment (the same tiny model, starting cold, half a CPU, one
-request at a time), the same signing keys and key store (as regions that trust each other's
-tokens), and the two regions name each other as failover peers over 127.0.0.1. The local app
-keeps its config's settings, so every other test sees the embedded default.
+A second application stands for a second region, ``peer``, at ``/peer`` on the same port
+(``serve_app.local_regions``: its own router, rate limiter and cold model deployment; the same
+keys; each region the other's failover peer over 127.0.0.1). The local app keeps its config's
+settings, so every other test sees the embedded default.
 """
 
-import copy
 import os
 import secrets
 import subprocess
@@ -30,11 +28,11 @@ import pytest
 import yaml
 
 from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
+from serve_app.local_regions import PEER_APP, PEER_PREFIX, create_key_material, two_region_config
 from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
 APP_NAME = "llm"
-PEER_APP, PEER_REGION, PEER_PREFIX = "peer", "peer", "/peer"
 STARTUP_TIMEOUT_S = 900
 DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
@@ -66,67 +64,37 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
     pytest.fail(f"Serve did not become ready in {STARTUP_TIMEOUT_S}s:\n{status.stdout}")
 
 
-def _peer_application(local: dict, base_url: str) -> dict:
-    """The ``peer`` region: a copy of the local application with its own name, prefix and region."""
-    peer = copy.deepcopy(local)
-    peer["name"], peer["route_prefix"] = PEER_APP, PEER_PREFIX
-    args = peer["args"]
-    args["region"] = PEER_REGION
-    args["router"]["num_replicas"] = 1
-    args["auth"].pop("dev_api_key_env", None)  # only the local region may have a dev key
-    args["failover"] = {"peers": [{"region": "local", "endpoint": base_url}]}
-    (model,) = args["models"]
-    model["initial_state"] = "cold"
-    model["resources"]["num_cpus"] = 0.5  # with the local replica (1) and the routers: under 2
-    model["max_ongoing_requests"], model["max_queued_requests"] = 1, 1  # easy to overload
-    return peer
-
-
-def _create_key_material(auth: AuthArgs) -> None:
-    """What an operator provisions before a region starts (only ``local`` creates its own)."""
-    from serve_app.auth.keys import KeyStore
-    from serve_app.auth.tokens import KeysetFile
-
-    KeyStore(auth.key_store(), create=True)
-    KeysetFile(auth.signing_keys(), create=True)
-
-
 @pytest.fixture(scope="session")
 def serve_app(tmp_path_factory, otlp_receiver):
     import ray
     from ray import serve
 
     port, dashboard_port = free_port(), free_port()
-    config = load_serve_config("local.yaml")
-    config["http_options"]["port"] = port
-    args = config["applications"][0]["args"]
-    auth_dir = tmp_path_factory.mktemp("auth")
-    args["auth"] = {
-        **args["auth"],
-        "key_store_path": str(auth_dir / "keys.sqlite3"),
-        "signing_keys_path": str(auth_dir / "signing-keys.json"),
-        "tiers": {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER},
-    }
-    args["router"]["num_replicas"] = 2
-    # Traces go to a real OTLP receiver (Arize Phoenix) the tracing tests read back.
-    args["telemetry"] = {
-        "tracing": {
-            "enabled": True,
-            "protocol": "http/protobuf",
-            "endpoint": otlp_receiver["endpoint_http"],
-            "sampling_ratio": 1.0,
-            "service_name": "serve_app-test",
-        }
-    }
     base_url = f"http://127.0.0.1:{port}"
-    args["failover"] = {"peers": [{"region": PEER_REGION, "endpoint": base_url + PEER_PREFIX}]}
-    _create_key_material(AuthArgs.model_validate(args["auth"]))
+    config = two_region_config(load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"))
+    local, _ = config["applications"]
+    for application in config["applications"]:
+        args = application["args"]
+        tiers = {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER}
+        args["auth"]["tiers"] = tiers
+        # Traces go to a real OTLP receiver (Arize Phoenix) the tracing tests read back.
+        args["telemetry"] = {
+            "tracing": {
+                "enabled": True,
+                "protocol": "http/protobuf",
+                "endpoint": otlp_receiver["endpoint_http"],
+                "sampling_ratio": 1.0,
+                "service_name": "serve_app-test",
+            }
+        }
+    local["args"]["router"]["num_replicas"] = 2
+    auth = AuthArgs.model_validate(local["args"]["auth"])
+    create_key_material(auth)
     config_dir = tmp_path_factory.mktemp("serve")
     config_path = config_dir / "local.yaml"  # the local region alone: what the CLI reads
-    config_path.write_text(yaml.safe_dump(config))
-    both = {**config, "applications": [*config["applications"], _peer_application(config["applications"][0], base_url)]}
+    config_path.write_text(yaml.safe_dump({**config, "applications": [local]}))
     deployed_path = config_dir / "two-regions.yaml"
-    deployed_path.write_text(yaml.safe_dump(both))
+    deployed_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
     previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY")}
     os.environ[DEV_KEY_ENV] = dev_key
@@ -153,7 +121,7 @@ def serve_app(tmp_path_factory, otlp_receiver):
             "app_name": APP_NAME,
             "dev_key": dev_key,
             "config_path": config_path,
-            "auth": AuthArgs.model_validate(args["auth"]),
+            "auth": auth,
         }
     finally:
         try:
