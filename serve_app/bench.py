@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -138,6 +139,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_healthy(url: str, timeout_s: float, failed: Callable[[], str | None] = lambda: None) -> float:
+    """Seconds until ``url/health`` answers 200; RuntimeError on timeout or when ``failed`` says why."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if (why := failed()) is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{url}/health not 200 after {timeout_s:.0f} s")
+
+
 @contextmanager
 def bare_vllm(config_path: Path):
     """Bare vLLM's OpenAI server with the same engine flags the config gives the Serve replica."""
@@ -157,17 +173,11 @@ def bare_vllm(config_path: Path):
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"bare vLLM exited with {process.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(2)
-        else:
-            raise RuntimeError(f"bare vLLM not ready in 600 s; see {log.name}")
+
+        def exited() -> str | None:
+            return None if process.poll() is None else f"bare vLLM exited with {process.returncode}; see {log.name}"
+
+        wait_healthy(url, 600, failed=exited)
         print(f"bare vLLM ready after {time.monotonic() - started:.1f} s")
         yield url, model.id
     finally:

@@ -13,7 +13,6 @@ Then it shuts Serve and its Ray down.
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -23,23 +22,11 @@ import yaml
 
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
-from serve_app.bench import bench_target, free_port, report
+from serve_app.bench import bench_target, free_port, report, wait_healthy
 from serve_app.local_regions import PEER_PREFIX, create_key_material, two_region_config
 from serve_app.paths import REPO_ROOT
 
 READY_TIMEOUT_S = 900
-
-
-def _wait_healthy(url: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < READY_TIMEOUT_S:
-        try:
-            if httpx.get(f"{url}/health", timeout=15).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(3)
-    raise RuntimeError(f"{url}/health not 200 after {READY_TIMEOUT_S} s; see `serve status`")
 
 
 def _check_it_fails_over(peer_url: str, model: str, api_key: str) -> None:
@@ -83,7 +70,7 @@ def main(
                 [serve_cli, "deploy", str(config_path), "--address", f"http://127.0.0.1:{dashboard_port}"],
                 check=True,
             )
-            print(f"two regions ready after {_wait_healthy(base_url):.1f} s")
+            print(f"two regions ready after {wait_healthy(base_url, READY_TIMEOUT_S):.1f} s")
             model = config["applications"][0]["args"]["models"][0]["id"]
             _check_it_fails_over(base_url + PEER_PREFIX, model, api_key)
             results = {

@@ -21,6 +21,10 @@ _TYPE_BY_STATUS = {
 }
 
 
+# Retry hint for load shedding: long enough for autoscaling to react, short for an SDK retry loop.
+OVERLOADED_RETRY_AFTER_S = 2
+
+
 class APIError(Exception):
     """An error that becomes an HTTP response with an OpenAI-style body."""
 
@@ -55,3 +59,14 @@ def error_body(
             "code": code,
         }
     }
+
+
+def retry_later(
+    reason: str, code: str, retry_after_s: int = OVERLOADED_RETRY_AFTER_S, param: str | None = None
+) -> APIError:
+    """A 503 that tells the client when to come back (the openai SDK honours ``Retry-After``);
+    the router may still fail it over to a peer region first."""
+    when = "shortly" if retry_after_s <= OVERLOADED_RETRY_AFTER_S else "later"
+    return APIError(
+        503, f"{reason}; retry {when}", param=param, code=code, headers={"Retry-After": str(retry_after_s)}
+    )

@@ -270,12 +270,13 @@ class Router:
         """
         if is_forwarded(request.headers) or not any(caller.allows_region(p.region) for p in self.forwarder.peers):
             return None
-        headers = exchange.start_failover(local.code or "unavailable")
+        reason = local.code or "unavailable"
+        headers = exchange.start_failover(reason)
         headers["authorization"] = (
             request.headers["authorization"] if caller.via == "token" else f"Bearer {self.auth.forwarding_token(caller)}"
         )
         forwarded = await self.forwarder.forward(
-            route, body, headers, reason=local.code or "unavailable", allowed=caller.allows_region,
+            route, body, headers, reason=reason, allowed=caller.allows_region,
             on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
         )
         exchange.note_failover(forwarded)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.errors import APIError
+from serve_app.errors import retry_later
 from serve_app.model_state import (
     COLD,
     FAILED,
@@ -91,12 +91,11 @@ class ModelStates:
             UNLOADING: "is being unloaded in region {region}",
             COLD: "is not loaded in region {region}; an admin can POST /v1/models/load",
         }
-        raise APIError(
-            503,
-            f"{model_id} {reasons[state.state].format(region=region)}; retry later",
+        raise retry_later(
+            f"{model_id} {reasons[state.state].format(region=region)}",
+            f"model_{state.state}",
+            retry_after_s=RETRY_AFTER_S[state.state],
             param="model",
-            code=f"model_{state.state}",
-            headers={"Retry-After": str(RETRY_AFTER_S[state.state])},
         )
 
     def _read_all(self) -> dict[str, WantedRecord]:

@@ -18,7 +18,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.errors import APIError, error_body
+from serve_app.errors import error_body, retry_later
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import (
@@ -31,8 +31,6 @@ from serve_app.telemetry.timing import (
 
 logger = logging.getLogger("ray.serve")
 
-# Retry hint for load shedding: long enough for autoscaling to react, short for an SDK retry loop.
-OVERLOADED_RETRY_AFTER_S = 2
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 
@@ -103,20 +101,14 @@ async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any]
     try:
         head = await stream.__anext__()
     except BackPressureError:
-        raise _retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
+        raise retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
     except RayActorError:
         logger.exception("model replica for %s died", body["model"])
-        raise _retry_later(f"{body['model']} replica became unavailable", "replica_unavailable") from None
+        raise retry_later(f"{body['model']} replica became unavailable", "replica_unavailable") from None
     if head["status"] == 503:  # the replica's engine died (engine_unavailable): another may serve
         error = head["body"]["error"]
-        raise _retry_later(error["message"].removesuffix("; retry"), error["code"] or "unavailable")
+        raise retry_later(error["message"].removesuffix("; retry"), error["code"] or "unavailable")
     return stream, head
-
-
-def _retry_later(reason: str, code: str) -> APIError:
-    return APIError(
-        503, f"{reason}; retry shortly", code=code, headers={"Retry-After": str(OVERLOADED_RETRY_AFTER_S)}
-    )
 
 
 def json_response(head: dict[str, Any], exchange: Exchange, headers: dict[str, str]) -> JSONResponse:
