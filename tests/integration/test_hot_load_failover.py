@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
@@ -196,35 +197,38 @@ def test_a_loaded_model_is_served_in_its_own_region(serve_app, keys):
 
 
 def test_an_overloaded_region_fails_over(serve_app, keys):
-    """The peer admits one request and queues one; a third is shed there and served by local."""
+    """The peer runs one request and queues one. With one running, of two more sent together one
+    takes the queue slot and the other is shed there, so it is served by local instead."""
     url = serve_app["peer_url"]
     client = _sdk(url, keys["user"])
-    holding, started = [], threading.Event()
+    started, hang_up = threading.Event(), threading.Event()
 
-    def hold():
+    def hold():  # a long generation (ignore_eos: random weights may emit EOS early)
         with client.chat.completions.with_streaming_response.create(
-            model=MODEL, messages=MESSAGES, max_tokens=2000, stream=True
+            model=MODEL, messages=MESSAGES, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
         ) as response:
-            holding.append(response)
             for _ in response.iter_lines():
                 started.set()
-                if len(holding) > 2:  # the test is done: hang up
+                if hang_up.is_set():
                     break
 
-    threads = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-        time.sleep(1)
-    assert started.wait(120)
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
     try:
-        raw, reply = _chat_raw(url, keys["user"])
-        assert raw.headers["x-pg-region"] == "local"
-        assert raw.headers["x-pg-failover-reason"] == "overloaded"
-        assert reply.choices
+        assert started.wait(120)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            calls = [pool.submit(_chat_raw, url, keys["user"]) for _ in range(2)]
+            done, _ = wait(calls, timeout=120, return_when=FIRST_COMPLETED)
+            assert done, "neither request came back while the peer was full"
+            raw, reply = next(iter(done)).result()
+            assert raw.headers["x-pg-region"] == "local", "the shed request was not failed over"
+            assert raw.headers["x-pg-failover-reason"] == "overloaded" and reply.choices
+            hang_up.set()  # frees the peer: the queued request runs there
+            served_by = sorted(call.result()[0].headers["x-pg-region"] for call in calls)
+        assert served_by == ["local", "peer"]
     finally:
-        holding.append(None)  # tells both holders to hang up
-        for thread in threads:
-            thread.join(timeout=120)
+        hang_up.set()
+        holder.join(timeout=120)
 
 
 # --- unload ----------------------------------------------------------------------------------------
