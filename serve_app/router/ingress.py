@@ -141,6 +141,11 @@ class Router:
             unreachable_hold_s=failover.unreachable_hold_s,
         )
 
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica: end the state refresh, close peer connections."""
+        self.states.stop()
+        await self.forwarder.aclose()
+
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """Ready when a loaded model answers its engine health check (the global DNS health check

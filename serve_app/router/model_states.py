@@ -80,6 +80,11 @@ class ModelStates:
         await self.refresh()
         return self._states[model_id]
 
+    def stop(self) -> None:
+        """Stop the refresh loop (the replica is shutting down)."""
+        if self._task is not None:
+            self._task.cancel()
+
     def require_serving(self, model_id: str, region: str) -> None:
         """A 503 with Retry-After unless the model is loaded here (the router may then fail over)."""
         state = self._states[model_id]
