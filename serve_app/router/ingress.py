@@ -29,6 +29,7 @@ from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
+from serve_app.model_state import COLD, LOADED
 from serve_app.router.model_states import ModelStates
 from serve_app.router.relay import CLIENT_CLOSED, Exchange, call_model, json_response, relay_events
 from serve_app.telemetry.metrics import setup_metrics
@@ -224,7 +225,7 @@ class Router:
         await self.states.ensure_fresh()
         state = await self.states.set_wanted(model_id, wanted, by=caller.key_id)
         logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, self.region)
-        settled = state.state in ("loaded", "cold")
+        settled = state.state in (LOADED, COLD)
         return JSONResponse(self._model_card(model_id), status_code=200 if settled else 202)
 
     async def _relay(self, request: Request, route: str, method: str):

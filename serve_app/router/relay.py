@@ -54,8 +54,6 @@ class Exchange:
         """What the forwarder did: every attempt, and the region that answered (if any)."""
         self.record.failover_region = forwarded.region
         tracing.note_failover_attempts(self.failover_span, forwarded.attempts, forwarded.region)
-        if forwarded.response is None:
-            self.failover_span.end()  # the local 503 stands; close() ends the rest
 
     def forwarded_done(self, status: int, error_type: str | None) -> None:
         """The peer's answer has been relayed to the end (or broke off): account for the request."""
