@@ -21,6 +21,7 @@ from serve_app.auth import tokens
 from serve_app.auth.authenticator import Principal, mint_token
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.bench import cli as bench_cli
 from serve_app.config import parse_app_args
 from serve_app.paths import REPO_ROOT
 from serve_app.regions_cli import app as regions_app
@@ -34,6 +35,8 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(signing_app, name="signing")
 app.add_typer(token_app, name="token")
 app.add_typer(regions_app, name="regions", help="Render and check configs/ and terraform/ from regions/.")
+app.command("bench")(bench_cli.stream)
+app.command("bench-capacity")(bench_cli.capacity)
 
 APP_IMPORT_PATH = "serve_app.app:build_app"
 

@@ -1,0 +1,54 @@
+"""Benchmarks after the model card's published method: ``serve-app bench`` (streams) and
+``serve-app bench-capacity`` (router requests/s), ours against a baseline on the same machine.
+
+Streams (``serve_app.bench.streams``). N streaming chat completions (``--runs``, default 100) per
+side and per concurrency (``--concurrency 1,16,32``), the card's prompt, ``max_tokens``
+(``--max-tokens``), optionally ``ignore_eos`` so a random-weight model always writes max_tokens.
+Each request carries a fresh W3C ``traceparent``; its trace id is kept with the run. Per stream,
+on the client's clock (``time.perf_counter``):
+
+- **TTFT (end to end)**: request start → first SSE chunk with a non-empty ``delta.content``
+  (or ``delta.reasoning_content`` / ``delta.reasoning``, or completions ``text``);
+- **server-only TTFT**: from the server's ``pg_metadata`` event, ``queue_ms + inference_ttft_ms``
+  — waiting (whatever ``queue_ms`` covers: the engine's scheduler queue, and Serve's queue for
+  a replica slot where the router reports it), then prefill up to the first token. It leaves
+  out the router's own work (auth, body, prompt rendering, SSE transport), which
+  ``pg_metadata`` counts in ``network_ms``; bare vLLM sends no ``pg_metadata``, so its
+  server-only figures are None;
+- **network overhead**: TTFT (end to end) − server-only TTFT, per request; the table gives the
+  p50 (and p95) of those differences, not the difference of two percentiles;
+- **throughput per stream**: decode tokens/s = (completion tokens − 1) / (last token − first
+  token), TTFT excluded; completion tokens from the final usage chunk (``stream_options.
+  include_usage``), or the number of token chunks if the server sends no usage;
+- **aggregate tokens/s**: a side's completion tokens / the summed wall time of its counted batches.
+
+Percentiles are nearest rank (sorted values, index ceil(q/100 · n) − 1): always a measured value.
+Errors (non-200, a broken stream, no token) are counted by reason and never stop the run.
+
+Fairness on a small machine (2 cores here, shared by client, router, proxy and engine):
+
+- ``--baseline-vllm CONFIG`` starts bare vLLM's OpenAI server with exactly the engine flags the
+  config's first model gets inside Serve, under ``nice -n 15`` because Ray runs its workers (our
+  engine) at nice 15, and stops it afterwards. ``--baseline URL`` uses a server already running.
+- The same workload runs against both sides **interleaved**, never both at once: per
+  concurrency, one uncounted warm-up batch per side (``--warmup`` requests per worker), then
+  rounds of ``--round-size`` requests (default max(2 × concurrency, 10)) alternating ours,
+  baseline, then baseline, ours… (the order flips each round to cancel order effects), with
+  ``--quiet-s`` seconds of sleep before every batch so the engine that just worked goes idle.
+- Ratios per concurrency: ours / baseline for aggregate and per-stream tok/s p50; TTFT overhead
+  = ours − baseline at p50 and p95, in ms and in % of the baseline.
+
+Targets must be 127.0.0.1 / localhost. Results go to ``benchmarks/<region>-<UTC date>/<model>/``
+(region: ``--region``, else the target's ``/health`` ``region``, else ``local``):
+``llm_bench.json`` (meta, raw runs, summaries, ratios), ``llm_bench.md`` (the card's table per
+side and concurrency, summary and ratio tables), ``llm_bench.png``; ``bench-capacity`` writes
+``router_capacity.json`` (``serve_app.bench.capacity`` defines its figures).
+"""
+
+from serve_app.bench.client import PROMPT, Run, check_local
+from serve_app.bench.report import report
+from serve_app.bench.stats import percentile
+from serve_app.bench.streams import bench_target
+from serve_app.bench.vllm import bare_vllm, free_port, wait_healthy
+
+__all__ = ["PROMPT", "Run", "bare_vllm", "bench_target", "check_local", "free_port", "percentile", "report", "wait_healthy"]

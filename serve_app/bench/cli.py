@@ -1,0 +1,157 @@
+"""``serve-app bench`` and ``serve-app bench-capacity`` (wired into ``serve_app.cli``)."""
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from serve_app.bench.capacity import CAPACITY_HEADERS, bench_capacity, capacity_table
+from serve_app.bench.client import DEFAULT_MODEL, Side, check_local
+from serve_app.bench.plot import plot
+from serve_app.bench.report import detect_region, md_table, output_dir, run_meta, stream_markdown, stream_tables, write_json
+from serve_app.bench.schedule import BASELINE, OURS
+from serve_app.bench.streams import bench_streams
+from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
+from serve_app.paths import REPO_ROOT
+
+# Options both commands take.
+Target = Annotated[str, typer.Option(help="Our server's base URL (127.0.0.1 / localhost only).")]
+ApiKey = Annotated[str | None, typer.Option(envvar="SERVE_APP_DEV_API_KEY", help="Bearer key or token for --target.")]
+Model = Annotated[str, typer.Option(help="Model id to request.")]
+Baseline = Annotated[str | None, typer.Option(help="Base URL of an already running OpenAI server (e.g. bare vLLM).")]
+BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with this Serve config's first model's engine flags.")]
+BaselineModel = Annotated[str | None, typer.Option(help="Model id for --baseline (default: --model).")]
+BaselineKey = Annotated[str | None, typer.Option(help="Bearer key for --baseline, if it wants one.")]
+RoundSize = Annotated[int | None, typer.Option(help="Requests per side per round (default: depends on concurrency).")]
+Warmup = Annotated[int, typer.Option(help="Uncounted warm-up requests per worker, per side and level.")]
+QuietS = Annotated[float, typer.Option(help="Seconds of idle before every batch.")]
+Region = Annotated[str | None, typer.Option(help="Output folder's region (default: the target's /health region, else local).")]
+OutDir = Annotated[Path, typer.Option(help="Root of the results: <out-dir>/<region>-<date>/<model>/.")]
+
+
+def _concurrency_list(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter(f"{text!r}: give positive integers separated by commas, e.g. 1,16,32")
+    return levels
+
+
+def _local(url: str) -> str:
+    try:
+        return check_local(url)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
+def _sides(stack: ExitStack, flags: dict[str, Any]) -> list[Side]:
+    """Ours, then the baseline if one is asked for (starting bare vLLM inside ``stack``)."""
+    baseline, baseline_vllm = flags["baseline"], flags["baseline_vllm"]
+    sides = [Side(OURS, _local(flags["target"]), flags["model"], flags["api_key"])]
+    if baseline and baseline_vllm:
+        raise typer.BadParameter("give --baseline or --baseline-vllm, not both")
+    if baseline:
+        model = flags["baseline_model"] or flags["model"]
+        sides.append(Side(BASELINE, _local(baseline), model, flags["baseline_api_key"]))
+    elif baseline_vllm:
+        url, served = stack.enter_context(bare_vllm(baseline_vllm, niceness=RAY_WORKER_NICENESS))
+        sides.append(Side(BASELINE, url, served))
+    return sides
+
+
+@contextmanager
+def _progress_bar() -> Iterator[Callable[[str, int], Callable[[str], None]]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+
+        def start(label: str, total: int) -> Callable[[str], None]:
+            task = bar.add_task(label, total=total)
+            return lambda side: bar.update(task, advance=1, description=f"{label} {side}")
+
+        yield start
+
+
+def _measure(flags: dict[str, Any], bench: Callable[[list[Side], Any], Coroutine[Any, Any, dict]]):
+    """Sides, meta and results: start the baseline if asked, run ``bench`` under a progress bar,
+    stop the baseline. ``flags`` are the command's parameters (keys are left out of the meta)."""
+    with ExitStack() as stack:
+        sides = _sides(stack, flags)
+        meta = {**run_meta(flags), "region": flags["region"] or detect_region(sides[0].url)}
+        with _progress_bar() as progress:
+            results = asyncio.run(bench(sides, progress))
+    return sides, meta, results
+
+
+def _sides_meta(sides: list[Side]) -> dict[str, Any]:
+    return {side.name: {"url": side.url, "model": side.model} for side in sides}
+
+
+def stream(
+    target: Target = "http://127.0.0.1:8000",
+    api_key: ApiKey = None,
+    model: Model = DEFAULT_MODEL,
+    runs: Annotated[int, typer.Option(min=1, help="Counted streams per side per concurrency.")] = 100,
+    concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma separated.")] = "1,16,32",
+    max_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    ignore_eos: Annotated[bool, typer.Option(help="Send vLLM's ignore_eos: always generate max_tokens.")] = False,
+    baseline: Baseline = None,
+    baseline_vllm: BaselineVllm = None,
+    baseline_model: BaselineModel = None,
+    baseline_api_key: BaselineKey = None,
+    round_size: RoundSize = None,
+    warmup: Warmup = 1,
+    quiet_s: QuietS = 2.0,
+    region: Region = None,
+    out_dir: OutDir = REPO_ROOT / "benchmarks",
+) -> None:
+    """Streaming TTFT and tokens/s, ours vs a baseline, interleaved (the model card's method)."""
+    levels = _concurrency_list(concurrency)
+    sides, meta, results = _measure(dict(locals()), lambda sides, progress: bench_streams(
+        sides, levels, runs=runs, max_tokens=max_tokens, ignore_eos=ignore_eos, round_size=round_size,
+        warmup=warmup, quiet_s=quiet_s, progress=progress,
+    ))
+    document = {"meta": meta, "sides": _sides_meta(sides), "results": results}
+    out = output_dir(out_dir, meta["region"], model)
+    write_json(out / "llm_bench.json", document)
+    (out / "llm_bench.md").write_text(stream_markdown(document))
+    plot(document, out / "llm_bench.png")
+    typer.echo(stream_tables(results))
+    typer.echo(f"wrote {out}/llm_bench.json, llm_bench.md, llm_bench.png")
+    if any(entry[s.name]["summary"]["ok"] == 0 for entry in results.values() for s in sides):
+        typer.echo("error: a side had no successful stream at some concurrency (see error_reasons)", err=True)
+        raise typer.Exit(1)
+
+
+def capacity(
+    target: Target = "http://127.0.0.1:8000",
+    api_key: ApiKey = None,
+    model: Model = DEFAULT_MODEL,
+    concurrency: Annotated[int, typer.Option(min=1, help="Workers per batch.")] = 16,
+    models_requests: Annotated[int, typer.Option(min=0, help="Counted GET /v1/models per side.")] = 500,
+    chat_requests: Annotated[int, typer.Option(min=0, help="Counted max_tokens=1 chats per side.")] = 100,
+    duration_s: Annotated[float, typer.Option(help="Cap on each side's counted time per workload.")] = 60.0,
+    baseline: Baseline = None,
+    baseline_vllm: BaselineVllm = None,
+    baseline_model: BaselineModel = None,
+    baseline_api_key: BaselineKey = None,
+    round_size: RoundSize = None,
+    warmup: Warmup = 1,
+    quiet_s: QuietS = 2.0,
+    region: Region = None,
+    out_dir: OutDir = REPO_ROOT / "benchmarks",
+) -> None:
+    """Router capacity: requests/s for GET /v1/models and max_tokens=1 chats, ours vs a baseline."""
+    sides, meta, results = _measure(dict(locals()), lambda sides, progress: bench_capacity(
+        sides, concurrency=concurrency, requests={"models": models_requests, "chat": chat_requests},
+        round_size=round_size, warmup=warmup, quiet_s=quiet_s, duration_s=duration_s, progress=progress,
+    ))
+    out = write_json(output_dir(out_dir, meta["region"], model) / "router_capacity.json",
+                     {"meta": meta, "sides": _sides_meta(sides), "results": results})
+    typer.echo(md_table(CAPACITY_HEADERS, capacity_table(results)))
+    typer.echo(f"wrote {out}")
