@@ -5,6 +5,8 @@ with its autoscaling, queue bounds and Ray resources, and binds the ``Router`` i
 them.
 """
 
+import logging
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -13,6 +15,24 @@ from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.engine.autoscaling import POLICY_PATH
 from serve_app.engine.deployment import ModelServer
 from serve_app.router.ingress import Router
+
+logger = logging.getLogger("ray.serve")
+
+# The environment the Ray cluster itself must start with (the Makefile, the test session and
+# terraform/modules/region set it): HAProxy, which Ray 2.60 bundles, listens on the HTTP port in
+# place of Serve's Python proxy and forwards each connection to a router replica's own port
+# (direct ingress), so no response crosses a Ray hop between the router and the client.
+RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# The router replica's own process. Its FastAPI code, Serve's handle router and the direct-ingress
+# HTTP server share one event loop, so a relayed read is one ASGI send on the loop that owns the
+# client socket, not a message handed across threads (-25 % router CPU, docs/architecture.md).
+# A request waiting in Serve's queue for a free replica re-polls with a backoff that grows to
+# 0.5 s by default, leaving a freed slot idle that long; 50 ms keeps it busy at small cost.
+ROUTER_PROCESS_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S": "0.05",
+}
 
 
 def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
@@ -67,6 +87,12 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
 
 
 def build(args: AppArgs) -> Application:
+    missing = [f"{name}={value}" for name, value in RAY_ENV.items() if os.environ.get(name) != value]
+    if missing:
+        logger.warning(
+            "Ray was started without %s: responses take Serve's Python proxy, one Ray hop per "
+            "relayed read (docs/architecture.md, 'The token path')", " ".join(missing)
+        )
     models = {
         model.id: ModelServer.options(**model_deployment_options(model)).bind(model)
         for model in args.models
@@ -74,7 +100,7 @@ def build(args: AppArgs) -> Application:
     return Router.options(
         num_replicas=args.router.num_replicas,
         max_ongoing_requests=args.router.max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.router.num_cpus},
+        ray_actor_options={"num_cpus": args.router.num_cpus, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}},
     ).bind(models, args)
 
 

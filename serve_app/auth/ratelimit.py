@@ -29,9 +29,17 @@ ACTOR_NAMESPACE = "serve_app"
 ACTOR_TIMEOUT_S = 2
 
 
-def request_token_cost(body: dict[str, Any]) -> int:
-    prompt = body.get("messages", body.get("prompt", ""))
-    prompt_tokens = len(json.dumps(prompt, ensure_ascii=False)) // CHARS_PER_TOKEN
+def request_token_cost(body: dict[str, Any], body_bytes: int | None = None) -> int:
+    """Tokens a request may cost: its prompt (estimated from its size) plus its completion budget.
+
+    The router passes ``body_bytes``, the size of the JSON it received: an estimate that counts
+    tools and schemas too (they are prompt tokens as well) and costs nothing, where serialising
+    the prompt again would cost a JSON encode of up to 2 MiB per request.
+    """
+    if body_bytes is None:
+        prompt = body.get("messages", body.get("prompt", ""))
+        body_bytes = len(json.dumps(prompt, ensure_ascii=False))
+    prompt_tokens = body_bytes // CHARS_PER_TOKEN
     budget = body.get("max_completion_tokens") or body.get("max_tokens")
     n = body.get("n")
     # Malformed values are the engine's to reject with a 400; here they just get the default.
@@ -117,6 +125,28 @@ class RateLimiter:
             retry_after_s=retry_after,
         )
 
+    def lease(
+        self, key_id: str, requests_per_minute: int, tokens_per_minute: int, tokens: int,
+        want_requests: int, want_tokens: int, returned_requests: int = 0, returned_tokens: int = 0,
+    ) -> tuple[Decision, int, int]:
+        """Admit one request costing ``tokens`` and reserve up to ``want_*`` more for the caller
+        to admit locally (serve_app/auth/lease.py): ``(decision, requests, tokens)`` granted on top
+        of this request. ``returned_*``: what the caller's previous lease left unused."""
+        now = self.clock()
+        requests = self._bucket(key_id, "requests", requests_per_minute, now)
+        token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
+        requests.level = min(requests.capacity, requests.level + max(0, returned_requests))
+        token_bucket.level = min(token_bucket.capacity, token_bucket.level + max(0, returned_tokens))
+        decision = self.acquire(key_id, requests_per_minute, tokens_per_minute, tokens)
+        if not decision.allowed:
+            return decision, 0, 0
+        granted_requests = max(0, min(want_requests, int(requests.level)))
+        granted_tokens = max(0, min(want_tokens, int(token_bucket.level)))
+        requests.level -= granted_requests
+        token_bucket.level -= granted_tokens
+        decision = Decision(True, self._window(requests), self._window(token_bucket))
+        return decision, granted_requests, granted_tokens
+
     def _bucket(self, key_id: str, dimension: str, capacity: int, now: float) -> _Bucket:
         bucket = self._buckets.setdefault((key_id, dimension), _Bucket(capacity, capacity, now))
         bucket.refill(capacity, now)
@@ -144,6 +174,9 @@ class LocalRateLimiter:
 
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
         return self.limiter.acquire(key_id, rpm, tpm, tokens)
+
+    async def lease(self, *args: int | str) -> tuple[Decision, int, int] | None:
+        return self.limiter.lease(*args)
 
 
 class SharedRateLimiter:
@@ -177,8 +210,15 @@ class SharedRateLimiter:
         return self._actor
 
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        return await self._call("acquire", key_id, rpm, tpm, tokens)
+
+    async def lease(self, *args: int | str) -> tuple[Decision, int, int] | None:
+        """``RateLimiter.lease`` in the actor; None when it is unavailable (admit: fail open)."""
+        return await self._call("lease", *args)
+
+    async def _call(self, method: str, *args):
         try:
-            ref = self.actor().acquire.remote(key_id, rpm, tpm, tokens)
+            ref = getattr(self.actor(), method).remote(*args)
             return await asyncio.wait_for(ref, timeout=ACTOR_TIMEOUT_S)
         except Exception as err:  # availability over limits: a limiter outage must not stop traffic
             logger.error("rate limiter %s unavailable (%s); admitting the request", self.actor_name, type(err).__name__)

@@ -3,13 +3,18 @@
 vLLM already does prompt rendering, tool parsing, guided decoding, reasoning parsing, sampling and
 SSE framing; this class only adapts it to a Serve streaming handle. Each call yields a *head*
 first (``{"status", "body", "stream"}``) so the router can answer errors with their real status
-before any byte of a stream is sent, then, for streams, vLLM's SSE events as they are produced:
-no batching timer between the engine and the client.
+before any byte of a stream is sent. A stream's events do not follow over the handle: the head
+names this replica's stream listener and a ticket, and vLLM's SSE events go to the router's
+connection as bytes, as they are produced (``stream_server.py``). The handle call stays open
+until the stream ends and yields the *trailer* last, so Serve counts the request as ongoing for
+its whole life (admission, autoscaling, drain) and cancelling it aborts the engine request.
 
 vLLM is imported inside the replica only: the router and the unit tests never load torch.
 """
 
 import logging
+import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +22,7 @@ from ray import serve
 
 from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
 from serve_app.engine import context_cap, trailer
+from serve_app.engine.stream_server import Prefetched, StreamServer
 from serve_app.errors import error_body
 
 logger = logging.getLogger("ray.serve")
@@ -65,6 +71,7 @@ class ModelServer:
         self._completion = state.openai_serving_completion
         context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
         context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
+        self._streams = StreamServer(stream_host())
 
     async def chat(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -84,6 +91,7 @@ class ModelServer:
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
+        started = time.perf_counter()
         client_wants_usage = trailer.ask_for_usage(body) if body.get("stream") else False
         try:
             request = request_type.model_validate(body)
@@ -111,16 +119,39 @@ class ModelServer:
         if not request.stream:
             body = result.model_dump()
             summary = trailer.from_response(body)
+            summary["replica_ms"] = _ms_since(started)
             yield {"status": 200, "body": body, "stream": False, "trailer": {**summary, "replica": self.replica}}
             return
-        yield {"status": 200, "body": None, "stream": True}
+        await self._streams.start()
+        ticket, connected = self._streams.expect()
+        events = Prefetched(result)  # the engine starts on it while the head travels
+        yield {
+            "status": 200, "body": None, "stream": True,
+            "socket": self._streams.address, "ticket": ticket, "replica_ms": _ms_since(started),
+        }
         watcher = trailer.StreamTrailer(client_wants_usage)
-        # Cancellation from the router (client gone) raises CancelledError in here; vLLM's
-        # generator then aborts the engine request, freeing its KV cache.
-        async for event in result:
-            if (event := watcher.pass_on(event)) is not None:
-                yield event
-        yield {"trailer": {**watcher.trailer(), "replica": self.replica}}
+        complete = False
+        connection = None
+        try:
+            connection = await self._streams.accept(ticket, connected)
+            # Cancellation from the router (client gone) raises CancelledError in here; closing
+            # vLLM's generator (finally) then aborts the engine request, freeing its KV cache.
+            async for event in events:
+                if (event := watcher.pass_on(event)) is None:
+                    continue
+                if not connection.write(event.encode()):
+                    break  # the router closed the socket: its client left
+                if connection.must_drain():
+                    await connection.drain()
+            else:
+                complete = True
+        except (TimeoutError, ConnectionError) as err:
+            logger.warning("%s stream to the router broke off: %r", self.model_id, err)
+        finally:
+            await events.aclose()
+            if connection is not None:
+                connection.close()
+        yield {"trailer": {**watcher.trailer(), "replica": self.replica, "complete": complete}}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; a dead engine core fails the replica so Serve replaces it."""
@@ -130,9 +161,25 @@ class ModelServer:
         return {"unfinished_requests": self.engine.get_num_unfinished_requests()}
 
     def __del__(self) -> None:
+        if getattr(self, "_streams", None) is not None:
+            self._streams.close()
         context = getattr(self, "_engine_context", None)
         if context is not None:
             self.engine.shutdown()
+
+
+def stream_host() -> str:
+    """The address the stream listener binds and routers connect to: this node's IP (routers on
+    other nodes must reach it), or ``SERVE_APP_STREAM_HOST`` (the local config: 127.0.0.1)."""
+    if host := os.environ.get("SERVE_APP_STREAM_HOST"):
+        return host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _ms_since(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
 
 
 _ENGINE_UNAVAILABLE: Head = {

@@ -25,13 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app import catalog
 from serve_app.auth.authenticator import Authenticator, Principal
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
 from serve_app.model_state import COLD, LOADED
 from serve_app.router.model_states import ModelStates
-from serve_app.router.relay import CLIENT_CLOSED, Exchange, call_model, json_response, relay_events
+from serve_app.router.relay import (
+    CLIENT_CLOSED,
+    Exchange,
+    call_model,
+    json_response,
+    open_byte_stream,
+    relay_events,
+)
 from serve_app.telemetry.metrics import setup_metrics
 from serve_app.telemetry.timing import ROUTE_CHAT, ROUTE_COMPLETIONS
 from serve_app.telemetry.tracing import setup_tracing
@@ -41,6 +49,8 @@ logger = logging.getLogger("ray.serve")
 # A full 8192-token prompt is ~32 KiB of text; tools and schemas add some. Anything near this is
 # abuse or a client bug, and reading it would cost router memory for nothing.
 MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
+# /health re-reads Serve's status when its view is older than this (probes come every few seconds).
+HEALTH_STATUS_MAX_AGE_S = 2.0
 
 app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
@@ -70,7 +80,10 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 # Helpers stand above the class: serve.ingress pickles the FastAPI app when the class is
 # decorated, so names defined below it would be missing in the replica.
 async def _read_json_object(request: Request) -> dict[str, Any]:
-    raw = await _read_body_within_limit(request)
+    return _json_object(await _read_body_within_limit(request))
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -118,6 +131,8 @@ async def _model_in_body(request: Request) -> Any:
 class Router:
     def __init__(self, models: dict[str, DeploymentHandle], args: AppArgs):
         self.models = models
+        # Inference calls stream (head, then trailer); made once here, not per request.
+        self.streaming = {model_id: handle.options(stream=True) for model_id, handle in models.items()}
         self.region = region = args.region
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
@@ -130,7 +145,8 @@ class Router:
         # would otherwise wait for, or be admitted unlimited when the limiter's 2 s timeout hits.
         limiter = SharedRateLimiter(region)
         limiter.actor()
-        self.auth = Authenticator(args.auth, region, limiter)
+        # Admission from a lease of the actor's budget: no actor call on the common path.
+        self.auth = Authenticator(args.auth, region, LeasedRateLimiter(limiter))
         self.states = ModelStates(context.app_name, args.models)
         failover = args.failover
         self.forwarder = Forwarder(
@@ -149,17 +165,14 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """Ready when a loaded model answers its engine health check (the global DNS health check
-        and the load balancer read this). A model that is loading or cold does not make the region
-        unhealthy; a region with no model serving is."""
-        await self.states.ensure_fresh()
-        loaded = [model_id for model_id in self.models if self.states.get(model_id).serving]
-        checks = await asyncio.gather(
-            *(self._model_ready(self.models[model_id]) for model_id in loaded), return_exceptions=True
-        )
-        ready = {model_id for model_id, ok in zip(loaded, checks) if ok is True}
-        models = {model_id: model_id in ready for model_id in self.models}
+        """Ready when a loaded model has a running replica (the global DNS health check and the
+        load balancer read this). Read from Serve's own view of its replicas — which its health
+        checks keep — never through a model's request slots, so a busy region stays healthy. A
+        model that is loading or cold does not make the region unhealthy; no model serving does."""
+        await self.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S)
+        models = {model_id: self.states.get(model_id).serving for model_id in self.models}
         states = {model_id: self.states.get(model_id).state for model_id in self.models}
+        ready = any(models.values())
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "region": self.region, "models": models, "states": states},
             status_code=200 if ready else 503,
@@ -233,15 +246,17 @@ class Router:
         try:
             with exchange.record.measure_auth():
                 caller = self._caller(request)  # 401 / 403 before the body is even read
-            body = await _read_json_object(request)
+            raw = await _read_body_within_limit(request)
+            body = _json_object(raw)
             exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
             body["model"] = exchange.record.model = self._resolve(body.get("model"))
             self.auth.authorize_model(caller, body["model"])
-            limits = await self.auth.admit(caller, request_token_cost(body))  # 429 with Retry-After
+            limits = await self.auth.admit(caller, request_token_cost(body, len(raw)))  # 429 + Retry-After
             try:
                 await self.states.ensure_fresh()
                 self.states.require_serving(body["model"], self.region)  # 503 unless loaded here
-                stream, head = await call_model(self.models[body["model"]], method, body, self.region)
+                stream, head = await call_model(self.streaming[body["model"]], method, body, self.region, exchange)
+                socket = await open_byte_stream(stream, head, body["model"]) if head["stream"] else None
             except APIError as unavailable:
                 if unavailable.status != 503:
                     raise
@@ -262,7 +277,7 @@ class Router:
         if not head["stream"]:
             return json_response(head, exchange, limits)
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = relay_events(stream, exchange, client_wants_usage=client_wants_usage)
+        events = relay_events(stream, socket, exchange, client_wants_usage=client_wants_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=limits)
 
     async def _fail_over(
@@ -319,9 +334,3 @@ class Router:
             "region": self.region,
             **self.states.get(model_id).to_json(),
         }
-
-    @staticmethod
-    async def _model_ready(handle: DeploymentHandle) -> bool:
-        # A bounded wait: an engine that cannot answer in this time is not ready for traffic.
-        await asyncio.wait_for(handle.check_health.remote(), timeout=10)
-        return True

@@ -1,8 +1,12 @@
 """The router's view of each model's hot-load state (serve_app/model_state.py), kept fresh.
 
-A background task refreshes every model's state once a second from Serve's status and the wanted
-state in the GCS KV store, so the request path reads it from memory. A router replica that takes a
-load or unload updates its own view at once; the others follow within a second.
+A background task refreshes every model's state from the wanted state in the GCS KV store once a
+second (one small KV read per model) and from Serve's status only when it may have changed: every
+``STATUS_MAX_AGE_S``, or at once while a model is not settled as loaded or its wanted state changed.
+``serve.status()`` builds and pickles every deployment's config in the router's process; polling
+it once a second cost ~8 % of a core under load on the 2-core host (py-spy, docs/benchmarks.md).
+The request path reads the view from memory. A router replica that takes a load or unload updates
+its own view at once; the others follow within a second.
 """
 
 import asyncio
@@ -16,6 +20,7 @@ from serve_app.errors import retry_later
 from serve_app.model_state import (
     COLD,
     FAILED,
+    LOADED,
     LOADING,
     UNLOADING,
     ModelState,
@@ -29,6 +34,9 @@ from serve_app.model_state import (
 logger = logging.getLogger("ray.serve")
 
 REFRESH_S = 1.0
+# While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in
+# between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover).
+STATUS_MAX_AGE_S = 10.0
 # Retry hints for requests that reach a model that is not serving: a load of the FP8 checkpoint
 # takes minutes on a GPU; a cold model serves only after an admin loads it.
 RETRY_AFTER_S = {LOADING: 30, FAILED: 60, UNLOADING: 60, COLD: 60}
@@ -54,24 +62,40 @@ class ModelStates:
         }
         self._refreshed = False
         self._task: asyncio.Task | None = None
+        self._wanted: dict[str, WantedRecord] = {}
+        self._deployments: dict[str, Any] = {}  # Serve's status per deployment, last read
+        self._status_read_at = float("-inf")
 
     def get(self, model_id: str) -> ModelState:
         return self._states[model_id]
 
-    async def ensure_fresh(self) -> None:
-        """Start the refresh loop (first call in the replica's event loop); wait for a first view."""
+    async def ensure_fresh(self, max_status_age_s: float | None = None) -> None:
+        """Start the refresh loop (first call in the replica's event loop); wait for a first view,
+        or for a new one when Serve's status was read more than ``max_status_age_s`` ago."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
-        if not self._refreshed:
+        stale = max_status_age_s is not None and time.monotonic() - self._status_read_at > max_status_age_s
+        if not self._refreshed or stale:
             await self.refresh()
 
-    async def refresh(self) -> None:
-        wanted = await asyncio.to_thread(self._read_all)
-        status = await asyncio.to_thread(self._serve_status)
-        deployments = _deployments_of(status, self.app_name)
+    async def refresh(self, *, status: bool = True, wanted: dict[str, WantedRecord] | None = None) -> None:
+        """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
+        if wanted is None:
+            wanted = await asyncio.to_thread(self._read_all)
+        if status:
+            self._deployments = _deployments_of(await asyncio.to_thread(self._serve_status), self.app_name)
+            self._status_read_at = time.monotonic()
+        self._wanted = wanted
         for model_id, deployment in self.deployments.items():
-            self._states[model_id] = _state_of(wanted[model_id], deployments.get(deployment))
+            self._states[model_id] = _state_of(wanted[model_id], self._deployments.get(deployment))
         self._refreshed = True
+
+    def _status_may_have_changed(self, wanted: dict[str, WantedRecord]) -> bool:
+        return (
+            time.monotonic() - self._status_read_at > STATUS_MAX_AGE_S
+            or wanted != self._wanted
+            or any(state.state != LOADED or state.message for state in self._states.values())
+        )
 
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
         """Record the wanted state for every router and the autoscaling policy; return the new view."""
@@ -113,7 +137,8 @@ class ModelStates:
         while True:
             await asyncio.sleep(REFRESH_S)
             try:
-                await self.refresh()
+                wanted = await asyncio.to_thread(self._read_all)
+                await self.refresh(status=self._status_may_have_changed(wanted), wanted=wanted)
             except Exception:  # the controller restarting, say: keep the last view and retry
                 logger.warning("could not refresh model states", exc_info=True)
 

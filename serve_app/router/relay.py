@@ -1,15 +1,21 @@
 """The router's half of one inference request: call the model replica, relay its answer, and
 account for the time (trace spans, metrics, the timing returned to the client).
 
-The replica answers over a Serve streaming handle: first a *head* (``{"status", "body",
-"stream"}``), then for streams vLLM's SSE events, and last a *trailer* (engine timing, usage,
-finish reasons; serve_app/engine/trailer.py). The router turns the trailer into the final
-``event: pg_metadata`` of a stream, or the ``Server-Timing`` header and ``pg_metadata`` field of a
-JSON response, and draws the request's spans from the same numbers.
+The replica answers over a Serve streaming handle that carries control only: first a *head*
+(``{"status", "body", "stream"}``), and last a *trailer* (engine timing, usage, finish reasons;
+serve_app/engine/trailer.py). A stream's SSE bytes do not cross the handle: the head names the
+replica's stream listener and a ticket, the router connects to it (``open_byte_stream``) and
+relays what each socket read returns to the client as one write — several tokens at once when
+the client or the router is behind, never held for a timer (serve_app/engine/stream_server.py).
+The router turns the trailer into the final ``event: pg_metadata`` of a stream, or the
+``Server-Timing`` header and ``pg_metadata`` field of a JSON response, and draws the request's
+spans from the same numbers.
 """
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +24,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
 from serve_app.errors import error_body, retry_later
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
@@ -31,8 +38,9 @@ from serve_app.telemetry.timing import (
 
 logger = logging.getLogger("ray.serve")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+READ_BYTES = 64 * 1024  # one socket read: whatever the replica has written, up to this much
 
 
 class Exchange:
@@ -59,6 +67,11 @@ class Exchange:
         """The peer's answer has been relayed to the end (or broke off): account for the request."""
         self.finish(status, error_type)
         self.close()
+
+    def note_handle_wait(self, waited_ms: float, replica_ms: float | None) -> None:
+        """Time from the handle call to the head, less the replica's own work before the head:
+        Serve's queue for a free replica slot plus the two handle hops (see ``RequestRecord``)."""
+        self.record.note_router_queue(waited_ms - (replica_ms or 0.0))
 
     def note_trailer(self, trailer: dict[str, Any] | None) -> None:
         if trailer:
@@ -93,11 +106,16 @@ class Exchange:
         return pg_metadata(self.record, self.split, self.trace.trace_id)
 
 
-async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any], region: str):
-    """Start the call and wait for the head; load shedding and dead replicas become 503s."""
-    stream = getattr(handle.options(stream=True), method).remote(body)
+async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any], region: str, exchange: Exchange):
+    """Start the call and wait for the head; load shedding and dead replicas become 503s.
+
+    ``handle`` is already ``options(stream=True)`` (made once per router replica, not per call).
+    """
+    called = time.perf_counter()
+    stream = getattr(handle, method).remote(body)
     try:
         head = await stream.__anext__()
+        exchange.note_handle_wait((time.perf_counter() - called) * 1000, head.get("replica_ms"))
     except BackPressureError:
         raise retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
     except RayActorError:
@@ -121,43 +139,72 @@ def json_response(head: dict[str, Any], exchange: Exchange, headers: dict[str, s
     return JSONResponse(body, status_code=status, headers={**headers, "Server-Timing": server_timing_header(split)})
 
 
-async def relay_events(stream, exchange: Exchange, *, client_wants_usage: bool) -> AsyncIterator[str]:
-    """Forward the replica's SSE events as they arrive, then ``pg_metadata`` and ``[DONE]``.
+async def open_byte_stream(stream, head: dict[str, Any], model: str):
+    """Connect to the replica's stream listener named in ``head`` and present its ticket.
 
-    A client that leaves cancels the replica call (vLLM aborts the request, freeing its KV cache).
+    Before any byte is sent to the client, so a replica that cannot be reached is still a clean
+    503 (which may fail over) and not a broken 200.
     """
-    first: dict[str, Any] | None = None  # the first chunk: the pg_metadata event reuses its id
+    host, port = head["socket"]
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        stream.cancel()
+        logger.exception("cannot reach the stream listener of %s at %s:%s", model, host, port)
+        raise retry_later(f"{model} replica became unavailable", "replica_unavailable") from None
+    writer.write(head["ticket"].encode("ascii") + b"\n")
+    return reader, writer
+
+
+async def relay_events(
+    stream, socket, exchange: Exchange, *, client_wants_usage: bool
+) -> AsyncIterator[bytes]:
+    """Relay the replica's SSE bytes per socket read, then ``pg_metadata`` and ``[DONE]``.
+
+    The trailer comes over the handle once the replica has closed the socket. A client that
+    leaves closes the socket and cancels the replica call (vLLM aborts the request, freeing its
+    KV cache).
+    """
+    reader, writer = socket
+    opening = bytearray()  # the stream's bytes until its first event is whole
+    first: dict[str, Any] = {}  # the first chunk: the pg_metadata event reuses its id
     usage = None
     finished = False
     try:
-        async for event in stream:
-            if isinstance(event, dict):  # the trailer, last item: the engine is done
-                exchange.note_trailer(event["trailer"])
-                usage = event["trailer"].get("usage")
-                continue
-            if first is None:
-                first = sse_data(event) or {}
-                exchange.record.mark_first_chunk()
-            yield event
+        while data := await reader.read(READ_BYTES):
+            if opening is not None:
+                if not opening:
+                    exchange.record.mark_first_chunk()
+                opening += data
+                if b"\n\n" in opening:
+                    first = sse_data(opening.split(b"\n\n", 1)[0].decode()) or {}
+                    opening = None
+            yield data
+        trailer = (await stream.__anext__())["trailer"]  # the handle's last item: the engine is done
+        exchange.note_trailer(trailer)
+        usage = trailer.get("usage")
+        if not trailer.get("complete", True):
+            raise ConnectionError("the replica's stream ended before the engine finished")
         exchange.finish(200)
         yield pg_metadata_event(
             exchange.metadata(),
             route=exchange.record.route,
-            chunk_id=(first or {}).get("id"),
-            created=(first or {}).get("created"),
+            chunk_id=first.get("id"),
+            created=first.get("created"),
             model=exchange.record.model,
             usage=usage if client_wants_usage else None,
-        )
+        ).encode()
         yield DONE
         finished = True
     except Exception:
         # The status line is sent already: end the stream with an error event, never a hang.
         logger.exception("stream from model replica failed")
         exchange.finish(500, "stream_failed")
-        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n"
+        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n".encode()
         yield DONE
         finished = True
     finally:
+        writer.close()
         if not finished:  # the client went away: abort the engine request, free its KV cache
             stream.cancel()
             exchange.finish(CLIENT_CLOSED, "client_closed")

@@ -8,10 +8,13 @@ clocks are ever subtracted from each other.
 
 Partition of the server time S (receipt → last byte, router clock)::
 
-    queue      Q = engine arrival → first scheduled              (engine)
+    queue      Q = Serve's queue + engine queue:
+                   handle call → head, less the replica's own work before the head (router clock:
+                   waiting for a free replica slot, plus the handle's two hops), and
+                   engine arrival → first scheduled                                (engine)
     inference  I = prefill + decode = first scheduled → last token (engine)
-    network    N = S − Q − I: everything not in the engine — router work (auth, body, rate
-                   limit), the handle hop to the replica and back, tokenization, SSE transport
+    network    N = S − Q − I: everything else — router work (auth, body, rate limit), the
+                   replica's validation and prompt rendering, SSE transport to the client
 
 so N + Q + I = S exactly. Spans and ``pg_metadata`` are drawn from one ``Split``, which keeps
 the trace, the ``Server-Timing`` header and the client-visible metadata consistent to the digit.
@@ -77,6 +80,7 @@ class RequestRecord:
     auth_start_ms: float | None = None
     auth_ms: float | None = None
     first_chunk_ms: float | None = None  # receipt → first streamed event written (router clock)
+    router_queue_ms: float | None = None  # Serve's queue for a replica slot (+ handle hops)
     queue_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
@@ -155,6 +159,10 @@ class RequestRecord:
         if replica is not None:
             self.model_replica = replica
 
+    def note_router_queue(self, waited_ms: float) -> None:
+        """Handle call → head, less the replica's own time before the head (router clock)."""
+        self.router_queue_ms = max(0.0, waited_ms)
+
     def mark_first_chunk(self) -> None:
         """Call when the first streamed event is handed to the client (TTFT as the router sees it)."""
         if self.first_chunk_ms is None:
@@ -205,7 +213,8 @@ def compute_split(record: RequestRecord) -> Split:
     """
     server = record.server_ms if record.server_ms is not None else record.elapsed_ms()
     engine = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms))
-    queue = record.queue_ms or 0.0
+    # Without engine timing there is no queue span to hold Serve's queue: it stays in network.
+    queue = (record.queue_ms or 0.0) + (record.router_queue_ms or 0.0 if engine else 0.0)
     inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0)
     clamped = False
     if queue + inference > server:

@@ -99,6 +99,11 @@ def test_token_cost_is_estimated_up_front(body, expected):
     assert request_token_cost(body) == pytest.approx(expected, abs=2)
 
 
+def test_token_cost_uses_the_received_body_size_when_given():
+    body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
+    assert request_token_cost(body, body_bytes=4000) == 1000 + 50
+
+
 def test_over_the_limit_is_429_with_retry_after_and_ratelimit_headers(tmp_path):
     auth = authenticator(tmp_path)
     client = router_like_app(auth)

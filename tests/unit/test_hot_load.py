@@ -16,6 +16,7 @@ from serve_app.config import ModelDeploymentArgs
 from serve_app.engine.autoscaling import HotLoadPolicy
 from serve_app.errors import APIError
 from serve_app.model_state import WantedRecord, derive_state
+from serve_app.router import model_states
 from serve_app.router.model_states import ModelStates
 
 MODEL = "qwen-3.6-35b-a3b"
@@ -251,3 +252,24 @@ def test_another_routers_change_is_seen_on_refresh():
     fake.write("llm", "model-" + MODEL, "cold", "elsewhere")
     asyncio.run(states.refresh())
     assert states.get(MODEL).wanted == "cold"
+
+
+def test_serve_status_is_read_only_when_it_may_have_changed():
+    """serve.status() is costly in the router's process: a steady, all-loaded view skips it."""
+    fake = FakeServe()
+    calls = []
+    models = [ModelDeploymentArgs(id=MODEL)]
+    states = ModelStates(
+        "llm", models, serve_status=lambda: calls.append(1) or fake.status(), read=fake.read, write=fake.write
+    )
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).state == "loaded" and len(calls) == 1
+    assert not states._status_may_have_changed(states._read_all())  # steady: the KV read only
+    fake.write("llm", "model-" + MODEL, "cold", "elsewhere")
+    assert states._status_may_have_changed(states._read_all())  # an unload elsewhere: read it
+    states._status_read_at -= model_states.STATUS_MAX_AGE_S + 1
+    fake.kv.clear()
+    assert states._status_may_have_changed(states._read_all())  # too old: read it
+
+    asyncio.run(states.ensure_fresh(max_status_age_s=1.0))  # /health wants a recent view
+    assert len(calls) == 2

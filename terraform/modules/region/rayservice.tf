@@ -10,6 +10,8 @@ locals {
     { name = "OTEL_SERVICE_NAME", value = local.name },
     { name = "OTEL_RESOURCE_ATTRIBUTES", value = "cloud.region=${var.region.id}" },
     { name = "HF_HOME", value = "/models/hf" },
+    # HAProxy in place of Serve's Python proxy (serve_app.app.RAY_ENV; docs/architecture.md).
+    { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
   ]
 
   auth_volumes = [

@@ -1,0 +1,133 @@
+"""The replica's half of the byte path: a TCP listener that carries each stream's SSE bytes.
+
+Tokens never cross a DeploymentHandle (docs/architecture.md, "The token path"). The router's
+handle call carries control only: Serve routes it to a replica, counts it as an ongoing request
+(admission, ``max_queued_requests``, autoscaling, graceful drain), and cancelling it aborts the
+engine request. For a stream, the replica answers that call with a *head* naming this listener and
+a one-time ticket; the router connects, sends the ticket, and from then on vLLM's SSE events are
+written to that socket as bytes, as they are produced — one ``transport.write`` per event here,
+one read per socket read on the router, so several tokens travel in one read whenever the router
+is behind, and none waits for a timer. The handle call ends with the *trailer* (timing, usage).
+
+Wire format, router → replica: ``<32 hex chars ticket>\\n``. Replica → router: the raw SSE bytes
+of the stream, then the replica closes the connection. Whether the stream ended normally is said
+by the trailer, not by the socket.
+"""
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass
+
+logger = logging.getLogger("ray.serve")
+
+TICKET_BYTES = 16  # 32 hex characters on the wire
+TICKET_LINE_LEN = 2 * TICKET_BYTES + 1
+# How long the replica waits for the router to connect after sending the head. The router does so
+# at once; this only bounds a router that died between the head and the connect.
+CONNECT_TIMEOUT_S = 10.0
+# Past this many bytes buffered for a router that reads slowly, the replica awaits the drain.
+HIGH_WATER_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class StreamConnection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    def write(self, data: bytes) -> bool:
+        """Queue ``data`` for the router; False when the router has gone (stop generating)."""
+        if self.writer.is_closing():
+            return False
+        self.writer.write(data)
+        return True
+
+    def must_drain(self) -> bool:
+        return self.writer.transport.get_write_buffer_size() > HIGH_WATER_BYTES
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Prefetched:
+    """An async iterator whose first item is already being produced when it is made.
+
+    vLLM's stream generator submits the request to the engine only when first iterated. Started
+    before the head is yielded, the engine's queue and prefill overlap the head's trip to the
+    router and the router's connect, instead of waiting for both.
+    """
+
+    def __init__(self, source):
+        self._source = source
+        self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
+
+    def __aiter__(self) -> "Prefetched":
+        return self
+
+    async def __anext__(self):
+        if self._first is not None:
+            first, self._first = self._first, None
+            return await first
+        return await self._source.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the source (vLLM aborts the engine request), also while its first item is pending."""
+        if self._first is not None:
+            self._first.cancel()
+            await asyncio.wait([self._first])  # never raises, so a cancel of the caller stays pending
+            self._first = None
+        await self._source.aclose()
+
+
+class StreamServer:
+    """One listener per replica; matches each incoming connection to the stream that expects it."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.port: int | None = None
+        self._server: asyncio.Server | None = None
+        self._expected: dict[str, asyncio.Future] = {}
+
+    async def start(self) -> None:
+        """Listen on an ephemeral port; call in the event loop the streams are served on."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accept, self.host, 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+            logger.info("stream listener on %s:%d", self.host, self.port)
+
+    @property
+    def address(self) -> list:
+        return [self.host, self.port]
+
+    def expect(self) -> tuple[str, asyncio.Future]:
+        """A fresh ticket and the future its connection will resolve."""
+        ticket = secrets.token_hex(TICKET_BYTES)
+        future = asyncio.get_running_loop().create_future()
+        self._expected[ticket] = future
+        return ticket, future
+
+    async def accept(self, ticket: str, future: asyncio.Future, timeout_s: float = CONNECT_TIMEOUT_S) -> StreamConnection:
+        """The router's connection for ``ticket``; TimeoutError if it never comes."""
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._expected.pop(ticket, None)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readexactly(TICKET_LINE_LEN), CONNECT_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+            writer.close()
+            return
+        future = self._expected.get(line[:-1].decode("ascii", "replace"))
+        if future is None or future.done():  # unknown, expired or reused ticket: not ours to serve
+            writer.close()
+            return
+        future.set_result(StreamConnection(reader, writer))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()

@@ -1,0 +1,103 @@
+"""Leased admission (serve_app/auth/lease.py): region-wide limits with few actor calls."""
+
+import asyncio
+
+from serve_app.auth import lease as lease_module
+from serve_app.auth.lease import LeasedRateLimiter
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
+
+
+class CountingSource(LocalRateLimiter):
+    """The region's limiter as the router sees it, counting the calls (each one an actor call)."""
+
+    def __init__(self, limiter: RateLimiter):
+        super().__init__(limiter)
+        self.calls = 0
+
+    async def lease(self, *args):
+        self.calls += 1
+        return await super().lease(*args)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _admit(limiter: LeasedRateLimiter, n: int, rpm=600, tpm=1_000_000, tokens=100) -> list[bool]:
+    async def run():
+        return [(await limiter.acquire("k", rpm, tpm, tokens)).allowed for _ in range(n)]
+
+    return asyncio.run(run())
+
+
+def test_most_requests_are_admitted_without_asking_the_actor():
+    clock = Clock()
+    source = CountingSource(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    assert _admit(limiter, 60) == [True] * 60
+    # 600 rpm: each lease is the request plus 5 % (30 requests) → 2 actor calls for 60 requests.
+    assert source.calls == 2
+
+
+def test_replicas_together_never_exceed_the_regions_limit():
+    clock = Clock()  # frozen: the buckets do not refill during the test
+    shared = RateLimiter(clock)
+    replicas = [LeasedRateLimiter(CountingSource(shared), clock) for _ in range(3)]
+    admitted = sum(sum(_admit(replica, 80, rpm=200)) for replica in replicas)
+    assert admitted <= 200
+    # Refused while another replica still holds an unused slice: at most one slice (10) each.
+    assert admitted >= 200 - 3 * 10
+
+
+def test_a_lease_gives_what_it_left_unused_back_when_it_is_renewed():
+    clock = Clock()  # frozen: only leases move the buckets
+    shared = RateLimiter(clock)
+    limiter = LeasedRateLimiter(CountingSource(shared), clock)
+    # rpm 100 → slices of 5 requests; tpm 1e6 → slices of 50 000 tokens; each request costs 100.
+    assert _admit(limiter, 6, rpm=100) == [True] * 6  # one lease: this request + 5 from the slice
+    tokens = shared._buckets[("k", "tokens")]
+    assert tokens.level == 1_000_000 - 100 - 50_000
+    assert _admit(limiter, 1, rpm=100) == [True]  # out of requests: renew, returning 49 500 tokens
+    assert tokens.level == 1_000_000 - 100 - 50_000 + 49_500 - 100 - 50_000
+
+
+def test_an_expired_lease_is_not_used():
+    clock = Clock()
+    source = CountingSource(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    _admit(limiter, 1)
+    clock.now += lease_module.LEASE_TTL_S + 0.001
+    _admit(limiter, 1)
+    assert source.calls == 2
+
+
+def test_tiny_limits_get_no_slice_so_every_request_asks_the_actor():
+    clock = Clock()
+    source = CountingSource(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    assert _admit(limiter, 4, rpm=3) == [True, True, True, False]
+    assert source.calls == 4
+
+
+def test_headers_count_the_leased_slice_as_remaining():
+    clock = Clock()
+    limiter = LeasedRateLimiter(CountingSource(RateLimiter(clock)), clock)
+
+    async def run():
+        return [await limiter.acquire("k", 100, 1_000_000, 1) for _ in range(2)]
+
+    first, second = asyncio.run(run())
+    assert first.requests.remaining == 99 and second.requests.remaining == 98
+
+
+def test_a_limiter_outage_fails_open():
+    class Down:
+        async def lease(self, *args):
+            return None
+
+    limiter = LeasedRateLimiter(Down())
+    assert asyncio.run(limiter.acquire("k", 600, 1000, 10)) is None
