@@ -10,6 +10,7 @@ Then it shuts Serve and its Ray down.
     .venv/bin/python -m serve_app.bench_failover --runs 100 --out bench-results/failover.json
 """
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ import httpx
 import typer
 import yaml
 
+from serve_app.app import RAY_ENV
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
 from serve_app.bench import bench_target, free_port, report, wait_healthy
@@ -63,6 +65,7 @@ def main(
         config_path = Path(tmp) / "two-regions.yaml"
         config_path.write_text(yaml.safe_dump(config))
 
+        os.environ.update(RAY_ENV)  # HAProxy in front of the routers, as every region runs
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
         try:
             serve_cli = str(Path(sys.executable).with_name("serve"))

@@ -38,7 +38,7 @@ Fairness on a small machine (2 cores here, shared by client, router, proxy and e
 - Ratios per concurrency: ours / baseline for aggregate and per-stream tok/s p50; TTFT overhead
   = ours − baseline at p50 and p95, in ms and in % of the baseline.
 
-Targets must be 127.0.0.1 / localhost. Results go to ``benchmarks/<region>-<UTC date>/<model>/``
+Targets must be 127.0.0.1 / localhost. Results go to ``docs/benchmarks/<region>-<UTC date>/<model>/``
 (region: ``--region``, else the target's ``/health`` ``region``, else ``local``):
 ``llm_bench.json`` (meta, raw runs, summaries, ratios), ``llm_bench.md`` (the card's table per
 side and concurrency, summary and ratio tables), ``llm_bench.png``; ``bench-capacity`` writes
