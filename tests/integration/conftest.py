@@ -36,6 +36,7 @@ from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (sessio
 APP_NAME = "llm"
 STARTUP_TIMEOUT_S = 900
 DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
+HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
 
 
@@ -97,9 +98,12 @@ def serve_app(tmp_path_factory, otlp_receiver):
     deployed_path = config_dir / "two-regions.yaml"
     deployed_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
-    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *RAY_ENV)}
+    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *RAY_ENV, *HAPROXY_PORTS)}
     os.environ[DEV_KEY_ENV] = dev_key
     os.environ.update(RAY_ENV)  # HAProxy in front of the routers, as `make run` and regions run
+    # HAProxy's stats and metrics ports are fixed by default (8404, 9101): free ones, so the
+    # session runs beside a developer's `make run`.
+    os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # export spans within 0.2 s, not 5 s
 
     ray.init(
