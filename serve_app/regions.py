@@ -109,7 +109,9 @@ class RegionModel(_Strict):
     id: str = Field(description="Canonical catalog id.")
     replicas: Replicas
     target_ongoing_requests: int = Field(24, ge=1, description="Autoscaling target per replica.")
-    max_ongoing_requests: int = Field(64, ge=1, description="What one replica admits into vLLM.")
+    max_ongoing_requests: int = Field(
+        96, ge=1, description="What one replica admits into vLLM: more than max_num_seqs, so the engine keeps a queue."
+    )
     max_queued_requests: int = Field(128, ge=1, description="Beyond this the router sheds load (503).")
     upscale_delay_s: float = Field(15, ge=0)
     downscale_delay_s: float = Field(600, ge=0)
@@ -137,6 +139,12 @@ class RegionModel(_Strict):
             raise ValueError(
                 f"target_ongoing_requests ({self.target_ongoing_requests}) > max_ongoing_requests "
                 f"({self.max_ongoing_requests}): a replica could never reach its scaling target"
+            )
+        if self.max_ongoing_requests <= self.max_num_seqs:
+            # Serve's queue re-polls for a free replica with a backoff; vLLM's refills at once.
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) must exceed max_num_seqs "
+                f"({self.max_num_seqs}) so the engine keeps a queue of its own (docs/architecture.md)"
             )
         return self
 

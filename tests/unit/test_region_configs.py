@@ -51,3 +51,6 @@ def test_region_config_runs_the_production_checkpoint_on_one_blackwell_gpu(name)
             assert scaling["initial_replicas"] == 0
         assert scaling["target_ongoing_requests"] <= options["max_ongoing_requests"]
         assert options["max_queued_requests"] > 0
+        if flags.max_num_seqs is not None:
+            # The engine keeps a queue of its own: Serve's re-polls for a free slot (docs/architecture.md).
+            assert options["max_ongoing_requests"] > flags.max_num_seqs

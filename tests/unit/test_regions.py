@@ -69,6 +69,7 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("models.0.id", "gpt-4o"), "models.0.id: 'gpt-4o' is not a canonical catalog id"),
         (with_change("models.0.id", "qwen-3.6-a3b"), "use its canonical id 'qwen-3.6-35b-a3b'"),
         (with_change("models.0.target_ongoing_requests", 100), "could never reach its scaling target"),
+        (with_change("models.0.max_ongoing_requests", 64), "must exceed max_num_seqs (64) so the engine keeps a queue"),
         (with_change("peers", ["yul-02"]), "cannot be its own failover peer"),
         (with_change("peers", ["yvr-01", "yvr-01"]), "peers listed twice"),
         (with_change("status", "beta"), "status: Input should be 'pilot' or 'ga'"),
@@ -181,7 +182,7 @@ def test_yul_02_keeps_its_pilot_settings():
             "downscale_delay_s": 600,
         },
         "resources": {"num_cpus": 8, "num_gpus": 1, "accelerator_type": "RTX-PRO-6000"},
-        "max_ongoing_requests": 64,
+        "max_ongoing_requests": 96,
         "max_queued_requests": 128,
     }
     assert args["auth"]["issuer"] == "https://auth.edge.polargrid.ai"

@@ -128,6 +128,24 @@ def test_split_partitions_the_server_time_exactly():
     assert split.time_per_output_token_ms == pytest.approx(2.0)  # 60 ms / 30 tokens
 
 
+def test_time_waiting_in_serves_queue_is_queue_not_network():
+    record = make_record(server_ms=100.0, queue_ms=5.0, prefill_ms=20.0, decode_ms=60.0)
+    record.note_router_queue(12.0)  # handle call → head, less the replica's own work
+    split = compute_split(record)
+    assert (split.network_ms, split.queue_ms, split.inference_ms) == (3.0, 17.0, 80.0)
+    assert split.network_ms + split.queue_ms + split.inference_ms == split.server_ms
+    record.note_router_queue(-1.0)  # clocks never make a negative wait
+    assert record.router_queue_ms == 0.0
+
+
+def test_without_engine_timing_serves_queue_stays_in_network():
+    """n > 1: vLLM reports no per-request metrics, so there is no queue span to hold it (documented)."""
+    record = make_record(queue_ms=None, prefill_ms=None, decode_ms=None)
+    record.note_router_queue(12.0)
+    split = compute_split(record)
+    assert split.queue_ms == 0 and split.network_ms == split.server_ms
+
+
 def test_without_engine_timing_everything_is_network():
     split = compute_split(make_record(queue_ms=None, prefill_ms=None, decode_ms=None, status=503))
     assert not split.engine
