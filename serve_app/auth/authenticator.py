@@ -11,6 +11,7 @@ Failures raise ``APIError``: 401 with ``WWW-Authenticate`` (RFC 6750), 403 for s
 region, 429 with ``Retry-After`` and ``x-ratelimit-*``. No message ever quotes a credential.
 """
 
+import asyncio
 import hmac
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 from serve_app.auth import tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
-from serve_app.auth.keys import ALL, SCOPES, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.keys import ALL, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError
 
@@ -124,18 +125,31 @@ class Authenticator:
         self._dev_key_digest = digest(dev_key) if dev_key else None
 
     # --- who is calling ---------------------------------------------------------------------
-    def authenticate(self, authorization: str | None, *, scope: str) -> Principal:
-        """The caller, if its credential is valid, allowed in this region and holds ``scope``."""
+    async def authenticate_async(self, authorization: str | None, *, scope: str) -> Principal:
+        """``authenticate`` for an event loop: in the loop when the key store's cache has what it
+        needs (the common case), else in a worker thread, so no SQLite query blocks the loop."""
+        try:
+            return self.authenticate(authorization, scope=scope, offline=True)
+        except CacheMiss:
+            return await asyncio.to_thread(self.authenticate, authorization, scope=scope)
+
+    def authenticate(self, authorization: str | None, *, scope: str, offline: bool = False) -> Principal:
+        """The caller, if its credential is valid, allowed in this region and holds ``scope``.
+
+        ``offline``: raise ``CacheMiss`` rather than query the key store."""
         with _logged_refusal():
             credential = _bearer(authorization)
-            principal = self._from_token(credential) if _looks_like_jwt(credential) else self._from_key(credential)
+            if _looks_like_jwt(credential):
+                principal = self._from_token(credential, offline)
+            else:
+                principal = self._from_key(credential, offline)
             if not principal.allows_region(self.region):
                 raise forbidden(f"this key is not allowed in region {self.region}", "region_not_allowed")
             if scope not in principal.scopes:
                 raise forbidden(f"this endpoint needs the {scope!r} scope", "insufficient_scope", scope)
             return principal
 
-    def _from_token(self, token: str) -> Principal:
+    def _from_token(self, token: str, offline: bool = False) -> Principal:
         try:
             claims = tokens.verify(
                 token, self.keyset, issuer=self.args.issuer, audience=self.args.audience, leeway_s=self.args.leeway_s
@@ -143,16 +157,16 @@ class Authenticator:
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
-        if self.keys.is_jti_revoked(claims["jti"]):
+        if self.keys.is_jti_revoked(claims["jti"], offline):
             raise unauthorized("token has been revoked", "token_revoked")
         # A token is checked against the key it came from when this region's store knows that
         # key; a token from a region whose keys we do not hold is trusted for its short lifetime.
-        record = self.keys.get(principal.key_id)
+        record = self.keys.get(principal.key_id, offline)
         if record is not None:
             _check_active(record)
         return principal
 
-    def _from_key(self, credential: str) -> Principal:
+    def _from_key(self, credential: str, offline: bool = False) -> Principal:
         if self._dev_key_digest is not None and hmac.compare_digest(digest(credential), self._dev_key_digest):
             return Principal(
                 key_id=DEV_KEY_ID,
@@ -163,7 +177,7 @@ class Authenticator:
                 tier=self.args.dev_tier,
                 via="dev_key",
             )
-        record = self.keys.lookup(credential) if looks_like_key(credential) else None
+        record = self.keys.lookup(credential, offline) if looks_like_key(credential) else None
         if record is None:
             raise unauthorized("Incorrect API key provided", "invalid_api_key")
         _check_active(record)

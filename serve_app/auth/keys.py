@@ -108,6 +108,10 @@ class KeyRecord:
         }
 
 
+class CacheMiss(Exception):
+    """An offline read (``offline=True``) would have had to query the database."""
+
+
 class _TTLCache:
     """A tiny cache whose entries (misses too) live ``ttl`` seconds. Bounded, so a flood of
     made-up key ids cannot grow it without limit."""
@@ -119,12 +123,14 @@ class _TTLCache:
         self._entries: dict[Any, tuple[float, Any]] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: Any, load: Callable[[], Any]) -> Any:
+    def get(self, key: Any, load: Callable[[], Any], offline: bool = False) -> Any:
         now = self.clock()
         with self._lock:
             hit = self._entries.get(key)
             if hit is not None and hit[0] > now:
                 return hit[1]
+        if offline:
+            raise CacheMiss(key)
         value = load()
         with self._lock:
             if len(self._entries) >= self.MAX_ENTRIES:
@@ -168,21 +174,23 @@ class KeyStore:
             db.close()
 
     # --- reads (cached) ---------------------------------------------------------------------
-    def get(self, key_id: str) -> KeyRecord | None:
-        return self._keys.get(key_id, lambda: self._load(key_id))
+    def get(self, key_id: str, offline: bool = False) -> KeyRecord | None:
+        """``offline``: from the cache only, or CacheMiss (the router's event loop never waits on
+        the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``)."""
+        return self._keys.get(key_id, lambda: self._load(key_id), offline)
 
-    def lookup(self, raw_key: str) -> KeyRecord | None:
+    def lookup(self, raw_key: str, offline: bool = False) -> KeyRecord | None:
         """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret)."""
         parsed = parse_key(raw_key)
         if parsed is None:
             return None
-        record = self.get(parsed[0])
+        record = self.get(parsed[0], offline)
         if record is None or not record.secret_matches(parsed[1]):
             return None
         return record
 
-    def is_jti_revoked(self, jti: str) -> bool:
-        return self._revoked.get(jti, lambda: self._jti_row_exists(jti))
+    def is_jti_revoked(self, jti: str, offline: bool = False) -> bool:
+        return self._revoked.get(jti, lambda: self._jti_row_exists(jti), offline)
 
     def _load(self, key_id: str) -> KeyRecord | None:
         with self._connect() as db:

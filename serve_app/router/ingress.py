@@ -185,18 +185,20 @@ class Router:
 
     @app.post("/v1/auth/token")
     async def issue_token(self, request: Request) -> dict[str, Any]:
-        return self.auth.issue_token(request.headers.get("authorization"), await _api_key_in_body(request))
+        api_key = await _api_key_in_body(request)
+        # Key lookups and signing touch the key store and keyset files: not in the event loop.
+        return await asyncio.to_thread(self.auth.issue_token, request.headers.get("authorization"), api_key)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
-        caller = self._caller(request)
+        caller = await self._caller(request)
         await self.states.ensure_fresh()
         cards = [self._model_card(model_id) for model_id in self.models if caller.allows_model(model_id)]
         return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(self, model: str, request: Request) -> dict[str, Any]:
-        caller = self._caller(request)
+        caller = await self._caller(request)
         model_id = self._resolve(model)
         self.auth.authorize_model(caller, model_id)
         await self.states.ensure_fresh()
@@ -214,13 +216,13 @@ class Router:
 
     @app.get("/v1/admin/keys")
     async def admin_list_keys(self, request: Request) -> dict[str, Any]:
-        self._caller(request, SCOPE_ADMIN)
-        return {"object": "list", "data": self.auth.list_keys()}
+        await self._caller(request, SCOPE_ADMIN)
+        return {"object": "list", "data": await asyncio.to_thread(self.auth.list_keys)}
 
     @app.post("/v1/admin/keys/{key_id}/revoke")
     async def admin_revoke_key(self, key_id: str, request: Request) -> dict[str, Any]:
-        self._caller(request, SCOPE_ADMIN)
-        if not self.auth.revoke_key(key_id):
+        await self._caller(request, SCOPE_ADMIN)
+        if not await asyncio.to_thread(self.auth.revoke_key, key_id):
             raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
         return {"key_id": key_id, "revoked": True}
 
@@ -233,7 +235,7 @@ class Router:
         return await self._relay(request, ROUTE_COMPLETIONS, "completions")
 
     async def _set_wanted(self, request: Request, wanted: str) -> JSONResponse:
-        caller = self._caller(request, SCOPE_ADMIN)
+        caller = await self._caller(request, SCOPE_ADMIN)
         model_id = self._resolve(await _model_in_body(request))
         await self.states.ensure_fresh()
         state = await self.states.set_wanted(model_id, wanted, by=caller.key_id)
@@ -245,7 +247,7 @@ class Router:
         exchange = Exchange(route, request.headers, region=self.region, replica=self.replica)
         try:
             with exchange.record.measure_auth():
-                caller = self._caller(request)  # 401 / 403 before the body is even read
+                caller = await self._caller(request)  # 401 / 403 before the body is even read
             raw = await _read_body_within_limit(request)
             body = _json_object(raw)
             exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
@@ -305,8 +307,8 @@ class Router:
             exchange.forwarded_done(forwarded.status, forwarded.error_type)
         return forwarded.response
 
-    def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
-        return self.auth.authenticate(request.headers.get("authorization"), scope=scope)
+    async def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
+        return await self.auth.authenticate_async(request.headers.get("authorization"), scope=scope)
 
     def _resolve(self, name: Any) -> str:
         if not isinstance(name, str) or not name.strip():

@@ -134,3 +134,32 @@ def test_two_routers_creating_the_local_keyset_at_once_agree(tmp_path):
 def test_dev_key_tokens_and_keys_do_not_authenticate_in_a_region(tmp_path):
     yul = authenticator(tmp_path, region="yul-02", dev_api_key_env=None)
     assert chat(router_like_app(yul), DEV_KEY).status_code == 401
+
+
+def test_the_event_loop_never_waits_on_the_key_store(tmp_path, monkeypatch):
+    """authenticate_async answers from the cache in the loop; a miss goes to a worker thread."""
+    import asyncio
+
+    from serve_app.auth import authenticator as authenticator_module
+    from serve_app.auth.keys import SCOPE_INFERENCE
+    from tests.unit.auth_support import authenticator
+
+    auth = authenticator(tmp_path, cache_ttl_s=5)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    threaded = []
+    real_to_thread = asyncio.to_thread
+
+    async def counting_to_thread(fn, *args, **kwargs):
+        threaded.append(fn.__name__)
+        return await real_to_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(authenticator_module.asyncio, "to_thread", counting_to_thread)
+
+    async def twice():
+        first = await auth.authenticate_async(f"Bearer {key}", scope=SCOPE_INFERENCE)
+        second = await auth.authenticate_async(f"Bearer {key}", scope=SCOPE_INFERENCE)
+        return first, second
+
+    first, second = asyncio.run(twice())
+    assert first.key_id == second.key_id and first.via == "api_key"
+    assert threaded == ["authenticate"]  # the first (cache miss) only
