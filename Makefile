@@ -26,6 +26,7 @@ run: export SERVE_APP_DEV_API_KEY := $(SERVE_APP_DEV_API_KEY)
 # HAProxy (bundled with Ray 2.60) takes port 8000 in place of Serve's Python proxy and forwards
 # to the router's own port (direct ingress): docs/architecture.md, "The token path".
 run: export RAY_SERVE_ENABLE_HA_PROXY := 1
+run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
 run: $(VENV)/.installed
 	$(BIN)/serve run configs/local.yaml
 

@@ -21,7 +21,7 @@ import httpx
 import typer
 import yaml
 
-from serve_app.app import RAY_ENV
+from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
 from serve_app.bench import bench_target, free_port, report, wait_healthy
@@ -65,7 +65,7 @@ def main(
         config_path = Path(tmp) / "two-regions.yaml"
         config_path.write_text(yaml.safe_dump(config))
 
-        os.environ.update(RAY_ENV)  # HAProxy in front of the routers, as every region runs
+        os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as every region runs
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
         try:
             serve_cli = str(Path(sys.executable).with_name("serve"))

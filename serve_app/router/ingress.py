@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,6 +29,7 @@ from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
+from serve_app.router.client_socket import RelayedStream
 from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
 from serve_app.model_state import COLD, LOADED
 from serve_app.router.model_states import ModelStates
@@ -280,7 +281,7 @@ class Router:
             return json_response(head, exchange, limits)
         client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = relay_events(stream, socket, exchange, client_wants_usage=client_wants_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=limits)
+        return RelayedStream(events, media_type="text/event-stream", headers=limits)
 
     async def _fail_over(
         self, request: Request, route: str, body: dict[str, Any], caller: Principal, exchange: Exchange, local: APIError

@@ -27,7 +27,7 @@ import openai
 import pytest
 import yaml
 
-from serve_app.app import RAY_ENV
+from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
 from serve_app.local_regions import PEER_APP, PEER_PREFIX, create_key_material, two_region_config
 from tests.conftest import free_port, load_serve_config
@@ -98,9 +98,9 @@ def serve_app(tmp_path_factory, otlp_receiver):
     deployed_path = config_dir / "two-regions.yaml"
     deployed_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
-    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *RAY_ENV, *HAPROXY_PORTS)}
+    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *LOCAL_RAY_ENV, *HAPROXY_PORTS)}
     os.environ[DEV_KEY_ENV] = dev_key
-    os.environ.update(RAY_ENV)  # HAProxy in front of the routers, as `make run` and regions run
+    os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as `make run` and regions run
     # HAProxy's stats and metrics ports are fixed by default (8404, 9101): free ones, so the
     # session runs beside a developer's `make run`.
     os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})

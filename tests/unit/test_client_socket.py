@@ -1,0 +1,103 @@
+"""RelayedStream (serve_app/router/client_socket.py): body chunks straight to uvicorn's connection,
+start and end through the ASGI chain; plain ASGI sends where there is no uvicorn behind it."""
+
+import asyncio
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from serve_app.router.client_socket import RelayedStream, find_uvicorn_cycle
+
+
+class RequestResponseCycle:  # stands in for uvicorn's, by name and module, as the finder checks
+    def __init__(self):
+        self.transport = FakeTransport()
+        self.chunked_encoding = True
+        self.disconnected = False
+        self.flow = FakeFlow()
+        self.messages = []
+
+    async def send(self, message):
+        self.messages.append(message)
+
+
+RequestResponseCycle.__module__ = "uvicorn.protocols.http.httptools_impl"
+
+
+class FakeTransport:
+    def __init__(self):
+        self.written = []
+
+    def write(self, data):
+        self.written.append(data)
+
+
+class FakeFlow:
+    write_paused = False
+
+    async def drain(self):
+        raise AssertionError("not paused: never drained")
+
+
+def _wrapped(send):
+    """Two middleware-like wrappers, as Starlette's and Serve's are."""
+
+    async def inner(message):
+        await send(message)
+
+    async def outer(message):
+        await inner(message)
+
+    return outer
+
+
+async def _chunks(items):
+    for item in items:
+        yield item
+
+
+def test_the_cycle_is_found_through_the_wrappers_and_nothing_else_qualifies():
+    cycle = RequestResponseCycle()
+    assert find_uvicorn_cycle(_wrapped(cycle.send)) is cycle
+
+    async def unrelated(message):
+        pass
+
+    assert find_uvicorn_cycle(_wrapped(unrelated)) is None
+
+
+def test_body_chunks_go_to_the_socket_chunk_framed_and_start_and_end_through_asgi():
+    cycle = RequestResponseCycle()
+    response = RelayedStream(_chunks([b"data: a\n\n", b"", b"data: b\n\n"]), media_type="text/event-stream")
+    asyncio.run(response.stream_response(_wrapped(cycle.send)))
+    assert cycle.transport.written == [b"9\r\ndata: a\n\n\r\n", b"9\r\ndata: b\n\n\r\n"]
+    assert [m["type"] for m in cycle.messages] == ["http.response.start", "http.response.body"]
+    assert cycle.messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def test_a_client_that_left_stops_the_relay_and_closes_its_source():
+    cycle = RequestResponseCycle()
+    closed = []
+
+    async def source():
+        try:
+            yield b"one"
+            cycle.disconnected = True
+            yield b"two"
+            yield b"three"
+        finally:
+            closed.append(True)
+
+    asyncio.run(RelayedStream(source()).stream_response(_wrapped(cycle.send)))
+    assert cycle.transport.written == [b"3\r\none\r\n"] and closed == [True]
+
+
+def test_without_uvicorn_behind_it_the_same_bytes_go_through_asgi():
+    app = FastAPI()
+
+    @app.get("/s")
+    async def stream():
+        return RelayedStream(_chunks([b"data: a\n\n", b"data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    response = TestClient(app).get("/s")
+    assert response.status_code == 200 and response.content == b"data: a\n\ndata: [DONE]\n\n"
