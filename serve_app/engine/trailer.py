@@ -15,7 +15,11 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 import json
 from typing import Any
 
+from serve_app.errors import error_body
+
 DONE = "data: [DONE]"
+ERROR_PREFIX = 'data: {"error"'
+ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
 def engine_timing(metrics: dict[str, Any] | None) -> dict[str, float | None]:
@@ -57,11 +61,14 @@ class StreamTrailer:
         self.usage: dict[str, Any] | None = None
         self.timing = engine_timing(None)
         self.finish_reasons: list[str] = []
+        self.error_code: str | None = None  # the stream broke off with an error event
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""
         if event.startswith(DONE):
             return None
+        if event.startswith(ERROR_PREFIX):
+            return self._our_error(event)
         # Cheap substring tests first: most events are plain token deltas, parsed by nobody.
         if '"finish_reason":"' in event:
             self.finish_reasons += _finish_reasons(json.loads(event[5:]).get("choices") or [])
@@ -72,5 +79,29 @@ class StreamTrailer:
             return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if self.client_wants_usage else None
         return event
 
+    def _our_error(self, event: str) -> str:
+        """vLLM's mid-stream error, in our documented shape. A server-side failure (vLLM's
+        ``EngineCore encountered an issue. See stack trace (above)…``) says only that the engine
+        failed and to retry; a client's mistake keeps vLLM's message and status."""
+        try:
+            error = json.loads(event[5:])["error"]
+            status = int(error.get("code") or 500)
+        except (ValueError, KeyError, TypeError):
+            error, status = {}, 500
+        if status >= 500:
+            self.error_code = ENGINE_UNAVAILABLE
+            body = error_body(
+                503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE
+            )
+        else:
+            self.error_code = "invalid_request"
+            body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
     def trailer(self) -> dict[str, Any]:
-        return {"engine_timing": self.timing, "usage": self.usage, "finish_reasons": self.finish_reasons}
+        return {
+            "engine_timing": self.timing,
+            "usage": self.usage,
+            "finish_reasons": self.finish_reasons,
+            "error_code": self.error_code,
+        }

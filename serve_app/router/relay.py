@@ -185,7 +185,9 @@ async def relay_events(
         usage = trailer.get("usage")
         if not trailer.get("complete", True):
             raise ConnectionError("the replica's stream ended before the engine finished")
-        exchange.finish(200)
+        # The status line said 200; a stream that ended with an error event is counted as what it was.
+        error_code = trailer.get("error_code")
+        exchange.finish(503 if error_code == "engine_unavailable" else 400 if error_code else 200, error_code)
         yield pg_metadata_event(
             exchange.metadata(),
             route=exchange.record.route,

@@ -33,6 +33,7 @@ def test_stream_without_usage_request_hides_the_usage_chunk_and_done():
         "engine_timing": {"queue_ms": 1.5, "prefill_ms": 20.0, "decode_ms": 80.0},
         "usage": {"prompt_tokens": 3, "completion_tokens": 2},
         "finish_reasons": ["length"],
+        "error_code": None,
     }
 
 
@@ -56,3 +57,31 @@ def test_non_stream_response_trailer_removes_metrics():
 
 def test_missing_metrics_give_empty_timing():
     assert trailer.engine_timing(None) == {"queue_ms": None, "prefill_ms": None, "decode_ms": None}
+
+
+def test_an_engine_failure_mid_stream_becomes_our_engine_unavailable_error():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    vllm_error = (
+        'data: {"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root '
+        'cause.","type":"InternalServerError","param":null,"code":500}}\n\n'
+    )
+    event = watcher.pass_on(vllm_error)
+    error = json.loads(event[5:])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == "engine_unavailable"
+    assert "EngineCore" not in error["message"] and "stack trace" not in error["message"]
+    assert event.endswith("\n\n")
+    assert watcher.trailer()["error_code"] == "engine_unavailable"
+
+
+def test_a_client_error_mid_stream_keeps_its_status_and_message():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    event = watcher.pass_on('data: {"error":{"message":"bad grammar","type":"BadRequestError","param":"x","code":400}}\n\n')
+    error = json.loads(event[5:])["error"]
+    assert (error["type"], error["message"], error["param"]) == ("invalid_request_error", "bad grammar", "x")
+    assert watcher.trailer()["error_code"] == "invalid_request"
+
+
+def test_token_events_are_passed_on_untouched():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    event = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"error"}}]}\n\n'
+    assert watcher.pass_on(event) is event and watcher.trailer()["error_code"] is None
