@@ -112,7 +112,24 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
     }
 
 
-_ARGS_ORDER = ("region", "router", "auth", "failover", "models")
+_ARGS_ORDER = ("region", "router", "auth", "failover", "telemetry", "models")
+
+
+def telemetry_args(region: Region) -> dict[str, Any]:
+    """Tracing on, to the region's collector (docs/operations.md, "Where a region's traces go").
+    http/protobuf wants the traces URL; grpc the collector's host:port as given."""
+    endpoint = region.otlp_endpoint
+    if region.otlp_protocol == "http/protobuf":
+        endpoint += "/v1/traces"
+    return {
+        "tracing": {
+            "enabled": True,
+            "endpoint": endpoint,
+            "protocol": region.otlp_protocol,
+            "sampling_ratio": region.trace_sampling_ratio,
+            "resource_attributes": {"deployment.environment": region.status},
+        }
+    }
 
 
 def app_args(region: Region) -> dict[str, Any]:
@@ -123,6 +140,7 @@ def app_args(region: Region) -> dict[str, Any]:
         "auth": auth_args(region),
         # Peers' own routers, at their public endpoints, most preferred first (one hop).
         "failover": {"peers": [{"region": p, "endpoint": public_endpoint(p)} for p in region.peers]},
+        "telemetry": telemetry_args(region),
         "models": [model_args(region, m) for m in region.models],
     }
     try:

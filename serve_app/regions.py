@@ -182,7 +182,13 @@ class Region(_Strict):
     router: RegionRouter = RegionRouter()
     models: list[RegionModel] = Field(min_length=1)
     kubernetes: RegionKubernetes = RegionKubernetes()
-    otlp_endpoint: str = Field(description="OTLP/gRPC collector the region's pods export traces to.")
+    otlp_endpoint: str = Field(description="OTLP collector the region's routers export traces to.")
+    otlp_protocol: Literal["grpc", "http/protobuf"] = Field(
+        "grpc", description="grpc: the collector's :4317 (host:port); http/protobuf: its :4318."
+    )
+    trace_sampling_ratio: float = Field(
+        0.1, ge=0, le=1, description="Share of new traces recorded; a caller's traceparent decides for its own."
+    )
 
     @field_validator("id")
     @classmethod
@@ -207,6 +213,13 @@ class Region(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Region":
+        port = self.otlp_endpoint.rsplit(":", 1)[-1]
+        wrong_port = {"grpc": "4318", "http/protobuf": "4317"}[self.otlp_protocol]
+        if port == wrong_port:
+            raise ValueError(
+                f"otlp_endpoint {self.otlp_endpoint!r} is the collector's "
+                f"{'http/protobuf' if port == '4318' else 'grpc'} port, but otlp_protocol is {self.otlp_protocol!r}"
+            )
         expected = public_endpoint(self.id)
         if self.public_endpoint != expected:
             raise ValueError(f"public_endpoint must be {expected!r}, got {self.public_endpoint!r}")

@@ -54,3 +54,20 @@ def test_region_config_runs_the_production_checkpoint_on_one_blackwell_gpu(name)
         if flags.max_num_seqs is not None:
             # The engine keeps a queue of its own: Serve's re-polls for a free slot (docs/architecture.md).
             assert options["max_ongoing_requests"] > flags.max_num_seqs
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_every_region_exports_traces_to_its_collector_with_a_consistent_protocol(name):
+    from serve_app.regions import load_region
+
+    config = load_serve_config(name)
+    tracing = parse_app_args(app_args(config)).telemetry.tracing
+    region = load_region(REPO / "regions" / name)
+    assert tracing.enabled
+    assert tracing.endpoint.startswith(region.otlp_endpoint)
+    port = region.otlp_endpoint.rsplit(":", 1)[-1]
+    assert (tracing.protocol, port) in {("grpc", "4317"), ("http/protobuf", "4318")}
+    if tracing.protocol == "http/protobuf":
+        assert tracing.endpoint.endswith("/v1/traces")
+    assert 0 < tracing.sampling_ratio <= 1
+    assert tracing.resource_attributes["deployment.environment"] == region.status

@@ -70,6 +70,8 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("models.0.id", "qwen-3.6-a3b"), "use its canonical id 'qwen-3.6-35b-a3b'"),
         (with_change("models.0.target_ongoing_requests", 100), "could never reach its scaling target"),
         (with_change("models.0.max_ongoing_requests", 64), "must exceed max_num_seqs (64) so the engine keeps a queue"),
+        (with_change("otlp_protocol", "http/protobuf"), "is the collector's grpc port, but otlp_protocol is 'http/protobuf'"),
+        (with_change("trace_sampling_ratio", 1.5), "trace_sampling_ratio"),
         (with_change("peers", ["yul-02"]), "cannot be its own failover peer"),
         (with_change("peers", ["yvr-01", "yvr-01"]), "peers listed twice"),
         (with_change("status", "beta"), "status: Input should be 'pilot' or 'ga'"),
@@ -284,3 +286,11 @@ def test_invalid_regions_make_the_commands_exit_2_with_the_problem(repo_copy):
     result = runner.invoke(regions_app, ["check", "--repo", str(repo_copy)])
     assert result.exit_code == 2
     assert "regions/yul-02.yaml: gpu.accelerator_type" in result.output
+
+
+def test_an_http_collector_gets_the_traces_url_and_the_http_protocol():
+    data = with_change("otlp_endpoint", "https://collector.example.internal:4318")
+    data["otlp_protocol"] = "http/protobuf"
+    tracing = region_render.telemetry_args(regions.Region.model_validate(data))["tracing"]
+    assert tracing["endpoint"] == "https://collector.example.internal:4318/v1/traces"
+    assert tracing["protocol"] == "http/protobuf" and tracing["enabled"] is True
