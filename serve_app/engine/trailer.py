@@ -61,7 +61,8 @@ class StreamTrailer:
         self.usage: dict[str, Any] | None = None
         self.timing = engine_timing(None)
         self.finish_reasons: list[str] = []
-        self.error_code: str | None = None  # the stream broke off with an error event
+        self.error_code: str | None = None  # the stream broke off with an error event...
+        self.error_status: int | None = None  # ...whose status the router records
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""
@@ -89,12 +90,12 @@ class StreamTrailer:
         except (ValueError, KeyError, TypeError):
             error, status = {}, 500
         if status >= 500:
-            self.error_code = ENGINE_UNAVAILABLE
+            self.error_code, self.error_status = ENGINE_UNAVAILABLE, 503
             body = error_body(
                 503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE
             )
         else:
-            self.error_code = "invalid_request"
+            self.error_code, self.error_status = "invalid_request", status
             body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -104,4 +105,5 @@ class StreamTrailer:
             "usage": self.usage,
             "finish_reasons": self.finish_reasons,
             "error_code": self.error_code,
+            "error_status": self.error_status,
         }

@@ -186,8 +186,7 @@ async def relay_events(
         if not trailer.get("complete", True):
             raise ConnectionError("the replica's stream ended before the engine finished")
         # The status line said 200; a stream that ended with an error event is counted as what it was.
-        error_code = trailer.get("error_code")
-        exchange.finish(503 if error_code == "engine_unavailable" else 400 if error_code else 200, error_code)
+        exchange.finish(trailer.get("error_status") or 200, trailer.get("error_code"))
         yield pg_metadata_event(
             exchange.metadata(),
             route=exchange.record.route,

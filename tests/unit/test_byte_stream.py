@@ -192,3 +192,10 @@ def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
         assert closed[-1] == "slow"
 
     asyncio.run(scenario())
+
+
+def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
+    trailer = {**TRAILER, "error_code": "engine_unavailable", "error_status": 503}
+    relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
+    assert relayed.decode().endswith("data: [DONE]\n\n")
+    assert (exchange.record.status, exchange.record.error_type) == (503, "engine_unavailable")

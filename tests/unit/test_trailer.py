@@ -34,6 +34,7 @@ def test_stream_without_usage_request_hides_the_usage_chunk_and_done():
         "usage": {"prompt_tokens": 3, "completion_tokens": 2},
         "finish_reasons": ["length"],
         "error_code": None,
+        "error_status": None,
     }
 
 
@@ -71,6 +72,7 @@ def test_an_engine_failure_mid_stream_becomes_our_engine_unavailable_error():
     assert "EngineCore" not in error["message"] and "stack trace" not in error["message"]
     assert event.endswith("\n\n")
     assert watcher.trailer()["error_code"] == "engine_unavailable"
+    assert watcher.trailer()["error_status"] == 503
 
 
 def test_a_client_error_mid_stream_keeps_its_status_and_message():
@@ -79,6 +81,7 @@ def test_a_client_error_mid_stream_keeps_its_status_and_message():
     error = json.loads(event[5:])["error"]
     assert (error["type"], error["message"], error["param"]) == ("invalid_request_error", "bad grammar", "x")
     assert watcher.trailer()["error_code"] == "invalid_request"
+    assert watcher.trailer()["error_status"] == 400
 
 
 def test_token_events_are_passed_on_untouched():
