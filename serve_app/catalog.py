@@ -6,6 +6,8 @@ override them per deployment (the CPU default swaps in the tiny local checkpoint
 parser that its chat template speaks).
 """
 
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -40,6 +42,12 @@ class CatalogModel(BaseModel):
         False, description="Qwen3 thinks unless told not to; this product turns it off."
     )
     engine: EngineDefaults
+    speculative_method: Literal["mtp"] | None = Field(
+        None,
+        description="The speculative-decoding method vLLM offers with this checkpoint alone: 'mtp' "
+        "drafts with the model's own multi-token-prediction layers (no draft model). Off unless a "
+        "region opts in.",
+    )
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
@@ -69,6 +77,9 @@ QWEN36_35B_A3B = CatalogModel(
         tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
+    # vLLM maps the qwen3_5_moe checkpoint's MTP layers to its Qwen3_5MoeMTP drafter; in 0.32 the
+    # method is spelled "mtp" (per-model names such as "qwen3_5_mtp" are deprecated aliases).
+    speculative_method="mtp",
 )
 
 QWEN35_27B = CatalogModel(
@@ -85,6 +96,7 @@ QWEN35_27B = CatalogModel(
         tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
+    speculative_method="mtp",  # dense qwen3_5: vLLM's Qwen3_5MTP drafter
 )
 
 CATALOG: dict[str, CatalogModel] = {m.id: m for m in (QWEN36_35B_A3B, QWEN35_27B)}
@@ -116,3 +128,10 @@ def get(model_id: str) -> CatalogModel:
         return CATALOG[model_id]
     except KeyError:
         raise KeyError(f"{model_id!r} is not in the catalog (known: {', '.join(CATALOG)})") from None
+
+
+def speculative_config(model: CatalogModel, num_speculative_tokens: int) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for the model's own method; ValueError if it has none."""
+    if model.speculative_method is None:
+        raise ValueError(f"{model.id} has no speculative-decoding method vLLM can run from its checkpoint")
+    return {"method": model.speculative_method, "num_speculative_tokens": num_speculative_tokens}

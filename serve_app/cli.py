@@ -16,7 +16,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 
-from serve_app import catalog
+from serve_app import catalog, gpu_smoke, image_lock
 from serve_app.auth import tokens
 from serve_app.auth.authenticator import Principal, mint_token
 from serve_app.auth.config import AuthArgs
@@ -37,6 +37,8 @@ app.add_typer(token_app, name="token")
 app.add_typer(regions_app, name="regions", help="Render and check configs/ and terraform/ from regions/.")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
+app.command("gpu-smoke")(gpu_smoke.command)
+app.command("image-lock")(image_lock.command)
 
 APP_IMPORT_PATH = "serve_app.app:build_app"
 

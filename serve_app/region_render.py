@@ -3,15 +3,14 @@
 Every region file (``serve_app.regions``) plus the catalog becomes:
 
 - ``configs/<id>.yaml``: the Serve config (``serve deploy``; Terraform embeds the same file in
-  the region's RayService);
+  the region's RayService), built by ``serve_app.region_config``;
 - ``terraform/regions/<id>/main.tf`` and ``generated.auto.tfvars.json``: the region's Terraform
-  root and its variables;
+  root and its variables (here);
 - ``terraform/global/generated.auto.tfvars.json``: every region's endpoint for the global
-  latency-routed DNS name and its health checks.
+  latency-routed DNS name and its health checks (here).
 
 Everything generated is deterministic; ``regions_cli check`` (and the unit tests) fail when a
-committed file differs from its rendering. The Serve config is built by validating through
-``serve_app.config.AppArgs``, so a rendering that would not deploy cannot be written.
+committed file differs from its rendering.
 
 Nothing here imports Ray or vLLM.
 """
@@ -22,185 +21,18 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
-from serve_app import catalog
-from serve_app.config import AppArgs
 from serve_app.paths import REPO_ROOT
-from serve_app.regions import (
-    DNS_ZONE,
-    GLOBAL_HOSTNAME,
-    Region,
-    RegionError,
-    RegionModel,
-    problems,
-    public_endpoint,
+from serve_app.region_config import (  # noqa: F401  (app_args, telemetry_args: part of this module's API)
+    GENERATED_MARKER,
+    RENDER_COMMAND,
+    SIGNING_KEYS_DIR,
+    SIGNING_KEYS_FILE,
+    STATE_DIR,
+    app_args,
+    render_serve_config,
+    telemetry_args,
 )
-
-RENDER_COMMAND = "serve-app regions render"
-GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carries it
-
-# Where the region's auth material is mounted in every Ray pod (terraform/modules/region). The
-# signing keyset comes from a Kubernetes Secret (read-only; a `terraform apply` with a rotated or
-# re-imported keyset updates the mounted file in place and routers reload it); the API-key store
-# needs a writable shared volume (the admin API revokes keys).
-SIGNING_KEYS_DIR = "/etc/serve_app/signing"
-SIGNING_KEYS_FILE = "signing-keys.json"
-STATE_DIR = "/var/lib/serve_app"
-KEY_STORE_FILE = "keys.sqlite3"
-# The same in every region, so a token minted in one region verifies in all of them.
-TOKEN_ISSUER = "https://auth.edge.polargrid.ai"
-TOKEN_AUDIENCE = f"https://{GLOBAL_HOSTNAME}"
-TOKEN_TTL_S = 900
-
-
-# --- the Serve config --------------------------------------------------------------------------
-
-
-def _tidy(value: Any) -> Any:
-    """Whole floats as ints (24.0 -> 24) so the YAML reads as written; everything else as is."""
-    if isinstance(value, dict):
-        return {k: _tidy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_tidy(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-def auth_args(region: Region) -> dict[str, Any]:
-    """The region's ``auth:`` block: key material at the paths the Terraform module mounts."""
-    return {
-        "key_store_path": f"{STATE_DIR}/{KEY_STORE_FILE}",
-        "signing_keys_path": f"{SIGNING_KEYS_DIR}/{SIGNING_KEYS_FILE}",
-        "issuer": TOKEN_ISSUER,
-        "audience": TOKEN_AUDIENCE,
-        "token_ttl_s": TOKEN_TTL_S,
-    }
-
-
-def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
-    """One model deployment: the catalog's checkpoint (FP8, 8192 cap, eager) on one Blackwell GPU."""
-    autoscaling: dict[str, Any] = {"min_replicas": model.replicas.min}
-    if model.replicas.initial is not None:
-        autoscaling["initial_replicas"] = model.replicas.initial
-    autoscaling |= {
-        "max_replicas": model.replicas.max,
-        "target_ongoing_requests": model.target_ongoing_requests,
-        "upscale_delay_s": model.upscale_delay_s,
-        "downscale_delay_s": model.downscale_delay_s,
-    }
-    state = {"initial_state": model.state} if model.state != "loaded" else {}
-    return {
-        "id": model.id,
-        **state,
-        # Only serving knobs: the checkpoint, quantization, context cap and eager mode stay the
-        # catalog's (an override here would silently fork production settings per region).
-        "engine": {
-            "gpu_memory_utilization": model.gpu_memory_utilization,
-            "max_num_seqs": model.max_num_seqs,
-        },
-        "autoscaling": autoscaling,
-        "max_ongoing_requests": model.max_ongoing_requests,
-        "max_queued_requests": model.max_queued_requests,
-        "resources": {
-            "num_cpus": model.cpus,
-            "num_gpus": 1,
-            "accelerator_type": region.gpu.accelerator_type,
-        },
-    }
-
-
-_ARGS_ORDER = ("region", "router", "auth", "failover", "telemetry", "models")
-
-
-def telemetry_args(region: Region) -> dict[str, Any]:
-    """Tracing on, to the region's collector (docs/operations.md, "Where a region's traces go").
-    http/protobuf wants the traces URL; grpc the collector's host:port as given."""
-    endpoint = region.otlp_endpoint
-    if region.otlp_protocol == "http/protobuf":
-        endpoint += "/v1/traces"
-    return {
-        "tracing": {
-            "enabled": True,
-            "endpoint": endpoint,
-            "protocol": region.otlp_protocol,
-            "sampling_ratio": region.trace_sampling_ratio,
-            "resource_attributes": {"deployment.environment": region.status},
-        }
-    }
-
-
-def app_args(region: Region) -> dict[str, Any]:
-    """The application's ``args``, validated by ``AppArgs`` and dumped back (explicit values only)."""
-    raw = {
-        "region": region.id,
-        "router": {"num_replicas": region.router.replicas, "num_cpus": region.router.cpus},
-        "auth": auth_args(region),
-        # Peers' own routers, at their public endpoints, most preferred first (one hop).
-        "failover": {"peers": [{"region": p, "endpoint": public_endpoint(p)} for p in region.peers]},
-        "telemetry": telemetry_args(region),
-        "models": [model_args(region, m) for m in region.models],
-    }
-    try:
-        validated = AppArgs.model_validate(raw)
-    except ValidationError as err:
-        raise RegionError(
-            "\n".join(f"regions/{region.id}.yaml renders invalid args: {p}" for p in problems(err))
-        ) from None
-    dumped = _tidy(validated.model_dump(mode="json", exclude_unset=True))
-    ordered = {key: dumped.pop(key) for key in _ARGS_ORDER if key in dumped}
-    return ordered | dumped
-
-
-def serve_config(region: Region) -> dict[str, Any]:
-    """The whole Serve config for ``serve deploy`` (and the RayService's ``serveConfigV2``)."""
-    return {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600},
-        "applications": [
-            {
-                "name": "llm",
-                "route_prefix": "/",
-                "import_path": "serve_app.app:build_app",
-                "args": app_args(region),
-            }
-        ],
-    }
-
-
-class _IndentedDumper(yaml.SafeDumper):
-    """Indents list items under their key, as the hand-written configs do."""
-
-    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
-        return super().increase_indent(flow, False)
-
-
-def _yaml(data: Any) -> str:
-    return yaml.dump(data, Dumper=_IndentedDumper, sort_keys=False, default_flow_style=False, width=100)
-
-
-def render_serve_config(region: Region) -> str:
-    lines = [
-        f"# {GENERATED_MARKER}{region.id}.yaml and serve_app/catalog.py by",
-        f"# `{RENDER_COMMAND}`.",
-        "# Do not edit by hand: edit the region file and re-render; CI fails on drift.",
-        f"# {region.id}: {region.location} ({region.status}), {region.gpu.count} x {region.gpu.accelerator_type},",
-        f"# {region.public_endpoint}. Catalog facts, not overridable per region:",
-    ]
-    for model in region.models:
-        entry = catalog.get(model.id)
-        lines.append(
-            f"#   {entry.id}: {entry.hf_repo} ({entry.weights_precision} from the checkpoint),"
-            f" max_model_len {entry.engine.max_model_len}, enforce_eager {str(entry.engine.enforce_eager).lower()}"
-        )
-    lines += [
-        f"# auth: {SIGNING_KEYS_DIR} is the signing-keys Secret, {STATE_DIR} the key-store volume",
-        "# (both mounted by terraform/modules/region). Deployed by Terraform as the RayService of",
-        f"# terraform/regions/{region.id}; by hand: `serve deploy configs/{region.id}.yaml`.",
-    ]
-    return "\n".join(lines) + "\n" + _yaml(serve_config(region))
+from serve_app.regions import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
 
 
 # --- Terraform ---------------------------------------------------------------------------------

@@ -102,6 +102,16 @@ class Replicas(_Strict):
         return self
 
 
+class SpeculativeDecoding(_Strict):
+    """Opt-in MTP speculative decoding: the checkpoint's own multi-token-prediction layers draft
+    tokens that the model verifies in one forward pass (docs/regions.md, "MTP speculative decoding")."""
+
+    method: Literal["mtp"] = Field(description="The catalog model's speculative method; only mtp.")
+    num_speculative_tokens: int = Field(
+        1, ge=1, le=4, description="Draft tokens per step; vLLM warns that >1 reruns the one MTP layer."
+    )
+
+
 class RegionModel(_Strict):
     """One catalog model as a region serves it. Model facts (checkpoint, FP8, the 8192-token cap,
     eager mode, parsers) come from the catalog and cannot be changed here."""
@@ -121,6 +131,9 @@ class RegionModel(_Strict):
     state: Literal["loaded", "cold"] = Field(
         "loaded", description="At deploy. cold: no replicas until an admin POSTs /v1/models/load."
     )
+    speculative_decoding: SpeculativeDecoding | None = Field(
+        None, description="Off unless set: faster decode at low concurrency, for some GPU memory."
+    )
 
     @field_validator("id")
     @classmethod
@@ -132,6 +145,14 @@ class RegionModel(_Strict):
         raise ValueError(
             f"{value!r} is not a canonical catalog id (known: {', '.join(catalog.CATALOG)}){hint}"
         )
+
+    @model_validator(mode="after")
+    def _speculative_offered(self) -> "RegionModel":
+        wanted, offered = self.speculative_decoding, catalog.get(self.id).speculative_method
+        if wanted is not None and wanted.method != offered:
+            offers = f"only {offered!r}" if offered else "no speculative method"
+            raise ValueError(f"speculative_decoding: {self.id} offers {offers}, not {wanted.method!r}")
+        return self
 
     @model_validator(mode="after")
     def _target_admitted(self) -> "RegionModel":

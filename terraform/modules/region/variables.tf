@@ -91,3 +91,9 @@ variable "pod_fs_group" {
   type        = number
   default     = 1000
 }
+
+variable "grafana_dashboard_namespace" {
+  description = "Namespace of the Grafana dashboard ConfigMap (null: the region's namespace, which Grafana's sidecar must then search)."
+  type        = string
+  default     = null
+}
