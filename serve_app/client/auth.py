@@ -1,0 +1,145 @@
+"""Which credential goes in ``Authorization``, and when to mint a new one.
+
+The API key is exchanged for a short-lived JWT at ``POST /v1/auth/token`` (docs/auth.md, "Tokens"):
+a token verifies in every region that trusts the issuing region's keys, with no key-store lookup,
+and a stolen one dies within its lifetime. The key itself stays in this process and goes on the
+wire only to the token endpoint, except in the fallback below.
+
+- Refresh before expiry: at ``expires_in - margin``, the margin being ``refresh_margin_s`` but at
+  most half the lifetime (so a 60 s token is not re-minted on every request). The clock starts
+  *before* the exchange is sent, so network time only makes the client refresh early.
+- Refresh on rejection: a 401 ``token_expired`` (the server's clock ran ahead of ours, or the
+  process slept) mints once and the request is sent again; a second 401 is the caller's.
+- A proactive refresh that fails while the current token is still valid keeps that token and
+  tries again on the next request: a brief outage of the token endpoint must not fail traffic.
+- Fallback: only when the server says it has no exchange — 404 on the token route with no error
+  code of ours but ``not_found`` (FastAPI's answer for a route that does not exist: an older
+  gateway, a bare vLLM), 405 or 501 — the key itself is sent as the Bearer value, which every
+  route of this server accepts. Any other refusal (401 ``invalid_api_key``, 403, 429, 5xx) is raised:
+  a wrong key must not be retried as a Bearer value on every request.
+
+Neither secret is ever logged or shown: both live in ``Secret``, whose repr is a mask.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from serve_app.client.errors import APIStatusError, ServeAppError
+
+logger = logging.getLogger("serve_app.client")
+
+TOKEN_PATH = "/v1/auth/token"
+DEFAULT_REFRESH_MARGIN_S = 60.0
+MODE_TOKEN, MODE_API_KEY = "token", "api_key"
+_EXCHANGE_UNAVAILABLE = {404, 405, 501}
+
+
+class Secret:
+    """A string that does not show itself: ``repr``/``str`` are a mask; ``reveal()`` is explicit."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str):
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('********')"
+
+    __str__ = __repr__
+
+    def __reduce__(self):  # pickling would write the secret out in the clear
+        raise TypeError("a Secret cannot be pickled")
+
+
+# The exchange: POST the key, get the token endpoint's JSON (or an APIStatusError raised).
+Exchange = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def exchange_unavailable(err: APIStatusError) -> bool:
+    """The server has no token exchange (see the module docstring): fall back to the key."""
+    if err.status == 404:
+        return err.code in (None, "not_found")
+    return err.status in _EXCHANGE_UNAVAILABLE
+
+
+class Auth:
+    def __init__(
+        self,
+        api_key: str,
+        *,
+        refresh_margin_s: float = DEFAULT_REFRESH_MARGIN_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not api_key or not isinstance(api_key, str):
+            raise ValueError("api_key must be a non-empty string")
+        self._key = Secret(api_key)
+        self._token: Secret | None = None
+        self._refresh_at = self._expires_at = 0.0
+        self._margin, self._clock = refresh_margin_s, clock
+        self._lock = asyncio.Lock()
+        self.mode: str | None = None  # decided by the first exchange
+        self.exchanges = 0  # tokens minted so far (observability and tests)
+
+    def __repr__(self) -> str:
+        return f"Auth(mode={self.mode!r}, expires_in={self.expires_in()})"
+
+    def expires_in(self) -> float | None:
+        """Seconds the current token has left by this client's clock (None: no token)."""
+        return None if self._token is None else round(self._expires_at - self._clock(), 3)
+
+    def credential(self) -> Secret:
+        """What to send as the Bearer value now (call ``ensure`` first)."""
+        if self.mode == MODE_API_KEY:
+            return self._key
+        if self._token is None:
+            raise RuntimeError("no token yet: await ensure() first")
+        return self._token
+
+    async def ensure(self, exchange: Exchange) -> None:
+        """Have a credential that is not due for refresh (mint one if needed)."""
+        if self.mode == MODE_API_KEY or (self._token is not None and self._clock() < self._refresh_at):
+            return
+        async with self._lock:  # concurrent requests share one exchange
+            if self.mode == MODE_API_KEY or (self._token is not None and self._clock() < self._refresh_at):
+                return
+            await self._mint(exchange)
+
+    async def after_rejection(self, rejected: Secret, exchange: Exchange) -> bool:
+        """The server said 401 ``token_expired`` to ``rejected``: mint a new token, unless another
+        request already did. False when there is nothing to refresh (the key itself was sent)."""
+        if self.mode != MODE_TOKEN:
+            return False
+        async with self._lock:
+            if self._token is rejected:
+                self._refresh_at = self._expires_at = 0.0  # whatever our clock says, it is over
+                await self._mint(exchange)
+        return True
+
+    async def _mint(self, exchange: Exchange) -> None:
+        started = self._clock()
+        try:
+            answer = await exchange({"api_key": self._key.reveal()})
+        except APIStatusError as err:
+            if self.mode is None and exchange_unavailable(err):
+                self.mode = MODE_API_KEY
+                logger.info("the server has no token exchange (%s on %s): sending the API key itself", err.status, TOKEN_PATH)
+                return
+            if self._token is not None and self._clock() < self._expires_at:
+                logger.warning("token refresh failed (%s %s); the current token is still valid", err.status, err.code)
+                return
+            raise
+        token, lifetime = answer.get("access_token"), answer.get("expires_in")
+        if not isinstance(token, str) or not isinstance(lifetime, (int, float)) or lifetime <= 0:
+            raise ServeAppError(f"{TOKEN_PATH} answered without access_token/expires_in")
+        self._token = Secret(token)
+        self._expires_at = started + lifetime
+        self._refresh_at = self._expires_at - min(self._margin, lifetime / 2)
+        self.mode = MODE_TOKEN
+        self.exchanges += 1
+        logger.debug("minted an access token valid for %ss", lifetime)

@@ -1,0 +1,175 @@
+"""Exceptions the client raises: one class per status the server documents (docs/api.md, "Errors").
+
+Every HTTP error carries what the server's body and headers said (``status``, ``type``, ``code``,
+``param``, ``retry_after``) plus where it happened (``region``, ``trace_id``), so a caller can branch
+on ``code`` and quote the trace id to an operator. The class names mirror the openai SDK's, so code
+written against it reads the same; they are our own classes, not subclasses of openai's (the client
+must not need the openai package).
+
+A stream that fails after its ``200`` status line ends with an error event in the same shape; it is
+raised as the class its ``type`` stands for, with ``during_stream=True``: never retried, since the
+caller has already consumed part of the answer.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+# The status an error event stands for when there is no status line to read it from (a stream's
+# error event, after its 200). By code first: these two codes have their own statuses.
+_STATUS_BY_CODE = {"peer_stream_failed": 502, "engine_unavailable": 503}
+_STATUS_BY_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "rate_limit_error": 429,
+    "service_unavailable": 503,
+    "server_error": 500,
+}
+
+
+class ServeAppError(Exception):
+    """Base of every error this client raises."""
+
+
+class APIConnectionError(ServeAppError):
+    """No response: the connection failed, or a stream broke off without an error event."""
+
+    def __init__(self, message: str, *, region: str | None = None, trace_id: str | None = None):
+        super().__init__(message)
+        self.message, self.region, self.trace_id = message, region, trace_id
+
+
+class APITimeoutError(APIConnectionError):
+    """The server did not answer (or stopped sending) within the configured timeout."""
+
+
+class APIStatusError(ServeAppError):
+    """The server answered with an error: an HTTP status >= 400, or an error event mid-stream."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+        region: str | None = None,
+        trace_id: str | None = None,
+        during_stream: bool = False,
+    ):
+        super().__init__(message)
+        self.message, self.status, self.type, self.code, self.param = message, status, type, code, param
+        self.retry_after, self.region, self.trace_id, self.during_stream = retry_after, region, trace_id, during_stream
+
+    @property
+    def status_code(self) -> int:  # the openai SDK's name for it
+        return self.status
+
+    def __str__(self) -> str:
+        detail = ", ".join(f"{k}={v}" for k, v in (("type", self.type), ("code", self.code), ("param", self.param)) if v)
+        return f"{self.status} {self.message}" + (f" ({detail})" if detail else "")
+
+
+class BadRequestError(APIStatusError): ...
+
+
+class AuthenticationError(APIStatusError): ...
+
+
+class PermissionDeniedError(APIStatusError): ...
+
+
+class NotFoundError(APIStatusError): ...
+
+
+class RequestTooLargeError(APIStatusError): ...
+
+
+class RateLimitError(APIStatusError): ...
+
+
+class InternalServerError(APIStatusError): ...
+
+
+class ServiceUnavailableError(InternalServerError): ...
+
+
+_CLASS_BY_STATUS: dict[int, type[APIStatusError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    413: RequestTooLargeError,
+    429: RateLimitError,
+    503: ServiceUnavailableError,
+}
+
+
+def _class_for(status: int) -> type[APIStatusError]:
+    if status in _CLASS_BY_STATUS:
+        return _CLASS_BY_STATUS[status]
+    return InternalServerError if status >= 500 else APIStatusError
+
+
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait, from ``retry-after-ms`` (finer, sent with 429s) or ``Retry-After``.
+
+    Only the delta-seconds form: the server never sends an HTTP date, and a date would need the
+    client's clock to agree with the server's.
+    """
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * scale
+        except ValueError:
+            continue
+        if seconds >= 0:
+            return seconds
+    return None
+
+
+def _error_fields(body: Any) -> dict[str, Any]:
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def from_response(response: httpx.Response, *, region: str | None, trace_id: str | None) -> APIStatusError:
+    """The exception for an error response (its body must have been read)."""
+    try:
+        fields = _error_fields(response.json())
+    except ValueError:  # not JSON: a proxy's HTML page, say
+        fields = {}
+    message = str(fields.get("message") or response.reason_phrase or "error")
+    return _class_for(response.status_code)(
+        message,
+        status=response.status_code,
+        type=fields.get("type"),
+        code=fields.get("code") if isinstance(fields.get("code"), str) else None,
+        param=fields.get("param"),
+        retry_after=retry_after_s(response.headers),
+        region=response.headers.get("x-pg-region") or region,
+        trace_id=trace_id,
+    )
+
+
+def from_stream_event(payload: dict[str, Any], *, region: str | None, trace_id: str | None) -> APIStatusError:
+    """The exception for a stream's ``data: {"error": {...}}`` event (docs/api.md, "Errors")."""
+    fields = _error_fields(payload)
+    code = fields.get("code") if isinstance(fields.get("code"), str) else None
+    status = _STATUS_BY_CODE.get(code or "") or _STATUS_BY_TYPE.get(fields.get("type") or "", 500)
+    return _class_for(status)(
+        str(fields.get("message") or "the stream failed"),
+        status=status,
+        type=fields.get("type"),
+        code=code,
+        param=fields.get("param"),
+        region=region,
+        trace_id=trace_id,
+        during_stream=True,
+    )

@@ -1,0 +1,42 @@
+"""Server-sent events, read from an httpx response line by line (the WHATWG event-stream format).
+
+Only what this server sends needs to work, but the parser follows the format rather than the
+server's exact bytes: an event is the lines up to a blank line; ``data:`` lines join with a newline;
+``event:`` names it; a line starting with ``:`` is a comment; one space after the colon is dropped.
+The server relays the replica's bytes per socket read, so one read may hold many events or part of
+one: httpx's ``aiter_lines`` reassembles lines across reads.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+
+@dataclass(frozen=True)
+class Event:
+    data: str
+    event: str = "message"
+
+
+async def events(response: httpx.Response) -> AsyncIterator[Event]:
+    """Every event of ``response``'s body, in order; a last event without its blank line counts."""
+    data: list[str] = []
+    name = "message"
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield Event("\n".join(data), name)
+            data, name = [], "message"
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "data":
+            data.append(value)
+        elif field == "event":
+            name = value or "message"
+        # "id" and "retry" steer browser reconnection, which a completion stream never does.
+    if data:
+        yield Event("\n".join(data), name)

@@ -1,0 +1,227 @@
+"""Sending one request: pick a region, authenticate, retry and fail over, and time-box all of it.
+
+One ``httpx.AsyncClient`` serves every base URL, so connections (and TLS sessions) are reused per
+region across requests. What happens to one request, in order:
+
+- Regions are tried in the caller's order, less those that failed recently: a region that refused
+  a connection or answered 503 is put last for ``region_hold_s`` (its ``Retry-After`` when it sent
+  one), so an outage does not cost every request a connect timeout. With one base URL it is always
+  tried.
+- A connect error (nothing reached the server, so any request is safe to resend) or a 503 moves on
+  to the next region at once. The server has already tried its own peers before answering 503
+  (docs/api.md, "Cross-region failover"), so this only adds the regions the caller knows about.
+- When every region failed in a round, or on a 429 (the caller's budget, which another region
+  would charge too), the client waits until the first region may be asked again — its
+  ``Retry-After`` if it gave one, else exponential backoff with jitter — and starts a new round
+  with the regions whose wait is over; at most ``max_retries`` waits and ``max_retry_time_s`` in
+  all. A ``Retry-After`` past that budget is not waited for: the error is
+  raised at once with ``retry_after`` set (a cold model says 60 s; the caller decides).
+- A 401 ``token_expired`` mints a new token once and resends (``Auth.after_rejection``).
+- Anything else ≥ 400 is raised as is. A read timeout or a connection lost after the request was
+  sent is raised, not retried: the server may have run (and billed) the generation.
+- A stream is returned as soon as its status line says 200; nothing after that is retried
+  (``streams.py``).
+"""
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from serve_app.client.auth import TOKEN_PATH, Auth
+from serve_app.client.errors import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    ServeAppError,
+    from_response,
+)
+from serve_app.client.timing import new_traceparent, trace_id_of
+
+logger = logging.getLogger("serve_app.client")
+
+USER_AGENT = "serve_app-client/0.1"
+# Connect quickly (a dead region must not eat the caller's patience); read for as long as the
+# server's own request timeout (configs: request_timeout_s 600) — a long non-stream generation
+# sends nothing until it is done.
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+_CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 2  # waits between rounds of attempts (0: never wait and resend)
+    max_retry_time_s: float = 30.0  # the whole request, waits included
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    region_hold_s: float = 30.0  # how long a failed region goes to the back of the order
+
+    def backoff(self, retry: int) -> float:
+        """Exponential with full jitter in its upper half: 0.25–0.5 s, 0.5–1 s, ... capped."""
+        ceiling = min(self.max_backoff_s, self.initial_backoff_s * 2**retry)
+        return ceiling * random.uniform(0.5, 1.0)
+
+
+@dataclass
+class Sent:
+    """A response with status < 400 (open, for a stream) and what the client knows about it."""
+
+    response: httpx.Response
+    trace_id: str
+    base_url: str
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://host:8000``, ``.../v1`` and ``.../v1/`` all mean the same server root."""
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"base URL must start with http:// or https://, got {url!r}")
+    return url.removesuffix("/v1")
+
+
+class Transport:
+    def __init__(
+        self,
+        base_urls: list[str],
+        auth: Auth,
+        *,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = RetryPolicy(),
+        trace_sample_ratio: float = 0.1,
+        http_transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not base_urls:
+            raise ValueError("at least one base URL is needed")
+        self.base_urls = [normalize_base_url(u) for u in base_urls]
+        self.auth, self.retry, self.trace_sample_ratio, self._clock = auth, retry, trace_sample_ratio, clock
+        self._held_until = [0.0] * len(self.base_urls)
+        # No Authorization here: it is set per request, from whatever Auth holds at that moment.
+        self._http = httpx.AsyncClient(timeout=timeout, transport=http_transport, headers={"user-agent": USER_AGENT})
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def exchange(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/auth/token`` through the same regions and retries, without a credential."""
+        sent = await self.send("POST", TOKEN_PATH, body=body, authenticate=False)
+        return json_object(sent.response)
+
+    def _order(self) -> list[int]:
+        now = self._clock()
+        ready = [i for i, until in enumerate(self._held_until) if until <= now]
+        return ready + sorted(set(range(len(self.base_urls))) - set(ready), key=lambda i: self._held_until[i])
+
+    def _hold(self, index: int, seconds: float | None) -> None:
+        if len(self.base_urls) > 1:
+            self._held_until[index] = self._clock() + (seconds if seconds is not None else self.retry.region_hold_s)
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        stream: bool = False,
+        authenticate: bool = True,
+        traceparent: str | None = None,
+        timeout: httpx.Timeout | float | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Sent:
+        """The first response below 400, or the error that ended the attempts (module docstring)."""
+        traceparent = traceparent or new_traceparent(self.trace_sample_ratio)
+        trace_id = trace_id_of(traceparent)
+        started, retries, refreshed = self._clock(), 0, False
+        order = self._order()
+        untried = list(order)  # this round's regions, in order
+        due: dict[int, float] = {}  # region → when it may be asked again: its Retry-After, or a backoff
+        while True:
+            index = untried.pop(0)
+            base_url = self.base_urls[index]
+            headers = httpx.Headers(extra_headers)  # the caller's, under ours: never its own Authorization
+            headers.update({"traceparent": traceparent, "accept": "text/event-stream" if stream else "application/json"})
+            credential = None
+            if authenticate:
+                await self.auth.ensure(self.exchange)
+                credential = self.auth.credential()
+                headers["authorization"] = f"Bearer {credential.reveal()}"
+            request = self._http.build_request(
+                method, base_url + path, json=body, headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
+            try:
+                response = await self._http.send(request, stream=stream)
+            except _CONNECT_ERRORS as err:
+                failure: ServeAppError = APIConnectionError(f"cannot connect to {base_url}: {type(err).__name__}", trace_id=trace_id)
+                self._hold(index, None)
+            except httpx.TimeoutException as err:
+                raise APITimeoutError(f"{base_url} did not answer in time ({type(err).__name__})", trace_id=trace_id) from None
+            except httpx.TransportError as err:
+                raise APIConnectionError(f"connection to {base_url} failed: {type(err).__name__}", trace_id=trace_id) from None
+            else:
+                if response.status_code < 400:
+                    self._held_until[index] = 0.0
+                    return Sent(response, trace_id, base_url)
+                failure = await _error_of(response, trace_id)
+                if (
+                    failure.status == 401 and failure.code == "token_expired" and credential is not None
+                    and not refreshed and await self.auth.after_rejection(credential, self.exchange)
+                ):
+                    refreshed = True
+                    logger.info("token expired at %s; minted a new one and resending", base_url)
+                    untried.insert(0, index)
+                    continue
+                if failure.status == 503:
+                    self._hold(index, failure.retry_after)
+                elif failure.status != 429:
+                    raise failure
+            rate_limited = getattr(failure, "status", None) == 429
+            retry_after = getattr(failure, "retry_after", None)
+            due[index] = self._clock() + (retry_after if retry_after is not None else self.retry.backoff(retries))
+            if untried and not rate_limited:
+                logger.info("%s failed (%s); trying %s", base_url, _why(failure), self.base_urls[untried[0]])
+                continue
+            # The round is over: wait until the first region may be asked again, within the budget.
+            wait = max(0.0, min(due.values()) - self._clock())
+            if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
+                raise failure
+            logger.info("%s failed (%s); retrying in %.2fs (%d/%d)", base_url, _why(failure), wait,
+                        retries + 1, self.retry.max_retries)
+            await asyncio.sleep(wait)
+            retries += 1
+            # A 429 is this region's word on this caller: ask it again. Otherwise every region
+            # whose wait is over, in order: none is asked before its own Retry-After.
+            now = self._clock()
+            untried = [index] if rate_limited else [i for i in order if due.get(i, 0.0) <= now]
+
+
+async def _error_of(response: httpx.Response, trace_id: str) -> APIStatusError:
+    """The exception for an error response; reads and closes it (a stream's too)."""
+    try:
+        await response.aread()
+    except httpx.HTTPError:
+        pass
+    finally:
+        await response.aclose()
+    return from_response(response, region=None, trace_id=trace_id)
+
+
+def _why(failure: ServeAppError) -> str:
+    if isinstance(failure, APIStatusError):
+        return f"{failure.status} {failure.code or failure.type or ''}".strip()
+    return type(failure).__name__
+
+
+def json_object(response: httpx.Response) -> dict[str, Any]:
+    try:
+        payload = response.json()
+    except ValueError:
+        raise ServeAppError(f"{response.request.url.path} answered with a body that is not JSON") from None
+    if not isinstance(payload, dict):
+        raise ServeAppError(f"{response.request.url.path} answered with JSON that is not an object")
+    return payload

@@ -1,0 +1,203 @@
+"""serve_app.client auth against fake regions on 127.0.0.1: the key → token exchange, refresh
+before expiry and after a 401 ``token_expired``, the fallback to the key, and secrets kept out of
+reprs and logs."""
+
+import asyncio
+import logging
+import pickle
+import time
+
+import pytest
+
+from serve_app.client import AsyncClient, AuthenticationError, Client, PolarGrid
+from serve_app.client.auth import Secret
+from tests.unit.client_fake_server import MODEL, FakeRegion, serving
+
+MESSAGES = [{"role": "user", "content": "Say hi in one short sentence."}]
+
+
+class Skewed:
+    """The client's clock, moved forward by hand: time passes for the client, not for the server,
+    so the test neither sleeps nor depends on how fast a loaded machine answers."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+def skew(client: AsyncClient) -> Skewed:
+    clock = Skewed()
+    client._auth._clock = clock
+    return clock
+
+
+def chat(client: AsyncClient, **extra):
+    return client.chat_completion({"model": MODEL, "messages": MESSAGES, "max_tokens": 8}, **extra)
+
+
+async def collect(stream) -> list[str]:
+    return [c.choices[0].delta.content or "" async for c in stream]
+
+
+def test_create_exchanges_the_key_and_then_sends_only_the_token():
+    region = FakeRegion("a")
+    with serving(region) as (url,):
+        async def go():
+            async with await PolarGrid.create(api_key=region.api_key, base_url=url) as client:
+                assert client.auth_mode == "token"
+                assert len(region.exchanges()) == 1  # at create, before any completion
+                reply = await chat(client)
+                assert "".join(await collect(client.chat_completion_stream({"model": MODEL, "messages": MESSAGES})))
+                await client.models()
+                return reply
+
+        reply = asyncio.run(go())
+    (exchange,) = region.exchanges()
+    assert exchange.body == {"api_key": region.api_key} and "authorization" not in exchange.headers
+    bearers = {s.bearer for s in region.inference()} | {s.bearer for s in region.seen if s.path == "/v1/models"}
+    assert bearers == set(region.tokens) and region.api_key not in bearers
+    assert reply.choices[0].message.content == "Hi there."
+
+
+def test_a_token_is_refreshed_before_it_expires_without_a_401():
+    # expires_in 100 s: the 60 s margin is capped at half the lifetime, so the client refreshes at 50 s.
+    region = FakeRegion("a", token_ttl_s=100)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                clock = skew(client)
+                await chat(client)
+                clock.offset = 49
+                await chat(client)  # not due yet: the same token
+                assert 0 < client.token_expires_in <= 51
+                clock.offset = 51
+                await chat(client)  # due: minted before this request was sent
+
+        asyncio.run(go())
+    first, second, third = (s.bearer for s in region.inference())
+    assert first == second != third and len(region.exchanges()) == 2
+    assert region.statuses == [200, 200, 200]  # refreshed ahead of time: the server never refused
+
+
+def test_a_token_that_expires_mid_session_is_refreshed_without_the_caller_noticing():
+    # The server expires the tokens though it said 900 s (its clock ran ahead, or we slept): the
+    # client only learns from the 401, mints once and resends — for a stream too.
+    region = FakeRegion("a", token_ttl_s=900)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                await chat(client)
+                region.expire_tokens()
+                reply = await chat(client)
+                region.expire_tokens()
+                text = "".join(await collect(client.chat_completion_stream(model=MODEL, messages=MESSAGES)))
+                return reply, text
+
+        reply, text = asyncio.run(go())
+    assert reply.choices[0].message.content == "Hi there." and text == "Hi there."
+    assert region.statuses == [200, 401, 200, 401, 200]
+    assert len(region.exchanges()) == 3
+
+
+def test_a_token_is_refreshed_only_once_per_request():
+    region = FakeRegion("a", server_ttl_s=0)  # every token is expired on arrival
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                with pytest.raises(AuthenticationError) as err:
+                    await chat(client)
+                return err.value
+
+        err = asyncio.run(go())
+    assert (err.status, err.code, err.type) == (401, "token_expired", "authentication_error")
+    assert len(region.exchanges()) == 2 and region.statuses == [401, 401]
+
+
+def test_concurrent_requests_share_one_refresh():
+    region = FakeRegion("a", token_ttl_s=100)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                skew(client).offset = 51  # past the refresh point
+                await asyncio.gather(*(chat(client) for _ in range(5)))
+
+        asyncio.run(go())
+    assert len(region.exchanges()) == 2
+    assert len({s.bearer for s in region.inference()}) == 1
+
+
+def test_the_key_itself_is_sent_only_when_the_server_has_no_token_exchange():
+    region = FakeRegion("a", exchange=False)  # 404 not_found on /v1/auth/token, as FastAPI answers
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                assert client.auth_mode == "api_key"
+                await chat(client)
+                await chat(client)
+
+        asyncio.run(go())
+    assert len(region.exchanges()) == 1  # asked once, not before every request
+    assert [s.bearer for s in region.inference()] == [region.api_key] * 2
+
+
+def test_a_wrong_key_fails_create_and_is_never_sent_as_a_bearer():
+    region = FakeRegion("a")
+    with serving(region) as (url,):
+        async def go():
+            with pytest.raises(AuthenticationError) as err:
+                await AsyncClient.create("pgk_ffffffffffff_wrong", base_url=url)
+            return err.value
+
+        err = asyncio.run(go())
+    assert (err.status, err.code) == (401, "invalid_api_key")
+    assert region.inference() == [] and all("authorization" not in s.headers for s in region.seen)
+
+
+def test_the_sync_client_exchanges_and_refreshes_too():
+    region = FakeRegion("a")
+    with serving(region) as (url,):
+        with Client.create(api_key=region.api_key, base_url=url) as client:
+            assert client.chat_completion(model=MODEL, messages=MESSAGES).choices[0].message.content
+            region.expire_tokens()
+            stream = client.chat_completion_stream(model=MODEL, messages=MESSAGES)
+            assert "".join(c.choices[0].delta.content or "" for c in stream) == "Hi there."
+            assert stream.timing.region == "a"
+    assert region.statuses == [200, 401, 200] and len(region.exchanges()) == 2
+
+
+def test_neither_secret_reaches_a_repr_an_error_or_a_log(caplog):
+    region = FakeRegion("a")
+    caplog.set_level(logging.DEBUG)  # every logger: ours, httpx's and httpcore's
+    with serving(region) as (url,):
+        async def go():
+            client = await AsyncClient.create(region.api_key, base_url=url)
+            try:
+                await chat(client)
+                region.expire_tokens()
+                await chat(client)  # 401 token_expired → refresh: the path that logs most
+                shown = [repr(client), str(client), repr(client._auth), repr(client._auth.credential())]
+                with pytest.raises(AuthenticationError) as err:
+                    await AsyncClient.create(region.api_key + "x", base_url=url)
+                shown += [str(err.value), repr(err.value)]
+                return shown
+            finally:
+                await client.close()
+
+        shown = asyncio.run(go())
+    secrets_ = [region.api_key, *region.tokens]
+    assert len(secrets_) == 3
+    text = "\n".join(shown) + "\n" + "\n".join(r.getMessage() for r in caplog.records)
+    assert caplog.records, "nothing was logged: the check would prove nothing"
+    for secret in secrets_:
+        assert secret not in text
+        assert secret.split("_")[-1][:12] not in text  # not even a prefix of the secret part
+
+
+def test_a_secret_masks_itself_and_refuses_pickling():
+    secret = Secret("pgk_0123456789ab_s3cr3t")
+    assert "s3cr3t" not in repr(secret) + str(secret) + f"{secret}"
+    assert secret.reveal() == "pgk_0123456789ab_s3cr3t"
+    with pytest.raises(TypeError):
+        pickle.dumps(secret)
