@@ -83,8 +83,8 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         "max_ongoing_requests": model.max_ongoing_requests,
         "max_queued_requests": model.max_queued_requests,
         "graceful_shutdown_timeout_s": model.graceful_shutdown_timeout_s,
-        # Loading weights (and on CPU, compiling kernels) takes a while; do not kill it early.
-        "health_check_timeout_s": 60,
+        "health_check_period_s": model.health_check_period_s,
+        "health_check_timeout_s": model.health_check_timeout_s,
         "ray_actor_options": ray_actor_options,
     }
 

@@ -23,6 +23,7 @@ from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
 from serve_app.bench import cli as bench_cli
 from serve_app.config import parse_app_args
+from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
 from serve_app.regions_cli import app as regions_app
 
@@ -37,6 +38,7 @@ app.add_typer(token_app, name="token")
 app.add_typer(regions_app, name="regions", help="Render and check configs/ and terraform/ from regions/.")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
+app.command("faults")(faults_cli.command)
 app.command("gpu-smoke")(gpu_smoke.command)
 app.command("image-lock")(image_lock.command)
 

@@ -97,6 +97,13 @@ class ModelDeploymentArgs(_Strict):
     max_queued_requests: int = Field(64, ge=1)  # Serve: -1 (unbounded) or >= 1
     # Lets in-flight streams finish when a replica is scaled down or redeployed.
     graceful_shutdown_timeout_s: float = Field(120, ge=0)
+    # Serve replaces a replica after 3 failed health checks in a row; the check asks vLLM whether
+    # its engine core is alive (an instant answer), so a dead engine is found within 3 periods.
+    # Serve's default period, 10 s, kept a dead replica in rotation for ~30 s (docs/reliability.md).
+    health_check_period_s: float = Field(2, gt=0)
+    # A check that hangs this long fails; generous, so a replica busy with a long prefill on CPU
+    # is not replaced for being slow.
+    health_check_timeout_s: float = Field(30, gt=0)
     initial_state: Literal["loaded", "cold"] = Field(
         "loaded",
         description="At deploy: loaded starts replicas; cold starts none until POST /v1/models/load "

@@ -14,6 +14,8 @@ reports:
 ========== ===================================================================================
 loaded     wanted loaded and at least one replica running: requests are served
 loading    wanted loaded, no replica running yet (weights loading, or waiting for a GPU)
+recovering wanted loaded, no replica running: a replica failed its health checks (its engine
+           died) and Serve is replacing it; transient, seconds to a minute (docs/reliability.md)
 failed     wanted loaded, no replica running, and Serve gave up starting one (see ``message``)
 unloading  wanted cold, replicas still draining their in-flight requests
 cold       wanted cold, no replicas: costs nothing, needs a load before it serves
@@ -30,13 +32,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-LOADED, LOADING, FAILED, UNLOADING, COLD = "loaded", "loading", "failed", "unloading", "cold"
+LOADED, LOADING, RECOVERING, FAILED, UNLOADING, COLD = (
+    "loaded", "loading", "recovering", "failed", "unloading", "cold"
+)
 Wanted = Literal["loaded", "cold"]
 KV_NAMESPACE = "serve_app"
 
 # Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller.
 _STARTING = ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
-_FAILED_STATUSES = ("DEPLOY_FAILED", "UNHEALTHY")
+# UNHEALTHY: a replica failed its health checks and Serve is starting its replacement.
+# DEPLOY_FAILED: replicas failed to start, again and again; Serve gave up until the next deploy.
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def write_wanted(app_name: str, deployment: str, state: Wanted, by: str) -> Want
 
 @dataclass(frozen=True)
 class ModelState:
-    state: str  # one of LOADED, LOADING, FAILED, UNLOADING, COLD
+    state: str  # one of LOADED, LOADING, RECOVERING, FAILED, UNLOADING, COLD
     wanted: Wanted
     running: int = 0
     starting: int = 0
@@ -116,5 +121,5 @@ def derive_state(
         return ModelState(state, "cold", since=since, **counts)
     if running:
         return ModelState(LOADED, "loaded", since=since, **counts)
-    failed = deployment_status in _FAILED_STATUSES
-    return ModelState(FAILED if failed else LOADING, "loaded", since=since, message=message or None, **counts)
+    state = {"DEPLOY_FAILED": FAILED, "UNHEALTHY": RECOVERING}.get(deployment_status or "", LOADING)
+    return ModelState(state, "loaded", since=since, message=message or None, **counts)

@@ -193,6 +193,15 @@ class Authenticator:
         tier = self.args.tiers.get(principal.tier)
         if tier is None:  # fail closed: a tier missing from this region's config is not "unlimited"
             raise forbidden(f"rate-limit tier {principal.tier!r} is not offered in region {self.region}", "unknown_tier")
+        if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
+            raise APIError(
+                400,
+                f"this request may cost up to {tokens_estimate} tokens (its prompt plus n × max_tokens), "
+                f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); "
+                "lower max_tokens or n, or shorten the prompt",
+                param="max_tokens",
+                code="request_exceeds_tier_limit",
+            )
         decision = await self.limiter.acquire(
             principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate
         )

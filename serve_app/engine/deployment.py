@@ -77,14 +77,33 @@ class ModelServer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         _apply_enable_thinking(body)
-        async for item in self._serve(ChatCompletionRequest, self._chat.create_chat_completion, body):
+        async for item in self._plain_errors(self._serve(ChatCompletionRequest, self._chat.create_chat_completion, body)):
             yield item
 
     async def completions(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        async for item in self._serve(CompletionRequest, self._completion.create_completion, body):
+        async for item in self._plain_errors(self._serve(CompletionRequest, self._completion.create_completion, body)):
             yield item
+
+    async def _plain_errors(self, items: AsyncIterator[Head]) -> AsyncIterator[Head]:
+        """No exception leaves the replica. One would cross the handle pickled, and unpickling
+        vLLM's exception classes (EngineDeadError, …) imports vLLM and torch into the router:
+        +460 MiB per router replica, kept. It becomes an error head, or, once a stream's head is
+        out, an incomplete trailer that names the failure; the traceback stays in this log."""
+        head_sent = False
+        try:
+            async for item in items:
+                head_sent = head_sent or "status" in item
+                yield item
+        except Exception:
+            dead = self.engine.errored
+            logger.exception("%s request failed in the replica%s", self.model_id, " (engine dead)" if dead else "")
+            code = trailer.ENGINE_UNAVAILABLE if dead else "internal"
+            if not head_sent:
+                yield _ENGINE_UNAVAILABLE if dead else _INTERNAL_ERROR
+            else:
+                yield {"trailer": {"replica": self.replica, "complete": False, "error_code": code}}
 
     async def _serve(self, request_type, create, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from pydantic import ValidationError
@@ -187,6 +206,13 @@ _ENGINE_UNAVAILABLE: Head = {
     "body": error_body(
         503, "the model engine on this replica failed and is being replaced; retry", code="engine_unavailable"
     ),
+    "stream": False,
+}
+
+
+_INTERNAL_ERROR: Head = {
+    "status": 500,
+    "body": error_body(500, "the model replica failed to serve this request; it has been logged", code="internal"),
     "stream": False,
 }
 

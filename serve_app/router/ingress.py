@@ -10,7 +10,6 @@ router forwards it once to a peer region (``serve_app.router.failover``). Auth l
 """
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
@@ -31,10 +30,13 @@ from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.router.client_socket import RelayedStream
 from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
-from serve_app.model_state import COLD, LOADED
-from serve_app.router.model_states import ModelStates
+from serve_app.model_state import COLD, LOADED, RECOVERING
+from serve_app.router.model_states import InFlight, ModelStates
+from serve_app.router import openapi
+from serve_app.router.request_schema import describe_validation_errors, parse_json_object, validate_body
 from serve_app.router.relay import (
     CLIENT_CLOSED,
+    REPLICA_FAILURES,
     Exchange,
     call_model,
     json_response,
@@ -52,6 +54,8 @@ logger = logging.getLogger("ray.serve")
 MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 # /health re-reads Serve's status when its view is older than this (probes come every few seconds).
 HEALTH_STATUS_MAX_AGE_S = 2.0
+# ...but never waits longer than this for it: a slow controller makes the answer older, not late.
+HEALTH_WAIT_S = 0.25
 
 app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
@@ -61,15 +65,22 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+openapi.install(app)
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = "not_found" if exc.status_code == 404 else None
-    return JSONResponse(error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    # A 405 carries Starlette's Allow header: the methods the path does take.
+    return JSONResponse(
+        error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code, headers=exc.headers
+    )
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(error_body(400, f"invalid request: {exc.errors()[:3]}"), status_code=400)
+    error = describe_validation_errors(exc.errors())
+    return JSONResponse(error.body(), status_code=400)
 
 
 @app.exception_handler(Exception)
@@ -81,17 +92,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 # Helpers stand above the class: serve.ingress pickles the FastAPI app when the class is
 # decorated, so names defined below it would be missing in the replica.
 async def _read_json_object(request: Request) -> dict[str, Any]:
-    return _json_object(await _read_body_within_limit(request))
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return body
+    return parse_json_object(await _read_body_within_limit(request))
 
 
 async def _read_body_within_limit(request: Request) -> bytes:
@@ -149,6 +150,10 @@ class Router:
         # Admission from a lease of the actor's budget: no actor call on the common path.
         self.auth = Authenticator(args.auth, region, LeasedRateLimiter(limiter))
         self.states = ModelStates(context.app_name, args.models)
+        self.in_flight = InFlight(args.models)
+        self.max_model_len = {
+            model.id: model.engine.max_model_len or catalog.get(model.id).engine.max_model_len for model in args.models
+        }
         failover = args.failover
         self.forwarder = Forwarder(
             region,
@@ -166,17 +171,32 @@ class Router:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """Ready when a loaded model has a running replica (the global DNS health check and the
-        load balancer read this). Read from Serve's own view of its replicas — which its health
-        checks keep — never through a model's request slots, so a busy region stays healthy. A
-        model that is loading or cold does not make the region unhealthy; no model serving does."""
-        await self.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S)
-        models = {model_id: self.states.get(model_id).serving for model_id in self.models}
-        states = {model_id: self.states.get(model_id).state for model_id in self.models}
-        ready = any(models.values())
+        """Liveness and readiness for the load balancer and the global DNS health check.
+
+        Read from Serve's own view of its replicas — which its health checks keep — and this
+        router's count of in-flight requests, never through a model's request slots, so it
+        answers at once however busy the region is. 200 while a loaded model has a running
+        replica: ``status`` is ``ok``, or ``busy`` when every serving model's slots are taken
+        (requests queue or are shed, but the region serves). 503 when no model serves:
+        ``recovering`` while Serve replaces a failed replica, else ``unavailable``.
+        """
+        await self.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S)
+        states = {model_id: self.states.get(model_id) for model_id in self.models}
+        load = {model_id: self.in_flight.load(model_id, state.running) for model_id, state in states.items()}
+        serving = [model_id for model_id, state in states.items() if state.serving]
+        if serving:
+            status = "busy" if all(load[model_id]["busy"] for model_id in serving) else "ok"
+        else:
+            status = "recovering" if any(s.state == RECOVERING for s in states.values()) else "unavailable"
         return JSONResponse(
-            {"status": "ok" if ready else "unavailable", "region": self.region, "models": models, "states": states},
-            status_code=200 if ready else 503,
+            {
+                "status": status,
+                "region": self.region,
+                "models": {model_id: state.serving for model_id, state in states.items()},
+                "states": {model_id: state.state for model_id, state in states.items()},
+                "load": load,
+            },
+            status_code=200 if serving else 503,
         )
 
     @app.get("/.well-known/jwks.json")
@@ -250,19 +270,24 @@ class Router:
             with exchange.record.measure_auth():
                 caller = await self._caller(request)  # 401 / 403 before the body is even read
             raw = await _read_body_within_limit(request)
-            body = _json_object(raw)
+            body = parse_json_object(raw)  # 400 invalid_json, however it nests
             exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
             body["model"] = exchange.record.model = self._resolve(body.get("model"))
+            validate_body(method, body)  # 400 naming the failing field
+            self._check_completion_budget(body)
             self.auth.authorize_model(caller, body["model"])
             limits = await self.auth.admit(caller, request_token_cost(body, len(raw)))  # 429 + Retry-After
             try:
                 await self.states.ensure_fresh()
                 self.states.require_serving(body["model"], self.region)  # 503 unless loaded here
+                exchange.hold_slot(self.in_flight.begin(body["model"]))
                 stream, head = await call_model(self.streaming[body["model"]], method, body, self.region, exchange)
                 socket = await open_byte_stream(stream, head, body["model"]) if head["stream"] else None
             except APIError as unavailable:
                 if unavailable.status != 503:
                     raise
+                if unavailable.code in REPLICA_FAILURES:
+                    self.states.suspect()
                 forwarded = await self._fail_over(request, route, body, caller, exchange, unavailable)
                 if forwarded is None:
                     raise
@@ -307,6 +332,19 @@ class Router:
         if forwarded.response is not None and not forwarded.stream:
             exchange.forwarded_done(forwarded.status, forwarded.error_type)
         return forwarded.response
+
+    def _check_completion_budget(self, body: dict[str, Any]) -> None:
+        """A completion budget over the model's context could never be served: 400, not a 429
+        (its rate-limit cost) or the engine's refusal after a trip to the replica."""
+        cap = self.max_model_len[body["model"]]
+        for field in ("max_completion_tokens", "max_tokens"):
+            if (budget := body.get(field)) is not None and budget > cap:
+                raise APIError(
+                    400,
+                    f"{field} is {budget}, more than the model's context of {cap} tokens (prompt included)",
+                    param=field,
+                    code="context_length_exceeded",
+                )
 
     async def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
         return await self.auth.authenticate_async(request.headers.get("authorization"), scope=scope)

@@ -22,6 +22,7 @@ from serve_app.model_state import (
     FAILED,
     LOADED,
     LOADING,
+    RECOVERING,
     UNLOADING,
     ModelState,
     Wanted,
@@ -37,9 +38,14 @@ REFRESH_S = 1.0
 # While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in
 # between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover).
 STATUS_MAX_AGE_S = 10.0
+# After a replica reports a dead engine: long enough to cover Serve's health checks failing
+# three times and the replica being stopped (about 10 s here, docs/reliability.md).
+SUSPECT_S = 30.0
 # Retry hints for requests that reach a model that is not serving: a load of the FP8 checkpoint
-# takes minutes on a GPU; a cold model serves only after an admin loads it.
-RETRY_AFTER_S = {LOADING: 30, FAILED: 60, UNLOADING: 60, COLD: 60}
+# takes minutes on a GPU; a replica being replaced is back within about a minute here (measured,
+# docs/reliability.md), and clients should look again soon; a cold model serves only after an
+# admin loads it.
+RETRY_AFTER_S = {LOADING: 30, RECOVERING: 5, FAILED: 60, UNLOADING: 60, COLD: 60}
 
 
 class ModelStates:
@@ -65,18 +71,32 @@ class ModelStates:
         self._wanted: dict[str, WantedRecord] = {}
         self._deployments: dict[str, Any] = {}  # Serve's status per deployment, last read
         self._status_read_at = float("-inf")
+        self._suspect_until = float("-inf")
+        self._pending: asyncio.Task | None = None  # a refresh a caller asked for, in flight
 
     def get(self, model_id: str) -> ModelState:
         return self._states[model_id]
 
-    async def ensure_fresh(self, max_status_age_s: float | None = None) -> None:
+    async def ensure_fresh(self, max_status_age_s: float | None = None, wait_s: float | None = None) -> None:
         """Start the refresh loop (first call in the replica's event loop); wait for a first view,
-        or for a new one when Serve's status was read more than ``max_status_age_s`` ago."""
+        or for a new one when Serve's status was read more than ``max_status_age_s`` ago — at
+        most ``wait_s`` for that one: ``serve.status()`` asks the controller, which can take
+        seconds while it handles a failed replica, and ``/health`` must answer at once (from the
+        last view) even then. The refresh it started goes on and updates the view."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
-        stale = max_status_age_s is not None and time.monotonic() - self._status_read_at > max_status_age_s
-        if not self._refreshed or stale:
+        if not self._refreshed:
             await self.refresh()
+            return
+        if max_status_age_s is None or time.monotonic() - self._status_read_at <= max_status_age_s:
+            return
+        if self._pending is None or self._pending.done():
+            self._pending = asyncio.get_running_loop().create_task(self.refresh())
+            self._pending.add_done_callback(_log_failure)
+        if wait_s is None:
+            await asyncio.shield(self._pending)
+        else:
+            await asyncio.wait({self._pending}, timeout=wait_s)
 
     async def refresh(self, *, status: bool = True, wanted: dict[str, WantedRecord] | None = None) -> None:
         """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
@@ -90,9 +110,17 @@ class ModelStates:
             self._states[model_id] = _state_of(wanted[model_id], self._deployments.get(deployment))
         self._refreshed = True
 
+    def suspect(self) -> None:
+        """A replica answered that its engine died or could not be reached: read Serve's status
+        every refresh for a while, so the view turns ``recovering`` within a second of Serve
+        stopping the replica and new requests get a quick 503 (or fail over) instead of waiting
+        in Serve's queue for the replacement to start."""
+        self._suspect_until = time.monotonic() + SUSPECT_S
+
     def _status_may_have_changed(self, wanted: dict[str, WantedRecord]) -> bool:
         return (
             time.monotonic() - self._status_read_at > STATUS_MAX_AGE_S
+            or time.monotonic() < self._suspect_until
             or wanted != self._wanted
             or any(state.state != LOADED or state.message for state in self._states.values())
         )
@@ -116,6 +144,7 @@ class ModelStates:
             return
         reasons = {
             LOADING: "is loading in region {region}",
+            RECOVERING: "is recovering in region {region}: a replica failed and is being replaced",
             FAILED: "failed to load in region {region}",
             UNLOADING: "is being unloaded in region {region}",
             COLD: "is not loaded in region {region}; an admin can POST /v1/models/load",
@@ -141,6 +170,51 @@ class ModelStates:
                 await self.refresh(status=self._status_may_have_changed(wanted), wanted=wanted)
             except Exception:  # the controller restarting, say: keep the last view and retry
                 logger.warning("could not refresh model states", exc_info=True)
+
+
+class InFlight:
+    """Requests this router replica has sent to each model and not yet seen end.
+
+    With the model's running replicas and its Serve limits this says whether the model is
+    *busy* (every replica's ``max_ongoing_requests`` slots taken: new requests wait in the
+    router's queue) or *shedding* (that queue holds ``max_queued_requests`` too: new requests get
+    503 ``overloaded``). ``/health`` reports it next to the state, so a busy region is not
+    mistaken for a down one. The count is this router replica's own: with several router
+    replicas each sees its share of the traffic (the slots are shared, the queues are not).
+    """
+
+    def __init__(self, models: Sequence[ModelDeploymentArgs]):
+        self._limits = {model.id: (model.max_ongoing_requests, model.max_queued_requests) for model in models}
+        self._counts = dict.fromkeys(self._limits, 0)
+
+    def begin(self, model_id: str) -> Callable[[], None]:
+        """Count one request; the returned callable (idempotent) uncounts it."""
+        self._counts[model_id] += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._counts[model_id] -= 1
+
+        return release
+
+    def load(self, model_id: str, running: int) -> dict[str, Any]:
+        max_ongoing, max_queued = self._limits[model_id]
+        slots = running * max_ongoing
+        count = self._counts[model_id]
+        return {
+            "in_flight": count,
+            "slots": slots,
+            "busy": running > 0 and count >= slots,
+            "shedding": running > 0 and count >= slots + max_queued,
+        }
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not refresh model states", exc_info=task.exception())
 
 
 def _serve_status():

@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -25,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
+from serve_app.engine.trailer import ENGINE_UNAVAILABLE
 from serve_app.errors import error_body, retry_later
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
@@ -40,7 +41,17 @@ logger = logging.getLogger("ray.serve")
 
 DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+# 503 codes that mean a replica (not the model's load) failed: its engine died, or it vanished.
+REPLICA_FAILURES = (ENGINE_UNAVAILABLE, "replica_unavailable")
 READ_BYTES = 64 * 1024  # one socket read: whatever the replica has written, up to this much
+
+
+class StreamBrokeOff(Exception):
+    """The replica's trailer says its stream ended before the engine finished (``code``: why)."""
+
+    def __init__(self, code: str | None):
+        super().__init__(f"the replica's stream ended before the engine finished ({code or 'connection lost'})")
+        self.code = code
 
 
 class Exchange:
@@ -51,9 +62,15 @@ class Exchange:
         self.trace = tracing.start_server_span(self.record, headers)
         self.split = None
         self.failover_span = None
+        self._release_slot: Callable[[], None] = lambda: None
+
+    def hold_slot(self, release: Callable[[], None]) -> None:
+        """Uncount the request from the model's in-flight count when the local call is over."""
+        self._release_slot = release
 
     def start_failover(self, reason: str) -> dict[str, str]:
         """Open the ``failover`` CLIENT span; the headers carry it to the peer (one trace)."""
+        self._release_slot()  # the local model is done with it
         self.record.failover_reason = reason
         self.failover_span = tracing.start_failover_span(self.trace, reason)
         return tracing.propagation_headers(self.failover_span)
@@ -95,6 +112,7 @@ class Exchange:
 
     def close(self) -> None:
         """End the spans and record the metrics; safe to call more than once."""
+        self._release_slot()
         if self.trace.split is None:
             split = self.finish(self.record.status)
             if self.failover_span is not None and self.failover_span.is_recording():
@@ -184,7 +202,7 @@ async def relay_events(
         exchange.note_trailer(trailer)
         usage = trailer.get("usage")
         if not trailer.get("complete", True):
-            raise ConnectionError("the replica's stream ended before the engine finished")
+            raise StreamBrokeOff(trailer.get("error_code"))
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         exchange.finish(trailer.get("error_status") or 200, trailer.get("error_code"))
         yield pg_metadata_event(
@@ -197,11 +215,16 @@ async def relay_events(
         ).encode()
         yield DONE
         finished = True
-    except Exception:
+    except Exception as err:
         # The status line is sent already: end the stream with an error event, never a hang.
-        logger.exception("stream from model replica failed")
-        exchange.finish(500, "stream_failed")
-        yield f"data: {json.dumps(error_body(500, 'the model replica failed mid-stream'))}\n\n".encode()
+        if isinstance(err, StreamBrokeOff) and err.code == ENGINE_UNAVAILABLE:
+            logger.warning("stream %s: the model engine died mid-stream", exchange.trace.trace_id)
+            status, error = 503, error_body(503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE)
+        else:
+            logger.exception("stream %s from the model replica failed", exchange.trace.trace_id)
+            status, error = 500, error_body(500, "the model replica failed mid-stream", code="stream_failed")
+        exchange.finish(status, error["error"]["code"])
+        yield f"data: {json.dumps(error)}\n\n".encode()
         yield DONE
         finished = True
     finally:

@@ -127,6 +127,8 @@ def serve_app(tmp_path_factory, otlp_receiver):
             "app_name": APP_NAME,
             "dev_key": dev_key,
             "config_path": config_path,
+            "deployed_path": deployed_path,  # both regions: what a redeploy sends
+            "dashboard": dashboard,
             "auth": auth,
         }
     finally:
@@ -139,6 +141,12 @@ def serve_app(tmp_path_factory, otlp_receiver):
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``disruptive`` (they kill an engine or redeploy the app) run last, so every
+    other test sees a steady service whatever order the files are collected in."""
+    items.sort(key=lambda item: item.get_closest_marker("disruptive") is not None)
 
 
 @pytest.fixture(scope="session")

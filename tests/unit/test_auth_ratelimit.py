@@ -153,3 +153,16 @@ def test_a_limiter_outage_admits_the_request(tmp_path):
     auth = Authenticator(auth_args(tmp_path), "local", Broken("local"), environ={})
     key, _ = auth.keys.create_key(owner="x", tier="tiny")
     assert chat(router_like_app(auth), key).status_code == 200
+
+
+def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_path):
+    auth = authenticator(tmp_path)
+    client = router_like_app(auth)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min, 1000 tokens/min
+    too_big = chat(client, key, n=4, max_tokens=300)  # 4 × 300 completion tokens > 1000
+    assert too_big.status_code == 400
+    error = too_big.json()["error"]
+    assert (error["code"], error["param"]) == ("request_exceeds_tier_limit", "max_tokens")
+    assert "Retry-After" not in too_big.headers
+    # Nothing was charged: both of the minute's requests are still there.
+    assert [chat(client, key).status_code for _ in range(2)] == [200, 200]

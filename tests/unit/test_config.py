@@ -93,6 +93,9 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
     assert options["autoscaling_config"]["max_replicas"] == 3
     assert options["max_ongoing_requests"] == 40
     assert options["max_queued_requests"] == 80
+    # A dead engine fails its health check at once; Serve replaces it after 3 in a row.
+    assert options["health_check_period_s"] == 2
+    assert options["health_check_timeout_s"] == 30
     assert options["ray_actor_options"] == {
         "num_cpus": 4,
         "num_gpus": 1,

@@ -36,7 +36,9 @@ COLD_BY_API = WantedRecord("cold", 100.0, by="key-admin")
         (LOADED_BY_API, {"STARTING": 1}, "UPDATING", "loading"),
         (LOADED_BY_API, {}, "UPDATING", "loading"),
         (LOADED_BY_API, {"STARTING": 1}, "DEPLOY_FAILED", "failed"),
-        (LOADED_BY_API, {}, "UNHEALTHY", "failed"),
+        (LOADED_BY_API, {}, "UNHEALTHY", "recovering"),  # a replica failed health checks: replaced
+        (LOADED_BY_API, {"STARTING": 1}, "UNHEALTHY", "recovering"),
+        (LOADED_BY_API, {"RUNNING": 1, "STARTING": 1}, "UNHEALTHY", "loaded"),  # one of two died
         (COLD_BY_API, {"RUNNING": 1}, "DOWNSCALING", "unloading"),
         (COLD_BY_API, {"STOPPING": 1}, "HEALTHY", "unloading"),
         (COLD_BY_API, {}, "HEALTHY", "cold"),
@@ -186,11 +188,12 @@ def test_a_kv_outage_keeps_the_last_known_state(monkeypatch):
 class FakeServe:
     def __init__(self):
         self.replicas = {"model-" + MODEL: {"RUNNING": 1}, "model-" + SIBLING: {}}
+        self.statuses: dict = {}  # deployment → Serve's status, HEALTHY unless set
         self.kv: dict = {}
 
     def status(self):
         deployments = {
-            name: SimpleNamespace(replica_states=counts, status="HEALTHY", message="")
+            name: SimpleNamespace(replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message="")
             for name, counts in self.replicas.items()
         }
         return SimpleNamespace(applications={"llm": SimpleNamespace(deployments=deployments)})
@@ -218,6 +221,23 @@ def test_router_serves_only_loaded_models_and_says_why_not():
     assert (cold.value.status, cold.value.code) == (503, "model_cold")
     assert int(cold.value.headers["Retry-After"]) > 0
     assert "POST /v1/models/load" in cold.value.message
+
+
+def test_a_replica_being_replaced_is_recovering_with_a_short_retry_not_failed():
+    fake = FakeServe()
+    states = _states(fake)
+    fake.replicas["model-" + MODEL] = {"STARTING": 1}  # its engine died; Serve starts another
+    fake.statuses["model-" + MODEL] = "UNHEALTHY"
+    asyncio.run(states.refresh())
+    with pytest.raises(APIError) as recovering:
+        states.require_serving(MODEL, "yul-02")
+    assert (recovering.value.status, recovering.value.code) == (503, "model_recovering")
+    assert int(recovering.value.headers["Retry-After"]) <= 5
+    fake.statuses["model-" + MODEL] = "DEPLOY_FAILED"  # Serve gave up: that one is failed
+    asyncio.run(states.refresh())
+    with pytest.raises(APIError) as failed:
+        states.require_serving(MODEL, "yul-02")
+    assert failed.value.code == "model_failed"
 
 
 def test_load_and_unload_write_the_wanted_state_and_update_the_view():
@@ -273,3 +293,50 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
 
     asyncio.run(states.ensure_fresh(max_status_age_s=1.0))  # /health wants a recent view
     assert len(calls) == 2
+    assert not states._status_may_have_changed(states._read_all())
+    states.suspect()  # a replica said its engine died: follow Serve closely for a while
+    assert states._status_may_have_changed(states._read_all())
+
+
+def test_in_flight_says_busy_when_every_slot_is_taken_and_shedding_when_the_queue_is_too():
+    from serve_app.router.model_states import InFlight
+
+    in_flight = InFlight([ModelDeploymentArgs(id=MODEL, max_ongoing_requests=2, max_queued_requests=1)])
+    releases = [in_flight.begin(MODEL) for _ in range(2)]
+    assert in_flight.load(MODEL, running=1) == {"in_flight": 2, "slots": 2, "busy": True, "shedding": False}
+    assert in_flight.load(MODEL, running=2)["busy"] is False  # a second replica: room again
+    releases.append(in_flight.begin(MODEL))
+    assert in_flight.load(MODEL, running=1)["shedding"] is True
+    for release in releases + releases:  # releasing twice uncounts once
+        release()
+    assert in_flight.load(MODEL, running=1) == {"in_flight": 0, "slots": 2, "busy": False, "shedding": False}
+    assert in_flight.load(MODEL, running=0)["busy"] is False  # no replica: down, not busy
+
+
+def test_health_answers_from_the_last_view_while_serve_is_slow_to_say():
+    """A refresh that takes long (the controller busy with a failed replica) does not hold
+    /health: it gets the last view after ``wait_s``, and the refresh still lands later."""
+    fake = FakeServe()
+    slow = {"on": False}
+
+    def status():
+        if slow["on"]:
+            time.sleep(0.5)
+        return fake.status()
+
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=status, read=fake.read, write=fake.write)
+
+    async def scenario():
+        await states.ensure_fresh()
+        slow["on"] = True
+        fake.replicas["model-" + MODEL] = {}
+        fake.statuses["model-" + MODEL] = "UNHEALTHY"
+        states._status_read_at -= 10
+        await states.ensure_fresh(max_status_age_s=2.0, wait_s=0.05)
+        assert not states._pending.done()  # it answered without waiting for Serve
+        assert states.get(MODEL).state == "loaded"  # the last view
+        await asyncio.sleep(0.7)
+        assert states.get(MODEL).state == "recovering"  # the refresh it started has landed
+        states.stop()
+
+    asyncio.run(scenario())

@@ -1,0 +1,74 @@
+"""Kill the model replica's vLLM engine core during streams, and time the way back.
+
+What must hold: every in-flight stream ends with our ``engine_unavailable`` error event and
+``[DONE]`` (none hangs, none gets vLLM's own words); new requests get a 503 with a short
+``Retry-After`` (``engine_unavailable`` from the dead replica, then ``model_recovering``, or a
+wait in Serve's queue) until the replacement replica serves; ``/health`` says ``recovering``,
+not ``failed``; the routers never import vLLM.
+"""
+
+import asyncio
+import time
+from typing import Any
+
+from serve_app.faults import cluster
+from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client
+from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat
+
+PROBE_TIMEOUT_S = 10.0
+
+
+async def engine_kill(
+    url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 2000, recovery_timeout_s: float = 300
+) -> dict[str, Any]:
+    (replica, *_) = cluster.model_replicas(app, MODEL_DEPLOYMENT)
+    routers = cluster.routers(app)
+    async with _client(key, streams + 4) as client:
+        probe = HealthProbe(client, url, period_s=0.5).start()
+        started = asyncio.Event()
+        running = [
+            asyncio.create_task(stream_chat(client, url, chat_body(max_tokens), first_chunk=started, idle_timeout_s=60))
+            for _ in range(streams)
+        ]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(0.5)  # every stream is decoding
+        killed_at = time.monotonic()
+        killed_pid = cluster.kill_engine_core(replica)
+        outcomes = await asyncio.gather(*running)
+        streams_ended_s = time.monotonic() - killed_at
+        answers: list[dict[str, Any]] = []
+        back_after_s = None
+        while time.monotonic() - killed_at < recovery_timeout_s:
+            # A short timeout: what a new request gets now, not how long one can wait in a queue.
+            sent_s = round(time.monotonic() - killed_at, 1)
+            outcome = await post_chat(client, url, chat_body(4, stream=False), timeout_s=PROBE_TIMEOUT_S)
+            answers.append({"sent_at_s": sent_s, "status": outcome.status,
+                            "code": outcome.error_code or (outcome.ended if outcome.status is None else None),
+                            "retry_after": outcome.retry_after})
+            if outcome.status == 200:
+                back_after_s = round(time.monotonic() - killed_at, 1)
+                break
+            await asyncio.sleep(1)
+        await asyncio.sleep(1)
+        await probe.stop()
+    return {
+        "engine_core_pid": killed_pid,
+        "streams": streams,
+        "streams_by_outcome": count(list(outcomes)),
+        "streams_ended_after_s": round(streams_ended_s, 2),
+        "first_200_after_s": back_after_s,
+        "answers_meanwhile": _distinct(answers),
+        "health_timeline": probe.changes(),
+        "routers_imported_vllm": any(r.imported_vllm() for r in routers),
+    }
+
+
+def _distinct(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Only the answers that differ from the one before (when each kind began)."""
+    kept, last = [], None
+    for answer in answers:
+        kind = (answer["status"], answer["code"], answer["retry_after"])
+        if kind != last:
+            kept.append(answer)
+            last = kind
+    return kept

@@ -1,0 +1,164 @@
+"""Requests the fault suite sends, and how each one ended, on the client's clock.
+
+A stream *outcome* is what a client saw: the status, when the status line came, and how the body
+ended — ``done`` (``[DONE]`` after our ``pg_metadata``), ``error_event`` (an error event, then
+``[DONE]``: the code is kept), ``cut`` (the connection closed without ``[DONE]``) or ``hung``
+(nothing for ``idle_timeout_s``). Nothing here raises for a failed request: the suite counts them.
+"""
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from serve_app.bench.client import DEFAULT_MODEL
+
+ROUTE_CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Outcome:
+    status: int | None  # None: no status line (connection refused, hung before it)
+    ended: str  # done | error_event | cut | hung | refused | json (a non-stream answer)
+    status_s: float | None = None  # request start → status line
+    total_s: float | None = None
+    error_code: str | None = None  # from the error body or the stream's error event
+    retry_after: str | None = None
+    chunks: int = 0  # content chunks received
+
+    @property
+    def label(self) -> str:
+        return f"{self.status} {self.ended}" + (f" {self.error_code}" if self.error_code else "")
+
+
+def chat_body(max_tokens: int, *, stream: bool = True, prompt: str = "Say hi in one short sentence.") -> dict[str, Any]:
+    return {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,  # every stream runs its full length: comparable, and long enough to hit
+    }
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    idle_timeout_s: float = 60.0,
+    first_chunk: asyncio.Event | None = None,
+    leave_after_chunks: int | None = None,
+) -> Outcome:
+    """One streaming chat. ``first_chunk`` is set when content arrives; with
+    ``leave_after_chunks`` the client disconnects after that many chunks (``ended='left'``)."""
+    started = time.perf_counter()
+    outcome = Outcome(status=None, ended="refused")
+    try:
+        async with client.stream("POST", url + ROUTE_CHAT, json=body, timeout=idle_timeout_s) as response:
+            outcome.status, outcome.status_s = response.status_code, time.perf_counter() - started
+            outcome.retry_after = response.headers.get("retry-after")
+            if response.status_code != 200:
+                outcome.ended, outcome.error_code = "json", _error_code(await response.aread())
+                return outcome
+            outcome.ended = "cut"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    outcome.ended = "error_event" if outcome.error_code else "done"
+                    break
+                payload = json.loads(line[6:])
+                if "error" in payload:
+                    outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
+                elif payload.get("choices"):
+                    outcome.chunks += 1
+                    if first_chunk is not None:
+                        first_chunk.set()
+                    if leave_after_chunks is not None and outcome.chunks >= leave_after_chunks:
+                        outcome.ended = "left"
+                        break
+    except httpx.TimeoutException:
+        outcome.ended = "hung"
+    except httpx.TransportError:
+        outcome.ended = "cut" if outcome.status is not None else "refused"
+    outcome.total_s = time.perf_counter() - started
+    return outcome
+
+
+async def post_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float = 60.0) -> Outcome:
+    started = time.perf_counter()
+    try:
+        response = await client.post(url + ROUTE_CHAT, json=body, timeout=timeout_s)
+    except httpx.TimeoutException:
+        return Outcome(status=None, ended="hung", total_s=time.perf_counter() - started)
+    except httpx.TransportError:
+        return Outcome(status=None, ended="refused", total_s=time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    code = _error_code(response.content) if response.status_code >= 400 else None
+    return Outcome(response.status_code, "json", elapsed, elapsed, code, response.headers.get("retry-after"))
+
+
+class HealthProbe:
+    """``GET /health`` every ``period_s`` until stopped: each answer's time, status and state."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, period_s: float = 0.5, timeout_s: float = 5.0):
+        self.client, self.url, self.period_s, self.timeout_s = client, url, period_s, timeout_s
+        self.samples: list[tuple[float, int | None, str | None, float]] = []  # (at, code, status, seconds)
+        self._task: asyncio.Task | None = None
+        self._t0 = time.monotonic()
+
+    def start(self) -> "HealthProbe":
+        self._t0 = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            began = time.monotonic()
+            try:
+                response = await self.client.get(self.url + "/health", timeout=self.timeout_s)
+                code, status = response.status_code, response.json().get("status")
+            except (httpx.HTTPError, ValueError):
+                code, status = None, None
+            self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4)))
+            await asyncio.sleep(self.period_s)
+
+    def summary(self) -> dict[str, Any]:
+        seconds = sorted(s[3] for s in self.samples)
+        return {
+            "probes": len(self.samples),
+            "by_answer": dict(Counter(f"{code} {status}" for _, code, status, _ in self.samples)),
+            "max_s": seconds[-1] if seconds else None,
+            "over_1s": sum(s > 1.0 for s in seconds),
+        }
+
+    def changes(self) -> list[dict[str, Any]]:
+        """When the answer changed: a timeline an SRE can read."""
+        timeline, last = [], None
+        for at, code, status, _ in self.samples:
+            if (code, status) != last:
+                timeline.append({"at_s": at, "code": code, "status": status})
+                last = (code, status)
+        return timeline
+
+
+def count(outcomes: list[Outcome]) -> dict[str, int]:
+    return dict(Counter(o.label for o in outcomes))
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        error = json.loads(raw).get("error") or {}
+    except (ValueError, AttributeError):
+        return "not_json"
+    return error.get("code") or error.get("type")

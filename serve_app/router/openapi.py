@@ -1,0 +1,101 @@
+"""The published ``/openapi.json``: the request bodies the router validates and the errors it
+answers, so contract fuzzers (schemathesis, ``serve-app faults``) test what the app really does.
+
+FastAPI cannot infer either: the inference and admin routes read the raw body themselves (to
+refuse oversized and deeply nested bodies before parsing, and to forward the parsed dict without
+a re-encode), and every client error is answered 400 in OpenAI's shape, never FastAPI's 422.
+"""
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+
+from serve_app.router.request_schema import ChatCompletionBody, CompletionBody
+
+_REF = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the router answers, whatever failed (serve_app/errors.py)."""
+
+    error: ErrorDetail
+
+
+class TokenRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_key: str | None = None  # without it, the Bearer credential is the key
+
+
+class ModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str  # canonical id, alias or HF repo id
+
+
+_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionBody,
+    "/v1/completions": CompletionBody,
+    "/v1/auth/token": TokenRequest,
+    "/v1/models/load": ModelRequest,
+    "/v1/models/unload": ModelRequest,
+}
+# What each kind of route may answer besides success (docs/api.md, "Errors").
+_PUBLIC = {"/health": (503,), "/.well-known/jwks.json": ()}
+_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 429, 503)
+_OTHER_ERRORS = (400, 401, 403, 404)
+_DESCRIPTIONS = {
+    400: "Invalid request: the failing field is named in `param`",
+    401: "Missing, invalid or expired credential",
+    403: "The credential lacks the scope, model or region",
+    404: "No such model, key or route",
+    413: "Request body too large",
+    429: "Rate limit reached; see Retry-After",
+    503: "Not available here now (overloaded, loading, recovering); see Retry-After",
+}
+
+
+def install(app: FastAPI) -> None:
+    """Serve the accurate schema from ``/openapi.json`` (built once, on first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build(app: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ErrorResponse, *_BODIES.values()):
+        definition = model.model_json_schema(ref_template=_REF, mode="validation")
+        components.update(definition.pop("$defs", {}))
+        components[model.__name__] = definition
+    # Nothing the router answers is FastAPI's 422 shape.
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            if model := _BODIES.get(path):
+                operation["requestBody"] = {
+                    "required": model is not TokenRequest,
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}},
+                }
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            statuses = _PUBLIC.get(path, _INFERENCE_ERRORS if model in (ChatCompletionBody, CompletionBody) else _OTHER_ERRORS)
+            for status in statuses:
+                responses[str(status)] = {
+                    "description": _DESCRIPTIONS[status],
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
+                }
+    return schema

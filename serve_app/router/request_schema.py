@@ -1,0 +1,275 @@
+"""Strict validation of inference bodies at the router, before anything is charged or sent.
+
+vLLM's request models coerce (``"max_tokens": "10"`` becomes 10, ``"stream": "yes"`` is true) and
+accept roles and values OpenAI refuses, so the router checks the fields of the OpenAI spec, and
+the vLLM sampling extras it documents, strictly: types without coercion, the spec's ranges and
+enums, ``n`` capped at 128 as OpenAI caps it. A failing field is named in ``param`` with its path
+(``messages[0].role``). Fields not listed here pass through unchanged: vLLM validates its own
+extras, and refusing them would break clients that use them.
+
+The models only validate; the body the router forwards is the dict it parsed (no re-encode). The
+same models are published as the request bodies of ``/openapi.json``, so contract fuzzers test
+what the router enforces.
+"""
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from serve_app.errors import APIError
+
+# OpenAI's own caps: choices per request, tools per request, stop sequences, top logprobs.
+MAX_N = 128
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20  # also vLLM's default --max-logprobs
+# Deeper than any real request (a JSON schema for tools nests maybe 10 levels); a deeper body is
+# refused before validation walks it, and far deeper ones (json's recursion limit) at parse time.
+MAX_JSON_DEPTH = 64
+_INT64 = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Closed(BaseModel):
+    """Small objects whose every field the spec defines."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Strict):
+    """One part of a message's content: ``text`` needs its text; other kinds (images, audio,
+    files) are the engine's to check against what the model accepts."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> "ContentPart":
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> "Message":
+        if self.content is None and self.role not in ("assistant", "function"):
+            raise ValueError(f"a {self.role} message needs 'content'")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the 'tool_call_id' it answers")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a 'json_schema' object")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(_Strict):
+    """Fields chat and completions share. ``model`` is resolved (aliases) by the router itself."""
+
+    model: str
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's sampling extras (docs/api.md, "Sampling").
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+
+    @model_validator(mode="after")
+    def _logit_bias_range(self) -> "_Sampling":
+        if self.logit_bias and any(not -100 <= bias <= 100 for bias in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be between -100 and 100")
+        return self
+
+
+class ChatCompletionBody(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    enable_thinking: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionBody(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
+    suffix: str | None = None
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+BODIES: dict[str, type[_Sampling]] = {"chat": ChatCompletionBody, "completions": CompletionBody}
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or 400 ``invalid_json`` (deep nesting included)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # the C parser stops at the interpreter's recursion limit, early
+        raise _too_deep() from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    if _depth_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    return body
+
+
+def validate_body(method: str, body: dict[str, Any]) -> None:
+    """400 with ``param`` naming the first failing field (every problem listed, up to five)."""
+    try:
+        BODIES[method].model_validate(body)
+    except ValidationError as err:
+        raise describe_validation_errors(err.errors(include_url=False, include_input=False)) from None
+
+
+def describe_validation_errors(errors: list[dict[str, Any]]) -> APIError:
+    """Pydantic's errors as one 400: each problem with its path, the first one's in ``param``."""
+    errors = _without_branch_noise(errors)
+    details = "; ".join(f"{_param(e['loc']) or 'body'}: {_message(e)}" for e in errors[:5])
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return APIError(400, f"invalid request: {details}{more}", param=_param(errors[0]["loc"]))
+
+
+def _without_branch_noise(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop a union's "not this branch" errors when another branch says what is wrong inside:
+    ``content: [{"type": "text"}]`` fails as "not a string" and as "text part without text";
+    only the second helps."""
+    params = [_param(e["loc"]) or "" for e in errors]
+
+    def noise(error: dict[str, Any], param: str) -> bool:
+        mismatch = error["type"].endswith("_type") or error["type"] == "literal_error"
+        return mismatch and any(other.startswith(param) and other != param for other in params)
+
+    kept = [e for e, param in zip(errors, params) if not noise(e, param)]
+    return kept or errors
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Iterative (a recursive walk is what the limit protects against); visits containers only."""
+    level = [value]
+    for _ in range(limit):
+        level = [
+            child
+            for container in level
+            for child in (container.values() if isinstance(container, dict) else container)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+def _field_names() -> frozenset[str]:
+    names: set[str] = set()
+    pending: list[type[BaseModel]] = list(BODIES.values())
+    while pending:
+        model = pending.pop()
+        for name, field in model.model_fields.items():
+            names.add(field.alias or name)
+            for kind in (field.annotation, *getattr(field.annotation, "__args__", ())):
+                for inner in (kind, *getattr(kind, "__args__", ())):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel) and inner not in pending:
+                        pending.append(inner)
+    return frozenset(names)
+
+
+_FIELDS = _field_names()
+
+
+def _param(loc: tuple) -> str | None:
+    """``('messages', 0, 'role')`` → ``messages[0].role``; pydantic's union-branch markers
+    (``str``, ``list[ContentPart]``, ``literal['none','auto']``) are dropped."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in _FIELDS:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def _message(error: dict[str, Any]) -> str:
+    return error["msg"].removeprefix("Value error, ")

@@ -1,0 +1,131 @@
+"""The fault suite's short version (``serve-app faults --quick``) against the session's service.
+
+Each test runs one scenario and asserts what docs/reliability.md promises. The engine kill and
+the redeploy are ``disruptive``: they run after every other test (conftest.py), and each waits
+until the service answers again before it ends.
+"""
+
+import asyncio
+import glob
+import os
+
+import httpx
+import pytest
+
+from serve_app.faults import cluster, fuzz, redeploy, scenarios
+from serve_app.faults.cli import SIZES
+from serve_app.faults.engine_kill import engine_kill
+
+pytestmark = pytest.mark.integration
+QUICK = SIZES["quick"]
+# How much a router's memory may grow across the suite (the issue's bound).
+ROUTER_GROWTH_MIB = 50
+
+
+@pytest.fixture(scope="module")
+def router_memory_before(serve_app):
+    return {r.pid: r.rss_mib for r in cluster.routers(serve_app["app_name"])}
+
+
+def _router_log_tail(app: str) -> dict[str, int]:
+    """Where each router replica's log ends now (its ERROR lines after this are the test's)."""
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "serve")
+    return {path: os.path.getsize(path) for path in glob.glob(os.path.join(logs, f"replica_{app}_Router_*.log"))}
+
+
+def _errors_since(tails: dict[str, int]) -> list[str]:
+    lines = []
+    for path, offset in tails.items():
+        with open(path, errors="replace") as log:
+            log.seek(offset)
+            lines += [line for line in log if " ERROR " in line or "Traceback" in line]
+    return lines
+
+
+def test_overload_sheds_at_once_and_health_stays_200_busy(serve_app, base_url, dev_key, router_memory_before):
+    result = asyncio.run(scenarios.overload(base_url, dev_key, serve_app["app_name"], streams=QUICK["overload"]))
+    assert result["hung"] == 0
+    assert result["shed_with_retry_after"] == result["shed"]
+    admitted = {label: n for label, n in result["by_outcome"].items() if label.startswith("200")}
+    assert set(admitted) == {"200 done"}, result["by_outcome"]
+    assert set(result["by_outcome"]) <= {"200 done", "503 json overloaded"}, result["by_outcome"]
+    # 120 long streams for 32 slots and 2 × 32 queue places. How many Serve sheds depends on how
+    # its routers count their queues at that moment (docs/reliability.md); every one it sheds is a
+    # 503 with Retry-After, and the abandoned streams are aborted in the engine.
+    held = result["held_full"]
+    assert set(held["by_outcome"]) <= {"503 json overloaded"}, result
+    assert held["shed_with_retry_after"] == held["shed"]
+    assert result["abandoned_unfinished_after"]["+10s"] == 0, result
+    health = result["health"]["by_answer"]
+    assert set(health) <= {"200 ok", "200 busy"}, health  # never 503 while merely busy
+    assert "200 busy" in health
+
+
+def test_a_client_that_leaves_frees_the_engine_and_logs_no_error(serve_app, base_url, dev_key, router_memory_before):
+    app = serve_app["app_name"]
+    tails = _router_log_tail(app)
+    result = asyncio.run(scenarios.disconnect(base_url, dev_key, app, streams=QUICK["disconnect"]))
+    assert result["by_outcome"] == {"200 left": QUICK["disconnect"]}
+    assert result["unfinished_after"]["+10s"] == result["unfinished_before"] == 0
+    assert _errors_since(tails) == []  # a normal disconnect is INFO (499), not a page
+
+
+def test_soak_has_no_errors(serve_app, base_url, dev_key, router_memory_before):
+    result = asyncio.run(
+        scenarios.soak(base_url, dev_key, serve_app["app_name"], streams=QUICK["soak"], duration_s=QUICK["soak_s"])
+    )
+    assert result["requests"] > 0
+    assert result["errors"] == 0 and result["shed"] == 0, result["by_outcome"]  # 16 streams fit
+
+
+def test_hostile_bodies_get_our_4xx_and_never_a_5xx(base_url, dev_key):
+    result = fuzz.hostile_bodies(base_url, dev_key)
+    assert result["server_errors"] == [] and result["hung"] == [] and result["unshaped"] == [], result["answers"]
+    assert result["answers"]["nested 10,000 deep"] == "400"
+    assert result["answers"]["n 1000"] == "400"
+    assert result["answers"]["max_tokens 2^70"] == "400"
+
+
+def test_schemathesis_over_the_published_schema_finds_no_5xx(base_url, dev_key):
+    result = fuzz.schemathesis_run(base_url, dev_key, max_examples=QUICK["fuzz_examples"], max_time_s=QUICK["fuzz_s"])
+    assert result["cases"] > 0, result["schemathesis_tail"]
+    assert result["server_errors"] == 0, result
+
+
+def test_trace_is_405_with_allow(base_url):
+    response = httpx.request("TRACE", f"{base_url}/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.disruptive
+def test_an_engine_kill_ends_streams_with_engine_unavailable_and_the_model_comes_back(
+    serve_app, base_url, dev_key, router_memory_before
+):
+    app = serve_app["app_name"]
+    result = asyncio.run(engine_kill(base_url, dev_key, app, streams=QUICK["kill"]))
+    assert result["streams_by_outcome"] == {"200 error_event engine_unavailable": QUICK["kill"]}, result
+    assert result["first_200_after_s"] is not None, result
+    statuses = {entry["status"] for entry in result["health_timeline"]}
+    assert "recovering" in statuses and "failed" not in statuses, result["health_timeline"]
+    codes = {answer["code"] for answer in result["answers_meanwhile"]}
+    assert codes <= {None, "engine_unavailable", "model_recovering", "hung"}, result["answers_meanwhile"]
+    assert not result["routers_imported_vllm"]
+    for router in cluster.routers(app):
+        assert router.rss_mib < router_memory_before.get(router.pid, router.rss_mib) + ROUTER_GROWTH_MIB
+
+
+@pytest.mark.disruptive
+def test_a_redeploy_while_streams_run_completes_every_stream(serve_app, base_url, dev_key):
+    result = asyncio.run(
+        redeploy.redeploy(
+            base_url, dev_key, config_path=serve_app["deployed_path"], app=serve_app["app_name"],
+            dashboard=serve_app["dashboard"], streams=QUICK["redeploy"],
+        )
+    )
+    assert result["deploy_exit"] == 0, result["deploy_error"]
+    assert result["streams_by_outcome"] == {"200 done": QUICK["redeploy"]}, result
+    assert "200 json" in result["requests_after"], result
