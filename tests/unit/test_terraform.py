@@ -246,3 +246,13 @@ def test_providers_are_pinned_exactly_in_every_root():
             if name == "__is_block__":
                 continue
             assert re.fullmatch(r'"\d+\.\d+\.\d+"', spec["version"]), f"{path}: {name} {spec['version']}"
+
+
+def test_gpu_workers_hand_the_weight_cache_to_the_images_user_before_vllm_writes():
+    """The kubelet creates the hostPath cache root-owned and fsGroup skips hostPath volumes: an
+    init container must chown it to the pod's group, or the first weight download fails."""
+    text = (TERRAFORM / "modules/region/rayservice.tf").read_text()
+    init = text[text.index("initContainers") : text.index("containers = [{", text.index("initContainers"))]
+    assert '"model-cache"' in init and 'mountPath = "/models"' in init
+    assert "chown ${var.pod_fs_group}:${var.pod_fs_group} /models" in init
+    assert 'drop = ["ALL"]' in init and '"CHOWN"' in init

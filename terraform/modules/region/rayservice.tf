@@ -107,6 +107,21 @@ resource "kubernetes_manifest" "rayservice" {
                 value    = local.gpu_taint.value
                 effect   = local.gpu_taint.effect
               }]
+              # The kubelet creates the hostPath cache as root:root 0755, and fsGroup does not
+              # apply to hostPath volumes: hand it to the image's user (uid/gid 1000, the pod's
+              # fsGroup) before vLLM, running as that user, downloads weights into it.
+              initContainers = [{
+                name    = "model-cache-owner"
+                image   = var.image
+                command = ["sh", "-c", "chown ${var.pod_fs_group}:${var.pod_fs_group} /models && chmod 2775 /models"]
+                securityContext = {
+                  runAsUser                = 0
+                  runAsNonRoot             = false
+                  allowPrivilegeEscalation = false
+                  capabilities             = { drop = ["ALL"], add = ["CHOWN", "FOWNER"] }
+                }
+                volumeMounts = [{ name = "model-cache", mountPath = "/models" }]
+              }]
               containers = [{
                 name      = "ray-worker"
                 image     = var.image
