@@ -18,12 +18,12 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from serve_app.auth import tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
-from serve_app.auth.keys import ALL, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError
 
@@ -33,6 +33,17 @@ REALM = "serve_app"
 # A forwarded request is verified when the peer receives it, within a second or two.
 FORWARDING_TOKEN_TTL_S = 60
 DEV_KEY_ID = "dev"
+# The token endpoint's budget lives in the same limiter as inference, under its own bucket name
+# (key ids are hex, so no key's inference bucket is called this), so minting costs no inference.
+TOKEN_ENDPOINT_BUCKET = "token-endpoint:{key_id}"
+# When the limiter cannot decide at all (a limiter without a grace of its own), callers wait this.
+LIMITER_DOWN_RETRY_S = 1
+
+
+def region_audience(audience: str, region: str) -> str:
+    """The audience of a token meant for one region only (failover): every region accepts the
+    shared ``audience``, but only ``region`` accepts this one."""
+    return f"{audience}#{region}"
 
 
 class Limiter(Protocol):
@@ -48,6 +59,10 @@ class Principal:
     scopes: frozenset[str]
     tier: str
     via: str  # "token", "api_key" or "dev_key"
+    expires_at: int | None = None  # a token's exp: a token minted for this caller never outlives it
+    # A token signed by another region's (imported) key: that region's name, or "" when its JWKS
+    # did not say. None: this region vouches for the caller (its own key, store or dev key).
+    signed_in: str | None = None
 
     def allows_model(self, model_id: str) -> bool:
         return ALL in self.models or model_id in self.models
@@ -87,7 +102,10 @@ class Principal:
         ):
             raise unauthorized("token claims are malformed", "invalid_token")
         sub, owner, tier, scope = strings
-        return cls(sub, owner, frozenset(lists[0]), frozenset(lists[1]), frozenset(scope.split()), tier, "token")
+        return cls(
+            sub, owner, frozenset(lists[0]), frozenset(lists[1]), frozenset(scope.split()), tier, "token",
+            expires_at=int(claims["exp"]),
+        )
 
 
 def unauthorized(message: str, code: str, error: str | None = "invalid_token") -> APIError:
@@ -123,6 +141,22 @@ class Authenticator:
         dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
         # Only its hash is kept, and compared in constant time like any other key.
         self._dev_key_digest = digest(dev_key) if dev_key else None
+        # Tokens for everyone, and failover tokens minted by a peer for this region only.
+        self._audiences = [args.audience, region_audience(args.audience, region)]
+
+    @staticmethod
+    def authorization(headers: Any) -> str | None:
+        """The request's one ``Authorization`` header (Starlette ``Headers``). Two are refused:
+        servers and proxies disagree on which one counts, and that disagreement is an attack."""
+        values = headers.getlist("authorization")
+        if len(values) > 1:
+            raise APIError(
+                400,
+                "the request carries more than one Authorization header; send exactly one",
+                param="authorization",
+                code="duplicate_authorization",
+            )
+        return values[0] if values else None
 
     # --- who is calling ---------------------------------------------------------------------
     async def authenticate_async(self, authorization: str | None, *, scope: str) -> Principal:
@@ -146,17 +180,32 @@ class Authenticator:
             if not principal.allows_region(self.region):
                 raise forbidden(f"this key is not allowed in region {self.region}", "region_not_allowed")
             if scope not in principal.scopes:
-                raise forbidden(f"this endpoint needs the {scope!r} scope", "insufficient_scope", scope)
+                why = f"this endpoint needs the {scope!r} scope"
+                if scope == SCOPE_ADMIN and principal.signed_in is not None:
+                    why += "; admin tokens are honoured only in the region that signed them"
+                raise forbidden(why, "insufficient_scope", scope)
             return principal
 
     def _from_token(self, token: str, offline: bool = False) -> Principal:
         try:
-            claims = tokens.verify(
-                token, self.keyset, issuer=self.args.issuer, audience=self.args.audience, leeway_s=self.args.leeway_s
+            claims, signing_key = tokens.verify_signed(
+                token,
+                self.keyset,
+                issuer=self.args.issuer,
+                audience=self._audiences,
+                leeway_s=self.args.leeway_s,
+                # No region mints longer (they share token_ttl_s); failover tokens are shorter.
+                max_lifetime_s=self.args.token_ttl_s,
             )
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
+        if signing_key.imported:
+            # Another region's key vouches for inference only: were it stolen, its holder could
+            # otherwise mint admin tokens (revoke keys, unload models) valid in every region.
+            principal = replace(
+                principal, scopes=principal.scopes - {SCOPE_ADMIN}, signed_in=signing_key.region or ""
+            )
         if self.keys.is_jti_revoked(claims["jti"], offline):
             raise unauthorized("token has been revoked", "token_revoked")
         # A token is checked against the key it came from when this region's store knows that
@@ -202,11 +251,9 @@ class Authenticator:
                 param="max_tokens",
                 code="request_exceeds_tier_limit",
             )
-        decision = await self.limiter.acquire(
-            principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate
+        decision = _decided(
+            await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate)
         )
-        if decision is None:  # the limiter is unavailable and has logged why
-            return {}
         if not decision.allowed:
             raise APIError(
                 429,
@@ -219,34 +266,61 @@ class Authenticator:
         return decision.headers()
 
     # --- the token endpoint and key admin ---------------------------------------------------
-    def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:
+    async def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:
         """Exchange an API key (never a token: a token must not be able to renew itself) for a JWT.
-        The key comes from the body (``api_key``) or else from the Authorization header."""
+        The key comes from the body (``api_key``) or else from the Authorization header. Rate
+        limited per key (``token_requests_per_minute``), checked before anything is signed."""
         with _logged_refusal():
             credential = api_key or _bearer(authorization)
             if _looks_like_jwt(credential):
                 raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")
-            principal = self._from_key(credential)
+            try:  # from the cache in the event loop; a miss queries the store in a thread
+                principal = self._from_key(credential, offline=True)
+            except CacheMiss:
+                principal = await asyncio.to_thread(self._from_key, credential)
+            await self._admit_token_request(principal)
+        # Signing and the keyset file's check stay off the event loop.
+        return await asyncio.to_thread(self._mint_for, principal)
+
+    async def _admit_token_request(self, principal: Principal) -> None:
+        rpm = self.args.token_requests_per_minute
+        # One token dimension of capacity 1 and cost 0: only requests are counted here.
+        bucket = TOKEN_ENDPOINT_BUCKET.format(key_id=principal.key_id)
+        decision = _decided(await self.limiter.acquire(bucket, rpm, 1, 0))
+        if not decision.allowed:
+            headers = {k: v for k, v in decision.headers().items() if not k.endswith("-tokens")}
+            raise APIError(
+                429,
+                f"Too many token requests for key {principal.key_id} ({rpm}/min); a token lasts "
+                f"{self.args.token_ttl_s}s, reuse it; retry in {decision.retry_after_s:.1f}s",
+                code="rate_limit_exceeded",
+                headers=headers,
+            )
+
+    def _mint_for(self, principal: Principal) -> dict[str, Any]:
         record = self.keys.get(principal.key_id) if principal.via == "api_key" else None
         return mint_token(self.args, self.keyset.current(), principal, record.expires_at if record else None)
 
-    def forwarding_token(self, principal: Principal) -> str:
-        """A short-lived token for ``principal``, for a peer region that may not hold its API key
-        (failover). Same subject and claims; it expires with the key, and in a minute anyway."""
+    def forwarding_token(self, principal: Principal, peer_region: str) -> str:
+        """A token for ``principal`` that only ``peer_region`` accepts, for failover: same subject
+        and claims (as narrowed here: no admin from another region's token), its audience the
+        peer alone, living at most a minute and never past the key or the caller's own token."""
         record = self.keys.get(principal.key_id) if principal.via == "api_key" else None
+        ends = [t for t in (record.expires_at if record else None, principal.expires_at) if t is not None]
         token, _ = tokens.mint(
             self.keyset.current(),
             issuer=self.args.issuer,
-            audience=self.args.audience,
+            audience=region_audience(self.args.audience, peer_region),
             subject=principal.key_id,
             ttl_s=FORWARDING_TOKEN_TTL_S,
             claims=principal.claims(),
-            not_after=record.expires_at if record else None,
+            not_after=min(ends) if ends else None,
         )
         return token
 
     def jwks(self) -> dict[str, Any]:
-        return self.keyset.current().jwks()
+        # Our own keys carry our region's name, so a region importing this JWKS binds them to us.
+        return self.keyset.current().jwks(self.region)
 
     def list_keys(self) -> list[dict[str, Any]]:
         return [record.public() for record in self.keys.list_keys()]
@@ -289,6 +363,19 @@ def _bearer(authorization: str | None) -> str:
             error="invalid_request",
         )
     return parts[1]
+
+
+def _decided(decision: Decision | None) -> Decision:
+    """A limiter that cannot decide (None) fails closed. The router's limiter never does: it
+    keeps enforcing each key from its last known state while the actor is away (lease.py)."""
+    if decision is None:
+        raise APIError(
+            503,
+            "the rate limiter is unavailable; retry shortly",
+            code="rate_limiter_unavailable",
+            headers={"Retry-After": str(LIMITER_DOWN_RETRY_S)},
+        )
+    return decision
 
 
 def _check_active(record: KeyRecord) -> None:

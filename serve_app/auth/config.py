@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from serve_app.paths import state_dir
 
 LOCAL_REGION = "local"
+# The longest lifetime a region may configure for its tokens (``token_ttl_s``).
+MAX_TOKEN_TTL_S = 3600
 
 
 class Tier(BaseModel):
@@ -45,11 +47,16 @@ class AuthArgs(BaseModel):
     # Every region that should accept each other's tokens uses the same issuer and audience.
     issuer: str = Field("serve_app", min_length=1)
     audience: str = Field("serve_app", min_length=1)
-    token_ttl_s: int = Field(900, ge=60, le=3600, description="Lifetime of a minted JWT.")
+    # Also the longest lifetime (exp - iat, plus leeway_s) a token may have to be accepted here:
+    # regions that trust each other's tokens use the same value (region files render 900).
+    token_ttl_s: int = Field(900, ge=60, le=MAX_TOKEN_TTL_S, description="Lifetime of a minted JWT.")
     leeway_s: int = Field(30, ge=0, le=120, description="Clock skew tolerated on exp/nbf/iat.")
     # How stale a router's view of the key store and keyset may be: CLI edits (create, revoke,
     # rotate) reach every router within this many seconds, without a restart.
     cache_ttl_s: float = Field(5, ge=0, le=60)
+    # POST /v1/auth/token per key, region-wide: a client needs one token per token_ttl_s, so this
+    # only ever stops a loop (or a stolen key) from spending the router's CPU on signatures.
+    token_requests_per_minute: int = Field(60, ge=1, le=10_000)
     tiers: dict[str, Tier] = Field(default_factory=lambda: dict(DEFAULT_TIERS))
     default_tier: str = "standard"
     dev_api_key_env: str | None = Field(

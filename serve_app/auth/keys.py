@@ -32,7 +32,8 @@ SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
 
 _ALPHABET = string.ascii_letters + string.digits
 _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
-_KEY_RE = re.compile(rf"^{PREFIX}_([0-9a-f]{{12}})_([0-9A-Za-z]{{{_SECRET_LEN}}})$")
+# Used with fullmatch only: ``$`` (and ``match``) would accept a key followed by a newline.
+_KEY_RE = re.compile(rf"{PREFIX}_([0-9a-f]{{12}})_([0-9A-Za-z]{{{_SECRET_LEN}}})")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -61,7 +62,7 @@ def digest(secret: str) -> bytes:
 
 def parse_key(raw: str) -> tuple[str, str] | None:
     """``(key_id, secret)`` when ``raw`` has the API-key shape, else None."""
-    match = _KEY_RE.match(raw)
+    match = _KEY_RE.fullmatch(raw)
     return (match.group(1), match.group(2)) if match else None
 
 

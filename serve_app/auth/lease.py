@@ -13,18 +13,35 @@ replica draws on); at worst a key is refused while another replica still holds a
 of its budget — at most ``LEASE_FRACTION`` of a minute's limit per replica, for ``LEASE_TTL_S``.
 A key whose limits are tiny (a slice under one request) gets no slice: one actor call a request,
 exactly as before.
+
+When the actor does not answer (``SharedRateLimiter`` gives up after 2 s), the replica neither
+admits everything nor refuses everything: it enforces each key's limits itself, in its own
+buckets, starting from the actor's last answer about that key (plus this replica's unused lease)
+and refilling at the tier's rate. A key it has no recent answer for starts with one lease's
+slice (at least one request). So a key over its budget stays refused (fail closed) until its
+Retry-After, and during an outage a key gets at most its tier's rate from each replica (never
+unlimited). The actor is asked again at most every ``OUTAGE_RETRY_S``, so requests do not each
+wait for a dead actor; its first answer ends the outage and the replica's buckets are dropped.
 """
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from serve_app.auth.ratelimit import Decision, Window
+from serve_app.auth.ratelimit import Decision, RateLimiter, Window
+
+logger = logging.getLogger("ray.serve")
 
 LEASE_FRACTION = 0.05
 LEASE_TTL_S = 2.0
+# After the actor failed to answer, decide alone this long before asking it again.
+OUTAGE_RETRY_S = 1.0
+# The actor's last answer about a key says something for a minute: by then any bucket has refilled.
+KNOWN_FOR_S = 60.0
+MAX_KNOWN = 50_000  # keys remembered; bounded, like the key store's cache
 
 
 class LeaseSource(Protocol):
@@ -42,6 +59,15 @@ class _Lease:
     decision: Decision  # the actor's answer when the lease was taken (for the headers)
 
 
+@dataclass
+class _Known:
+    """What the actor last said remains of a key's region-wide budget, and when."""
+
+    requests: int
+    tokens: int
+    at: float
+
+
 class LeasedRateLimiter:
     """The router-side limiter: admits from its lease, goes to the actor only when it runs out."""
 
@@ -49,8 +75,11 @@ class LeasedRateLimiter:
         self.source, self.clock = source, clock
         self._leases: dict[str, _Lease] = {}
         self._renewing: dict[str, asyncio.Lock] = {}
+        self._known: dict[str, _Known] = {}
+        self._outage: RateLimiter | None = None  # this replica's own buckets while the actor is away
+        self._ask_actor_at = 0.0
 
-    async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+    async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision:
         cost = min(tokens, tpm)  # as the actor charges it: never more than a whole minute's tokens
         if (decision := self._from_lease(key_id, cost)) is not None:
             return decision
@@ -59,17 +88,46 @@ class LeasedRateLimiter:
             if (decision := self._from_lease(key_id, cost)) is not None:
                 return decision
             left = self._leases.pop(key_id, None)
+            ask = self.clock() >= self._ask_actor_at
             answer = await self.source.lease(
                 key_id, rpm, tpm, tokens,
                 int(rpm * LEASE_FRACTION), int(tpm * LEASE_FRACTION),
                 left.requests if left else 0, left.tokens if left else 0,
-            )
-        if answer is None:  # the limiter is unavailable (it logged why): fail open
-            return None
+            ) if ask else None
+            if answer is None:  # the limiter is unavailable (it logged why): decide alone
+                if ask:
+                    self._ask_actor_at = self.clock() + OUTAGE_RETRY_S
+                return self._decide_alone(key_id, rpm, tpm, tokens, left)
+        self._outage = None  # the actor answers again: its buckets decide
         decision, requests, granted_tokens = answer
+        self._remember(key_id, decision)
         if decision.allowed and (requests or granted_tokens):
             self._leases[key_id] = _Lease(requests, granted_tokens, self.clock() + LEASE_TTL_S, decision)
         return _with_lease(decision, requests, granted_tokens)
+
+    def _decide_alone(self, key_id: str, rpm: int, tpm: int, tokens: int, left: _Lease | None) -> Decision:
+        if self._outage is None:
+            logger.warning("rate limiter unavailable: this replica enforces each key's limits alone")
+            self._outage = RateLimiter(self.clock)
+        if not self._outage.knows(key_id):
+            now = self.clock()
+            known = self._known.get(key_id)
+            if known is not None and now - known.at < KNOWN_FOR_S:
+                requests, budget, at = float(known.requests), float(known.tokens), known.at
+            else:  # nothing recent: one lease's slice, enough for this request at least
+                requests, budget, at = max(1.0, rpm * LEASE_FRACTION), max(tpm * LEASE_FRACTION, min(tokens, tpm)), now
+            if left is not None:  # this replica's unused lease was carved out for it: still its own
+                requests, budget = requests + left.requests, budget + left.tokens
+            self._outage.seed(key_id, rpm, tpm, requests, budget, at)
+        return self._outage.acquire(key_id, rpm, tpm, tokens)
+
+    def _remember(self, key_id: str, decision: Decision) -> None:
+        if len(self._known) >= MAX_KNOWN:
+            cutoff = self.clock() - KNOWN_FOR_S
+            self._known = {k: v for k, v in self._known.items() if v.at > cutoff}
+            if len(self._known) >= MAX_KNOWN:
+                self._known.clear()
+        self._known[key_id] = _Known(decision.requests.remaining, decision.tokens.remaining, self.clock())
 
     def _from_lease(self, key_id: str, cost: int) -> Decision | None:
         lease = self._leases.get(key_id)

@@ -24,8 +24,8 @@ logger = logging.getLogger("ray.serve")
 UNSPECIFIED_COMPLETION_TOKENS = 1024
 CHARS_PER_TOKEN = 4
 ACTOR_NAMESPACE = "serve_app"
-# The limiter is on every request's path: if it does not answer this fast, let the request
-# through rather than stall the region (fail open, logged).
+# The limiter is on every request's path: if it does not answer this fast, the router replica
+# enforces the key's limits itself from what it last knew (serve_app/auth/lease.py), logged.
 ACTOR_TIMEOUT_S = 2
 
 
@@ -147,6 +147,16 @@ class RateLimiter:
         decision = Decision(True, self._window(requests), self._window(token_bucket))
         return decision, granted_requests, granted_tokens
 
+    def knows(self, key_id: str) -> bool:
+        return (key_id, "requests") in self._buckets
+
+    def seed(self, key_id: str, requests_per_minute: int, tokens_per_minute: int,
+             requests: float, tokens: float, at: float) -> None:
+        """Start a key's buckets at the levels someone else last reported (at ``at``, on this
+        limiter's clock); they refill from then on, as the reporter's would have."""
+        for dimension, capacity, level in (("requests", requests_per_minute, requests), ("tokens", tokens_per_minute, tokens)):
+            self._buckets[(key_id, dimension)] = _Bucket(capacity, max(0.0, min(capacity, level)), at)
+
     def _bucket(self, key_id: str, dimension: str, capacity: int, now: float) -> _Bucket:
         bucket = self._buckets.setdefault((key_id, dimension), _Bucket(capacity, capacity, now))
         bucket.refill(capacity, now)
@@ -213,14 +223,15 @@ class SharedRateLimiter:
         return await self._call("acquire", key_id, rpm, tpm, tokens)
 
     async def lease(self, *args: int | str) -> tuple[Decision, int, int] | None:
-        """``RateLimiter.lease`` in the actor; None when it is unavailable (admit: fail open)."""
+        """``RateLimiter.lease`` in the actor; None when it is unavailable (the lease's holder
+        then decides from its last known state: serve_app/auth/lease.py)."""
         return await self._call("lease", *args)
 
     async def _call(self, method: str, *args):
         try:
             ref = getattr(self.actor(), method).remote(*args)
             return await asyncio.wait_for(ref, timeout=ACTOR_TIMEOUT_S)
-        except Exception as err:  # availability over limits: a limiter outage must not stop traffic
-            logger.error("rate limiter %s unavailable (%s); admitting the request", self.actor_name, type(err).__name__)
+        except Exception as err:  # the caller decides without it (lease.py); the outage is logged
+            logger.error("rate limiter %s unavailable (%s)", self.actor_name, type(err).__name__)
             self._actor = None  # look it up again next time
             return None

@@ -4,10 +4,15 @@ The keyset is a JSON file holding several keys, each named by a ``kid``. The new
 private half signs; every key in the file verifies. Rotation appends a key, so tokens signed by the
 previous key stay valid until they expire; removing a key ends them. Entries without a private half
 are verify-only: keys imported from another region's JWKS, so that region's tokens verify here.
+Each kid is bound to the region that issued it: a key with a private half is this region's own; an
+imported key belongs to another region (named in ``region`` when its JWKS said so). The
+authenticator grants less to tokens signed by imported keys (no admin scope), so one compromised
+region cannot mint tokens that administer every region.
 
 Verification is strict: only ``EdDSA`` is accepted (never ``none`` or an HMAC algorithm that could
 be keyed with our public key), the ``kid`` must name a key we hold, and ``exp``, ``iat``, ``nbf``,
-``iss``, ``aud``, ``sub`` and ``jti`` are all required.
+``iss``, ``aud``, ``sub`` and ``jti`` are all required; a token whose lifetime (``exp - iat``) is
+longer than the configured maximum plus the leeway is refused, however good its signature.
 """
 
 import json
@@ -25,6 +30,8 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from jwt.algorithms import OKPAlgorithm
+
+from serve_app.auth.config import MAX_TOKEN_TTL_S
 
 ALGORITHM = "EdDSA"
 REQUIRED_CLAIMS = ["exp", "iat", "nbf", "iss", "aud", "sub", "jti"]
@@ -46,6 +53,12 @@ class SigningKey:
     created_at: int
     public_jwk: dict[str, str]
     private_pem: str | None = field(default=None, repr=False)
+    region: str | None = None  # an imported key: the region that issued it, when its JWKS named it
+
+    @property
+    def imported(self) -> bool:
+        """Another region's key: only a region's own keys have their private half here."""
+        return self.private_pem is None
 
     @classmethod
     def generate(cls) -> "SigningKey":
@@ -73,8 +86,12 @@ class SigningKey:
             raise ValueError(f"signing key {self.kid} is verify-only")
         return serialization.load_pem_private_key(self.private_pem.encode(), password=None)
 
-    def jwk(self) -> dict[str, str]:
-        return {**self.public_jwk, "kid": self.kid, "alg": ALGORITHM, "use": "sig"}
+    def jwk(self, region: str | None = None) -> dict[str, str]:
+        """``region``: this keyset's region, named on its own keys so an importer can bind them
+        (RFC 7517 lets a JWK carry members a verifier does not know; they are ignored)."""
+        jwk = {**self.public_jwk, "kid": self.kid, "alg": ALGORITHM, "use": "sig"}
+        issuer = self.region if self.imported else region
+        return jwk | {"region": issuer} if issuer else jwk
 
 
 @dataclass(frozen=True)
@@ -97,9 +114,9 @@ class Keyset:
     def find(self, kid: str) -> SigningKey | None:
         return next((key for key in self.keys if key.kid == kid), None)
 
-    def jwks(self) -> dict[str, Any]:
+    def jwks(self, region: str | None = None) -> dict[str, Any]:
         """The public half, safe to publish at ``/.well-known/jwks.json``."""
-        return {"keys": [key.jwk() for key in self.keys]}
+        return {"keys": [key.jwk(region) for key in self.keys]}
 
     def rotated(self) -> "Keyset":
         return Keyset((*self.keys, SigningKey.generate()))
@@ -111,15 +128,19 @@ class Keyset:
         remaining.signing_key()  # refuse to leave nothing to sign with
         return remaining
 
-    def with_imported(self, jwks: dict[str, Any]) -> "Keyset":
-        """Add another region's public keys (verify-only); kids already present are skipped."""
+    def with_imported(self, jwks: dict[str, Any], region: str | None = None) -> "Keyset":
+        """Add another region's public keys (verify-only); kids already present are skipped.
+        Each is bound to ``region``, else to the region its JWK names (the router's JWKS does)."""
         added = []
         for jwk in jwks["keys"]:
             if jwk.get("alg", ALGORITHM) != ALGORITHM or jwk.get("crv") != "Ed25519":
                 raise ValueError(f"key {jwk.get('kid')!r} is not an EdDSA Ed25519 key")
             if self.find(jwk["kid"]) is None:
                 public = {name: jwk[name] for name in ("kty", "crv", "x")}
-                added.append(SigningKey(kid=jwk["kid"], created_at=int(time.time()), public_jwk=public))
+                named = jwk.get("region") if isinstance(jwk.get("region"), str) else None
+                added.append(
+                    SigningKey(kid=jwk["kid"], created_at=int(time.time()), public_jwk=public, region=region or named)
+                )
         return Keyset((*self.keys, *added))
 
 
@@ -239,8 +260,24 @@ _ERRORS: list[tuple[type[Exception], str, str]] = [
 ]
 
 
-def verify(token: str, keys: KeysetFile, *, issuer: str, audience: str, leeway_s: int) -> dict[str, Any]:
-    """The verified payload of ``token``, or TokenError. Never trusts the header beyond a lookup."""
+def verify(token: str, keys: KeysetFile, **checks: Any) -> dict[str, Any]:
+    """The verified payload of ``token``, or TokenError; ``checks`` as for ``verify_signed``."""
+    return verify_signed(token, keys, **checks)[0]
+
+
+def verify_signed(
+    token: str,
+    keys: KeysetFile,
+    *,
+    issuer: str,
+    audience: str | list[str],
+    leeway_s: int,
+    max_lifetime_s: int = MAX_TOKEN_TTL_S,
+) -> tuple[dict[str, Any], SigningKey]:
+    """The verified payload of ``token`` and the key that signed it (whose region it binds), or
+    TokenError. Never trusts the header beyond a lookup. ``audience``: any of these is accepted
+    (the token's ``aud`` must name one). ``exp - iat`` may be at most ``max_lifetime_s`` +
+    ``leeway_s``: a stolen signing key, or a bug, must not yield a token that lives for years."""
     if len(token) > MAX_TOKEN_BYTES:
         raise TokenError("token is too large")
     try:
@@ -257,7 +294,7 @@ def verify(token: str, keys: KeysetFile, *, issuer: str, audience: str, leeway_s
     if signing_key is None:
         raise TokenError("token was signed by an unknown key (kid)")
     try:
-        return jwt.decode(
+        payload = jwt.decode(
             token,
             signing_key.public_key,
             algorithms=[ALGORITHM],
@@ -271,3 +308,9 @@ def verify(token: str, keys: KeysetFile, *, issuer: str, audience: str, leeway_s
         if isinstance(err, jwt.MissingRequiredClaimError):
             message = f"token lacks the {err.claim!r} claim"
         raise TokenError(message, code) from None
+    # pyjwt accepts anything int() takes (even "123"); the lifetime needs real numbers.
+    if not all(type(payload[name]) in (int, float) for name in ("exp", "iat")):
+        raise TokenError("token claims exp and iat must be numbers")
+    if payload["exp"] - payload["iat"] > max_lifetime_s + leeway_s:
+        raise TokenError(f"token lifetime exceeds the {max_lifetime_s}s this region allows")
+    return payload, signing_key

@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
-from serve_app.engine import context_cap, trailer
+from serve_app.engine import context_cap, openai_shape, tokenization, trailer
 from serve_app.engine.stream_server import Prefetched, StreamServer
 from serve_app.errors import error_body
 
@@ -69,6 +69,10 @@ class ModelServer:
         await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
         self._chat = state.openai_serving_chat
         self._completion = state.openai_serving_completion
+        # /tokenize and /detokenize: vLLM's own serving object, with the chat path's renderer
+        # and default template kwargs, so a count here is the count chat will see.
+        self._tokenization = state.serving_tokenization
+        self._vocab_size = self._tokenization.renderer.get_tokenizer().max_token_id + 1
         context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
         context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
         self._streams = StreamServer(stream_host())
@@ -77,14 +81,46 @@ class ModelServer:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         _apply_enable_thinking(body)
-        async for item in self._plain_errors(self._serve(ChatCompletionRequest, self._chat.create_chat_completion, body)):
+        create = self._chat.create_chat_completion
+        async for item in self._plain_errors(self._serve(ChatCompletionRequest, create, body, openai_shape.chat)):
             yield item
 
     async def completions(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        async for item in self._plain_errors(self._serve(CompletionRequest, self._completion.create_completion, body)):
+        create = self._completion.create_completion
+        async for item in self._plain_errors(self._serve(CompletionRequest, create, body, openai_shape.completion)):
             yield item
+
+    async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        """``POST /tokenize``: one non-stream head with vLLM's ``TokenizeResponse``."""
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
+        _apply_enable_thinking(body)
+        tokenization.never_stream(body)
+        request_type = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        create = self._tokenization.create_tokenize
+        async for item in self._plain_errors(self._serve(request_type, create, body, openai_shape.without_nulls)):
+            yield item
+
+    async def detokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        """``POST /detokenize``: one non-stream head with vLLM's ``DetokenizeResponse``."""
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        tokenization.never_stream(body)
+        async for item in self._plain_errors(self._serve(DetokenizeRequest, self._detokenize, body)):
+            yield item
+
+    async def _detokenize(self, request, raw_request):
+        """vLLM's detokenize, after refusing ids the tokenizer does not have: a client's mistake
+        is a 400 naming the id, not whatever the tokenizer does with it (skip it, or fail)."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+        if (index := tokenization.first_unknown_token(request.tokens, self._vocab_size)) is not None:
+            message = tokenization.unknown_token_message(request.tokens[index], self._vocab_size)
+            error = ErrorInfo(message=message, type="BadRequestError", param=f"tokens[{index}]", code=400)
+            return ErrorResponse(error=error)
+        return await self._tokenization.create_detokenize(request, raw_request)
 
     async def _plain_errors(self, items: AsyncIterator[Head]) -> AsyncIterator[Head]:
         """No exception leaves the replica. One would cross the handle pickled, and unpickling
@@ -105,7 +141,8 @@ class ModelServer:
             else:
                 yield {"trailer": {"replica": self.replica, "complete": False, "error_code": code}}
 
-    async def _serve(self, request_type, create, body: dict[str, Any]) -> AsyncIterator[Head | str]:
+    async def _serve(self, request_type, create, body: dict[str, Any], shape=None) -> AsyncIterator[Head | str]:
+        """``shape(response, body)`` makes a non-stream body schema-exact (``openai_shape``)."""
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
@@ -135,11 +172,13 @@ class ModelServer:
         if isinstance(result, ErrorResponse):
             yield _error_head(result)
             return
-        if not request.stream:
-            body = result.model_dump()
-            summary = trailer.from_response(body)
+        if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
+            response = result.model_dump()
+            summary = trailer.from_response(response)
+            if shape is not None:
+                shape(response, body)
             summary["replica_ms"] = _ms_since(started)
-            yield {"status": 200, "body": body, "stream": False, "trailer": {**summary, "replica": self.replica}}
+            yield {"status": 200, "body": response, "stream": False, "trailer": {**summary, "replica": self.replica}}
             return
         await self._streams.start()
         ticket, connected = self._streams.expect()

@@ -17,6 +17,9 @@ router and relay its answer.
   (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-pg-region), plus
   ``x-pg-failover-from`` / ``x-pg-failover-reason``. Hop-by-hop headers are not relayed, and
   upstream is asked for ``identity`` encoding so the bytes relayed are the bytes the client reads.
+- Credentials: given ``authorization`` (the router always gives it), each peer gets its own
+  ``Authorization`` value from it — a short token whose audience is that peer alone — and no
+  credential from ``headers`` is sent anywhere.
 """
 
 import json
@@ -133,12 +136,15 @@ class Forwarder:
 
     async def forward(self, route: str, body: dict, headers: Mapping[str, str], *, reason: str,
                       allowed: Callable[[str], bool] = lambda region: True,
-                      on_done: OnDone | None = None) -> Forwarded:
+                      on_done: OnDone | None = None,
+                      authorization: Callable[[str], str] | None = None) -> Forwarded:
         """The first peer's answer that is not a 503, ready to return, or none and why.
 
         ``on_done(status, error_type)`` is called once when a relayed *stream* ends (or breaks off,
-        or the client leaves)."""
-        out = {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+        or the client leaves). ``authorization(peer_region)``: the Authorization value for that
+        peer; it replaces any the headers carry (a token bound to one peer must not reach another)."""
+        dropped = _NOT_FORWARDED | ({"authorization"} if authorization else set())
+        out = {k: v for k, v in headers.items() if k.lower() not in dropped}
         out |= {"content-type": "application/json", HOP_HEADER: self.region, "accept-encoding": "identity",
                 "accept": "text/event-stream" if body.get("stream") else "application/json"}
         attempts: list[Attempt] = []
@@ -154,9 +160,10 @@ class Forwarder:
             tried += 1
             start = time.perf_counter()
             upstream, outcome, detail = None, "error", ""
+            sent = out | {"authorization": authorization(peer.region)} if authorization else out
             try:
                 url = peer.endpoint.rstrip("/") + route
-                upstream = await self._http().send(self._http().build_request("POST", url, json=body, headers=out),
+                upstream = await self._http().send(self._http().build_request("POST", url, json=body, headers=sent),
                                                    stream=True)
                 outcome = "unavailable" if upstream.status_code == 503 else "served"
             except httpx.ConnectError:

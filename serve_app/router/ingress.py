@@ -32,10 +32,9 @@ from serve_app.router.client_socket import RelayedStream
 from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
 from serve_app.model_state import COLD, LOADED, RECOVERING
 from serve_app.router.model_states import InFlight, ModelStates
-from serve_app.router import openapi
+from serve_app.router import openapi, tokenization
 from serve_app.router.request_schema import describe_validation_errors, parse_json_object, validate_body
 from serve_app.router.relay import (
-    CLIENT_CLOSED,
     REPLICA_FAILURES,
     Exchange,
     call_model,
@@ -206,9 +205,10 @@ class Router:
 
     @app.post("/v1/auth/token")
     async def issue_token(self, request: Request) -> dict[str, Any]:
+        authorization = self.auth.authorization(request.headers)  # 400 if there are two
         api_key = await _api_key_in_body(request)
-        # Key lookups and signing touch the key store and keyset files: not in the event loop.
-        return await asyncio.to_thread(self.auth.issue_token, request.headers.get("authorization"), api_key)
+        # Rate limited per key before anything is signed; store lookups and signing run off the loop.
+        return await self.auth.issue_token(authorization, api_key)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
@@ -255,9 +255,19 @@ class Router:
     async def completions(self, request: Request):
         return await self._relay(request, ROUTE_COMPLETIONS, "completions")
 
+    # vLLM's own spellings (it serves no /v1/ ones); answered by the replica's tokenizer.
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await tokenization.relay(self, request, "tokenize", _read_body_within_limit)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await tokenization.relay(self, request, "detokenize", _read_body_within_limit)
+
     async def _set_wanted(self, request: Request, wanted: str) -> JSONResponse:
         caller = await self._caller(request, SCOPE_ADMIN)
         model_id = self._resolve(await _model_in_body(request))
+        self.auth.authorize_model(caller, model_id)  # an admin scoped to some models manages only those
         await self.states.ensure_fresh()
         state = await self.states.set_wanted(model_id, wanted, by=caller.key_id)
         logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, self.region)
@@ -266,7 +276,7 @@ class Router:
 
     async def _relay(self, request: Request, route: str, method: str):
         exchange = Exchange(route, request.headers, region=self.region, replica=self.replica)
-        try:
+        with exchange.failures_recorded():  # every refusal ends the request's spans once
             with exchange.record.measure_auth():
                 caller = await self._caller(request)  # 401 / 403 before the body is even read
             raw = await _read_body_within_limit(request)
@@ -292,15 +302,6 @@ class Router:
                 if forwarded is None:
                     raise
                 return forwarded
-        except APIError as err:
-            exchange.fail(err.status, err.code)
-            raise
-        except asyncio.CancelledError:  # the client left before the model answered
-            exchange.fail(CLIENT_CLOSED, "client_closed")
-            raise
-        except Exception:
-            exchange.fail(500, "internal")
-            raise
         limits[REGION_HEADER] = self.region
         if not head["stream"]:
             return json_response(head, exchange, limits)
@@ -313,20 +314,24 @@ class Router:
     ):
         """Forward to the first peer region that takes the request, or None (answer ``local``).
 
-        One hop: a request that was itself forwarded is never forwarded again. The peer sees the
-        caller's own token; a caller who used an API key (which only this region's key store may
-        know) is represented by a short-lived token minted here for the same key and claims.
+        One hop: a request that was itself forwarded is never forwarded again. The caller's own
+        credential never leaves this region: each peer gets a token minted here for the same key
+        and claims, whose audience is that peer alone and which lives a minute at most, so a peer
+        (or anyone on the way) cannot replay it elsewhere or for long.
         """
         if is_forwarded(request.headers) or not any(caller.allows_region(p.region) for p in self.forwarder.peers):
             return None
         reason = local.code or "unavailable"
         headers = exchange.start_failover(reason)
-        headers["authorization"] = (
-            request.headers["authorization"] if caller.via == "token" else f"Bearer {self.auth.forwarding_token(caller)}"
+        peers = [p.region for p in self.forwarder.peers if p.region != self.region and caller.allows_region(p.region)]
+        # Minted up front in a thread: a key-store cache miss must not block the event loop.
+        bound = await asyncio.to_thread(
+            lambda: {region: f"Bearer {self.auth.forwarding_token(caller, region)}" for region in peers}
         )
         forwarded = await self.forwarder.forward(
             route, body, headers, reason=reason, allowed=caller.allows_region,
             on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
+            authorization=bound.__getitem__,
         )
         exchange.note_failover(forwarded)
         if forwarded.response is not None and not forwarded.stream:
@@ -347,7 +352,8 @@ class Router:
                 )
 
     async def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
-        return await self.auth.authenticate_async(request.headers.get("authorization"), scope=scope)
+        authorization = self.auth.authorization(request.headers)  # 400 if there are two
+        return await self.auth.authenticate_async(authorization, scope=scope)
 
     def _resolve(self, name: Any) -> str:
         if not isinstance(name, str) or not name.strip():

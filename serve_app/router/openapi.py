@@ -4,6 +4,11 @@ answers, so contract fuzzers (schemathesis, ``serve-app faults``) test what the 
 FastAPI cannot infer either: the inference and admin routes read the raw body themselves (to
 refuse oversized and deeply nested bodies before parsing, and to forward the parsed dict without
 a re-encode), and every client error is answered 400 in OpenAI's shape, never FastAPI's 422.
+
+The schema is public (like ``/health``), so it leaves the admin routes out (``/v1/admin/*``,
+``/v1/models/load`` and ``/unload``): who may revoke keys or unload models is not something to
+advertise to anyone who asks, and contract fuzzers must not unload a region's model. Their
+contract is in docs/api.md and docs/auth.md.
 """
 
 from typing import Any
@@ -11,8 +16,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
+from starlette.routing import BaseRoute
 
-from serve_app.router.request_schema import ChatCompletionBody, CompletionBody
+from serve_app.router.request_schema import ChatCompletionBody, CompletionBody, DetokenizeBody, TokenizeBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -35,21 +41,21 @@ class TokenRequest(BaseModel):
     api_key: str | None = None  # without it, the Bearer credential is the key
 
 
-class ModelRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str  # canonical id, alias or HF repo id
-
-
 _BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionBody,
     "/v1/completions": CompletionBody,
+    "/tokenize": TokenizeBody,
+    "/detokenize": DetokenizeBody,
     "/v1/auth/token": TokenRequest,
-    "/v1/models/load": ModelRequest,
-    "/v1/models/unload": ModelRequest,
 }
+# Routes that need the admin scope: served, never published.
+_ADMIN_PATHS = ("/v1/models/load", "/v1/models/unload")
+_ADMIN_PREFIX = "/v1/admin/"
 # What each kind of route may answer besides success (docs/api.md, "Errors").
 _PUBLIC = {"/health": (503,), "/.well-known/jwks.json": ()}
 _INFERENCE_ERRORS = (400, 401, 403, 404, 413, 429, 503)
+# Bodies of the routes that go through a model replica (and so may answer 413, 429 and 503).
+_INFERENCE_BODIES = (ChatCompletionBody, CompletionBody, TokenizeBody, DetokenizeBody)
 _OTHER_ERRORS = (400, 401, 403, 404)
 _DESCRIPTIONS = {
     400: "Invalid request: the failing field is named in `param`",
@@ -73,8 +79,16 @@ def install(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+def is_admin_path(path: str) -> bool:
+    return path in _ADMIN_PATHS or path.startswith(_ADMIN_PREFIX)
+
+
+def _published(routes: list[BaseRoute]) -> list[BaseRoute]:
+    return [route for route in routes if not is_admin_path(getattr(route, "path", ""))]
+
+
 def build(app: FastAPI) -> dict[str, Any]:
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schema = get_openapi(title=app.title, version=app.version, routes=_published(app.routes))
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for model in (ErrorResponse, *_BODIES.values()):
         definition = model.model_json_schema(ref_template=_REF, mode="validation")
@@ -92,7 +106,7 @@ def build(app: FastAPI) -> dict[str, Any]:
                 }
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            statuses = _PUBLIC.get(path, _INFERENCE_ERRORS if model in (ChatCompletionBody, CompletionBody) else _OTHER_ERRORS)
+            statuses = _PUBLIC.get(path, _INFERENCE_ERRORS if model in _INFERENCE_BODIES else _OTHER_ERRORS)
             for status in statuses:
                 responses[str(status)] = {
                     "description": _DESCRIPTIONS[status],

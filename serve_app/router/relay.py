@@ -16,7 +16,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -26,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
 from serve_app.engine.trailer import ENGINE_UNAVAILABLE
-from serve_app.errors import error_body, retry_later
+from serve_app.errors import APIError, error_body, retry_later
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import (
@@ -104,6 +105,22 @@ class Exchange:
         if self.split is None:
             self.split = self.record.finish(status, error_type)
         return self.split
+
+    @contextmanager
+    def failures_recorded(self) -> Iterator[None]:
+        """Around everything before a response is built: a refusal (its status and code), a client
+        that left (499) or a bug (500) is recorded and the spans end; the exception goes on."""
+        try:
+            yield
+        except APIError as err:
+            self.fail(err.status, err.code)
+            raise
+        except asyncio.CancelledError:  # the client left before the model answered
+            self.fail(CLIENT_CLOSED, "client_closed")
+            raise
+        except Exception:
+            self.fail(500, "internal")
+            raise
 
     def fail(self, status: int, error_type: str) -> None:
         """The request ended before a response was built: record why, end the spans."""

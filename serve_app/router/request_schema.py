@@ -13,7 +13,7 @@ what the router enforces.
 """
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -175,7 +175,53 @@ class CompletionBody(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
-BODIES: dict[str, type[_Sampling]] = {"chat": ChatCompletionBody, "completions": CompletionBody}
+# Fields of /tokenize that only mean something with `messages` (they shape the chat template).
+_CHAT_TOKENIZE_FIELDS = (
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "enable_thinking",
+)
+
+
+class TokenizeBody(_Strict):
+    """``POST /tokenize``: ``prompt`` (text, as completions sees it) or ``messages`` (rendered
+    with the chat template, as chat sees it), never both. vLLM's own request models."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    enable_thinking: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeBody":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' (text) or 'messages' (a chat), not both or neither")
+        if self.prompt is not None:
+            stray = [name for name in _CHAT_TOKENIZE_FIELDS if getattr(self, name) is not None]
+            if stray:
+                raise ValueError(f"only with 'messages', not with 'prompt': {', '.join(stray)}")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        return self
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str
+    tokens: list[Annotated[int, Field(ge=0, le=_INT64)]]
+
+
+BODIES: dict[str, type[_Strict]] = {
+    "chat": ChatCompletionBody,
+    "completions": CompletionBody,
+    "tokenize": TokenizeBody,
+    "detokenize": DetokenizeBody,
+}
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -119,6 +119,24 @@ def test_health_and_jwks_need_none(base_url):
     assert httpx.get(f"{base_url}/.well-known/jwks.json").status_code == 200
 
 
+def test_the_public_schema_lists_no_admin_route(base_url):
+    paths = set(httpx.get(f"{base_url}/openapi.json", timeout=30).json()["paths"])  # no credential
+    assert "/v1/chat/completions" in paths and "/v1/auth/token" in paths
+    assert not [p for p in paths if p.startswith("/v1/admin/") or p in ("/v1/models/load", "/v1/models/unload")]
+
+
+def test_two_authorization_headers_are_a_400(base_url, api_key):
+    twice = [("Authorization", f"Bearer {api_key}"), ("Authorization", "Bearer pgk_ffffffffffff_" + "A" * 43)]
+    response = httpx.get(f"{base_url}/v1/models", headers=twice)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "duplicate_authorization"
+
+
+def test_a_key_with_a_trailing_newline_is_not_exchanged(base_url, api_key):
+    response = httpx.post(f"{base_url}/v1/auth/token", json={"api_key": api_key + "\n"}, timeout=30)
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_a_model_outside_the_keys_scope_is_permission_denied(base_url, serve_app):
     key = _cli(serve_app, "keys", "create", "--owner", "it-bob", "--model", OTHER_MODEL)
     client = _sdk(base_url, key)

@@ -59,16 +59,23 @@ def authenticator(tmp_path: Path, region: str = "local", limiter: RateLimiter | 
     )
 
 
-def router_like_app(auth: Authenticator) -> TestClient:
+def api_app() -> FastAPI:
+    """An app that answers ``APIError`` as the router does (OpenAI-shaped body, its headers)."""
     app = FastAPI()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
+    return app
+
+
+def router_like_app(auth: Authenticator) -> TestClient:
+    app = api_app()
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
-        caller = auth.authenticate(request.headers.get("authorization"), scope=SCOPE_INFERENCE)
+        caller = auth.authenticate(auth.authorization(request.headers), scope=SCOPE_INFERENCE)
         body = await request.json()
         auth.authorize_model(caller, body["model"])
         limits = await auth.admit(caller, request_token_cost(body))
@@ -76,13 +83,14 @@ def router_like_app(auth: Authenticator) -> TestClient:
 
     @app.get("/v1/admin/keys")
     async def admin(request: Request) -> dict:
-        auth.authenticate(request.headers.get("authorization"), scope=SCOPE_ADMIN)
+        auth.authenticate(auth.authorization(request.headers), scope=SCOPE_ADMIN)
         return {"data": auth.list_keys()}
 
     @app.post("/v1/auth/token")
     async def token(request: Request) -> dict:
         body = await request.body()
-        return auth.issue_token(request.headers.get("authorization"), json.loads(body)["api_key"] if body else None)
+        api_key = json.loads(body)["api_key"] if body else None
+        return await auth.issue_token(auth.authorization(request.headers), api_key)
 
     return TestClient(app)
 

@@ -94,10 +94,13 @@ def test_headers_count_the_leased_slice_as_remaining():
     assert first.requests.remaining == 99 and second.requests.remaining == 98
 
 
-def test_a_limiter_outage_fails_open():
+def test_a_limiter_outage_is_decided_by_the_replica_not_failed_open():
     class Down:
         async def lease(self, *args):
             return None
 
-    limiter = LeasedRateLimiter(Down())
-    assert asyncio.run(limiter.acquire("k", 600, 1000, 10)) is None
+    limiter = LeasedRateLimiter(Down(), Clock())
+    # A key it knows nothing about: one lease's slice (30 of 600/min), then refused until refill.
+    decisions = [asyncio.run(limiter.acquire("k", 600, 1_000_000, 10)) for _ in range(40)]
+    assert [d.allowed for d in decisions] == [True] * 30 + [False] * 10
+    assert decisions[-1].retry_after_s > 0

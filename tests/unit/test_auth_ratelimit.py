@@ -141,8 +141,9 @@ def test_a_tier_missing_from_the_config_fails_closed(tmp_path):
     assert response.json()["error"]["code"] == "unknown_tier"
 
 
-def test_a_limiter_outage_admits_the_request(tmp_path):
+def test_a_limiter_outage_admits_within_the_routers_grace_only(tmp_path):
     from serve_app.auth.authenticator import Authenticator
+    from serve_app.auth.lease import LeasedRateLimiter
     from serve_app.auth.ratelimit import SharedRateLimiter
     from tests.unit.auth_support import auth_args
 
@@ -150,9 +151,11 @@ def test_a_limiter_outage_admits_the_request(tmp_path):
         def actor(self):
             raise ConnectionError("no ray here")
 
-    auth = Authenticator(auth_args(tmp_path), "local", Broken("local"), environ={})
+    auth = Authenticator(auth_args(tmp_path), "local", LeasedRateLimiter(Broken("local")), environ={})
     key, _ = auth.keys.create_key(owner="x", tier="tiny")
-    assert chat(router_like_app(auth), key).status_code == 200
+    client = router_like_app(auth)
+    assert chat(client, key).status_code == 200
+    assert chat(client, key).status_code == 429  # the grace is bounded (tests/unit/test_auth_audit.py)
 
 
 def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_path):

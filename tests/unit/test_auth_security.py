@@ -239,7 +239,8 @@ def test_an_expired_key_is_refused(auth, client):
 def test_jwks_publishes_public_keys_only(auth):
     jwks = auth.jwks()
     (jwk,) = jwks["keys"]
-    assert set(jwk) == {"kty", "crv", "x", "kid", "alg", "use"}
+    assert set(jwk) == {"kty", "crv", "x", "kid", "alg", "use", "region"}
+    assert jwk["region"] == "local"  # an importing region binds the kid to us
     assert (jwk["kty"], jwk["crv"], jwk["alg"]) == ("OKP", "Ed25519", "EdDSA")
 
 

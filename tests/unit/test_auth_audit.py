@@ -1,0 +1,426 @@
+"""The auth audit's findings (issue #14, "Build" item 4), one test or more each: every test here
+failed before its fix. The router's own methods run against small fakes (no Ray, no Serve)."""
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import httpx
+import jwt
+import pytest
+from fastapi import Request
+from fastapi.testclient import TestClient
+
+from serve_app.auth import lease as lease_module
+from serve_app.auth import tokens
+from serve_app.auth.authenticator import FORWARDING_TOKEN_TTL_S, Authenticator, region_audience
+from serve_app.auth.config import AuthArgs
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, parse_key
+from serve_app.auth.lease import LeasedRateLimiter
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, SharedRateLimiter
+from serve_app.errors import APIError
+from serve_app.router import ingress, openapi
+from serve_app.router.failover import Forwarder, Peer
+from tests.unit.auth_support import (
+    MODEL,
+    OTHER_MODEL,
+    api_app,
+    auth_args,
+    authenticator,
+    bearer,
+    chat,
+    claims,
+    current_key,
+    router_like_app,
+    sign,
+)
+
+ROUTER = ingress.Router.func_or_class  # the class under serve.deployment: its methods, unbound
+
+
+def _claims_of(token: str) -> dict:
+    return jwt.decode(token, options={"verify_signature": False})
+
+
+def _mint(client: TestClient, key: str) -> str:
+    response = client.post("/v1/auth/token", json={"api_key": key})
+    assert response.status_code == 200, response.text
+    return response.json()["access_token"]
+
+
+def _error(response) -> tuple[int, str, str | None]:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return response.status_code, error["code"], error["param"]
+
+
+def _regions(tmp_path, *names: str) -> dict[str, Authenticator]:
+    """Regions that import each other's JWKS, as `serve-app signing import-jwks` does (from the
+    JWKS the router serves, which names each key's region)."""
+    auths = {name: authenticator(tmp_path / name, region=name, dev_api_key_env=None) for name in names}
+    for name, auth in auths.items():
+        keyset = tokens.load_keyset(auth.keyset.path)
+        for other in auths.values():
+            if other is not auth:
+                keyset = keyset.with_imported(other.jwks())
+        tokens.save_keyset(auth.keyset.path, keyset)
+        auth.keyset = tokens.KeysetFile(auth.keyset.path, check_interval_s=0)
+    return auths
+
+
+# --- 1. keys are matched in full ---------------------------------------------------------------
+@pytest.mark.parametrize("suffix", ["\n", "\r\n", " ", "\n\n"])
+def test_a_key_with_anything_after_it_is_not_a_key(tmp_path, suffix):
+    auth = authenticator(tmp_path)
+    client = router_like_app(auth)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    assert parse_key(key + suffix) is None
+    refused = client.post("/v1/auth/token", json={"api_key": key + suffix})
+    assert _error(refused)[:2] == (401, "invalid_api_key")
+    assert client.post("/v1/auth/token", json={"api_key": key}).status_code == 200
+
+
+# --- 2. the published schema leaves the admin routes out ----------------------------------------
+def test_the_public_openapi_schema_lists_no_admin_route_and_keeps_the_rest():
+    schema = openapi.build(ingress.app)
+    paths = set(schema["paths"])
+    assert not [p for p in paths if p.startswith("/v1/admin/") or p in ("/v1/models/load", "/v1/models/unload")]
+    served = {route.path for route in ingress.app.routes}
+    assert {"/v1/models/load", "/v1/models/unload", "/v1/admin/keys"} <= served  # still served
+    # The rest is as before: request bodies, OpenAI-shaped errors, never FastAPI's 422.
+    chat_op = schema["paths"]["/v1/chat/completions"]["post"]
+    assert chat_op["requestBody"]["required"] is True
+    assert "429" in chat_op["responses"] and "422" not in chat_op["responses"]
+    token_op = schema["paths"]["/v1/auth/token"]["post"]
+    assert token_op["requestBody"]["required"] is False
+    assert "ModelRequest" not in schema["components"]["schemas"]
+    assert not {"HTTPValidationError", "ValidationError"} & set(schema["components"]["schemas"])
+    assert "admin" not in json.dumps(schema["paths"])
+
+
+# --- 3. load / unload check the admin's model scope ---------------------------------------------
+class _States:
+    def __init__(self):
+        self.wanted: list[tuple[str, str, str]] = []
+
+    async def ensure_fresh(self, *args, **kwargs):
+        return None
+
+    async def set_wanted(self, model_id, wanted, by):
+        self.wanted.append((model_id, wanted, by))
+        return SimpleNamespace(state="cold" if wanted == "cold" else "loaded")
+
+
+def _router(auth: Authenticator, **extra) -> SimpleNamespace:
+    fake = SimpleNamespace(auth=auth, region=auth.region, models={MODEL: None, OTHER_MODEL: None}, **extra)
+    fake._caller = lambda request, scope=SCOPE_INFERENCE: ROUTER._caller(fake, request, scope)
+    fake._resolve = lambda name: ROUTER._resolve(fake, name)
+    fake._model_card = lambda model_id: {"id": model_id}
+    return fake
+
+
+def _router_app(fake: SimpleNamespace) -> TestClient:
+    app = api_app()
+
+    @app.post("/v1/models/unload")
+    async def unload(request: Request):
+        return await ROUTER._set_wanted(fake, request, "cold")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        caller = await ROUTER._caller(fake, request)
+        return {"key_id": caller.key_id}
+
+    return TestClient(app)
+
+
+def test_an_admin_scoped_to_one_model_cannot_unload_another(tmp_path):
+    auth = authenticator(tmp_path)
+    states = _States()
+    client = _router_app(_router(auth, states=states))
+    key, record = auth.keys.create_key(
+        owner="ops", tier="standard", models=(MODEL,), scopes=(SCOPE_INFERENCE, SCOPE_ADMIN)
+    )
+    refused = client.post("/v1/models/unload", json={"model": OTHER_MODEL}, headers=bearer(key))
+    assert _error(refused)[:2] == (403, "model_not_allowed")
+    assert states.wanted == []  # nothing was written
+    allowed = client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
+    assert allowed.status_code == 200, allowed.text
+    assert states.wanted == [(MODEL, "cold", record.key_id)]
+
+
+# --- 4. token lifetime is capped; imported kids carry no admin ----------------------------------
+def test_a_token_living_longer_than_the_configured_ttl_is_refused_however_well_signed(tmp_path):
+    auth = authenticator(tmp_path)  # token_ttl_s 900, leeway_s 30
+    client = router_like_app(auth)
+    key, now = current_key(auth), int(time.time())
+    ten_years = sign(key, claims(auth, iat=now, nbf=now, exp=now + 10 * 365 * 86400))
+    refused = chat(client, ten_years)
+    assert _error(refused)[:2] == (401, "invalid_token")
+    assert "lifetime" in refused.json()["error"]["message"]
+    assert chat(client, sign(key, claims(auth, iat=now, nbf=now, exp=now + 900 + 30))).status_code == 200
+    assert chat(client, sign(key, claims(auth, iat=now, nbf=now, exp=now + 900 + 31))).status_code == 401
+    # A backdated iat does not stretch it either, and exp/iat must be real numbers.
+    assert chat(client, sign(key, claims(auth, iat=now - 20, nbf=now - 20, exp=now + 900 + 20))).status_code == 401
+    assert chat(client, sign(key, claims(auth, iat=str(now), exp=now + 60))).status_code == 401
+
+
+def test_the_cap_is_on_by_default_for_every_verifier(tmp_path):
+    auth = authenticator(tmp_path)
+    now = int(time.time())
+    long_lived = sign(current_key(auth), claims(auth, iat=now, nbf=now, exp=now + 86400))
+    with pytest.raises(tokens.TokenError, match="lifetime"):
+        tokens.verify(long_lived, auth.keyset, issuer=auth.args.issuer, audience=auth.args.audience, leeway_s=0)
+
+
+def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_path):
+    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    yul, yvr = regions["yul-02"], regions["yvr-01"]
+    admin_key, _ = yul.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    token = _mint(router_like_app(yul), admin_key)
+    assert router_like_app(yul).get("/v1/admin/keys", headers=bearer(token)).status_code == 200
+    # The same token, or one forged with yul's key (a compromised region), is no admin in yvr.
+    yvr_client = router_like_app(yvr)
+    now = int(time.time())
+    forged = sign(yul.keyset.current().signing_key(), claims(yvr, iat=now, nbf=now, exp=now + 300))
+    for credential in (token, forged):
+        refused = yvr_client.get("/v1/admin/keys", headers=bearer(credential))
+        assert _error(refused)[:2] == (403, "insufficient_scope")
+        assert "region that signed" in refused.json()["error"]["message"]
+        assert chat(yvr_client, credential).status_code == 200  # inference is still honoured
+    own = sign(yvr.keyset.current().signing_key(), claims(yvr, iat=now, nbf=now, exp=now + 300))
+    assert yvr_client.get("/v1/admin/keys", headers=bearer(own)).status_code == 200
+    imported = [k for k in yvr.keyset.current().keys if k.imported]
+    assert [k.region for k in imported] == ["yul-02"]  # kid → the region that issued it
+
+
+def test_a_jwks_without_region_names_still_imports_as_foreign(tmp_path):
+    yul = authenticator(tmp_path, region="yul-02", dev_api_key_env=None)
+    # What `serve-app signing export-jwks` prints today: no region names.
+    bare = tokens.load_keyset(yul.keyset.path).jwks()
+    assert "region" not in bare["keys"][0]
+    keyset = tokens.Keyset((tokens.SigningKey.generate(),)).with_imported(bare)
+    (imported,) = [k for k in keyset.keys if k.imported]
+    assert imported.region is None
+    named = tokens.Keyset((tokens.SigningKey.generate(),)).with_imported(bare, region="yul-02")
+    assert [k.region for k in named.keys if k.imported] == ["yul-02"]
+
+
+# --- 5. failover mints a short token for the peer alone -----------------------------------------
+class _Exchange:
+    def __init__(self):
+        self.done = []
+
+    def start_failover(self, reason):
+        return {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
+
+    def note_failover(self, forwarded):
+        self.forwarded = forwarded
+
+    def forwarded_done(self, status, error_type):
+        self.done.append(status)
+
+
+def _fail_over(yul: Authenticator, credential: str, peers: list[Peer], answers) -> list[httpx.Request]:
+    seen: list[httpx.Request] = []
+
+    def peer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answers(request)
+
+    forwarder = Forwarder(yul.region, peers, transport=httpx.MockTransport(peer))
+    fake = _router(yul, forwarder=forwarder)
+    caller = yul.authenticate(credential, scope=SCOPE_INFERENCE)
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"authorization", credential.encode())]}
+
+    async def go():
+        try:
+            local = APIError(503, "overloaded", code="overloaded")
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            return await ROUTER._fail_over(fake, Request(scope), "/v1/chat/completions", body, caller, _Exchange(), local)
+        finally:
+            await forwarder.aclose()
+
+    asyncio.run(go())
+    return seen
+
+
+@pytest.mark.parametrize("via", ["token", "api_key"])
+def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_path, via):
+    regions = _regions(tmp_path, "yul-02", "yvr-01", "yyz-01")
+    yul = regions["yul-02"]
+    key, record = yul.keys.create_key(owner="alice", tier="standard")
+    client_token = _mint(router_like_app(yul), key)
+    credential = f"Bearer {client_token if via == 'token' else key}"
+    peers = [Peer("yvr-01", "https://yvr.test"), Peer("yyz-01", "https://yyz.test")]
+    # yvr is overloaded too (503), yyz serves: both are tried, each with its own token.
+    seen = _fail_over(yul, credential, peers, lambda r: httpx.Response(503 if r.url.host == "yvr.test" else 200, json={}))
+    assert [r.url.host for r in seen] == ["yvr.test", "yyz.test"]
+    for request, region in zip(seen, ["yvr-01", "yyz-01"]):
+        sent = request.headers["authorization"]
+        assert sent != credential and client_token not in sent and key not in sent
+        forwarded = sent.removeprefix("Bearer ")
+        payload = _claims_of(forwarded)
+        assert payload["aud"] == region_audience(yul.args.audience, region)
+        assert payload["exp"] - payload["iat"] <= FORWARDING_TOKEN_TTL_S
+        assert payload["sub"] == record.key_id
+        # The peer it names accepts it; another region that trusts yul's keys refuses it.
+        assert regions[region].authenticate(sent, scope=SCOPE_INFERENCE).key_id == record.key_id
+        other = regions["yvr-01" if region == "yyz-01" else "yyz-01"]
+        with pytest.raises(APIError) as refused:
+            other.authenticate(sent, scope=SCOPE_INFERENCE)
+        assert (refused.value.status, refused.value.code) == (401, "invalid_token")
+        with pytest.raises(APIError):  # nor does the region that minted it
+            yul.authenticate(sent, scope=SCOPE_INFERENCE)
+
+
+def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):
+    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    yul = regions["yul-02"]
+    now = int(time.time())
+    short = sign(yul.keyset.current().signing_key(), claims(yul, iat=now - 100, nbf=now - 100, exp=now + 5))
+    caller = yul.authenticate(f"Bearer {short}", scope=SCOPE_INFERENCE)
+    payload = _claims_of(yul.forwarding_token(caller, "yvr-01"))
+    assert payload["exp"] <= now + 5
+
+
+# --- 6. the token endpoint is rate limited per key ----------------------------------------------
+def test_the_token_endpoint_is_rate_limited_per_key_before_anything_is_signed(tmp_path, monkeypatch):
+    auth = authenticator(tmp_path, token_requests_per_minute=2)
+    client = router_like_app(auth)
+    key, _ = auth.keys.create_key(owner="alice", tier="tiny")  # 2 inference requests/min
+    other, _ = auth.keys.create_key(owner="bob", tier="standard")
+    assert [client.post("/v1/auth/token", json={"api_key": key}).status_code for _ in range(2)] == [200, 200]
+    signed = []
+    real_mint = tokens.mint
+    monkeypatch.setattr(tokens, "mint", lambda *a, **kw: signed.append(1) or real_mint(*a, **kw))
+    refused = client.post("/v1/auth/token", json={"api_key": key})
+    assert _error(refused) == (429, "rate_limit_exceeded", None)
+    assert int(refused.headers["Retry-After"]) >= 1 and refused.headers["x-ratelimit-limit-requests"] == "2"
+    assert "x-ratelimit-limit-tokens" not in refused.headers
+    assert signed == []  # refused before any signature
+    assert client.post("/v1/auth/token", headers=bearer(key)).status_code == 429  # the header way too
+    assert client.post("/v1/auth/token", json={"api_key": other}).status_code == 200  # per key
+    # Minting spent none of the key's inference budget.
+    assert [chat(client, key).status_code for _ in range(2)] == [200, 200]
+
+
+def test_the_token_endpoint_budget_is_configurable_and_bounded():
+    assert AuthArgs().token_requests_per_minute == 60
+    with pytest.raises(ValueError):
+        AuthArgs(token_requests_per_minute=0)
+
+
+# --- 7. a slow limiter fails closed for keys over budget, open only within a bounded grace -------
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Flaky(LocalRateLimiter):
+    """The region's actor as the router sees it; ``down`` makes it answer None (timed out)."""
+
+    def __init__(self, limiter: RateLimiter):
+        super().__init__(limiter)
+        self.down = False
+        self.calls = 0
+
+    async def lease(self, *args):
+        self.calls += 1
+        return None if self.down else await super().lease(*args)
+
+
+def _run(limiter: LeasedRateLimiter, key: str, n: int, rpm: int, tpm: int = 1_000_000, tokens: int = 10):
+    async def go():
+        return [(await limiter.acquire(key, rpm, tpm, tokens)) for _ in range(n)]
+
+    return asyncio.run(go())
+
+
+def test_during_a_limiter_outage_a_key_over_budget_stays_refused():
+    clock = Clock()
+    source = Flaky(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    assert [d.allowed for d in _run(limiter, "spent", 4, rpm=3)] == [True, True, True, False]
+    source.down = True
+    clock.now += 1  # well before the bucket refills (20 s a request at 3/min)
+    refused = _run(limiter, "spent", 3, rpm=3)
+    assert not any(d.allowed for d in refused)
+    assert refused[0].retry_after_s > 1 and refused[0].requests.remaining == 0
+    clock.now += 20  # its own refill time: one request again, as the actor would allow
+    assert [d.allowed for d in _run(limiter, "spent", 2, rpm=3)] == [True, False]
+
+
+def test_during_a_limiter_outage_a_key_gets_its_last_known_budget_not_everything():
+    clock = Clock()
+    source = Flaky(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    assert all(d.allowed for d in _run(limiter, "known", 5, rpm=10))  # 10/min: no lease slice
+    source.down = True
+    decisions = _run(limiter, "known", 10, rpm=10)
+    assert [d.allowed for d in decisions].count(True) == 5  # what the actor said was left
+    # A key this replica never saw gets one lease's slice (at least one request), not a bucket.
+    unseen = _run(limiter, "unseen", 100, rpm=600)
+    assert sum(d.allowed for d in unseen) == int(600 * lease_module.LEASE_FRACTION)
+
+
+def test_during_a_limiter_outage_requests_do_not_each_wait_for_the_actor():
+    clock = Clock()
+    source = Flaky(RateLimiter(clock))
+    source.down = True
+    limiter = LeasedRateLimiter(source, clock)
+    _run(limiter, "k", 5, rpm=600)
+    assert source.calls == 1  # then decided alone until OUTAGE_RETRY_S has passed
+    clock.now += lease_module.OUTAGE_RETRY_S
+    source.down = False
+    assert _run(limiter, "k", 1, rpm=600)[0].allowed
+    assert source.calls == 2  # the actor is back and decides again
+
+
+def test_a_limiter_that_cannot_decide_fails_closed_at_the_authenticator(tmp_path):
+    class Broken(SharedRateLimiter):
+        def actor(self):
+            raise ConnectionError("no ray here")
+
+    auth = Authenticator(auth_args(tmp_path), "local", Broken("local"), environ={})
+    key, _ = auth.keys.create_key(owner="x", tier="tiny")
+    refused = chat(router_like_app(auth), key)
+    assert _error(refused)[:2] == (503, "rate_limiter_unavailable") and refused.headers["Retry-After"] == "1"
+    # The router's limiter (leased) keeps deciding from what it knows: this unseen key's first request.
+    leased = Authenticator(auth_args(tmp_path), "local", LeasedRateLimiter(Broken("local")), environ={})
+    client = router_like_app(leased)
+    assert chat(client, key).status_code == 200
+    assert chat(client, key).status_code == 429  # and no more than the grace: fail closed
+
+
+# --- 8. two Authorization headers are a 400 ------------------------------------------------------
+def test_duplicate_authorization_headers_are_400_at_the_router(tmp_path):
+    auth = authenticator(tmp_path)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    client = _router_app(_router(auth, states=_States()))
+    assert client.get("/v1/models", headers=bearer(key)).status_code == 200
+    for second in (key, "pgk_ffffffffffff_" + "A" * 43, ""):
+        response = client.get("/v1/models", headers=[("Authorization", f"Bearer {key}"), ("Authorization", f"Bearer {second}")])
+        assert _error(response) == (400, "duplicate_authorization", "authorization")
+        assert key not in response.text
+
+
+def test_duplicate_authorization_headers_are_400_at_the_token_endpoint(tmp_path):
+    auth = authenticator(tmp_path)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    fake = _router(auth)
+    app = api_app()
+
+    @app.post("/v1/auth/token")
+    async def token(request: Request):
+        return await ROUTER.issue_token(fake, request)
+
+    client = TestClient(app)
+    assert client.post("/v1/auth/token", headers=bearer(key)).status_code == 200
+    twice = [("Authorization", f"Bearer {key}"), ("Authorization", "Bearer pgk_ffffffffffff_" + "A" * 43)]
+    assert _error(client.post("/v1/auth/token", headers=twice)) == (400, "duplicate_authorization", "authorization")
