@@ -27,6 +27,11 @@ class EngineDefaults(BaseModel):
         None, description="vLLM's floor for tool-call constraints: auto, function or parameter."
     )
     reasoning_parser: str | None = None
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "priority",
+        description="'priority': the engine schedules waiting requests by the priority the router "
+        "sets from the key's tier (an interactive tier ahead of a batch one), then by arrival.",
+    )
 
 
 class CatalogModel(BaseModel):

@@ -237,6 +237,12 @@ class Authenticator:
         if not principal.allows_model(model_id):
             raise forbidden(f"this key is not allowed to use {model_id}", "model_not_allowed")
 
+    def priority(self, principal: Principal, requested: Any) -> int:
+        """The engine priority a request runs at: its tier's, or a lower one it asked for (a
+        larger number); never a higher one. Called after ``admit`` (which refuses unknown tiers)."""
+        floor = self.args.tiers[principal.tier].priority
+        return max(floor, requested) if isinstance(requested, int) and not isinstance(requested, bool) else floor
+
     async def admit(self, principal: Principal, tokens_estimate: int) -> dict[str, str]:
         """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429."""
         tier = self.args.tiers.get(principal.tier)

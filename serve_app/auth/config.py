@@ -20,14 +20,19 @@ class Tier(BaseModel):
 
     requests_per_minute: int = Field(gt=0)
     tokens_per_minute: int = Field(gt=0)
+    # vLLM's request priority under contention (--scheduling-policy priority): lower is scheduled
+    # first. A request may lower its own (a larger number), never raise it above its tier's.
+    priority: int = Field(0, ge=0)
 
 
 DEFAULT_TIERS = {
-    "free": Tier(requests_per_minute=20, tokens_per_minute=40_000),
-    "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
-    "enterprise": Tier(requests_per_minute=6_000, tokens_per_minute=10_000_000),
+    "free": Tier(requests_per_minute=20, tokens_per_minute=40_000, priority=20),
+    "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000, priority=10),
+    "enterprise": Tier(requests_per_minute=6_000, tokens_per_minute=10_000_000, priority=0),
+    # Throughput, not latency: scheduled after every interactive tier when the engine is full.
+    "batch": Tier(requests_per_minute=600, tokens_per_minute=10_000_000, priority=100),
     # The local dev key's tier: generous, never the thing a developer trips over.
-    "dev": Tier(requests_per_minute=100_000, tokens_per_minute=1_000_000_000),
+    "dev": Tier(requests_per_minute=100_000, tokens_per_minute=1_000_000_000, priority=10),
 }
 
 

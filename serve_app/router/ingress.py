@@ -287,6 +287,7 @@ class Router:
             self._check_completion_budget(body)
             self.auth.authorize_model(caller, body["model"])
             limits = await self.auth.admit(caller, request_token_cost(body, len(raw)))  # 429 + Retry-After
+            body["priority"] = self.auth.priority(caller, body.get("priority"))  # the tier's, or lower
             try:
                 await self.states.ensure_fresh()
                 self.states.require_serving(body["model"], self.region)  # 503 unless loaded here

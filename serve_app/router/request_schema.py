@@ -145,6 +145,8 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
+    # Lower runs first; the router clamps it to the key's tier (docs/api.md, "Priority").
+    priority: int | None = Field(None, ge=0, le=_INT64)
 
     @model_validator(mode="after")
     def _logit_bias_range(self) -> "_Sampling":
