@@ -51,7 +51,7 @@ def test_overload_sheds_at_once_and_health_stays_200_busy(serve_app, base_url, d
     admitted = {label: n for label, n in result["by_outcome"].items() if label.startswith("200")}
     assert set(admitted) == {"200 done"}, result["by_outcome"]
     assert set(result["by_outcome"]) <= {"200 done", "503 json overloaded"}, result["by_outcome"]
-    # 120 long streams for 32 slots and 2 × 32 queue places. How many Serve sheds depends on how
+    # 120 long streams for 32 slots and 2 × 64 queue places. How many Serve sheds depends on how
     # its routers count their queues at that moment (docs/reliability.md); every one it sheds is a
     # 503 with Retry-After, and the abandoned streams are aborted in the engine.
     held = result["held_full"]
