@@ -22,6 +22,12 @@ ERROR_PREFIX = 'data: {"error"'
 ENGINE_UNAVAILABLE = "engine_unavailable"
 
 
+def engine_failed_mid_stream() -> dict[str, Any]:
+    """The error event a stream ends with when its engine dies, wherever that is noticed: in
+    vLLM's own error event (the replica rewrites it) or in a trailer cut short (the router)."""
+    return error_body(503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE)
+
+
 def engine_timing(metrics: dict[str, Any] | None) -> dict[str, float | None]:
     metrics = metrics or {}
     return {
@@ -91,9 +97,7 @@ class StreamTrailer:
             error, status = {}, 500
         if status >= 500:
             self.error_code, self.error_status = ENGINE_UNAVAILABLE, 503
-            body = error_body(
-                503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE
-            )
+            body = engine_failed_mid_stream()
         else:
             self.error_code, self.error_status = "invalid_request", status
             body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))

@@ -13,7 +13,7 @@ from typing import Any
 
 from serve_app.faults import cluster
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client
-from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat
+from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat, transitions
 
 PROBE_TIMEOUT_S = 10.0
 
@@ -57,18 +57,7 @@ async def engine_kill(
         "streams_by_outcome": count(list(outcomes)),
         "streams_ended_after_s": round(streams_ended_s, 2),
         "first_200_after_s": back_after_s,
-        "answers_meanwhile": _distinct(answers),
+        "answers_meanwhile": transitions(answers, ("status", "code", "retry_after")),
         "health_timeline": probe.changes(),
         "routers_imported_vllm": any(r.imported_vllm() for r in routers),
     }
-
-
-def _distinct(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Only the answers that differ from the one before (when each kind began)."""
-    kept, last = [], None
-    for answer in answers:
-        kind = (answer["status"], answer["code"], answer["retry_after"])
-        if kind != last:
-            kept.append(answer)
-            last = kind
-    return kept

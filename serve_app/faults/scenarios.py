@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from serve_app.bench.stats import percentile
 from serve_app.faults import cluster
 from serve_app.faults.traffic import HealthProbe, Outcome, chat_body, count, post_chat, stream_chat
 
@@ -23,9 +24,6 @@ def _client(key: str, connections: int) -> httpx.AsyncClient:
     )
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4) if ordered else None
 
 
 async def overload(
@@ -82,8 +80,10 @@ async def overload(
     }
 
 
-def _spread(values: list[float]) -> dict[str, float | None]:
-    return {"p50": _percentile(values, 0.5), "max": _percentile(values, 1.0)}
+def _spread(values: list[float | None]) -> dict[str, float | None]:
+    """Nearest-rank p50 and the maximum, as the benchmark computes them (bench/stats.py)."""
+    p50, top = percentile(values, 50), percentile(values, 100)
+    return {"p50": None if p50 is None else round(p50, 4), "max": None if top is None else round(top, 4)}
 
 
 async def disconnect(

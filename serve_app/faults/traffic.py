@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from serve_app.bench.client import DEFAULT_MODEL
+from serve_app.bench.client import chat_body as bench_chat_body
 
 ROUTE_CHAT = "/v1/chat/completions"
 
@@ -35,14 +36,10 @@ class Outcome:
         return f"{self.status} {self.ended}" + (f" {self.error_code}" if self.error_code else "")
 
 
-def chat_body(max_tokens: int, *, stream: bool = True, prompt: str = "Say hi in one short sentence.") -> dict[str, Any]:
-    return {
-        "model": DEFAULT_MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "ignore_eos": True,  # every stream runs its full length: comparable, and long enough to hit
-    }
+def chat_body(max_tokens: int, *, stream: bool = True) -> dict[str, Any]:
+    """The benchmark's request (the model card's prompt), with ``ignore_eos``: every stream runs
+    its full length, so scenarios are comparable and long enough to hit."""
+    return bench_chat_body(DEFAULT_MODEL, max_tokens, ignore_eos=True, stream=stream)
 
 
 async def stream_chat(
@@ -144,12 +141,19 @@ class HealthProbe:
 
     def changes(self) -> list[dict[str, Any]]:
         """When the answer changed: a timeline an SRE can read."""
-        timeline, last = [], None
-        for at, code, status, _ in self.samples:
-            if (code, status) != last:
-                timeline.append({"at_s": at, "code": code, "status": status})
-                last = (code, status)
-        return timeline
+        samples = [{"at_s": at, "code": code, "status": status} for at, code, status, _ in self.samples]
+        return transitions(samples, ("code", "status"))
+
+
+def transitions(entries: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Only the entries whose ``fields`` differ from the entry before: when each kind began."""
+    kept, last = [], None
+    for entry in entries:
+        kind = tuple(entry[name] for name in fields)
+        if kind != last:
+            kept.append(entry)
+            last = kind
+    return kept
 
 
 def count(outcomes: list[Outcome]) -> dict[str, int]:

@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
-from serve_app.engine.trailer import ENGINE_UNAVAILABLE
+from serve_app.engine.trailer import ENGINE_UNAVAILABLE, engine_failed_mid_stream
 from serve_app.errors import APIError, error_body, retry_later
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
@@ -236,7 +236,7 @@ async def relay_events(
         # The status line is sent already: end the stream with an error event, never a hang.
         if isinstance(err, StreamBrokeOff) and err.code == ENGINE_UNAVAILABLE:
             logger.warning("stream %s: the model engine died mid-stream", exchange.trace.trace_id)
-            status, error = 503, error_body(503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE)
+            status, error = 503, engine_failed_mid_stream()
         else:
             logger.exception("stream %s from the model replica failed", exchange.trace.trace_id)
             status, error = 500, error_body(500, "the model replica failed mid-stream", code="stream_failed")
