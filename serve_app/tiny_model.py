@@ -26,7 +26,7 @@ import typer
 from serve_app.paths import tiny_model_dir
 
 # Bump when anything below changes the generated files, so old checkpoints get rebuilt.
-GENERATOR_VERSION = "tiny-qwen3-next-v2"
+GENERATOR_VERSION = "tiny-qwen3-next-v3"
 STAMP_FILE = ".serve_app_tiny_model"
 
 CORPUS_DIR = Path("/usr/share/common-licenses")
@@ -215,6 +215,10 @@ def _build_model(vocab_size: int, tokenizer):
     return model
 
 
+WHITESPACE_PRIOR = -10.0
+QUOTE_PRIOR = 6.0
+
+
 def _token_prior(text: str | None) -> float:
     """A fixed logit offset for a token, chosen so grammar-constrained output terminates.
 
@@ -228,9 +232,9 @@ def _token_prior(text: str | None) -> float:
     must beat `,` (or arrays would grow forever).
     """
     if text is None or not text.strip():
-        return -10.0  # whitespace-only, or a padding id the tokenizer does not have
+        return WHITESPACE_PRIOR  # whitespace-only, or a padding id the tokenizer does not have
     if '"' in text:
-        return 6.0
+        return QUOTE_PRIOR
     if "}" in text or "]" in text:
         return 4.5
     if "," in text:
@@ -238,14 +242,49 @@ def _token_prior(text: str | None) -> float:
     return 0.0
 
 
+# The end of a turn. Random weights almost never pick `<|im_end|>`, so a request without
+# `max_tokens` ran to the 8192-token cap (minutes on CPU). Two biases make turns end:
+# - sampled text: `<|im_end|>` gets a prior of its own, about a 1-in-25 chance per token at
+#   temperature 1 (the rest of the vocabulary's mass is ~4,200 in exp-logit units: five quote
+#   tokens at e^6, ~1,960 plain tokens at e^0); with the chain below, a sampled turn is some
+#   2-50 tokens (median 11 over 20 seeds), seeded like the rest;
+# - greedy text (temperature 0) is all quote tokens (the highest prior), so they form a chain:
+#   after the i-th quote token the (i+1)-th is preferred, after the last one `<|im_end|>` is.
+#   A greedy turn is therefore at most one quote token per chain link, then the end.
+# Both sit below the quote prior except at the chain's end, so grammar-constrained output
+# (which masks `<|im_end|>` until the JSON is complete) still closes strings first. A turn is
+# never empty: every generation prompt ends in a newline, and after a whitespace-only token
+# `<|im_end|>` is pushed far down.
+END_OF_TURN_PRIOR = 5.0
+NO_END_AFTER_WHITESPACE = 8.0
+CHAIN_STEP_BONUS = 1.0  # beats the ~0.1 logit noise between quote tokens, not the class gaps
+CHAIN_END_BONUS = 3.0  # at the last link: im_end at 8 beats every quote token (6 + 1)
+CHAIN_MARK = 1.0  # embedding value in a marked token's own hidden dimension
+
+
+def _quote_chain(prior: list[float]) -> list[int]:
+    """The quote-class token ids in id order: the greedy path's links (see END_OF_TURN_PRIOR)."""
+    return [i for i, p in enumerate(prior) if p == QUOTE_PRIOR]
+
+
+def _quote_chain_tokens(tokenizer) -> list[int]:
+    return _quote_chain([_token_prior(tokenizer.decode([i])) for i in range(len(tokenizer))])
+
+
 def _add_output_prior(model, tokenizer) -> None:
-    """Bake `_token_prior` into the random weights as a per-token logit bias.
+    """Bake `_token_prior` and the end-of-turn biases into the random weights.
 
     The LM head has no bias, so hidden dimension 0 carries a constant instead: every
     token embedding gets 1.0 there (the random values are ~0.02, so after the final RMS
     norm that dimension is ~sqrt(hidden_size) at every position), and column 0 of the LM
     head holds prior / sqrt(hidden_size). Logits become roughly prior + small random
     noise, so the model stays random within each class of tokens.
+
+    The residual stream of four random layers is dominated by the current token's embedding,
+    so the next-token logits are close to a function of the current token: a quote token's
+    embedding marks its own hidden dimension (1 + its link index), and the LM head row of the
+    next link (or `<|im_end|>` after the last) reads that dimension. Whitespace tokens mark the
+    last dimension, which `<|im_end|>`'s row reads negatively.
     """
     import torch
 
@@ -254,9 +293,33 @@ def _add_output_prior(model, tokenizer) -> None:
     prior = torch.tensor(
         [_token_prior(tokenizer.decode([i]) if i < len(tokenizer) else None) for i in ids]
     )
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prior[end_of_turn] = END_OF_TURN_PRIOR
+    chain = _quote_chain(prior.tolist())
+    whitespace = [i for i, p in enumerate(prior.tolist()) if p == WHITESPACE_PRIOR]
+    whitespace_dim = hidden - 1
+    if len(chain) + 1 >= whitespace_dim:
+        raise RuntimeError(f"{len(chain)} quote tokens do not fit the {hidden}-wide hidden state")
+    # A marked embedding has a larger norm, so its normed dim 0 is smaller: scale the weights
+    # that read a mark by the mark's normed value instead (RMS norm over the whole vector).
+    read_scale = 1 / (CHAIN_MARK * (hidden / (1.0 + CHAIN_MARK**2)) ** 0.5)
     with torch.no_grad():
-        model.get_input_embeddings().weight[:, 0] = 1.0
-        model.get_output_embeddings().weight[:, 0] = prior / hidden**0.5
+        embed = model.get_input_embeddings().weight
+        head = model.get_output_embeddings().weight
+        embed[:, 0] = 1.0
+        head[:, 0] = prior / hidden**0.5
+        # Marked dimensions carry marks only: random values there would reach the rows that
+        # read them, amplified by the read weights.
+        embed[:, 1 : 1 + len(chain)] = 0.0
+        embed[:, whitespace_dim] = 0.0
+        for link, token in enumerate(chain):
+            dim = 1 + link
+            embed[token, dim] = CHAIN_MARK
+            after = chain[link + 1] if link + 1 < len(chain) else end_of_turn
+            bonus = CHAIN_STEP_BONUS if link + 1 < len(chain) else CHAIN_END_BONUS
+            head[after, dim] = bonus * read_scale
+        embed[whitespace, whitespace_dim] = CHAIN_MARK
+        head[end_of_turn, whitespace_dim] = -NO_END_AFTER_WHITESPACE * read_scale
 
 
 def _generation_config(tokenizer) -> dict:

@@ -18,6 +18,17 @@ def test_models_lists_the_canonical_id(client):
     assert client.models.retrieve("qwen-3.6-a3b").id == MODEL
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0}])
+def test_a_request_without_max_tokens_ends_its_turn(client, sampling):
+    # The tiny model ends its turns (tiny_model.END_OF_TURN_PRIOR), so a client that sends no
+    # max_tokens gets an answer, not 8192 tokens of noise.
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, **sampling)
+    (choice,) = reply.choices
+    assert choice.finish_reason == "stop"
+    assert choice.message.content
+    assert 0 < reply.usage.completion_tokens < 300
+
+
 @pytest.mark.parametrize("name", [MODEL, "qwen-3.6-a3b", "Qwen/Qwen3.6-35B-A3B-FP8"])
 def test_chat_non_stream_answers_under_the_canonical_id(client, name):
     reply = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=8)

@@ -149,12 +149,17 @@ def test_idempotent_and_deterministic(model_dir, tmp_path):
     assert not leftovers  # no temp dirs left behind
 
 
-def test_output_prior_makes_json_cheap(model_dir, tokenizer):
-    """Random weights still rank string/structure closers first and whitespace last."""
-    import torch
+@pytest.fixture(scope="module")
+def model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
+def test_output_prior_makes_json_cheap(model, tokenizer):
+    """Random weights still rank string/structure closers first and whitespace last."""
+    import torch
+
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "JSON please"}],
         add_generation_prompt=True,
@@ -170,3 +175,41 @@ def test_output_prior_makes_json_cheap(model_dir, tokenizer):
         i for i in range(len(tokenizer)) if '"' in tokenizer.decode([i])
     }
     assert logits[quote] - logits[space] > 10
+
+
+def _prompt(tokenizer, **kwargs):
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi in one short sentence."}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True, **kwargs,
+    )
+
+
+@pytest.mark.parametrize("enable_thinking", [True, False])
+def test_greedy_turn_ends_after_the_quote_chain(model, tokenizer, enable_thinking):
+    """Greedy text walks the quote tokens in order and then ends its turn: a few tokens, not 8192."""
+    from serve_app.tiny_model import _quote_chain_tokens
+
+    prompt = _prompt(tokenizer, enable_thinking=enable_thinking)
+    out = model.generate(**prompt, max_new_tokens=64, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert out[-1].item() == end and (out == end).sum().item() == 1
+    chain = _quote_chain_tokens(tokenizer)
+    walked = out[:-1].tolist()
+    assert walked and all(t in chain for t in walked)
+    assert walked == chain[chain.index(walked[0]):]  # consecutive links, up to the last one
+
+
+def test_sampled_turns_end_within_a_modest_length_and_never_empty(model, tokenizer):
+    import torch
+
+    prompt = _prompt(tokenizer)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    lengths = []
+    for seed in range(12):
+        torch.manual_seed(seed)
+        out = model.generate(**prompt, max_new_tokens=300, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+        generated = out[0, prompt["input_ids"].shape[1]:].tolist()
+        assert end in generated, f"seed {seed} ran to the cap"
+        lengths.append(generated.index(end))
+    assert min(lengths) >= 1  # the first token after the prompt's newline is never the end
+    assert len(set(lengths)) > 3  # seeded, not one fixed length
