@@ -26,7 +26,7 @@ import typer
 from serve_app.paths import tiny_model_dir
 
 # Bump when anything below changes the generated files, so old checkpoints get rebuilt.
-GENERATOR_VERSION = "tiny-qwen3-next-v3"
+GENERATOR_VERSION = "tiny-qwen3-next-v4"
 STAMP_FILE = ".serve_app_tiny_model"
 
 CORPUS_DIR = Path("/usr/share/common-licenses")
