@@ -6,6 +6,7 @@ the CLI use it directly.
 """
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -169,6 +170,18 @@ class RouterArgs(_Strict):
     max_ongoing_requests: int = Field(1000, ge=1)
 
 
+class ResponsesArgs(_Strict):
+    """The region's store of Responses API objects (``store: true``, ``previous_response_id``)."""
+
+    store_path: str | None = Field(
+        None,
+        description="SQLite file every router replica of the region can reach; default: "
+        "responses.sqlite3 beside the key store (a region's shared volume).",
+    )
+    retention_hours: float = Field(720, gt=0, description="Stored responses expire after this (OpenAI keeps 30 days).")
+    max_responses: int = Field(100_000, ge=1, description="The oldest are dropped past this many.")
+
+
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -205,6 +218,12 @@ class AppArgs(_Strict):
     auth: AuthArgs = Field(default_factory=AuthArgs)
     telemetry: TelemetryArgs = Field(default_factory=TelemetryArgs)
     failover: FailoverArgs = Field(default_factory=FailoverArgs)
+    responses: ResponsesArgs = Field(default_factory=ResponsesArgs)
+
+    def response_store_path(self) -> Path:
+        if self.responses.store_path:
+            return Path(self.responses.store_path)
+        return self.auth.key_store().parent / "responses.sqlite3"
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":

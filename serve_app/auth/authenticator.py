@@ -145,14 +145,20 @@ class Authenticator:
         self._audiences = [args.audience, region_audience(args.audience, region)]
 
     @staticmethod
-    def authorization(headers: Any) -> str | None:
-        """The request's one ``Authorization`` header (Starlette ``Headers``). Two are refused:
+    def authorization(headers: Any, *, api_key_header: bool = False) -> str | None:
+        """The request's one credential (Starlette ``Headers``): its ``Authorization`` header, or,
+        where ``api_key_header`` (Anthropic's routes), an ``x-api-key`` header as the anthropic SDK
+        sends it, read as ``Bearer <value>``. Two of either, or both kinds at once, are refused:
         servers and proxies disagree on which one counts, and that disagreement is an attack."""
         values = headers.getlist("authorization")
+        names = "Authorization"
+        if api_key_header:
+            values += [f"Bearer {value}" for value in headers.getlist("x-api-key")]
+            names = "Authorization / x-api-key"
         if len(values) > 1:
             raise APIError(
                 400,
-                "the request carries more than one Authorization header; send exactly one",
+                f"the request carries {len(values)} {names} headers; send exactly one credential",
                 param="authorization",
                 code="duplicate_authorization",
             )

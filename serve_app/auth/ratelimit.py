@@ -37,10 +37,10 @@ def request_token_cost(body: dict[str, Any], body_bytes: int | None = None) -> i
     the prompt again would cost a JSON encode of up to 2 MiB per request.
     """
     if body_bytes is None:
-        prompt = body.get("messages", body.get("prompt", ""))
+        prompt = body.get("messages", body.get("prompt", body.get("input", "")))
         body_bytes = len(json.dumps(prompt, ensure_ascii=False))
     prompt_tokens = body_bytes // CHARS_PER_TOKEN
-    budget = body.get("max_completion_tokens") or body.get("max_tokens")
+    budget = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     n = body.get("n")
     # Malformed values are the engine's to reject with a 400; here they just get the default.
     budget = budget if isinstance(budget, int) and budget > 0 else UNSPECIFIED_COMPLETION_TOKENS

@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
-from serve_app.engine import context_cap, openai_shape, tokenization, trailer
+from serve_app.engine import context_cap, surfaces, tokenization, trailer
 from serve_app.engine.stream_server import Prefetched, StreamServer
 from serve_app.errors import error_body
 
@@ -73,7 +73,16 @@ class ModelServer:
         # and default template kwargs, so a count here is the count chat will see.
         self._tokenization = state.serving_tokenization
         self._vocab_size = self._tokenization.renderer.get_tokenizer().max_token_id + 1
+        # Responses and Anthropic Messages: vLLM's serving objects for them, with its in-memory
+        # response store off (VLLM_ENABLE_RESPONSES_API_STORE unset): stored responses live in
+        # the router's region-wide store, which every router and model replica can reach.
+        self._responses = state.openai_serving_responses
+        self._messages = state.anthropic_serving_messages
+        # vLLM builds its Anthropic object without the per-request metrics the chat object has
+        # (--enable-per-request-metrics); the trailer's engine timing needs them.
+        self._messages.enable_per_request_metrics = self._chat.enable_per_request_metrics
         context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
+        context_cap.install(self._messages, "render_chat_request", prompt_param="messages")
         context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
         self._streams = StreamServer(stream_host())
 
@@ -82,15 +91,82 @@ class ModelServer:
 
         _apply_enable_thinking(body)
         create = self._chat.create_chat_completion
-        async for item in self._plain_errors(self._serve(ChatCompletionRequest, create, body, openai_shape.chat)):
+        async for item in self._plain_errors(self._serve(ChatCompletionRequest, create, body, surfaces.CHAT)):
             yield item
 
     async def completions(self, body: dict[str, Any]) -> AsyncIterator[Head | str]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         create = self._completion.create_completion
-        async for item in self._plain_errors(self._serve(CompletionRequest, create, body, openai_shape.completion)):
+        async for item in self._plain_errors(self._serve(CompletionRequest, create, body, surfaces.COMPLETIONS)):
             yield item
+
+    async def responses(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        """``POST /v1/responses``, stateless here: the router has already replaced a
+        ``previous_response_id`` by the conversation it continues, and stores the result."""
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        echo = {"previous_response_id": body.pop(surfaces.ECHO_PREVIOUS_RESPONSE_ID, None)}
+        body.pop("previous_response_id", None)  # continued by the router already
+        engine_body = {**body, "store": False}  # the router stores; the client's `store` is echoed
+        _reasoning_opt_in(engine_body, asked=(body.get("reasoning") or {}).get("effort") not in (None, "none"))
+        create = self._responses.create_responses
+        surface = surfaces.ResponsesSurface()
+        serve = self._serve(ResponsesRequest, create, engine_body, surface, shape_body={**body, **echo})
+        async for item in self._plain_errors(serve):
+            yield item
+
+    async def messages(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority (its
+        request model has no such field) and the engine timing the converter would drop."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        priority = body.pop("priority", 0)
+        surface = surfaces.MessagesSurface()
+
+        async def create(request, raw_request):
+            return await self._create_messages(request, priority, surface.stream)
+
+        async for item in self._plain_errors(self._serve(AnthropicMessagesRequest, create, body, surface)):
+            yield item
+
+    async def count_tokens(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        """``POST /v1/messages/count_tokens``: the prompt as the Messages route would render it."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+        create = self._messages.count_tokens
+        async for item in self._plain_errors(self._serve(AnthropicCountTokensRequest, create, body, surfaces.PLAIN)):
+            yield item
+
+    async def _create_messages(self, request, priority: int, watcher):
+        """vLLM's ``create_messages``, with ``priority`` set on the chat request it converts to."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        anthropic = self._messages
+        effort = "none"
+        if request.thinking is not None and request.thinking.type == "disabled":
+            effort = await anthropic._get_disabled_thinking_effort()
+        chat_request = anthropic.to_chat_completion_request(
+            request, merge_inline_system=anthropic._merge_inline_system, disabled_thinking_effort=effort
+        )
+        chat_request.priority = priority
+        # Thinking is opt-in, as on Anthropic's API (Qwen's template thinks unless told not to).
+        # Its budget is not enforced: vLLM would need a reasoning config the model may not have;
+        # max_tokens bounds thinking and answer together (docs/api.md, "Messages").
+        thinking = request.thinking is not None and request.thinking.type in ("enabled", "adaptive")
+        kwargs = dict(chat_request.chat_template_kwargs or {})
+        kwargs["enable_thinking"] = thinking
+        chat_request.chat_template_kwargs = kwargs
+        chat_request.thinking_token_budget = None
+        result = await anthropic.create_chat_completion(chat_request, None)
+        if isinstance(result, ErrorResponse):
+            return result
+        if isinstance(result, ChatCompletionResponse):
+            metrics = result.metrics.model_dump() if getattr(result, "metrics", None) is not None else None
+            message = anthropic.messages_full_converter(result)
+            return _WithMetrics(message, metrics)
+        return anthropic.message_stream_converter(surfaces.peek_chat_metrics(result, watcher))
 
     async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
         """``POST /tokenize``: one non-stream head with vLLM's ``TokenizeResponse``."""
@@ -100,7 +176,7 @@ class ModelServer:
         tokenization.never_stream(body)
         request_type = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         create = self._tokenization.create_tokenize
-        async for item in self._plain_errors(self._serve(request_type, create, body, openai_shape.without_nulls)):
+        async for item in self._plain_errors(self._serve(request_type, create, body, surfaces.TOKENIZATION)):
             yield item
 
     async def detokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
@@ -108,7 +184,7 @@ class ModelServer:
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
         tokenization.never_stream(body)
-        async for item in self._plain_errors(self._serve(DetokenizeRequest, self._detokenize, body)):
+        async for item in self._plain_errors(self._serve(DetokenizeRequest, self._detokenize, body, surfaces.PLAIN)):
             yield item
 
     async def _detokenize(self, request, raw_request):
@@ -141,14 +217,19 @@ class ModelServer:
             else:
                 yield {"trailer": {"replica": self.replica, "complete": False, "error_code": code}}
 
-    async def _serve(self, request_type, create, body: dict[str, Any], shape=None) -> AsyncIterator[Head | str]:
-        """``shape(response, body)`` makes a non-stream body schema-exact (``openai_shape``)."""
+    async def _serve(
+        self, request_type, create, body: dict[str, Any], surface, shape_body: dict[str, Any] | None = None
+    ) -> AsyncIterator[Head | str]:
+        """Validate ``body`` with vLLM's ``request_type``, run ``create`` and answer it; the
+        ``surface`` (``surfaces.py``) dumps, shapes and watches what vLLM returns. ``shape_body``:
+        the request as the client sent it, when ``body`` is the engine's variant of it."""
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         started = time.perf_counter()
-        client_wants_usage = trailer.ask_for_usage(body) if body.get("stream") else False
+        shape_body = body if shape_body is None else shape_body
+        watcher = surface.watcher(body) if body.get("stream") else None  # may add stream_options
         try:
             request = request_type.model_validate(body)
         except ValidationError as err:
@@ -173,10 +254,12 @@ class ModelServer:
             yield _error_head(result)
             return
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
-            response = result.model_dump()
-            summary = trailer.from_response(response)
-            if shape is not None:
-                shape(response, body)
+            metrics = result.metrics if isinstance(result, _WithMetrics) else None
+            response = surface.dump(result.body if isinstance(result, _WithMetrics) else result)
+            if metrics is not None:
+                response["metrics"] = metrics
+            summary = surface.summarize(response)
+            surface.shape(response, shape_body)
             summary["replica_ms"] = _ms_since(started)
             yield {"status": 200, "body": response, "stream": False, "trailer": {**summary, "replica": self.replica}}
             return
@@ -187,7 +270,6 @@ class ModelServer:
             "status": 200, "body": None, "stream": True,
             "socket": self._streams.address, "ticket": ticket, "replica_ms": _ms_since(started),
         }
-        watcher = trailer.StreamTrailer(client_wants_usage)
         complete = False
         connection = None
         try:
@@ -236,6 +318,13 @@ def stream_host() -> str:
     return ray.util.get_node_ip_address()
 
 
+class _WithMetrics:
+    """A converted non-stream body with the engine timing its conversion dropped."""
+
+    def __init__(self, body, metrics: dict[str, Any] | None):
+        self.body, self.metrics = body, metrics
+
+
 def _ms_since(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
@@ -262,6 +351,14 @@ def _apply_enable_thinking(body: dict[str, Any]) -> None:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         kwargs.setdefault("enable_thinking", body.pop("enable_thinking"))
         body["chat_template_kwargs"] = kwargs
+
+
+def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
+    """Responses: the model reasons only when ``reasoning.effort`` asks it to (Qwen's template
+    thinks unless told not to); an explicit ``chat_template_kwargs.enable_thinking`` wins."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    kwargs.setdefault("enable_thinking", asked)
+    body["chat_template_kwargs"] = kwargs
 
 
 def _error_head(response) -> Head:

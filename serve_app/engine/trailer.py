@@ -20,6 +20,14 @@ from serve_app.errors import error_body
 DONE = "data: [DONE]"
 ERROR_PREFIX = 'data: {"error"'
 ENGINE_UNAVAILABLE = "engine_unavailable"
+# vLLM-only chunk fields it writes as null when nobody asked for them (`token_ids` on every chat
+# chunk, `stop_reason`, `prompt_token_ids`, `prompt_text`): not in the OpenAI schema, and a null
+# says nothing, so they are cut out as text — no JSON parse, ~0.3 µs a chunk. When asked for
+# (`return_token_ids`, a matched `stop`), they are not null and pass untouched.
+_VLLM_NULLS = (',"token_ids":null', ',"stop_reason":null', ',"prompt_token_ids":null', ',"prompt_text":null')
+# A chat chunk's logprobs object needs `refusal` beside `content` (as in openai_shape.chat).
+_CHAT_LOGPROBS = '"logprobs":{"content":'
+_CHAT_LOGPROBS_EXACT = '"logprobs":{"refusal":null,"content":'
 
 
 def engine_failed_mid_stream() -> dict[str, Any]:
@@ -59,11 +67,32 @@ def from_response(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_PROMPT_TOKEN_IDS = '"prompt_token_ids":['
+
+
+def _without_prompt_token_ids(event: str) -> str:
+    payload = json.loads(event[5:])
+    payload.pop("prompt_token_ids", None)
+    for choice in payload.get("choices") or ():
+        choice.pop("prompt_token_ids", None)
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _without_vllm_nulls(event: str) -> str:
+    for null in _VLLM_NULLS:
+        if null in event:
+            event = event.replace(null, "")
+    if _CHAT_LOGPROBS in event:
+        event = event.replace(_CHAT_LOGPROBS, _CHAT_LOGPROBS_EXACT)
+    return event
+
+
 class StreamTrailer:
     """Watches a vLLM SSE stream on its way out and collects the trailer."""
 
-    def __init__(self, client_wants_usage: bool):
+    def __init__(self, client_wants_usage: bool, *, token_ids_asked: bool = False):
         self.client_wants_usage = client_wants_usage
+        self.token_ids_asked = token_ids_asked
         self.usage: dict[str, Any] | None = None
         self.timing = engine_timing(None)
         self.finish_reasons: list[str] = []
@@ -84,7 +113,9 @@ class StreamTrailer:
             self.usage = payload.get("usage")
             self.timing = engine_timing(payload.pop("metrics", None))
             return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if self.client_wants_usage else None
-        return event
+        if not self.token_ids_asked and _PROMPT_TOKEN_IDS in event:
+            event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
+        return _without_vllm_nulls(event)
 
     def _our_error(self, event: str) -> str:
         """vLLM's mid-stream error, in our documented shape. A server-side failure (vLLM's

@@ -2,7 +2,7 @@
 
 Request path, top to bottom: Serve proxy → ``Router`` (authenticate, read body, resolve alias,
 check the caller's model scope and rate limit, check the model is loaded here, pick the model's
-handle) → ``ModelServer`` over a streaming handle → vLLM. The router never imports vLLM; it relays
+handle: ``inference.py``) → ``ModelServer`` over a streaming handle → vLLM. The router never imports vLLM; it relays
 the replica's head (status + body) and, for streams, the replica's SSE events unchanged. When this
 region cannot serve the request (the model is overloaded, not loaded, or its replica died), the
 router forwards it once to a peer region (``serve_app.router.failover``). Auth lives in
@@ -25,25 +25,25 @@ from serve_app import catalog
 from serve_app.auth.authenticator import Authenticator, Principal
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.lease import LeasedRateLimiter
-from serve_app.auth.ratelimit import SharedRateLimiter, request_token_cost
+from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
-from serve_app.router.client_socket import RelayedStream
-from serve_app.router.failover import REGION_HEADER, Forwarder, is_forwarded
 from serve_app.model_state import COLD, LOADED, RECOVERING
+from serve_app.router import dialects, inference, openapi, tokenization
+from serve_app.router.failover import Forwarder, is_forwarded
 from serve_app.router.model_states import InFlight, ModelStates
-from serve_app.router import openapi, tokenization
-from serve_app.router.request_schema import describe_validation_errors, parse_json_object, validate_body
-from serve_app.router.relay import (
-    REPLICA_FAILURES,
-    Exchange,
-    call_model,
-    json_response,
-    open_byte_stream,
-    relay_events,
-)
+from serve_app.router.relay import Exchange
+from serve_app.router.request_schema import describe_validation_errors, parse_json_object
+from serve_app.router.response_store import ResponseStore
+from serve_app.router.responses import ResponsesAPI
 from serve_app.telemetry.metrics import setup_metrics
-from serve_app.telemetry.timing import ROUTE_CHAT, ROUTE_COMPLETIONS
+from serve_app.telemetry.timing import (
+    ROUTE_CHAT,
+    ROUTE_COMPLETIONS,
+    ROUTE_COUNT_TOKENS,
+    ROUTE_MESSAGES,
+    ROUTE_RESPONSES,
+)
 from serve_app.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("ray.serve")
@@ -153,6 +153,13 @@ class Router:
         self.max_model_len = {
             model.id: model.engine.max_model_len or catalog.get(model.id).engine.max_model_len for model in args.models
         }
+        self.responses = ResponsesAPI(
+            ResponseStore(
+                args.response_store_path(),
+                retention_s=args.responses.retention_hours * 3600,
+                max_responses=args.responses.max_responses,
+            )
+        )
         failover = args.failover
         self.forwarder = Forwarder(
             region,
@@ -249,11 +256,38 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._relay(request, ROUTE_CHAT, "chat")
+        return await inference.relay(self, request, ROUTE_CHAT, "chat", _read_body_within_limit)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._relay(request, ROUTE_COMPLETIONS, "completions")
+        return await inference.relay(self, request, ROUTE_COMPLETIONS, "completions", _read_body_within_limit)
+
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request):
+        return await inference.relay(
+            self, request, ROUTE_RESPONSES, "responses", _read_body_within_limit, dialect=dialects.RESPONSES
+        )
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        return await self.responses.retrieve(response_id, await self._caller(request))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        return await self.responses.delete(response_id, await self._caller(request))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        return await self.responses.cancel(response_id, await self._caller(request))
+
+    # Anthropic's API: its x-api-key header is a credential here, and errors come in its shape.
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        return await inference.anthropic(self, request, ROUTE_MESSAGES, "messages", _read_body_within_limit)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(self, request: Request):
+        return await inference.anthropic(self, request, ROUTE_COUNT_TOKENS, "count_tokens", _read_body_within_limit)
 
     # vLLM's own spellings (it serves no /v1/ ones); answered by the replica's tokenizer.
     @app.post("/tokenize")
@@ -273,42 +307,6 @@ class Router:
         logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, self.region)
         settled = state.state in (LOADED, COLD)
         return JSONResponse(self._model_card(model_id), status_code=200 if settled else 202)
-
-    async def _relay(self, request: Request, route: str, method: str):
-        exchange = Exchange(route, request.headers, region=self.region, replica=self.replica)
-        with exchange.failures_recorded():  # every refusal ends the request's spans once
-            with exchange.record.measure_auth():
-                caller = await self._caller(request)  # 401 / 403 before the body is even read
-            raw = await _read_body_within_limit(request)
-            body = parse_json_object(raw)  # 400 invalid_json, however it nests
-            exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
-            body["model"] = exchange.record.model = self._resolve(body.get("model"))
-            validate_body(method, body)  # 400 naming the failing field
-            self._check_completion_budget(body)
-            self.auth.authorize_model(caller, body["model"])
-            limits = await self.auth.admit(caller, request_token_cost(body, len(raw)))  # 429 + Retry-After
-            body["priority"] = self.auth.priority(caller, body.get("priority"))  # the tier's, or lower
-            try:
-                await self.states.ensure_fresh()
-                self.states.require_serving(body["model"], self.region)  # 503 unless loaded here
-                exchange.hold_slot(self.in_flight.begin(body["model"]))
-                stream, head = await call_model(self.streaming[body["model"]], method, body, self.region, exchange)
-                socket = await open_byte_stream(stream, head, body["model"]) if head["stream"] else None
-            except APIError as unavailable:
-                if unavailable.status != 503:
-                    raise
-                if unavailable.code in REPLICA_FAILURES:
-                    self.states.suspect()
-                forwarded = await self._fail_over(request, route, body, caller, exchange, unavailable)
-                if forwarded is None:
-                    raise
-                return forwarded
-        limits[REGION_HEADER] = self.region
-        if not head["stream"]:
-            return json_response(head, exchange, limits)
-        client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = relay_events(stream, socket, exchange, client_wants_usage=client_wants_usage)
-        return RelayedStream(events, media_type="text/event-stream", headers=limits)
 
     async def _fail_over(
         self, request: Request, route: str, body: dict[str, Any], caller: Principal, exchange: Exchange, local: APIError
@@ -339,21 +337,8 @@ class Router:
             exchange.forwarded_done(forwarded.status, forwarded.error_type)
         return forwarded.response
 
-    def _check_completion_budget(self, body: dict[str, Any]) -> None:
-        """A completion budget over the model's context could never be served: 400, not a 429
-        (its rate-limit cost) or the engine's refusal after a trip to the replica."""
-        cap = self.max_model_len[body["model"]]
-        for field in ("max_completion_tokens", "max_tokens"):
-            if (budget := body.get(field)) is not None and budget > cap:
-                raise APIError(
-                    400,
-                    f"{field} is {budget}, more than the model's context of {cap} tokens (prompt included)",
-                    param=field,
-                    code="context_length_exceeded",
-                )
-
-    async def _caller(self, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
-        authorization = self.auth.authorization(request.headers)  # 400 if there are two
+    async def _caller(self, request: Request, scope: str = SCOPE_INFERENCE, *, api_key_header: bool = False) -> Principal:
+        authorization = self.auth.authorization(request.headers, api_key_header=api_key_header)  # 400 if two
         return await self.auth.authenticate_async(authorization, scope=scope)
 
     def _resolve(self, name: Any) -> str:

@@ -18,7 +18,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
+from serve_app.router.messages_schema import CountTokensBody, MessagesBody
 from serve_app.router.request_schema import ChatCompletionBody, CompletionBody, DetokenizeBody, TokenizeBody
+from serve_app.router.responses_schema import ResponsesBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -36,6 +38,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error on the Anthropic routes (``/v1/messages``…), in Anthropic's shape."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
 class TokenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     api_key: str | None = None  # without it, the Bearer credential is the key
@@ -46,8 +60,12 @@ _BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionBody,
     "/tokenize": TokenizeBody,
     "/detokenize": DetokenizeBody,
+    "/v1/responses": ResponsesBody,
+    "/v1/messages": MessagesBody,
+    "/v1/messages/count_tokens": CountTokensBody,
     "/v1/auth/token": TokenRequest,
 }
+_ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Routes that need the admin scope: served, never published.
 _ADMIN_PATHS = ("/v1/models/load", "/v1/models/unload")
 _ADMIN_PREFIX = "/v1/admin/"
@@ -55,7 +73,9 @@ _ADMIN_PREFIX = "/v1/admin/"
 _PUBLIC = {"/health": (503,), "/.well-known/jwks.json": ()}
 _INFERENCE_ERRORS = (400, 401, 403, 404, 413, 429, 503)
 # Bodies of the routes that go through a model replica (and so may answer 413, 429 and 503).
-_INFERENCE_BODIES = (ChatCompletionBody, CompletionBody, TokenizeBody, DetokenizeBody)
+_INFERENCE_BODIES = (
+    ChatCompletionBody, CompletionBody, TokenizeBody, DetokenizeBody, ResponsesBody, MessagesBody, CountTokensBody,
+)
 _OTHER_ERRORS = (400, 401, 403, 404)
 _DESCRIPTIONS = {
     400: "Invalid request: the failing field is named in `param`",
@@ -90,7 +110,7 @@ def _published(routes: list[BaseRoute]) -> list[BaseRoute]:
 def build(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=_published(app.routes))
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ErrorResponse, *_BODIES.values()):
+    for model in (ErrorResponse, AnthropicErrorResponse, *_BODIES.values()):
         definition = model.model_json_schema(ref_template=_REF, mode="validation")
         components.update(definition.pop("$defs", {}))
         components[model.__name__] = definition
@@ -107,9 +127,10 @@ def build(app: FastAPI) -> dict[str, Any]:
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
             statuses = _PUBLIC.get(path, _INFERENCE_ERRORS if model in _INFERENCE_BODIES else _OTHER_ERRORS)
+            error_model = "AnthropicErrorResponse" if path in _ANTHROPIC_PATHS else "ErrorResponse"
             for status in statuses:
                 responses[str(status)] = {
                     "description": _DESCRIPTIONS[status],
-                    "content": {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}},
+                    "content": {"application/json": {"schema": {"$ref": _REF.format(model=error_model)}}},
                 }
     return schema

@@ -13,10 +13,9 @@ spans from the same numbers.
 """
 
 import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,19 +27,13 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
 from serve_app.engine.trailer import ENGINE_UNAVAILABLE, engine_failed_mid_stream
 from serve_app.errors import APIError, error_body, retry_later
+from serve_app.router import dialects
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
-from serve_app.telemetry.timing import (
-    RequestRecord,
-    pg_metadata,
-    pg_metadata_event,
-    server_timing_header,
-    sse_data,
-)
+from serve_app.telemetry.timing import RequestRecord, pg_metadata, server_timing_header, sse_data
 
 logger = logging.getLogger("ray.serve")
 
-DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 # 503 codes that mean a replica (not the model's load) failed: its engine died, or it vanished.
 REPLICA_FAILURES = (ENGINE_UNAVAILABLE, "replica_unavailable")
@@ -192,13 +185,21 @@ async def open_byte_stream(stream, head: dict[str, Any], model: str):
 
 
 async def relay_events(
-    stream, socket, exchange: Exchange, *, client_wants_usage: bool
+    stream,
+    socket,
+    exchange: Exchange,
+    *,
+    client_wants_usage: bool = False,
+    dialect=dialects.CHAT,
+    on_trailer: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> AsyncIterator[bytes]:
-    """Relay the replica's SSE bytes per socket read, then ``pg_metadata`` and ``[DONE]``.
+    """Relay the replica's SSE bytes per socket read, then the surface's closing (``dialect``:
+    ``pg_metadata``, and ``[DONE]`` on chat and completions).
 
-    The trailer comes over the handle once the replica has closed the socket. A client that
-    leaves closes the socket and cancels the replica call (vLLM aborts the request, freeing its
-    KV cache).
+    The trailer comes over the handle once the replica has closed the socket; ``on_trailer`` sees
+    a complete stream's trailer before the closing is sent (the Responses store keeps the final
+    response it carries). A client that leaves closes the socket and cancels the replica call
+    (vLLM aborts the request, freeing its KV cache).
     """
     reader, writer = socket
     opening = bytearray()  # the stream's bytes until its first event is whole
@@ -222,15 +223,15 @@ async def relay_events(
             raise StreamBrokeOff(trailer.get("error_code"))
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         exchange.finish(trailer.get("error_status") or 200, trailer.get("error_code"))
-        yield pg_metadata_event(
+        if on_trailer is not None and not trailer.get("error_status"):
+            await on_trailer(trailer)
+        yield dialect.closing(
             exchange.metadata(),
             route=exchange.record.route,
-            chunk_id=first.get("id"),
-            created=first.get("created"),
+            first=first,
             model=exchange.record.model,
             usage=usage if client_wants_usage else None,
-        ).encode()
-        yield DONE
+        )
         finished = True
     except Exception as err:
         # The status line is sent already: end the stream with an error event, never a hang.
@@ -241,8 +242,7 @@ async def relay_events(
             logger.exception("stream %s from the model replica failed", exchange.trace.trace_id)
             status, error = 500, error_body(500, "the model replica failed mid-stream", code="stream_failed")
         exchange.finish(status, error["error"]["code"])
-        yield f"data: {json.dumps(error)}\n\n".encode()
-        yield DONE
+        yield dialect.error_event(status, error)
         finished = True
     finally:
         writer.close()

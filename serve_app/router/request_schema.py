@@ -15,28 +15,19 @@ what the router enforces.
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from serve_app.errors import APIError
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS
+from serve_app.router.strict import Closed as _Closed
+from serve_app.router.strict import Strict as _Strict
 
-# OpenAI's own caps: choices per request, tools per request, stop sequences, top logprobs.
+# OpenAI's cap on choices per request.
 MAX_N = 128
-MAX_TOOLS = 128
-MAX_TOP_LOGPROBS = 20  # also vLLM's default --max-logprobs
 # Deeper than any real request (a JSON schema for tools nests maybe 10 levels); a deeper body is
 # refused before validation walks it, and far deeper ones (json's recursion limit) at parse time.
 MAX_JSON_DEPTH = 64
-_INT64 = 2**63 - 1
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class _Closed(BaseModel):
-    """Small objects whose every field the spec defines."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
+_INT64 = INT64
 
 
 class FunctionCall(_Strict):
@@ -218,11 +209,18 @@ class DetokenizeBody(_Strict):
     tokens: list[Annotated[int, Field(ge=0, le=_INT64)]]
 
 
+# The other API surfaces' bodies live beside this module; they import its bases, not its BODIES.
+from serve_app.router.messages_schema import CountTokensBody, MessagesBody  # noqa: E402
+from serve_app.router.responses_schema import ResponsesBody  # noqa: E402
+
 BODIES: dict[str, type[_Strict]] = {
     "chat": ChatCompletionBody,
     "completions": CompletionBody,
     "tokenize": TokenizeBody,
     "detokenize": DetokenizeBody,
+    "messages": MessagesBody,
+    "count_tokens": CountTokensBody,
+    "responses": ResponsesBody,
 }
 
 

@@ -29,9 +29,15 @@ from typing import Any
 
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
+ROUTE_RESPONSES = "/v1/responses"
+ROUTE_MESSAGES = "/v1/messages"
+ROUTE_COUNT_TOKENS = "/v1/messages/count_tokens"
 
 # GenAI semantic conventions' gen_ai.operation.name per route.
-OPERATION_BY_ROUTE = {ROUTE_CHAT: "chat", ROUTE_COMPLETIONS: "text_completion"}
+# Responses and Messages are chats in the conventions' terms (a conversation in, a turn out).
+OPERATION_BY_ROUTE = {
+    ROUTE_CHAT: "chat", ROUTE_COMPLETIONS: "text_completion", ROUTE_RESPONSES: "chat", ROUTE_MESSAGES: "chat",
+}
 # The ``object`` of a stream chunk per route (what the openai SDK's chunk types expect).
 CHUNK_OBJECT_BY_ROUTE = {ROUTE_CHAT: "chat.completion.chunk", ROUTE_COMPLETIONS: "text_completion"}
 

@@ -88,3 +88,35 @@ def test_token_events_are_passed_on_untouched():
     watcher = trailer.StreamTrailer(client_wants_usage=False)
     event = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"error"}}]}\n\n'
     assert watcher.pass_on(event) is event and watcher.trailer()["error_code"] is None
+
+
+def test_vllm_only_nulls_are_cut_from_chunks_and_asked_for_values_kept():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    first = ('data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+             '"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null}\n\n')
+    delta = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+    last = ('data: {"id":"c","choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"stop","stop_reason":null,'
+            '"prompt_token_ids":null,"token_ids":null}]}\n\n')
+    asked = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":"stop","stop_reason":"END","token_ids":[7]}]}\n\n'
+    out = run(watcher, [first, delta, last, asked])
+    parsed = [json.loads(event[len("data: "):]) for event in out]
+    assert "prompt_token_ids" not in parsed[0] and "prompt_text" not in parsed[0]
+    assert parsed[1]["choices"][0] == {"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None}
+    assert set(parsed[2]["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+    assert out[3] == asked  # a stop string the caller set, token ids the caller asked for
+
+
+def test_a_chat_chunks_logprobs_get_the_refusal_the_spec_requires():
+    watcher = trailer.StreamTrailer(client_wants_usage=False)
+    chunk = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"logprobs":{"content":[{"token":"a","logprob":-1.0,"bytes":[97],"top_logprobs":[]}]},"finish_reason":null}]}\n\n'
+    (out,) = run(watcher, [chunk])
+    logprobs = json.loads(out[len("data: "):])["choices"][0]["logprobs"]
+    assert logprobs["refusal"] is None and logprobs["content"][0]["token"] == "a"
+
+
+def test_echoed_prompt_token_ids_are_dropped_unless_asked_for():
+    chunk = 'data: {"id":"c","choices":[{"index":0,"text":"Hi","logprobs":null,"finish_reason":null,"prompt_token_ids":[5,6]}]}\n\n'
+    (out,) = run(trailer.StreamTrailer(client_wants_usage=False), [chunk])
+    assert json.loads(out[len("data: "):])["choices"][0] == {"index": 0, "text": "Hi", "logprobs": None, "finish_reason": None}
+    (kept,) = run(trailer.StreamTrailer(client_wants_usage=False, token_ids_asked=True), [chunk])
+    assert json.loads(kept[len("data: "):])["choices"][0]["prompt_token_ids"] == [5, 6]

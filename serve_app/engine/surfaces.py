@@ -1,0 +1,206 @@
+"""How each API surface's vLLM output becomes a head, SSE bytes and a trailer in the replica.
+
+``ModelServer._serve`` does the same thing for every endpoint — validate with vLLM's request model,
+call vLLM's serving object, answer a non-stream body in the head or stream SSE bytes to the router,
+and end with a trailer — and a ``Surface`` supplies what differs:
+
+- ``dump``: vLLM's pydantic result as the JSON body (Responses needs ``by_alias`` for ``schema``,
+  Anthropic ``exclude_none``);
+- ``summarize``: the trailer of a non-stream body (engine timing, usage as prompt/completion
+  tokens, finish reasons), popping vLLM's ``metrics`` so the client never sees them;
+- ``shape``: the body made schema-exact (``openai_shape``, ``responses_shape``, ``anthropic_shape``);
+- ``watcher``: what peels the trailer off a stream on its way out, and turns each vLLM event into
+  the bytes the client gets (chat's are SSE strings already; Responses' are pydantic events).
+
+vLLM is imported inside the methods only: the router imports nothing from here.
+"""
+
+import json
+from typing import Any
+
+from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
+
+Body = dict[str, Any]
+
+# The body field that carries ``previous_response_id`` past the router (router/responses.py).
+ECHO_PREVIOUS_RESPONSE_ID = "pg_previous_response_id"
+
+
+class ChatSurface:
+    """Chat and completions: vLLM's SSE strings, with usage (and timing) always asked for."""
+
+    def __init__(self, shape):
+        self._shape = shape
+
+    def dump(self, result) -> Body:
+        return result.model_dump()
+
+    def summarize(self, response: Body) -> Body:
+        return trailer.from_response(response)
+
+    def shape(self, response: Body, body: Body) -> None:
+        if self._shape is not None:
+            self._shape(response, body)
+
+    def watcher(self, body: Body) -> trailer.StreamTrailer:
+        return trailer.StreamTrailer(trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")))
+
+
+CHAT = ChatSurface(openai_shape.chat)
+COMPLETIONS = ChatSurface(openai_shape.completion)
+TOKENIZATION = ChatSurface(openai_shape.without_nulls)
+PLAIN = ChatSurface(None)
+
+
+def _usage(prompt: int | None, completion: int | None) -> Body | None:
+    if prompt is None and completion is None:
+        return None
+    prompt, completion = prompt or 0, completion or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class ResponsesSurface:
+    """OpenAI Responses: vLLM yields event objects, which are shaped and framed here."""
+
+    def dump(self, result) -> Body:
+        return result.model_dump(mode="json", by_alias=True)
+
+    def summarize(self, response: Body) -> Body:
+        usage = response.get("usage") or {}
+        return {
+            "engine_timing": trailer.engine_timing(response.pop("metrics", None)),
+            "usage": _usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            "finish_reasons": [_responses_finish(response)],
+        }
+
+    def shape(self, response: Body, body: Body) -> None:
+        responses_shape.response(response, body)
+        response["previous_response_id"] = body.get("previous_response_id")
+
+    def watcher(self, body: Body) -> "ResponsesStream":
+        return ResponsesStream(self, body)
+
+
+def _responses_finish(response: Body) -> str:
+    """``completed``, or why not (``max_output_tokens``), for the request record."""
+    details = response.get("incomplete_details") or {}
+    return details.get("reason") or response.get("status") or "unknown"
+
+
+class ResponsesStream:
+    """Frames each event as ``event: <type>``; keeps the final response for the trailer (the
+    router stores it, and ``previous_response_id`` continues from it)."""
+
+    TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+
+    def __init__(self, surface: ResponsesSurface, body: Body):
+        self._surface, self._body = surface, body
+        self.final: Body | None = None
+        self._summary: Body = {"engine_timing": trailer.engine_timing(None), "usage": None, "finish_reasons": []}
+
+    def pass_on(self, event) -> str:
+        if event.type in responses_shape.DELTA_TYPES:
+            return responses_shape.delta_sse(event)
+        payload = event.model_dump(mode="json", by_alias=True)
+        if payload.get("type") in ("response.completed",) and isinstance(payload.get("response"), dict):
+            # Timing off the response before it is shaped (and before the client could see it).
+            self._summary = self._surface.summarize(payload["response"])
+        payload = responses_shape.stream_event(payload, self._body)
+        if isinstance(payload.get("response"), dict):
+            payload["response"]["previous_response_id"] = self._body.get("previous_response_id")
+        if payload.get("type") in self.TERMINAL:
+            self.final = payload.get("response")
+        return responses_shape.sse(payload)
+
+    def trailer(self) -> Body:
+        return {**self._summary, "error_code": None, "error_status": None, "response": self.final}
+
+
+class MessagesSurface:
+    """Anthropic Messages: vLLM's converter yields finished SSE strings (``event:`` lines).
+    One per request: ``stream`` is the request's watcher, which the chat stream under the
+    converter reports its engine timing to."""
+
+    stream: "MessagesStream | None" = None
+
+    def dump(self, result) -> Body:
+        return result.model_dump(exclude_none=True)
+
+    def summarize(self, response: Body) -> Body:
+        usage = response.get("usage") or {}
+        return {
+            "engine_timing": trailer.engine_timing(response.pop("metrics", None)),
+            "usage": _usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            "finish_reasons": [response["stop_reason"]] if response.get("stop_reason") else [],
+        }
+
+    def shape(self, response: Body, body: Body) -> None:
+        anthropic_shape.message(response, body)
+
+    def watcher(self, body: Body) -> "MessagesStream":
+        self.stream = MessagesStream(body)
+        return self.stream
+
+
+class MessagesStream:
+    """Reads usage and the stop reason off ``message_start``/``message_delta``; engine timing
+    comes from the chat stream underneath (``peek_chat_metrics``)."""
+
+    def __init__(self, body: Body):
+        self._body = body
+        self.timing = trailer.engine_timing(None)
+        self._prompt: int | None = None
+        self._completion: int | None = None
+        self._stop: list[str] = []
+        self._error: tuple[str, int] | None = None
+        # vLLM's own error under the stream (``peek_chat_metrics``): its converter loses the
+        # message and sends a pydantic complaint as ``internal_error`` instead.
+        self.chat_error: tuple[int, str] | None = None
+
+    def pass_on(self, event: str) -> str:
+        if event.startswith("event: content_block_delta"):
+            return event  # per token: untouched, unparsed
+        name = event[len("event: "):event.find("\n")]
+        if name in ("message_start", "message_delta"):
+            data = json.loads(event[event.find("data: ") + 6:])
+            usage = (data.get("message") or data).get("usage") or {}
+            self._prompt = usage.get("input_tokens", self._prompt)
+            self._completion = usage.get("output_tokens", self._completion)
+            if stop := (data.get("delta") or {}).get("stop_reason"):
+                self._stop = [stop]
+        elif name == "error":
+            status, message = self.chat_error or (500, "the model failed during this stream; retry the request")
+            self._error = ("invalid_request" if status < 500 else "stream_failed", status)
+            data = json.dumps(anthropic_shape.error_body(status, message), separators=(",", ":"))
+            return f"event: error\ndata: {data}\n\n"
+        return anthropic_shape.stream_event(event, self._body)
+
+    def trailer(self) -> Body:
+        code, status = self._error or (None, None)
+        return {
+            "engine_timing": self.timing,
+            "usage": _usage(self._prompt, self._completion),
+            "finish_reasons": self._stop,
+            "error_code": code,
+            "error_status": status,
+        }
+
+
+async def peek_chat_metrics(chat_events, into: MessagesStream):
+    """vLLM's chat SSE stream under an Anthropic stream, unchanged, with the engine timing of its
+    usage chunk (``metrics``) noted on ``into`` on the way: the Anthropic converter drops it."""
+    async for event in chat_events:
+        if event.startswith(trailer.ERROR_PREFIX):
+            try:
+                error = json.loads(event[5:])["error"]
+                into.chat_error = (int(error.get("code") or 500), str(error.get("message") or "invalid request"))
+            except (ValueError, KeyError, TypeError):
+                into.chat_error = (500, "the model failed during this stream")
+            if into.chat_error[0] >= 500:  # a server fault's text is for our log, not the client
+                into.chat_error = (500, "the model failed during this stream; retry the request")
+        elif '"metrics":' in event and '"usage":' in event:
+            try:
+                into.timing = trailer.engine_timing(json.loads(event[5:]).get("metrics"))
+            except ValueError:
+                pass
+        yield event

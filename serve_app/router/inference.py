@@ -1,0 +1,109 @@
+"""The router's inference path, top to bottom, for every API surface that runs on a model replica:
+chat, completions, Responses and Anthropic Messages (``/tokenize`` has its own, ``tokenization.py``).
+
+Credential (401/403 before the body is read) → body (size, JSON, strict validation per surface) →
+alias → completion budget → model scope → Responses' conversation (``responses.py``) → rate limit
+→ tier priority → the model's state here → a replica (head, then for a stream the byte socket) →
+the answer; a 503 from this region fails over to a peer once. What differs per surface is the
+validation model (``request_schema.BODIES``), the replica method, and the stream's ending and
+error shape (``dialects.py``).
+"""
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+
+from serve_app.auth.ratelimit import request_token_cost
+from serve_app.errors import APIError
+from serve_app.router import dialects
+from serve_app.router.client_socket import RelayedStream
+from serve_app.router.failover import REGION_HEADER
+from serve_app.router.relay import REPLICA_FAILURES, Exchange, call_model, json_response, open_byte_stream, relay_events
+from serve_app.router.request_schema import parse_json_object, validate_body
+from serve_app.router.tokenization import TOKENIZE_TOKEN_COST
+
+ReadBody = Callable[[Request], Awaitable[bytes]]
+
+
+async def anthropic(router: Any, request: Request, route: str, method: str, read_body: ReadBody):
+    """An Anthropic route: every error in Anthropic's shape, whoever raised it."""
+    try:
+        response = await relay(router, request, route, method, read_body, dialect=dialects.MESSAGES, api_key_header=True)
+    except APIError as err:
+        return dialects.anthropic_error(err)
+    return dialects.anthropic_errors_only(response)
+
+
+async def relay(
+    router: Any,
+    request: Request,
+    route: str,
+    method: str,
+    read_body: ReadBody,
+    *,
+    dialect=dialects.CHAT,
+    api_key_header: bool = False,
+):
+    """Serve ``method`` (the replica's: ``chat``, ``responses``, ``messages``…) for ``router``
+    (the ``Router`` replica); ``read_body`` is its size-limited body reader (413)."""
+    exchange = Exchange(route, request.headers, region=router.region, replica=router.replica)
+    keep = None
+    with exchange.failures_recorded():  # every refusal ends the request's spans once
+        with exchange.record.measure_auth():
+            caller = await router._caller(request, api_key_header=api_key_header)  # 401 / 403 before the body
+        raw = await read_body(request)
+        body = parse_json_object(raw)  # 400 invalid_json, however it nests
+        exchange.record.note_request(body)  # alias, stream flag, sampling numbers; no text
+        body["model"] = exchange.record.model = router._resolve(body.get("model"))
+        validate_body(method, body)  # 400 naming the failing field
+        check_completion_budget(body, router.max_model_len[body["model"]])
+        router.auth.authorize_model(caller, body["model"])
+        cost_bytes = len(raw)
+        if method == "responses":  # previous_response_id: the router continues the conversation
+            keep, history_bytes = await router.responses.continue_from(body, caller)
+            cost_bytes += history_bytes
+        # Counting tokens generates none: charged like /tokenize, never the prompt's size.
+        cost = TOKENIZE_TOKEN_COST if method == "count_tokens" else request_token_cost(body, cost_bytes)
+        limits = await router.auth.admit(caller, cost)  # 429 + Retry-After
+        body["priority"] = router.auth.priority(caller, body.get("priority"))  # the tier's, or lower
+        try:
+            await router.states.ensure_fresh()
+            router.states.require_serving(body["model"], router.region)  # 503 unless loaded here
+            exchange.hold_slot(router.in_flight.begin(body["model"]))
+            stream, head = await call_model(router.streaming[body["model"]], method, body, router.region, exchange)
+            socket = await open_byte_stream(stream, head, body["model"]) if head["stream"] else None
+        except APIError as unavailable:
+            if unavailable.status != 503:
+                raise
+            if unavailable.code in REPLICA_FAILURES:
+                router.states.suspect()
+            forwarded = await router._fail_over(request, route, body, caller, exchange, unavailable)
+            if forwarded is None:
+                raise
+            return forwarded
+    limits[REGION_HEADER] = router.region
+    if not head["stream"]:
+        if keep is not None and head["status"] == 200:
+            await keep(head["body"])
+        return json_response(head, exchange, limits)
+    client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    on_trailer = (lambda trailer: keep(trailer.get("response"))) if keep is not None else None
+    events = relay_events(
+        stream, socket, exchange, client_wants_usage=client_wants_usage, dialect=dialect, on_trailer=on_trailer
+    )
+    return RelayedStream(events, media_type="text/event-stream", headers=limits)
+
+
+
+def check_completion_budget(body: dict[str, Any], cap: int) -> None:
+    """A completion budget over the model's context could never be served: 400, not a 429
+    (its rate-limit cost) or the engine's refusal after a trip to the replica."""
+    for field in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        if (budget := body.get(field)) is not None and budget > cap:
+            raise APIError(
+                400,
+                f"{field} is {budget}, more than the model's context of {cap} tokens (prompt included)",
+                param=field,
+                code="context_length_exceeded",
+            )

@@ -1,0 +1,110 @@
+"""``/v1/responses`` at the router: the stored responses of the region, and conversations.
+
+vLLM's Responses layer keeps stored responses in a dict inside one engine process: a follow-up
+that Serve routes to another replica, or that comes after a restart, finds nothing (the limit of
+Ray's own attempt, ray PR #65773). Here the engine is stateless and the router keeps them in the
+region's response store (``response_store.py``), which every router replica of the region reads:
+
+- a request with ``previous_response_id`` is continued by the router: it loads that response's
+  conversation (its input items and its output items), puts the new input after it, and sends
+  the whole conversation to the engine as ``input`` (instructions are not carried over, as
+  OpenAI specifies);
+- a response with ``store`` (OpenAI's default: true) is kept once it is complete or incomplete,
+  with the conversation that produced it, for ``GET`` / ``DELETE /v1/responses/{id}`` and for the
+  next ``previous_response_id``. A stream's final response comes in the replica's trailer.
+
+A response belongs to the key's owner: another owner's id is "not found", never "forbidden"
+(which would confirm it exists). Nothing runs in the background, so there is nothing to cancel:
+``cancel`` on a stored response says so.
+"""
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from serve_app.auth.authenticator import Principal
+from serve_app.engine.surfaces import ECHO_PREVIOUS_RESPONSE_ID
+from serve_app.errors import APIError
+from serve_app.router.response_store import ResponseStore, StoredResponse
+
+logger = logging.getLogger("ray.serve")
+
+
+Keeper = Callable[[dict[str, Any] | None], Awaitable[None]]
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"no stored response with id {response_id!r}", param=param, code="response_not_found")
+
+
+def _items(value: Any) -> list[dict[str, Any]]:
+    """The ``input`` as a list of items: a string is one user message."""
+    return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else list(value)
+
+
+class ResponsesAPI:
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    async def continue_from(self, body: dict[str, Any], caller: Principal) -> tuple[Keeper, int]:
+        """Put the conversation ``previous_response_id`` names before the new input (404 if the
+        caller has no such response). Returns what keeps the result, and the bytes the history
+        adds to the request (its rate-limit cost grows with it)."""
+        conversation = _items(body["input"])
+        added = 0
+        # The engine gets the conversation instead, and so does a peer region if the request
+        # fails over (its store does not have this id); the replica echoes the id from here.
+        previous = body.pop("previous_response_id", None)
+        body[ECHO_PREVIOUS_RESPONSE_ID] = previous
+        if previous:
+            history = await self.store.history(previous, caller.owner)
+            if history is None:
+                raise _not_found(previous, "previous_response_id")
+            conversation = history + conversation
+            added = len(json.dumps(history))
+        body["input"] = conversation
+        return self._keeper(body, conversation, caller), added
+
+    def _keeper(self, body: dict[str, Any], conversation: list[dict[str, Any]], caller: Principal) -> Keeper:
+        async def keep(response: dict[str, Any] | None) -> None:
+            """Store a finished response (a non-stream body, or a stream trailer's ``response``)."""
+            if body.get("store") is False or not isinstance(response, dict) or "id" not in response:
+                return
+            if response.get("status") not in ("completed", "incomplete"):
+                return
+            stored = StoredResponse(
+                id=response["id"],
+                owner=caller.owner,
+                model=body["model"],
+                created_at=int(response.get("created_at") or time.time()),
+                response={k: v for k, v in response.items() if k != "pg_metadata"},
+                conversation=conversation,
+            )
+            try:
+                await self.store.put(stored)
+            except Exception:  # the client has its answer; a follow-up will get a clear 404
+                logger.exception("could not store response %s", response["id"])
+
+        return keep
+
+    async def retrieve(self, response_id: str, caller: Principal) -> dict[str, Any]:
+        stored = await self.store.get(response_id, caller.owner)
+        if stored is None:
+            raise _not_found(response_id, "response_id")
+        return stored.response
+
+    async def delete(self, response_id: str, caller: Principal) -> dict[str, Any]:
+        if not await self.store.delete(response_id, caller.owner):
+            raise _not_found(response_id, "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def cancel(self, response_id: str, caller: Principal) -> dict[str, Any]:
+        await self.retrieve(response_id, caller)  # 404 first: an unknown id is not "finished"
+        raise APIError(
+            400,
+            "only background responses can be cancelled, and this deployment runs none: this response has finished",
+            param="response_id",
+            code="response_not_cancellable",
+        )

@@ -1,0 +1,116 @@
+"""The strict body of OpenAI's ``POST /v1/responses``.
+
+The same policy as ``request_schema``. Beyond types and ranges, the input items are checked for
+what vLLM's Responses layer would get wrong: an item kind it cannot render (``item_reference``,
+built-in tool calls) is a 400 naming the item, and an assistant message without content (a 500
+inside vLLM) is a 400 too. ``background`` is refused: a background response outlives its
+request, and this deployment keeps no request running without its client (docs/api.md).
+"""
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Closed, Strict
+
+# The input item kinds vLLM's Responses layer renders into a chat.
+INPUT_ITEM_TYPES = (
+    "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
+)
+MAX_METADATA_PAIRS = 16  # OpenAI's cap
+
+
+class ResponsesInputItem(Strict):
+    type: str | None = None  # a bare {role, content} is a message
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "ResponsesInputItem":
+        kind = self.type or "message"
+        if kind not in INPUT_ITEM_TYPES:
+            raise ValueError(f"input items of type {kind!r} are not supported here; send {', '.join(INPUT_ITEM_TYPES)}")
+        needed = {
+            "message": ("role", "content"),
+            "function_call": ("call_id", "name", "arguments"),
+            "function_call_output": ("call_id", "output"),
+        }
+        missing = [name for name in needed.get(kind, ()) if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a {kind} item needs {', '.join(repr(m) for m in missing)}")
+        if kind == "message" and self.content == []:
+            raise ValueError("a message item needs at least one content part")
+        return self
+
+
+class ResponsesFunctionTool(Strict):
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(Closed):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponsesTextFormat":
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("format type json_schema needs a 'name' and a 'schema'")
+        return self
+
+
+class ResponsesText(Strict):
+    format: ResponsesTextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesReasoning(Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesBody(Strict):
+    model: str
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool | None = None
+    background: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    # Lower runs first; the router clamps it to the key's tier (docs/api.md, "Priority").
+    priority: int | None = Field(None, ge=0, le=INT64)
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, background: bool | None) -> bool | None:
+        if background:
+            raise ValueError("background responses are not supported: a response runs while its client waits")
+        return background
