@@ -30,7 +30,9 @@ run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
 run: $(VENV)/.installed
 	$(BIN)/serve run configs/local.yaml
 
+# The tests also need Debian's PostgreSQL server binaries (the session starts its own cluster).
 test: setup
+	$(PYTHON) scripts/install.py --only postgres
 	$(BIN)/python -m pytest
 
 unit: setup

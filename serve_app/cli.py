@@ -46,22 +46,31 @@ APP_IMPORT_PATH = "serve_app.app:build_app"
 
 
 class _Context:
-    def __init__(self, config: Path, key_store: Path | None, signing_keys: Path | None):
+    def __init__(self, config: Path, key_store: str | None, signing_keys: Path | None):
         raw = yaml.safe_load(config.read_text())
         (application,) = [a for a in raw["applications"] if a.get("import_path") == APP_IMPORT_PATH]
         args = parse_app_args(application.get("args") or {})
         self.region: str = args.region
-        overrides = {"key_store_path": key_store, "signing_keys_path": signing_keys}
-        self.auth: AuthArgs = args.auth.model_copy(
-            update={name: str(path.resolve()) for name, path in overrides.items() if path is not None}
-        )
+        update: dict[str, object] = {}
+        if signing_keys is not None:
+            update["signing_keys_path"] = str(signing_keys.resolve())
+        if key_store is not None:  # a registry DSN, or a SQLite file: either replaces the config's
+            is_dsn = key_store.startswith(("postgresql://", "postgres://"))
+            update["key_store_path"] = None if is_dsn else str(Path(key_store).resolve())
+            update["key_registry_dsn_env"] = None
+            self._registry_dsn = key_store if is_dsn else None
+        else:
+            self._registry_dsn = None
+        self.auth: AuthArgs = args.auth.model_copy(update=update)
 
     def store(self, create: bool = False) -> KeyStore:
-        # cache_ttl_s=0: the CLI always reads what is on disk.
+        # cache_ttl_s=0: the CLI always reads what the registry holds now.
         try:
-            return KeyStore(self.auth.key_store(), cache_ttl_s=0, create=create)
-        except FileNotFoundError as err:
+            return KeyStore(self._registry_dsn or self.auth.key_store(), cache_ttl_s=0, create=create)
+        except (FileNotFoundError, ValueError) as err:
             _fail(str(err))
+        except Exception as err:  # psycopg's OperationalError: the registry cannot be reached
+            _fail(f"cannot reach the key registry: {err}")
 
     def keyset(self) -> tokens.Keyset:
         path = self.auth.signing_keys()
@@ -83,8 +92,12 @@ def main(
         typer.Option(envvar="SERVE_APP_CONFIG", help="Serve config whose `auth` args name the files."),
     ] = REPO_ROOT / "configs" / "local.yaml",
     key_store: Annotated[
-        Path | None,
-        typer.Option(envvar="SERVE_APP_KEY_STORE", help="Use this key store instead of the config's."),
+        str | None,
+        typer.Option(
+            envvar="SERVE_APP_KEY_STORE",
+            help="Use this key registry instead of the config's: a SQLite file, or a postgresql:// DSN "
+            "(a region's registry, reached from an operator machine).",
+        ),
     ] = None,
     signing_keys: Annotated[
         Path | None,

@@ -223,7 +223,7 @@ class AppArgs(_Strict):
     def response_store_path(self) -> Path:
         if self.responses.store_path:
             return Path(self.responses.store_path)
-        return self.auth.key_store().parent / "responses.sqlite3"
+        return self.auth.key_store_sqlite().parent / "responses.sqlite3"
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":

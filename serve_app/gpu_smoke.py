@@ -90,7 +90,8 @@ def smoke_app_args(args: dict[str, Any], model: str | None, auth_dir: Path) -> d
     smoke = {
         **args,
         "router": {**args.get("router", {}), "num_replicas": 1},
-        "auth": {**args["auth"], "key_store_path": str(auth_dir / "keys.sqlite3"),
+        # A throwaway SQLite store, never the region's shared registry.
+        "auth": {**args["auth"], "key_store_path": str(auth_dir / "keys.sqlite3"), "key_registry_dsn_env": None,
                  "signing_keys_path": str(auth_dir / "signing-keys.json")},
         "failover": {"peers": []},
         "telemetry": {**args.get("telemetry", {}), "tracing": {"enabled": False}},

@@ -24,6 +24,7 @@ from typing import Any
 from serve_app.paths import REPO_ROOT
 from serve_app.region_config import (  # noqa: F401  (app_args, telemetry_args: part of this module's API)
     GENERATED_MARKER,
+    REGISTRY_DSN_ENV,
     RENDER_COMMAND,
     SIGNING_KEYS_DIR,
     SIGNING_KEYS_FILE,
@@ -106,7 +107,7 @@ _REGION_ROOT_TF = """\
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/@ID@.yaml.
 # Secrets and the release come from the environment, never from files in git:
 #   TF_VAR_cluster_host, TF_VAR_cluster_ca_certificate, TF_VAR_cluster_token,
-#   TF_VAR_image, TF_VAR_signing_keyset_json
+#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn
 # See docs/regions.md ("Terraform") for init and the first apply.
 
 terraform {
@@ -189,6 +190,12 @@ variable "signing_keyset_json" {
   sensitive   = true
 }
 
+variable "registry_dsn" {
+  description = "postgresql:// DSN of the key registry every region shares (docs/auth.md, section Registry)."
+  type        = string
+  sensitive   = true
+}
+
 provider "kubernetes" {
   host                   = var.cluster_host
   cluster_ca_certificate = var.cluster_ca_certificate
@@ -212,6 +219,8 @@ module "region" {
   image               = var.image
   serve_config        = file("${path.module}/../../../configs/@ID@.yaml")
   signing_keyset_json = var.signing_keyset_json
+  registry_dsn        = var.registry_dsn
+  registry_dsn_env    = "@REGISTRY_DSN_ENV@"
 }
 
 output "public_endpoint" {
@@ -229,6 +238,7 @@ def render_region_root(region: Region) -> str:
         _REGION_ROOT_TF.replace("@MARKER@", GENERATED_MARKER)
         .replace("@COMMAND@", RENDER_COMMAND)
         .replace("@ID@", region.id)
+        .replace("@REGISTRY_DSN_ENV@", REGISTRY_DSN_ENV)
     )
 
 

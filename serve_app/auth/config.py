@@ -4,6 +4,8 @@ There is deliberately no switch that turns authentication off. The only relaxati
 dev key (``dev_api_key_env``), and ``AppArgs`` refuses it for any region other than ``local``.
 """
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -43,6 +45,11 @@ class AuthArgs(BaseModel):
         None,
         description="SQLite API-key store (absolute path). Default, local region only: "
         "<repo>/.state/keys.sqlite3, created on first start.",
+    )
+    key_registry_dsn_env: str | None = Field(
+        None,
+        description="Name of an env var holding a postgresql:// DSN (a Kubernetes Secret in a "
+        "region): the key registry every region shares. When set it replaces key_store_path.",
     )
     signing_keys_path: str | None = Field(
         None,
@@ -94,10 +101,24 @@ class AuthArgs(BaseModel):
         if self.dev_api_key_env:
             raise ValueError(f"dev_api_key_env is only allowed in the {LOCAL_REGION!r} region")
         missing = [n for n in ("key_store_path", "signing_keys_path") if getattr(self, n) is None]
+        if self.key_registry_dsn_env:
+            missing = [n for n in missing if n != "key_store_path"]
         if missing:
             raise ValueError(f"region {region!r} must set {' and '.join(missing)}")
 
-    def key_store(self) -> Path:
+    def key_store(self, environ: Mapping[str, str] | None = None) -> Path | str:
+        """The registry: the DSN in ``key_registry_dsn_env``, or the SQLite file."""
+        if self.key_registry_dsn_env:
+            dsn = (os.environ if environ is None else environ).get(self.key_registry_dsn_env, "").strip()
+            if not dsn:
+                raise ValueError(
+                    f"the key registry's DSN is named as ${self.key_registry_dsn_env}, which is empty here "
+                    "(set it from the region's registry Secret)"
+                )
+            return dsn
+        return self.key_store_sqlite()
+
+    def key_store_sqlite(self) -> Path:
         return Path(self.key_store_path) if self.key_store_path else state_dir() / "keys.sqlite3"
 
     def signing_keys(self) -> Path:

@@ -1,4 +1,4 @@
-"""API keys: their format, their hashes, and the SQLite store the router reads and the CLI writes.
+"""API keys: their format, their hashes, and the registry the router reads and the CLI writes.
 
 A key is ``pgk_<key_id>_<secret>``. The prefix makes leaked keys easy to recognise (secret
 scanners, log filters); the key id is public and names the row; the secret is 43 random base62
@@ -7,6 +7,10 @@ password hash adds nothing, and a fast hash keeps verification cheap on every re
 
 Claims live in columns so the CLI can list and edit them. Reads go through a short TTL cache so a
 router sees CLI edits within ``cache_ttl_s`` without a restart, and without a query per request.
+
+The registry is a SQLite file (the embedded default, one region) or PostgreSQL (``database.py``):
+one registry every region reads, so a key created once works in each region its ``regions``
+allow, and a revocation made anywhere is refused everywhere within ``cache_ttl_s``.
 """
 
 import hashlib
@@ -14,15 +18,15 @@ import hmac
 import json
 import re
 import secrets
-import sqlite3
 import string
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from serve_app.auth.database import open_database
 
 PREFIX = "pgk"
 ALL = "*"
@@ -147,32 +151,18 @@ class _TTLCache:
 
 
 class KeyStore:
-    def __init__(self, path: Path | str, *, cache_ttl_s: float = 5, create: bool = False):
-        self.path = Path(path)
-        if not self.path.exists():
-            if not create:
-                raise FileNotFoundError(
-                    f"API key store {self.path} does not exist; create it with "
-                    "`serve-app keys create` (see docs/auth.md)"
-                )
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.path.touch(mode=0o600)
-        with self._connect() as db:
-            db.executescript(_SCHEMA)
+    """``location``: a SQLite path, or a ``postgresql://`` DSN (``database.open_database``)."""
+
+    def __init__(self, location: Path | str, *, cache_ttl_s: float = 5, create: bool = False):
+        self.database = open_database(location, create=create)
+        self.database.create_schema(_SCHEMA)
         self._keys = _TTLCache(cache_ttl_s)
         self._revoked = _TTLCache(cache_ttl_s)
 
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
+    def _connect(self):
         # A connection per operation: reads are rare (cached) and this stays correct across
-        # threads and processes. mode=rw never creates a file by accident.
-        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
-        db.row_factory = sqlite3.Row
-        try:
-            with db:
-                yield db
-        finally:
-            db.close()
+        # threads and processes.
+        return self.database.connect()
 
     # --- reads (cached) ---------------------------------------------------------------------
     def get(self, key_id: str, offline: bool = False) -> KeyRecord | None:
@@ -266,12 +256,15 @@ class KeyStore:
         with self._connect() as db:
             db.execute("DELETE FROM revoked_tokens WHERE purge_after < ?", (now,))
             db.execute(
-                "INSERT OR REPLACE INTO revoked_tokens VALUES (?, ?, ?)", (jti, now, purge_after)
+                "INSERT INTO revoked_tokens VALUES (?, ?, ?) ON CONFLICT (jti) DO UPDATE"
+                " SET revoked_at = excluded.revoked_at, purge_after = excluded.purge_after",
+                (jti, now, purge_after),
             )
         self._revoked.clear()
 
 
-def _record(row: sqlite3.Row) -> KeyRecord:
+def _record(row) -> KeyRecord:
+    """A row of either database (``sqlite3.Row`` or psycopg's dict row)."""
     return KeyRecord(
         key_id=row["key_id"],
         owner=row["owner"],
@@ -282,5 +275,5 @@ def _record(row: sqlite3.Row) -> KeyRecord:
         created_at=row["created_at"],
         expires_at=row["expires_at"],
         disabled_at=row["disabled_at"],
-        secret_sha256=row["secret_sha256"],
+        secret_sha256=bytes(row["secret_sha256"]),  # psycopg reads BYTEA as memoryview
     )

@@ -12,7 +12,9 @@ down through their own APIs.
 A second application stands for a second region, ``peer``, at ``/peer`` on the same port
 (``serve_app.local_regions``: its own router, rate limiter and cold model deployment; the same
 keys; each region the other's failover peer over 127.0.0.1). The local app keeps its config's
-settings, so every other test sees the embedded default.
+settings, so every other test sees the embedded default — but for its key registry: both regions
+share one on a real PostgreSQL server (a fresh database on the session's server, its DSN in
+``SERVE_APP_REGISTRY_DSN``), as regions do; ``make run`` keeps the SQLite file.
 """
 
 import os
@@ -38,6 +40,7 @@ STARTUP_TIMEOUT_S = 900
 DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
 HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
+REGISTRY_ENV = "SERVE_APP_REGISTRY_DSN"
 
 
 def _serve_cli() -> str:
@@ -67,7 +70,17 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
 
 
 @pytest.fixture(scope="session")
-def serve_app(tmp_path_factory, otlp_receiver):
+def registry_dsn(postgres_dsn) -> str:
+    """The two regions' shared key registry: a fresh database on the session's PostgreSQL."""
+    import psycopg
+
+    with psycopg.connect(postgres_dsn, autocommit=True) as db:
+        db.execute("CREATE DATABASE registry")
+    return postgres_dsn.rsplit("/", 1)[0] + "/registry"
+
+
+@pytest.fixture(scope="session")
+def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
     import ray
     from ray import serve
 
@@ -77,6 +90,7 @@ def serve_app(tmp_path_factory, otlp_receiver):
     local, _ = config["applications"]
     for application in config["applications"]:
         args = application["args"]
+        args["auth"]["key_registry_dsn_env"] = REGISTRY_ENV
         tiers = {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER}
         args["auth"]["tiers"] = tiers
         # Traces go to a real OTLP receiver (Arize Phoenix) the tracing tests read back.
@@ -90,6 +104,8 @@ def serve_app(tmp_path_factory, otlp_receiver):
             }
         }
     local["args"]["router"]["num_replicas"] = 2
+    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, REGISTRY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *LOCAL_RAY_ENV, *HAPROXY_PORTS)}
+    os.environ[REGISTRY_ENV] = registry_dsn  # before ray.init: Ray's local workers inherit it
     auth = AuthArgs.model_validate(local["args"]["auth"])
     create_key_material(auth)
     config_dir = tmp_path_factory.mktemp("serve")
@@ -98,7 +114,6 @@ def serve_app(tmp_path_factory, otlp_receiver):
     deployed_path = config_dir / "two-regions.yaml"
     deployed_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
-    previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *LOCAL_RAY_ENV, *HAPROXY_PORTS)}
     os.environ[DEV_KEY_ENV] = dev_key
     os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as `make run` and regions run
     # HAProxy's stats and metrics ports are fixed by default (8404, 9101): free ones, so the

@@ -162,5 +162,17 @@ def test_cli_can_prepare_a_regions_keyset_on_an_operator_machine(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert tokens.load_keyset(keyset).signing_key().private_pem
-    missing = CliRunner().invoke(app, ["--config", str(REPO / "configs" / "yul-02.yaml"), "keys", "list"])
-    assert missing.exit_code == 1 and "does not exist" in missing.output
+    # A region's keys live in the shared registry, whose DSN the operator machine does not have.
+    missing = CliRunner().invoke(app, ["--config", str(REPO / "configs" / "yul-02.yaml"), "keys", "list"], env={"SERVE_APP_REGISTRY_DSN": ""})
+    assert missing.exit_code == 1 and "SERVE_APP_REGISTRY_DSN" in missing.output
+
+
+def test_cli_manages_a_regions_keys_in_the_shared_registry_by_dsn(fresh_database):
+    from tests.conftest import REPO
+
+    region = ["--config", str(REPO / "configs" / "yul-02.yaml")]
+    created = CliRunner().invoke(app, [*region, "--key-store", fresh_database, "keys", "create", "--owner", "acme"])
+    assert created.exit_code == 0, created.output
+    # The same registry through the env var the region's routers read it from.
+    listed = CliRunner().invoke(app, [*region, "keys", "list"], env={"SERVE_APP_REGISTRY_DSN": fresh_database})
+    assert listed.exit_code == 0 and "acme" in listed.output

@@ -37,7 +37,23 @@ resource "kubernetes_secret_v1" "signing_keys" {
   }
 }
 
-# The API-key store (hashes only): every router pod reads it, the admin API writes revocations.
+# The key registry's DSN: API keys (hashes only), tiers and revocations live in the one PostgreSQL
+# registry every region shares (docs/auth.md, "Registry"); routers read it from the env var the
+# Serve config names (rayservice.tf), the admin API writes revocations to it.
+resource "kubernetes_secret_v1" "registry" {
+  metadata {
+    name      = "${local.name}-registry"
+    namespace = kubernetes_namespace_v1.serve.metadata[0].name
+    labels    = local.labels
+  }
+
+  type = "Opaque"
+  data = {
+    dsn = var.registry_dsn
+  }
+}
+
+# The region's shared state (stored Responses): every router pod reads and writes it.
 resource "kubernetes_persistent_volume_claim_v1" "state" {
   metadata {
     name      = "${local.name}-state"

@@ -12,6 +12,11 @@ locals {
     { name = "HF_HOME", value = "/models/hf" },
     # HAProxy in place of Serve's Python proxy (serve_app.app.RAY_ENV; docs/architecture.md).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
+    # The shared key registry (main.tf); Ray's workers inherit the pod's env.
+    {
+      name      = var.registry_dsn_env
+      valueFrom = { secretKeyRef = { name = kubernetes_secret_v1.registry.metadata[0].name, key = "dsn" } }
+    },
   ]
 
   auth_volumes = [

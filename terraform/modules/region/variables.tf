@@ -97,3 +97,14 @@ variable "grafana_dashboard_namespace" {
   type        = string
   default     = null
 }
+
+variable "registry_dsn" {
+  description = "postgresql:// DSN of the key registry every region shares (docs/auth.md, section Registry). Never in git: TF_VAR_registry_dsn."
+  type        = string
+  sensitive   = true
+}
+
+variable "registry_dsn_env" {
+  description = "The env var the routers read the registry's DSN from (the rendered Serve config's auth.key_registry_dsn_env)."
+  type        = string
+}

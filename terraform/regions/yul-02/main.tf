@@ -5,7 +5,7 @@
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/yul-02.yaml.
 # Secrets and the release come from the environment, never from files in git:
 #   TF_VAR_cluster_host, TF_VAR_cluster_ca_certificate, TF_VAR_cluster_token,
-#   TF_VAR_image, TF_VAR_signing_keyset_json
+#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn
 # See docs/regions.md ("Terraform") for init and the first apply.
 
 terraform {
@@ -88,6 +88,12 @@ variable "signing_keyset_json" {
   sensitive   = true
 }
 
+variable "registry_dsn" {
+  description = "postgresql:// DSN of the key registry every region shares (docs/auth.md, section Registry)."
+  type        = string
+  sensitive   = true
+}
+
 provider "kubernetes" {
   host                   = var.cluster_host
   cluster_ca_certificate = var.cluster_ca_certificate
@@ -111,6 +117,8 @@ module "region" {
   image               = var.image
   serve_config        = file("${path.module}/../../../configs/yul-02.yaml")
   signing_keyset_json = var.signing_keyset_json
+  registry_dsn        = var.registry_dsn
+  registry_dsn_env    = "SERVE_APP_REGISTRY_DSN"
 }
 
 output "public_endpoint" {

@@ -1,0 +1,110 @@
+"""Where the key registry lives: a SQLite file (the embedded default) or PostgreSQL (regions).
+
+One small adapter so ``KeyStore`` is written once: both give a connection per operation, in a
+transaction, whose ``execute(sql, params)`` takes ``?`` placeholders and returns rows readable by
+column name. The SQL the store runs is the subset both speak (``INSERT … ON CONFLICT … DO
+UPDATE``, ``COALESCE``); only the DDL differs (``BLOB`` / ``BYTEA``, ``INTEGER`` / ``BIGINT``).
+
+PostgreSQL is reached with psycopg 3, synchronously: every call already runs off the event loop
+(the authenticator's cache answers in the loop; a miss retries the whole check in a thread), and
+the CLI is synchronous. A connection per operation keeps that correct across threads; the
+registry is read on cache misses only (``cache_ttl_s``), so the connect cost (~2 ms on loopback,
+~1 RTT + TLS to a managed primary's nearest replica) is paid once per key per TTL, not per request.
+"""
+
+import re
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+# A DSN names PostgreSQL; anything else is a SQLite file path.
+_DSN = re.compile(r"^postgres(ql)?://")
+
+
+class Connection(Protocol):
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any: ...
+
+
+class SqliteDatabase:
+    kind = "sqlite"
+
+    def __init__(self, path: Path | str, *, create: bool):
+        self.path = Path(path)
+        if not self.path.exists():
+            if not create:
+                raise FileNotFoundError(
+                    f"API key store {self.path} does not exist; create it with "
+                    "`serve-app keys create` (see docs/auth.md)"
+                )
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.path.touch(mode=0o600)
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    @contextmanager
+    def connect(self) -> Iterator[sqlite3.Connection]:
+        # mode=rw never creates a file by accident.
+        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
+        db.row_factory = sqlite3.Row
+        try:
+            with db:
+                yield db
+        finally:
+            db.close()
+
+    def create_schema(self, ddl: str) -> None:
+        with self.connect() as db:
+            db.executescript(ddl)
+
+
+class _PostgresConnection:
+    """psycopg's connection with the store's ``?`` placeholders (psycopg's are ``%s``)."""
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()):
+        return self._connection.execute(sql.replace("?", "%s"), params)
+
+
+class PostgresDatabase:
+    kind = "postgres"
+    CONNECT_TIMEOUT_S = 5
+
+    def __init__(self, dsn: str):
+        self.dsn = dsn
+
+    def describe(self) -> str:
+        """The DSN without its password (for logs and errors)."""
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.dsn)
+
+    @contextmanager
+    def connect(self) -> Iterator[_PostgresConnection]:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        with psycopg.connect(self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S) as db:
+            yield _PostgresConnection(db)  # commits on a clean exit, rolls back on an exception
+
+    def create_schema(self, ddl: str) -> None:
+        ddl = ddl.replace(" BLOB ", " BYTEA ").replace(" INTEGER", " BIGINT")
+        with self.connect() as db:
+            # One statement per execute (the extended protocol takes one at a time); an advisory
+            # lock so routers of several regions starting at once do not race on CREATE TABLE.
+            db.execute("SELECT pg_advisory_xact_lock(7307)")
+            for statement in filter(None, (part.strip() for part in _without_comments(ddl).split(";"))):
+                db.execute(statement)
+
+
+def _without_comments(ddl: str) -> str:
+    return "\n".join(line.split("--", 1)[0] for line in ddl.splitlines())
+
+
+def open_database(location: str | Path, *, create: bool = False) -> SqliteDatabase | PostgresDatabase:
+    """A ``postgresql://`` DSN, or a SQLite path (``create``: make the file if it is missing)."""
+    if isinstance(location, str) and _DSN.match(location):
+        return PostgresDatabase(location)
+    return SqliteDatabase(location, create=create)

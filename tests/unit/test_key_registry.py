@@ -1,0 +1,73 @@
+"""The key registry on both of its databases: the SQLite file (embedded default) and a real
+PostgreSQL server (regions), through the same ``KeyStore``. Two stores on one registry are two
+regions sharing it."""
+
+import time
+
+import pytest
+
+from serve_app.auth.config import AuthArgs
+from serve_app.auth.database import PostgresDatabase, SqliteDatabase
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def registry(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        path = tmp_path / "keys.sqlite3"
+        KeyStore(path, create=True)
+        return str(path)
+    return request.getfixturevalue("fresh_database")
+
+
+def test_the_location_picks_the_database(registry):
+    store = KeyStore(registry)
+    expected = PostgresDatabase if registry.startswith("postgresql://") else SqliteDatabase
+    assert isinstance(store.database, expected)
+
+
+def test_a_key_created_in_one_region_works_in_another(registry):
+    here, there = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0)
+    key, record = here.create_key(owner="alice", tier="standard", regions=("yul", "yvr"), scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    found = there.lookup(key)
+    assert found == record and found.secret_sha256 == record.secret_sha256
+    assert found.regions == ("yul", "yvr") and found.scopes == (SCOPE_INFERENCE, SCOPE_ADMIN)
+    assert there.lookup(key[:-1] + ("A" if key[-1] != "A" else "B")) is None  # the secret must match
+    assert [r.key_id for r in there.list_keys()] == [record.key_id]
+
+
+def test_a_revocation_anywhere_is_seen_everywhere_once_the_cache_expires(registry):
+    here, there = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0.3)
+    key, record = here.create_key(owner="alice", tier="standard")
+    assert there.lookup(key).status(time.time()) == "active"  # now cached for 0.3 s
+    assert here.revoke_key(record.key_id) and not here.revoke_key("000000000000")
+    assert there.lookup(key).status(time.time()) == "active"  # the cached view, until it expires
+    time.sleep(0.35)
+    assert there.lookup(key).status(time.time()) == "revoked"
+
+
+def test_revoked_token_ids_are_shared_and_revoking_twice_is_fine(registry):
+    here, there = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0)
+    now = int(time.time())
+    here.revoke_jti("jti-1", purge_after=now + 60)
+    here.revoke_jti("jti-1", purge_after=now + 120)  # an upsert, on both databases
+    assert there.is_jti_revoked("jti-1") and not there.is_jti_revoked("jti-2")
+
+
+def test_a_missing_sqlite_file_is_not_created_by_a_reader(tmp_path):
+    with pytest.raises(FileNotFoundError, match="serve-app keys create"):
+        KeyStore(tmp_path / "missing.sqlite3")
+    assert not (tmp_path / "missing.sqlite3").exists()
+
+
+def test_a_region_names_its_registry_by_env_var_and_an_empty_one_fails_loudly(fresh_database):
+    args = AuthArgs(key_registry_dsn_env="REGISTRY_DSN", signing_keys_path="/srv/signing-keys.json")
+    args.check_region("yul")  # no key_store_path needed with a registry
+    assert args.key_store({"REGISTRY_DSN": fresh_database}) == fresh_database
+    with pytest.raises(ValueError, match="REGISTRY_DSN"):
+        args.key_store({})
+
+
+def test_the_dsn_is_never_logged_with_its_password():
+    database = PostgresDatabase("postgresql://serve_app:s3cret@db.internal:5432/registry")
+    assert database.describe() == "postgresql://serve_app:***@db.internal:5432/registry"
