@@ -66,8 +66,8 @@ def install_app(venv_dir: Path, pyproject: dict) -> None:
     requirements = run(python, "-c", ENGINE_REQUIREMENTS, engine_name, *LEFT_OUT, capture=True).split()
     run(*pip, *requirements, "-e", f"{REPO}[serve,dev,terraform,bench,faults]")
     # Something else may have pulled them in; say so clearly rather than fail later in vLLM.
-    run(python, "-m", "serve_app.preflight")
-    run(python, "-m", "serve_app.tiny_model")
+    run(python, "-m", "serve_app.engine.preflight")
+    run(python, "-m", "serve_app.devtools.tiny_model")
 
 
 def install_tools(venv_dir: Path, pyproject: dict) -> None:
@@ -85,6 +85,12 @@ def install_postgres() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
     subprocess.run(["apt-get", "install", "-y", "-qq", "postgresql"], check=True, env=env)
+    # The package may start its default cluster (port 5432); the tests start their own, so stop
+    # that one with the package's own tool rather than leave a server nobody uses running.
+    for line in run("pg_lsclusters", "--no-header", capture=True).splitlines():
+        version, cluster, _port, status, *_ = line.split()
+        if status == "online":
+            subprocess.run(["pg_ctlcluster", version, cluster, "stop"], check=False)
 
 
 def main() -> None:

@@ -11,9 +11,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
-from serve_app.engine.autoscaling import POLICY_PATH
+from serve_app import catalog
+from serve_app.config import TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.engine.deployment import ModelServer
+from serve_app.hot_load.autoscaling import POLICY_PATH
 from serve_app.router.ingress import Router
 
 logger = logging.getLogger("ray.serve")
@@ -43,7 +44,7 @@ def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
 
     Serve's bounds start at 0 so an unloaded model can run no replica; the policy keeps a loaded
     one at ``min_replicas`` or more and applies the region's scaling delays itself (Serve's own
-    are zeroed: they would also delay loads and unloads; serve_app/engine/autoscaling.py).
+    are zeroed: they would also delay loads and unloads; serve_app/hot_load/autoscaling.py).
     """
     scaling = model.autoscaling
     loaded_initial = scaling.initial_replicas or scaling.min_replicas
@@ -89,6 +90,18 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
     }
 
 
+def resolve_model_path(model: ModelDeploymentArgs) -> str:
+    """The weights the engine loads: the configured source, else the catalog's HF repo; for the
+    CPU default's ``tiny-local``, the generated tiny checkpoint. Resolved here, when the app is
+    built, so that no serving process imports the dev tooling that generates it."""
+    source = model.engine.source or catalog.get(model.id).hf_repo
+    if source == TINY_MODEL_SOURCE:
+        from serve_app.devtools.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return source
+
+
 def build(args: AppArgs) -> Application:
     missing = [f"{name}={value}" for name, value in RAY_ENV.items() if os.environ.get(name) != value]
     if missing:
@@ -97,7 +110,7 @@ def build(args: AppArgs) -> Application:
             "relayed read (docs/architecture.md, 'The token path')", " ".join(missing)
         )
     models = {
-        model.id: ModelServer.options(**model_deployment_options(model)).bind(model)
+        model.id: ModelServer.options(**model_deployment_options(model)).bind(model, resolve_model_path(model))
         for model in args.models
     }
     return Router.options(

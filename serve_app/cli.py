@@ -16,7 +16,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 import yaml
 
-from serve_app import catalog, gpu_smoke, image_lock
+from serve_app import catalog
+from serve_app.image import gpu_smoke, image_lock
 from serve_app.auth import tokens
 from serve_app.auth.authenticator import Principal, mint_token
 from serve_app.auth.config import AuthArgs
@@ -25,7 +26,7 @@ from serve_app.bench import cli as bench_cli
 from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
-from serve_app.regions_cli import app as regions_app
+from serve_app.regions.cli import app as regions_app
 
 # Never print local variables in a traceback: they can hold a key or a private key.
 app = typer.Typer(no_args_is_help=True, help=__doc__.splitlines()[0], pretty_exceptions_show_locals=False)

@@ -108,7 +108,7 @@ class ModelDeploymentArgs(_Strict):
     initial_state: Literal["loaded", "cold"] = Field(
         "loaded",
         description="At deploy: loaded starts replicas; cold starts none until POST /v1/models/load "
-        "(serve_app/model_state.py). A state set through the API outlives redeploys.",
+        "(serve_app/hot_load/state.py). A state set through the API outlives redeploys.",
     )
 
     @field_validator("id")

@@ -1,5 +1,4 @@
 import secrets
-import socket
 import sys
 from pathlib import Path
 
@@ -8,6 +7,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from serve_app.devtools.local_services import free_port  # noqa: E402, F401  (tests import it from here)
 
 
 def load_serve_config(name: str) -> dict:
@@ -19,11 +20,6 @@ def app_args(config: dict) -> dict:
     return application["args"]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -176,7 +176,7 @@ def stream_markdown(document: Mapping[str, Any]) -> str:
 
 
 def report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> None:
-    """Sequential targets side by side (``serve_app.bench_failover``): print, write all to JSON.
+    """Sequential targets side by side (``serve_app.bench.failover``): print, write all to JSON.
 
     The first target is the reference: the ratio row is second vs first.
     """

@@ -53,7 +53,7 @@ def bench_target(
     url: str, model: str, runs: int, max_tokens: int, warmup: int, api_key: str | None = None
 ) -> dict[str, Any]:
     """``runs`` sequential streams against one target (concurrency 1, no pauses), as
-    ``serve_app.bench_failover`` compares two targets: ``{"url", "summary", "runs"}``."""
+    ``serve_app.bench.failover`` compares two targets: ``{"url", "summary", "runs"}``."""
     side = Side("target", check_local(url), model, api_key)
     result = asyncio.run(
         bench_streams([side], [1], runs=runs, max_tokens=max_tokens, round_size=max(runs, 1), warmup=warmup, quiet_s=0)

@@ -1,43 +1,21 @@
 """Processes the benchmarks start and wait for: bare vLLM's OpenAI server, health polling, ports."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import yaml
+
+from serve_app.devtools.local_services import free_port, wait_healthy
 
 # Ray starts its worker processes (the Serve replicas, hence our engine) at nice 15. On a 2-core
 # machine a bare vLLM at nice 0 would win every scheduling contest against the router and proxy
 # the other side still runs idle, so the baseline runs at the same niceness as the engine it is
 # compared with.
 RAY_WORKER_NICENESS = 15
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float, failed: Callable[[], str | None] = lambda: None) -> float:
-    """Seconds until ``url/health`` answers 200; RuntimeError on timeout or when ``failed`` says why."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if (why := failed()) is not None:
-            raise RuntimeError(why)
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"{url}/health not 200 after {timeout_s:.0f} s")
 
 
 def vllm_command(flags: list[str], port: int, niceness: int | None) -> list[str]:
@@ -53,14 +31,13 @@ def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS):
     Yields ``(url, served model id)``; stops the process (by PID) on exit. ``niceness``: run it
     under ``nice -n`` (default: Ray's worker niceness, see above); None runs it at ours.
     """
-    from serve_app import catalog
+    from serve_app.app import resolve_model_path
     from serve_app.config import parse_app_args
-    from serve_app.engine.deployment import resolve_model_path
 
     config = yaml.safe_load(config_path.read_text())
     model = parse_app_args(config["applications"][0]["args"]).models[0]
     port = free_port()
-    flags = model.engine_cli_args(resolve_model_path(model, catalog.get(model.id).hf_repo))
+    flags = model.engine_cli_args(resolve_model_path(model))
     command = vllm_command(flags, port, niceness)
     env = {**os.environ, **model.resources.env}
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-{port}.log", "w")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ray import serve
 
-from serve_app.config import TINY_MODEL_SOURCE, ModelDeploymentArgs
+from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import context_cap, surfaces, tokenization, trailer
 from serve_app.engine.stream_server import Prefetched, StreamServer
 from serve_app.errors import error_body
@@ -30,19 +30,11 @@ logger = logging.getLogger("ray.serve")
 Head = dict[str, Any]
 
 
-def resolve_model_path(args: ModelDeploymentArgs, hf_repo: str) -> str:
-    source = args.engine.source or hf_repo
-    if source == TINY_MODEL_SOURCE:
-        from serve_app.tiny_model import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return source
-
-
 @serve.deployment
 class ModelServer:
-    async def __init__(self, args: ModelDeploymentArgs):
-        from serve_app.preflight import check_engine_environment
+    async def __init__(self, args: ModelDeploymentArgs, model_path: str):
+        """``model_path``: the weights, resolved when the app is built (``app.resolve_model_path``)."""
+        from serve_app.engine.preflight import check_engine_environment
 
         check_engine_environment()
 
@@ -52,11 +44,8 @@ class ModelServer:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        from serve_app import catalog
-
         self.model_id = args.id
         self.replica = serve.get_replica_context().replica_id.unique_id
-        model_path = resolve_model_path(args, catalog.get(args.id).hf_repo)
         cli_args = args.engine_cli_args(model_path)
         logger.info("starting vLLM for %s: %s", args.id, " ".join(cli_args))
         vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(cli_args)

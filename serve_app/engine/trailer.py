@@ -17,7 +17,7 @@ from typing import Any
 
 from serve_app.errors import error_body
 
-DONE = "data: [DONE]"
+VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (dialects.py)
 ERROR_PREFIX = 'data: {"error"'
 ENGINE_UNAVAILABLE = "engine_unavailable"
 # vLLM-only chunk fields it writes as null when nobody asked for them (`token_ids` on every chat
@@ -101,7 +101,7 @@ class StreamTrailer:
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""
-        if event.startswith(DONE):
+        if event.startswith(VLLM_DONE):
             return None
         if event.startswith(ERROR_PREFIX):
             return self._our_error(event)

@@ -6,7 +6,7 @@ handle: ``inference.py``) → ``ModelServer`` over a streaming handle → vLLM. 
 the replica's head (status + body) and, for streams, the replica's SSE events unchanged. When this
 region cannot serve the request (the model is overloaded, not loaded, or its replica died), the
 router forwards it once to a peer region (``serve_app.router.failover``). Auth lives in
-``serve_app.auth``; hot-load states in ``serve_app.model_state``.
+``serve_app.auth``; hot-load states in ``serve_app.hot_load.state``.
 """
 
 import asyncio
@@ -28,10 +28,10 @@ from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
-from serve_app.model_state import COLD, LOADED, RECOVERING
+from serve_app.hot_load.state import COLD, LOADED, RECOVERING
 from serve_app.router import dialects, inference, openapi, tokenization
 from serve_app.router.failover import Forwarder, is_forwarded
-from serve_app.router.model_states import InFlight, ModelStates
+from serve_app.hot_load.tracker import InFlight, ModelStates
 from serve_app.router.relay import Exchange
 from serve_app.router.request_schema import describe_validation_errors, parse_json_object
 from serve_app.router.response_store import ResponseStore

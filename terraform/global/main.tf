@@ -1,7 +1,7 @@
 # The global layer: one name, api.edge.polargrid.ai, answered by Route 53 latency routing with the
 # nearest healthy GA region, and an HTTPS health check on every region's /health (pilot regions
 # too: they are failover peers and SREs watch them). generated.auto.tfvars.json lists the regions
-# (rendered from regions/ by `python -m serve_app.regions_cli render`).
+# (rendered from regions/ by `python -m serve_app.regions.cli render`).
 #
 # Each region's own name (api.<id>.edge.polargrid.ai) points at that region's ingress and is
 # managed with the region's site, not here.

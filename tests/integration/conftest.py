@@ -10,7 +10,7 @@ Ray's local workers inherit the driver's environment. Teardown shuts Serve and t
 down through their own APIs.
 
 A second application stands for a second region, ``peer``, at ``/peer`` on the same port
-(``serve_app.local_regions``: its own router, rate limiter and cold model deployment; the same
+(``serve_app.devtools.local_regions``: its own router, rate limiter and cold model deployment; the same
 keys; each region the other's failover peer over 127.0.0.1). The local app keeps its config's
 settings, so every other test sees the embedded default — but for its key registry: both regions
 share one on a real PostgreSQL server (a fresh database on the session's server, its DSN in
@@ -31,7 +31,7 @@ import yaml
 
 from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
-from serve_app.local_regions import PEER_APP, PEER_PREFIX, create_key_material, two_region_config
+from serve_app.devtools.local_regions import PEER_APP, PEER_PREFIX, create_key_material, two_region_config
 from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 

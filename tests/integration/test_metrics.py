@@ -3,6 +3,7 @@
 import time
 
 import httpx
+import openai
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -31,7 +32,7 @@ def test_ttft_latency_tokens_and_errors_are_exported(serve_app, client):
     )
     for _ in stream:
         pass
-    with pytest.raises(Exception):
+    with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=[], max_tokens=1)
 
     wanted = {

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from auth_support import MODEL, api_app, authenticator, bearer
 from serve_app.auth.config import Tier
 from serve_app.router import ingress
-from serve_app.router.model_states import InFlight
+from serve_app.hot_load.tracker import InFlight
 from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
 

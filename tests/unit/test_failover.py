@@ -433,11 +433,14 @@ def test_aclose_before_use_and_twice_is_safe():
     async def go():
         fwd = forwarder(Peers())
         await fwd.aclose()
-        await fwd.forward(ROUTE, BODY, AUTH, reason="overloaded")
+        result = await fwd.forward(ROUTE, BODY, AUTH, reason="overloaded")  # works after a close
         await fwd.aclose()
         await fwd.aclose()
+        return result
 
-    asyncio.run(go())
+    result = asyncio.run(go())
+    # A close only drops the connection pool: the next forward opens a new one and is served.
+    assert [a.outcome for a in result.attempts] == ["served"] and result.response is not None
 
 
 def test_is_forwarded_with_dicts_and_starlette_headers():

@@ -13,10 +13,12 @@ from typer.testing import CliRunner
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app import catalog, gpu_smoke, gpu_smoke_checks as checks
+from serve_app import catalog
+from serve_app.image import gpu_smoke
+from serve_app.image import gpu_smoke_checks as checks
 from serve_app.cli import app as cli_app
 from serve_app.config import parse_app_args
-from serve_app.regions import load_regions
+from serve_app.regions.schema import load_regions
 from serve_app.telemetry.timing import ROUTE_CHAT, pg_metadata_event
 from tests.conftest import REPO
 
@@ -60,7 +62,8 @@ def test_the_production_models_offer_mtp_and_vllm_knows_the_method():
 def test_a_region_that_opts_into_mtp_renders_vllms_speculative_config():
     import yaml
 
-    from serve_app import region_config, regions
+    from serve_app.regions import schema as regions
+    from serve_app.regions import serve_config as region_config
 
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["speculative_decoding"] = {"method": "mtp", "num_speculative_tokens": 2}
@@ -84,7 +87,7 @@ def test_a_region_that_opts_into_mtp_renders_vllms_speculative_config():
 def test_bad_speculative_settings_are_refused(setting, fragment):
     import yaml
 
-    from serve_app import regions
+    from serve_app.regions import schema as regions
 
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["speculative_decoding"] = setting
@@ -93,7 +96,7 @@ def test_bad_speculative_settings_are_refused(setting, fragment):
 
 
 def test_a_model_without_a_speculative_method_cannot_opt_in(monkeypatch):
-    from serve_app import regions
+    from serve_app.regions import schema as regions
 
     plain = catalog.get(MODEL).model_copy(update={"speculative_method": None})
     monkeypatch.setitem(catalog.CATALOG, MODEL, plain)

@@ -13,11 +13,11 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from serve_app.app import autoscaling_config
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine.autoscaling import HotLoadPolicy
+from serve_app.hot_load.autoscaling import HotLoadPolicy
 from serve_app.errors import APIError
-from serve_app.model_state import WantedRecord, derive_state
-from serve_app.router import model_states
-from serve_app.router.model_states import ModelStates
+from serve_app.hot_load.state import WantedRecord, derive_state
+from serve_app.hot_load import tracker as model_states
+from serve_app.hot_load.tracker import ModelStates
 
 MODEL = "qwen-3.6-35b-a3b"
 SIBLING = "qwen-3.5-27b"
@@ -127,7 +127,7 @@ def test_config_serve_accepts_starts_loaded_or_cold():
 
 
 def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero(monkeypatch):
-    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
     wanted = {}
     cluster = Cluster(_model(initial_state="cold"), wanted)
     assert cluster.tick() == 0
@@ -144,7 +144,7 @@ def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero(monkey
 
 def test_an_unload_waits_for_in_flight_requests_but_not_forever(monkeypatch):
     """Zero replicas with a request in flight would make Serve start a replica for it at once."""
-    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
     wanted = {("llm", "model-x"): WantedRecord("cold", 1000.0, "admin")}
     cluster = Cluster(_model(graceful_shutdown_timeout_s=120), wanted)
     cluster.running = cluster.target = 2
@@ -157,7 +157,7 @@ def test_an_unload_waits_for_in_flight_requests_but_not_forever(monkeypatch):
 
 
 def test_while_loaded_it_autoscales_with_the_regions_delays(monkeypatch):
-    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
     cluster = Cluster(_model(), {})
     start = 1000.0
     assert cluster.tick(requests=0, now=start) == 1
@@ -171,7 +171,7 @@ def test_while_loaded_it_autoscales_with_the_regions_delays(monkeypatch):
 
 
 def test_a_kv_outage_keeps_the_last_known_state(monkeypatch):
-    monkeypatch.setattr("serve_app.engine.autoscaling.WANTED_REFRESH_S", 0)
+    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
     policy = HotLoadPolicy(1, "cold", 0, 0)
     policy._read = lambda app, deployment: WantedRecord("loaded", 1.0, "admin")
     ctx = SimpleNamespace(app_name="llm", deployment_name="d")
@@ -299,7 +299,7 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
 
 
 def test_in_flight_says_busy_when_every_slot_is_taken_and_shedding_when_the_queue_is_too():
-    from serve_app.router.model_states import InFlight
+    from serve_app.hot_load.tracker import InFlight
 
     in_flight = InFlight([ModelDeploymentArgs(id=MODEL, max_ongoing_requests=2, max_queued_requests=1)])
     releases = [in_flight.begin(MODEL) for _ in range(2)]

@@ -14,7 +14,7 @@ import hcl2
 import pytest
 import typer
 
-from serve_app import image_lock
+from serve_app.image import image_lock
 from tests.conftest import REPO
 
 IMAGE = REPO / "terraform" / "image"
@@ -94,7 +94,7 @@ def test_the_lock_header_says_how_it_was_resolved():
 
 
 def test_the_base_image_is_rays_gpu_image_of_the_pinned_ray_for_python_311():
-    from serve_app.region_render import ray_version  # the pin KubeRay's rayVersion gets too
+    from serve_app.regions.render import ray_version  # the pin KubeRay's rayVersion gets too
 
     (base,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE, re.M)
     ray = ray_version()

@@ -5,7 +5,7 @@ from pathlib import Path
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.config import parse_app_args
-from serve_app.local_regions import two_region_config
+from serve_app.devtools.local_regions import two_region_config
 from tests.conftest import load_serve_config
 
 

@@ -3,7 +3,7 @@ ship them with a CUDA torch, and CUDA vLLM needs torchvision)."""
 
 import pytest
 
-from serve_app.preflight import EngineEnvironmentError, check_engine_environment, installed_torch_version
+from serve_app.engine.preflight import EngineEnvironmentError, check_engine_environment, installed_torch_version
 
 
 def _everything_installed(name):

@@ -9,7 +9,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from serve_app import catalog
 from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
-from serve_app.engine.autoscaling import POLICY_PATH
+from serve_app.hot_load.autoscaling import POLICY_PATH
 from tests.conftest import REPO, app_args, load_serve_config
 
 BLACKWELL = {"B200", "B300", "GB200", "GB300", "RTX-PRO-6000"}
@@ -58,7 +58,7 @@ def test_region_config_runs_the_production_checkpoint_on_one_blackwell_gpu(name)
 
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_every_region_exports_traces_to_its_collector_with_a_consistent_protocol(name):
-    from serve_app.regions import load_region
+    from serve_app.regions.schema import load_region
 
     config = load_serve_config(name)
     tracing = parse_app_args(app_args(config)).telemetry.tracing

@@ -12,11 +12,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from serve_app import catalog, region_render, regions
+from serve_app import catalog
+from serve_app.regions import render as region_render
+from serve_app.regions import schema as regions
 from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
-from serve_app.regions_cli import app as regions_app
-from serve_app.regions_cli import drift
+from serve_app.regions.cli import app as regions_app
+from serve_app.regions.cli import drift
 from tests.conftest import REPO, app_args, load_serve_config
 
 REGIONS = regions.load_regions(REPO / "regions")

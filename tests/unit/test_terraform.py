@@ -15,7 +15,7 @@ from pathlib import Path
 import hcl2
 import pytest
 
-from serve_app import regions
+from serve_app.regions import schema as regions
 from tests.conftest import REPO
 
 TERRAFORM = REPO / "terraform"

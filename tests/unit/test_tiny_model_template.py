@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from serve_app.tiny_model import GENERATOR_VERSION, STAMP_FILE, ensure_tiny_model
+from serve_app.devtools.tiny_model import GENERATOR_VERSION, STAMP_FILE, ensure_tiny_model
 
 WEATHER_TOOL = {
     "type": "function",
@@ -187,7 +187,7 @@ def _prompt(tokenizer, **kwargs):
 @pytest.mark.parametrize("enable_thinking", [True, False])
 def test_greedy_turn_ends_after_the_quote_chain(model, tokenizer, enable_thinking):
     """Greedy text walks the quote tokens in order and then ends its turn: a few tokens, not 8192."""
-    from serve_app.tiny_model import _quote_chain_tokens
+    from serve_app.devtools.tiny_model import _quote_chain_tokens
 
     prompt = _prompt(tokenizer, enable_thinking=enable_thinking)
     out = model.generate(**prompt, max_new_tokens=64, do_sample=False)[0, prompt["input_ids"].shape[1]:]

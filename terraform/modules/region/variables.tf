@@ -27,7 +27,7 @@ variable "ray_version" {
 }
 
 variable "auth_mounts" {
-  description = "Mount points the region's auth config names (serve_app/region_render.py)."
+  description = "Mount points the region's auth config names (serve_app/regions/render.py)."
   type = object({
     signing_keys_dir  = string
     signing_keys_file = string

@@ -1,5 +1,5 @@
 # GENERATED from regions/yul-02.yaml by `serve-app regions render`.
-# Do not edit by hand: the template is serve_app/region_render.py (_REGION_ROOT_TF); CI fails on drift.
+# Do not edit by hand: the template is serve_app/regions/render.py (_REGION_ROOT_TF); CI fails on drift.
 #
 # Terraform root of region yul-02: state, providers and terraform/modules/region, fed by
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/yul-02.yaml.
@@ -53,7 +53,7 @@ variable "ray_version" {
 }
 
 variable "auth_mounts" {
-  description = "Where the auth config expects its files (generated from serve_app/region_render.py)."
+  description = "Where the auth config expects its files (generated from serve_app/regions/render.py)."
   type = object({
     signing_keys_dir  = string
     signing_keys_file = string

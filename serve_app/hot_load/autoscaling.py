@@ -1,5 +1,5 @@
 """The model deployments' autoscaling policy: Serve's queue-length policy while a model is wanted
-loaded, zero replicas while it is cold (``serve_app.model_state``).
+loaded, zero replicas while it is cold (``serve_app.hot_load.state``).
 
 Serve applies its own delay logic to whatever a custom policy returns, with the deployment's
 ``upscale_delay_s``/``downscale_delay_s``. Those would make an unload wait ``downscale_delay_s``
@@ -25,9 +25,9 @@ from typing import Any
 
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
-from serve_app.model_state import WantedRecord, read_wanted
+from serve_app.hot_load.state import WantedRecord, read_wanted
 
-POLICY_PATH = "serve_app.engine.autoscaling:HotLoadPolicy"
+POLICY_PATH = "serve_app.hot_load.autoscaling:HotLoadPolicy"
 WANTED_REFRESH_S = 1.0
 
 

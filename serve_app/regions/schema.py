@@ -3,7 +3,7 @@
 A region file states the facts of one edge region (where it is, its Blackwell GPUs, which catalog
 models it serves with which replica bounds, its failover peers, its public endpoint, pilot or GA).
 This module is its schema and loader: every file validated on its own and as a set, with every
-problem named by file and field. ``serve_app.region_render`` turns the regions into the Serve
+problem named by file and field. ``serve_app.regions.render`` turns the regions into the Serve
 configs and Terraform files (``serve-app regions render``).
 
 Nothing here imports Ray or vLLM.
@@ -20,9 +20,11 @@ from serve_app import catalog
 from serve_app.paths import REPO_ROOT
 
 # Blackwell GPUs, spelled as Ray's accelerator types (ray.util.accelerators: NVIDIA_B200,
-# NVIDIA_RTX_PRO_6000). Ray detects the same names on the nodes, so `accelerator_type` pins
-# replicas without any custom resource.
-BLACKWELL_ACCELERATORS = ("B200", "RTX-PRO-6000")
+# NVIDIA_RTX_PRO_6000), with the CUDA compute capability each reports (the GPU smoke test checks
+# it): B200 is sm_100, the RTX PRO 6000 Blackwell sm_120. Ray detects the same names on the
+# nodes, so `accelerator_type` pins replicas without any custom resource.
+BLACKWELL_CAPABILITY = {"B200": (10, 0), "RTX-PRO-6000": (12, 0)}
+BLACKWELL_ACCELERATORS = tuple(BLACKWELL_CAPABILITY)
 
 DNS_ZONE = "edge.polargrid.ai"
 GLOBAL_HOSTNAME = f"api.{DNS_ZONE}"  # latency-routed across GA regions (terraform/global)

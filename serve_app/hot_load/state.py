@@ -4,7 +4,7 @@ A model deployment is always part of the Serve application, but it runs replicas
 *wanted loaded*. The wanted state (``loaded`` or ``cold``) is set by ``POST /v1/models/load`` and
 ``/v1/models/unload`` and kept in Ray's GCS key-value store, under the Serve application and
 deployment names, so every router replica and the Serve controller (where the autoscaling policy,
-``serve_app.engine.autoscaling``, runs) read the same value, and it survives router and
+``serve_app.hot_load.autoscaling``, runs) read the same value, and it survives router and
 controller restarts. Until a model has been loaded or unloaded, its config's ``initial_state``
 stands. The KV store lives as long as the Ray cluster; a new cluster starts from the config.
 

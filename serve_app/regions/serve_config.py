@@ -1,6 +1,6 @@
 """The Serve-config half of ``serve-app regions render``: ``configs/<id>.yaml`` from a region file.
 
-``serve_app.region_render`` writes every generated file; this module builds the one a region's
+``serve_app.regions.render`` writes every generated file; this module builds the one a region's
 Ray cluster deploys. Its ``args`` are validated through ``serve_app.config.AppArgs`` before they
 are written, so a rendering that would not deploy cannot be written. Model facts (checkpoint,
 FP8, context cap, eager mode, parsers, the speculative method) come from the catalog; a region
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from serve_app import catalog
 from serve_app.config import AppArgs
-from serve_app.regions import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, problems, public_endpoint
+from serve_app.regions.schema import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, problems, public_endpoint
 
 RENDER_COMMAND = "serve-app regions render"
 GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carries it

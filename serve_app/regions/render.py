@@ -1,15 +1,15 @@
 """Render the files generated from ``regions/`` (``serve-app regions render``).
 
-Every region file (``serve_app.regions``) plus the catalog becomes:
+Every region file (``serve_app.regions.schema``) plus the catalog becomes:
 
 - ``configs/<id>.yaml``: the Serve config (``serve deploy``; Terraform embeds the same file in
-  the region's RayService), built by ``serve_app.region_config``;
+  the region's RayService), built by ``serve_app.regions.serve_config``;
 - ``terraform/regions/<id>/main.tf`` and ``generated.auto.tfvars.json``: the region's Terraform
   root and its variables (here);
 - ``terraform/global/generated.auto.tfvars.json``: every region's endpoint for the global
   latency-routed DNS name and its health checks (here).
 
-Everything generated is deterministic; ``regions_cli check`` (and the unit tests) fail when a
+Everything generated is deterministic; ``serve-app regions check`` (and the unit tests) fail when a
 committed file differs from its rendering.
 
 Nothing here imports Ray or vLLM.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.paths import REPO_ROOT
-from serve_app.region_config import (  # noqa: F401  (app_args, telemetry_args: part of this module's API)
+from serve_app.regions.serve_config import (  # noqa: F401  (app_args, telemetry_args: part of this module's API)
     GENERATED_MARKER,
     REGISTRY_DSN_ENV,
     RENDER_COMMAND,
@@ -33,7 +33,7 @@ from serve_app.region_config import (  # noqa: F401  (app_args, telemetry_args: 
     render_serve_config,
     telemetry_args,
 )
-from serve_app.regions import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
+from serve_app.regions.schema import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
 
 
 # --- Terraform ---------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def terraform_global_vars(regions: dict[str, Region]) -> dict[str, Any]:
 
 _REGION_ROOT_TF = """\
 # @MARKER@@ID@.yaml by `@COMMAND@`.
-# Do not edit by hand: the template is serve_app/region_render.py (_REGION_ROOT_TF); CI fails on drift.
+# Do not edit by hand: the template is serve_app/regions/render.py (_REGION_ROOT_TF); CI fails on drift.
 #
 # Terraform root of region @ID@: state, providers and terraform/modules/region, fed by
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/@ID@.yaml.
@@ -155,7 +155,7 @@ variable "ray_version" {
 }
 
 variable "auth_mounts" {
-  description = "Where the auth config expects its files (generated from serve_app/region_render.py)."
+  description = "Where the auth config expects its files (generated from serve_app/regions/render.py)."
   type = object({
     signing_keys_dir  = string
     signing_keys_file = string

@@ -20,7 +20,6 @@ openai are imported only by the steps that need them, so ``--help`` and the test
 """
 
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,7 +32,8 @@ import yaml
 
 from serve_app import catalog
 from serve_app.config import parse_app_args
-from serve_app.gpu_smoke_checks import Check, check_cuda, run_requests
+from serve_app.devtools.local_services import free_port, wait_healthy
+from serve_app.image.gpu_smoke_checks import Check, check_cuda, run_requests
 from serve_app.paths import REPO_ROOT
 
 APPLICATION = "llm"
@@ -105,7 +105,7 @@ def create_smoke_key(auth_args: dict[str, Any]) -> str:
     """Key material the smoke app's routers read, and an inference key valid for an hour."""
     from serve_app.auth.config import AuthArgs
     from serve_app.auth.keys import KeyStore
-    from serve_app.local_regions import create_key_material
+    from serve_app.devtools.local_regions import create_key_material
 
     auth = AuthArgs.model_validate(auth_args)
     create_key_material(auth)
@@ -113,12 +113,6 @@ def create_smoke_key(auth_args: dict[str, Any]) -> str:
         owner="gpu-smoke", tier=auth.default_tier, expires_at=int(time.time()) + 3600
     )
     return key
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -130,8 +124,8 @@ def local_region(args: dict[str, Any]) -> Iterator[str]:
     from serve_app.app import RAY_ENV, build_app
 
     os.environ.update(RAY_ENV)  # Ray reads it when it starts (HAProxy in front of the router)
-    os.environ.update({name: str(_free_port()) for name in HAPROXY_PORTS})  # beside a running Ray
-    port = _free_port()
+    os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})  # beside a running Ray
+    port = free_port()
     ray.init(address="local", include_dashboard=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -144,21 +138,12 @@ def local_region(args: dict[str, Any]) -> Iterator[str]:
             ray.shutdown()
 
 
-def wait_healthy(url: str, timeout_s: float) -> Check:
-    import httpx
-
-    deadline, last = time.monotonic() + timeout_s, "no answer"
-    while True:
-        try:
-            response = httpx.get(f"{url}/health", timeout=10)
-            if response.status_code == 200:
-                return Check("health", True, f"{url}/health 200")
-            last = f"{response.status_code} {response.text[:120]}"
-        except httpx.HTTPError as err:
-            last = f"{type(err).__name__}: {err}"
-        if time.monotonic() >= deadline:
-            return Check("health", False, f"{url}/health not 200 after {timeout_s:.0f} s: {last}")
-        time.sleep(5)
+def health_check(url: str, timeout_s: float) -> Check:
+    try:
+        seconds = wait_healthy(url, timeout_s, poll_s=5)
+    except RuntimeError as err:
+        return Check("health", False, str(err))
+    return Check("health", True, f"{url}/health 200 after {seconds:.0f} s")
 
 
 def _report(checks: list[Check]) -> None:
@@ -169,7 +154,7 @@ def _report(checks: list[Check]) -> None:
 def _smoke(url: str, api_key: str, model_id: str, health_timeout_s: float) -> list[Check]:
     import openai
 
-    checks = [wait_healthy(url, health_timeout_s)]
+    checks = [health_check(url, health_timeout_s)]
     _report(checks)
     if checks[0].ok:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)

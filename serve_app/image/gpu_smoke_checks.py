@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-# Compute capability of each Blackwell type a region can pin (regions.BLACKWELL_ACCELERATORS):
-# B200 is sm_100, the RTX PRO 6000 Blackwell sm_120.
-BLACKWELL_CAPABILITY = {"B200": (10, 0), "RTX-PRO-6000": (12, 0)}
+from serve_app.regions.schema import BLACKWELL_CAPABILITY
+
 
 CHAT_PROMPT = "Say hi in one short sentence."
 WEATHER_TOOL = {

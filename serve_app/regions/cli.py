@@ -1,8 +1,8 @@
 """``regions`` commands: render the files generated from ``regions/``, or check they are current.
 
-    python -m serve_app.regions_cli render   # writes configs/<id>.yaml and terraform/ files
-    python -m serve_app.regions_cli check    # exit 1 and list every drifted, missing or stale file
-    python -m serve_app.regions_cli list     # one line per region
+    python -m serve_app.regions.cli render   # writes configs/<id>.yaml and terraform/ files
+    python -m serve_app.regions.cli check    # exit 1 and list every drifted, missing or stale file
+    python -m serve_app.regions.cli list     # one line per region
 
 ``app`` is a Typer app, meant to be mounted in the main CLI as ``serve-app regions``.
 """
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import typer
 
-from serve_app import region_render, regions as regions_mod
+from serve_app.regions import render as region_render
+from serve_app.regions import schema as regions_mod
 from serve_app.paths import REPO_ROOT
 
 app = typer.Typer(help="Regions: regions/<id>.yaml -> Serve configs and Terraform.", no_args_is_help=True)

@@ -1,4 +1,4 @@
-"""The router's view of each model's hot-load state (serve_app/model_state.py), kept fresh.
+"""The router's view of each model's hot-load state (serve_app/hot_load/state.py), kept fresh.
 
 A background task refreshes every model's state from the wanted state in the GCS KV store once a
 second (one small KV read per model) and from Serve's status only when it may have changed: every
@@ -17,7 +17,7 @@ from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
 from serve_app.errors import retry_later
-from serve_app.model_state import (
+from serve_app.hot_load.state import (
     COLD,
     FAILED,
     LOADED,

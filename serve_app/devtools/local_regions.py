@@ -5,7 +5,7 @@ with two applications on the same port: ``local`` at ``/`` and ``peer`` at ``/pe
 own router, rate limiter and model deployment (the peer's model starts cold, on half a CPU, one
 request at a time, so it is easy to overload), they share the signing keys and key store (as
 regions that trust each other's tokens), and each names the other as its failover peer over
-127.0.0.1. The integration tests and ``python -m serve_app.bench_failover`` deploy it.
+127.0.0.1. The integration tests and ``python -m serve_app.bench.failover`` deploy it.
 """
 
 import copy

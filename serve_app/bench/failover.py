@@ -1,13 +1,13 @@
 """What a failover costs: the same streaming benchmark served locally and through a peer region.
 
-Starts its own Ray on free ports, deploys two regions on 127.0.0.1 (``serve_app.local_regions``:
+Starts its own Ray on free ports, deploys two regions on 127.0.0.1 (``serve_app.devtools.local_regions``:
 ``local`` with the model loaded, ``peer`` with it cold), and runs ``serve_app.bench`` against
 ``local`` directly and against ``peer``, whose router forwards every request to ``local``. Both
 targets end in the same engine, so the difference is the failover hop: the peer router's
 auth, state check and forwarding, one more pass through the Serve proxy, and the relay back.
 Then it shuts Serve and its Ray down.
 
-    .venv/bin/python -m serve_app.bench_failover --runs 100 --out bench-results/failover.json
+    .venv/bin/python -m serve_app.bench.failover --runs 100 --out bench-results/failover.json
 """
 
 import os
@@ -25,7 +25,7 @@ from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
 from serve_app.bench import bench_target, free_port, report, wait_healthy
-from serve_app.local_regions import PEER_PREFIX, create_key_material, two_region_config
+from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
 from serve_app.paths import REPO_ROOT
 
 READY_TIMEOUT_S = 900

@@ -1,0 +1,34 @@
+"""The package's rooms: nothing loose at the top that belongs in a package, and no serving
+process importing the development tooling."""
+
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# The top level keeps what every room uses: the app builder, the CLI entry point, the validated
+# args, the catalog of model facts, the one error shape, and where generated files live.
+TOP_LEVEL = {"__init__.py", "app.py", "cli.py", "config.py", "catalog.py", "errors.py", "paths.py"}
+
+
+def test_serve_app_has_no_loose_module_beyond_the_core():
+    loose = {path.name for path in (REPO / "serve_app").glob("*.py")}
+    assert loose == TOP_LEVEL
+
+
+def test_every_module_is_listed_in_the_readme_layout_table():
+    readme = (REPO / "README.md").read_text()
+    rooms = sorted({path.parent.name for path in (REPO / "serve_app").glob("*/__init__.py")})
+    missing = [room for room in rooms if f"`serve_app/{room}/`" not in readme]
+    missing += [name for name in TOP_LEVEL - {"__init__.py"} if name not in readme]
+    assert not missing
+
+
+def test_the_serving_processes_import_no_dev_tooling():
+    script = (
+        "import sys\n"
+        "import serve_app.app, serve_app.engine.deployment, serve_app.router.ingress\n"
+        "print(sorted(m for m in sys.modules if m.startswith('serve_app.devtools')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
