@@ -10,20 +10,17 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from serve_app import catalog
 from serve_app.auth.config import AuthArgs
+from serve_app.settings import Settings
 from serve_app.telemetry.config import TelemetryArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Autoscaling(_Strict):
+class Autoscaling(Settings):
     """Ray Serve autoscaling on in-flight requests per replica.
 
     Explicit numbers on purpose: Ray Serve LLM's defaults (1e9 ongoing requests) mean a replica
@@ -49,7 +46,7 @@ class Autoscaling(_Strict):
         return self
 
 
-class Resources(_Strict):
+class Resources(Settings):
     """What one model replica asks Ray for. GPU replicas pin a Blackwell type per region."""
 
     num_cpus: float = Field(1, ge=0)
@@ -64,7 +61,7 @@ class Resources(_Strict):
         return self
 
 
-class EngineOverrides(_Strict):
+class EngineOverrides(Settings):
     """Per-deployment changes to the catalog's engine settings; None keeps the catalog value."""
 
     source: str | None = Field(
@@ -87,7 +84,7 @@ class EngineOverrides(_Strict):
     )
 
 
-class ModelDeploymentArgs(_Strict):
+class ModelDeploymentArgs(Settings):
     id: str = Field(description="Canonical catalog id; callers may also use its aliases.")
     engine: EngineOverrides = Field(default_factory=EngineOverrides)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
@@ -162,7 +159,7 @@ class ModelDeploymentArgs(_Strict):
         return args
 
 
-class RouterArgs(_Strict):
+class RouterArgs(Settings):
     num_replicas: int = Field(1, ge=1)
     # The router does little CPU work; a whole CPU would starve the model replica on small hosts
     # (on a 2-CPU machine Ray could never place both).
@@ -170,7 +167,7 @@ class RouterArgs(_Strict):
     max_ongoing_requests: int = Field(1000, ge=1)
 
 
-class ResponsesArgs(_Strict):
+class ResponsesArgs(Settings):
     """The region's store of Responses API objects (``store: true``, ``previous_response_id``)."""
 
     store_path: str | None = Field(
@@ -185,7 +182,7 @@ class ResponsesArgs(_Strict):
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-class Peer(_Strict):
+class Peer(Settings):
     region: str = Field(description="The peer region's id.")
     endpoint: str = Field(description="Base URL of its router: https://..., or http:// on loopback.")
 
@@ -200,7 +197,7 @@ class Peer(_Strict):
         raise ValueError(f"{value!r}: a peer endpoint must be https:// (http:// only on 127.0.0.1)")
 
 
-class FailoverArgs(_Strict):
+class FailoverArgs(Settings):
     """Cross-region failover (serve_app/router/failover.py): one hop to a peer region's router."""
 
     peers: list[Peer] = Field(default_factory=list, description="Most preferred first.")
@@ -211,7 +208,7 @@ class FailoverArgs(_Strict):
     read_timeout_s: float = Field(600, gt=0)
 
 
-class AppArgs(_Strict):
+class AppArgs(Settings):
     region: str = Field("local", description="Region id reported in responses and traces.")
     models: list[ModelDeploymentArgs] = Field(min_length=1)
     router: RouterArgs = Field(default_factory=RouterArgs)

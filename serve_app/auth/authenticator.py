@@ -23,9 +23,10 @@ from typing import Any, Protocol
 
 from serve_app.auth import tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
+from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
 from serve_app.auth.ratelimit import Decision
-from serve_app.errors import APIError
+from serve_app.errors import APIError, retry_later
 
 logger = logging.getLogger("ray.serve")
 
@@ -171,7 +172,11 @@ class Authenticator:
         try:
             return self.authenticate(authorization, scope=scope, offline=True)
         except CacheMiss:
+            pass
+        try:
             return await asyncio.to_thread(self.authenticate, authorization, scope=scope)
+        except RegistryUnavailable as err:
+            raise registry_unavailable(err) from None
 
     def authenticate(self, authorization: str | None, *, scope: str, offline: bool = False) -> Principal:
         """The caller, if its credential is valid, allowed in this region and holds ``scope``.
@@ -403,3 +408,10 @@ def _logged_refusal() -> Iterator[None]:
     except APIError as err:
         logger.info("auth refused: %s %s", err.status, err.code)  # the code only, never the credential
         raise
+
+
+def registry_unavailable(err: RegistryUnavailable) -> APIError:
+    """A registry outage as the client sees it: 503 with Retry-After (the cause is logged here,
+    never sent: it may name hosts)."""
+    logger.warning("key registry unavailable: %s", err)
+    return retry_later("the key registry is unavailable", "key_registry_unavailable")

@@ -8,18 +8,17 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from serve_app.paths import state_dir
+from serve_app.settings import Settings
 
 LOCAL_REGION = "local"
 # The longest lifetime a region may configure for its tokens (``token_ttl_s``).
 MAX_TOKEN_TTL_S = 3600
 
 
-class Tier(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Tier(Settings):
     requests_per_minute: int = Field(gt=0)
     tokens_per_minute: int = Field(gt=0)
     # vLLM's request priority under contention (--scheduling-policy priority): lower is scheduled
@@ -38,9 +37,7 @@ DEFAULT_TIERS = {
 }
 
 
-class AuthArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AuthArgs(Settings):
     key_store_path: str | None = Field(
         None,
         description="SQLite API-key store (absolute path). Default, local region only: "

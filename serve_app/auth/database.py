@@ -23,6 +23,11 @@ from typing import Any, Protocol
 _DSN = re.compile(r"^postgres(ql)?://")
 
 
+class RegistryUnavailable(Exception):
+    """The registry could not be reached or used (down, unreachable, locked): the caller answers
+    503 with Retry-After, not 500; the cause stays in the log, never in a response."""
+
+
 class Connection(Protocol):
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any: ...
 
@@ -47,11 +52,16 @@ class SqliteDatabase:
     @contextmanager
     def connect(self) -> Iterator[sqlite3.Connection]:
         # mode=rw never creates a file by accident.
-        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
+        except sqlite3.OperationalError as err:
+            raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
         db.row_factory = sqlite3.Row
         try:
             with db:
                 yield db
+        except sqlite3.OperationalError as err:  # "database is locked" past the 5 s busy timeout
+            raise RegistryUnavailable(f"key store {self.path}: {err}") from err
         finally:
             db.close()
 
@@ -86,8 +96,15 @@ class PostgresDatabase:
         import psycopg
         from psycopg.rows import dict_row
 
-        with psycopg.connect(self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S) as db:
-            yield _PostgresConnection(db)  # commits on a clean exit, rolls back on an exception
+        try:
+            db = psycopg.connect(self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S)
+        except psycopg.OperationalError as err:
+            raise RegistryUnavailable(f"cannot reach the key registry at {self.describe()}: {err}") from err
+        try:
+            with db:  # commits on a clean exit, rolls back on an exception
+                yield _PostgresConnection(db)
+        except psycopg.OperationalError as err:  # the server went away mid-query
+            raise RegistryUnavailable(f"key registry at {self.describe()}: {err}") from err
 
     def create_schema(self, ddl: str) -> None:
         ddl = ddl.replace(" BLOB ", " BYTEA ").replace(" INTEGER", " BIGINT")

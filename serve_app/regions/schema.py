@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app import catalog
 from serve_app.paths import REPO_ROOT
+from serve_app.settings import FrozenSettings
 
 # Blackwell GPUs, spelled as Ray's accelerator types (ray.util.accelerators: NVIDIA_B200,
 # NVIDIA_RTX_PRO_6000), with the CUDA compute capability each reports (the GPU smoke test checks
@@ -43,11 +44,7 @@ class RegionError(ValueError):
     """A region file, or the set of them, is invalid; the message lists every problem."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class GpuNode(_Strict):
+class GpuNode(FrozenSettings):
     name: str = Field(description="Kubernetes node name of a GPU server in the region.")
     gpus: int = Field(ge=1, le=8, description="Blackwell GPUs on that node.")
 
@@ -59,7 +56,7 @@ class GpuNode(_Strict):
         return value
 
 
-class GpuPool(_Strict):
+class GpuPool(FrozenSettings):
     """The region's Blackwell GPU node pool: labelled and tainted by Terraform."""
 
     accelerator_type: str = Field(description=f"Ray accelerator type: {' or '.join(BLACKWELL_ACCELERATORS)}.")
@@ -88,7 +85,7 @@ class GpuPool(_Strict):
         return self
 
 
-class Replicas(_Strict):
+class Replicas(FrozenSettings):
     """Autoscaling bounds of one model in one region (one GPU per replica)."""
 
     min: int = Field(ge=1, description="Never zero: a cold start loads ~35 GB of weights.")
@@ -104,7 +101,7 @@ class Replicas(_Strict):
         return self
 
 
-class SpeculativeDecoding(_Strict):
+class SpeculativeDecoding(FrozenSettings):
     """Opt-in MTP speculative decoding: the checkpoint's own multi-token-prediction layers draft
     tokens that the model verifies in one forward pass (docs/regions.md, "MTP speculative decoding")."""
 
@@ -114,7 +111,7 @@ class SpeculativeDecoding(_Strict):
     )
 
 
-class RegionModel(_Strict):
+class RegionModel(FrozenSettings):
     """One catalog model as a region serves it. Model facts (checkpoint, FP8, the 8192-token cap,
     eager mode, parsers) come from the catalog and cannot be changed here."""
 
@@ -172,17 +169,17 @@ class RegionModel(_Strict):
         return self
 
 
-class RegionRouter(_Strict):
+class RegionRouter(FrozenSettings):
     replicas: int = Field(2, ge=1)
     cpus: float = Field(1, ge=0)
 
 
-class PodSize(_Strict):
+class PodSize(FrozenSettings):
     cpus: int = Field(ge=1)
     memory_gib: int = Field(ge=1)
 
 
-class RegionKubernetes(_Strict):
+class RegionKubernetes(FrozenSettings):
     """Sizes of the region's Ray pods: one head pod, one worker pod per GPU."""
 
     namespace: str = "serve"
@@ -190,7 +187,7 @@ class RegionKubernetes(_Strict):
     gpu_worker: PodSize = PodSize(cpus=12, memory_gib=128)
 
 
-class Region(_Strict):
+class Region(FrozenSettings):
     id: str = Field(description="IATA code of the nearest airport plus an index, e.g. yul-02.")
     location: str = Field(min_length=1)
     status: Literal["pilot", "ga"] = Field(

@@ -22,7 +22,8 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import catalog
-from serve_app.auth.authenticator import Authenticator, Principal
+from serve_app.auth.authenticator import Authenticator, Principal, registry_unavailable
+from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import SharedRateLimiter
@@ -74,6 +75,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(
         error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code, headers=exc.headers
     )
+
+
+@app.exception_handler(RegistryUnavailable)
+async def _registry_unavailable(_: Request, exc: RegistryUnavailable) -> JSONResponse:
+    """Wherever the key registry was needed (token endpoint, admin routes): 503, not 500."""
+    error = registry_unavailable(exc)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 @app.exception_handler(RequestValidationError)

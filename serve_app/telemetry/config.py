@@ -11,18 +11,16 @@ import re
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.settings import Settings
 
 # HTTP header names (RFC 9110 token) — also valid gRPC metadata keys once lower-cased.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TracingArgs(_Strict):
+class TracingArgs(Settings):
     """OpenTelemetry tracing of every inference request, exported over OTLP.
 
     Off by default: a deployment opts in by naming its collector. The router replicas own the
@@ -128,12 +126,12 @@ class TracingArgs(_Strict):
         return self.endpoint
 
 
-class MetricsArgs(_Strict):
+class MetricsArgs(Settings):
     """Prometheus metrics through Ray's metrics agent (``ray_serve_app_*`` series)."""
 
     enabled: bool = True
 
 
-class TelemetryArgs(_Strict):
+class TelemetryArgs(Settings):
     tracing: TracingArgs = Field(default_factory=TracingArgs)
     metrics: MetricsArgs = Field(default_factory=MetricsArgs)

@@ -71,3 +71,23 @@ def test_a_region_names_its_registry_by_env_var_and_an_empty_one_fails_loudly(fr
 def test_the_dsn_is_never_logged_with_its_password():
     database = PostgresDatabase("postgresql://serve_app:s3cret@db.internal:5432/registry")
     assert database.describe() == "postgresql://serve_app:***@db.internal:5432/registry"
+
+
+def test_a_registry_outage_is_a_503_with_retry_after_not_a_500(tmp_path, fresh_database):
+    import asyncio
+
+    from serve_app.auth.database import PostgresDatabase, RegistryUnavailable
+    from serve_app.errors import APIError
+    from tests.conftest import free_port
+    from auth_support import authenticator
+
+    auth = authenticator(tmp_path)
+    auth.keys = KeyStore(fresh_database, cache_ttl_s=0)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    auth.keys.database = PostgresDatabase(f"postgresql://serve_app@127.0.0.1:{free_port()}/gone")  # the server went away
+    with pytest.raises(RegistryUnavailable):
+        auth.keys.lookup(key)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(auth.authenticate_async(f"Bearer {key}", scope=SCOPE_INFERENCE))
+    assert refused.value.status == 503 and refused.value.code == "key_registry_unavailable"
+    assert refused.value.headers["Retry-After"] and "127.0.0.1" not in refused.value.message
