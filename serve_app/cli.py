@@ -21,6 +21,7 @@ from serve_app.image import gpu_smoke, image_lock
 from serve_app.auth import tokens
 from serve_app.auth.authenticator import Principal, mint_token
 from serve_app.auth.config import AuthArgs
+from serve_app.auth.database import is_dsn
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
 from serve_app.bench import cli as bench_cli
 from serve_app.config import parse_app_args
@@ -53,15 +54,14 @@ class _Context:
         args = parse_app_args(application.get("args") or {})
         self.region: str = args.region
         update: dict[str, object] = {}
+        self._registry_dsn: str | None = None
         if signing_keys is not None:
             update["signing_keys_path"] = str(signing_keys.resolve())
         if key_store is not None:  # a registry DSN, or a SQLite file: either replaces the config's
-            is_dsn = key_store.startswith(("postgresql://", "postgres://"))
-            update["key_store_path"] = None if is_dsn else str(Path(key_store).resolve())
+            dsn = is_dsn(key_store)
+            update["key_store_path"] = None if dsn else str(Path(key_store).resolve())
             update["key_registry_dsn_env"] = None
-            self._registry_dsn = key_store if is_dsn else None
-        else:
-            self._registry_dsn = None
+            self._registry_dsn = key_store if dsn else None
         self.auth: AuthArgs = args.auth.model_copy(update=update)
 
     def store(self, create: bool = False) -> KeyStore:

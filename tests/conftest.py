@@ -1,4 +1,3 @@
-import secrets
 import sys
 from pathlib import Path
 
@@ -34,9 +33,6 @@ def postgres_dsn():
 @pytest.fixture
 def fresh_database(postgres_dsn) -> str:
     """The DSN of a new, empty database on the session's server: one per test, no leftovers."""
-    import psycopg
+    from tests.postgres_server import new_database
 
-    name = f"t_{secrets.token_hex(6)}"
-    with psycopg.connect(postgres_dsn, autocommit=True) as db:
-        db.execute(f"CREATE DATABASE {name}")
-    return postgres_dsn.rsplit("/", 1)[0] + f"/{name}"
+    return new_database(postgres_dsn)

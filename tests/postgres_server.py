@@ -4,6 +4,7 @@ by the set-up), a fresh cluster in a temp dir, on a free loopback port; stopped 
 
 import glob
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +24,16 @@ def _binary(name: str) -> str:
 
 def _as_server_user(args: list[str]) -> list[str]:
     return ["runuser", "-u", USER, "--", *args] if os.geteuid() == 0 else args
+
+
+def new_database(server_dsn: str, name: str | None = None) -> str:
+    """Create an empty database on the server ``server_dsn`` names; return its DSN."""
+    import psycopg
+
+    name = name or f"t_{secrets.token_hex(6)}"
+    with psycopg.connect(server_dsn, autocommit=True) as db:
+        db.execute(f"CREATE DATABASE {name}")
+    return server_dsn.rsplit("/", 1)[0] + f"/{name}"
 
 
 @contextmanager

@@ -120,8 +120,13 @@ def _without_comments(ddl: str) -> str:
     return "\n".join(line.split("--", 1)[0] for line in ddl.splitlines())
 
 
+def is_dsn(location: str | Path) -> bool:
+    """Whether ``location`` names PostgreSQL (a DSN) rather than a SQLite file."""
+    return isinstance(location, str) and _DSN.match(location) is not None
+
+
 def open_database(location: str | Path, *, create: bool = False) -> SqliteDatabase | PostgresDatabase:
     """A ``postgresql://`` DSN, or a SQLite path (``create``: make the file if it is missing)."""
-    if isinstance(location, str) and _DSN.match(location):
+    if is_dsn(location):
         return PostgresDatabase(location)
     return SqliteDatabase(location, create=create)

@@ -88,6 +88,11 @@ def error_body(status: int, message: str, request_id: str | None = None) -> Body
     return {"type": "error", "error": {"type": error_type(status), "message": message}, "request_id": request_id}
 
 
+def error_event(status: int, message: str) -> str:
+    """An Anthropic stream's ``error`` event, whoever noticed the failure (replica or router)."""
+    return f"event: error\ndata: {json.dumps(error_body(status, message), separators=(',', ':'))}\n\n"
+
+
 def _setdefault_none(obj: Body, keys: tuple[str, ...]) -> None:
     for key in keys:
         obj.setdefault(key, None)

@@ -153,8 +153,7 @@ class ModelServer:
             return result
         if isinstance(result, ChatCompletionResponse):
             metrics = result.metrics.model_dump() if getattr(result, "metrics", None) is not None else None
-            message = anthropic.messages_full_converter(result)
-            return _WithMetrics(message, metrics)
+            return surfaces.ConvertedMessage(anthropic.messages_full_converter(result), metrics)
         return anthropic.message_stream_converter(surfaces.peek_chat_metrics(result, watcher))
 
     async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
@@ -243,10 +242,7 @@ class ModelServer:
             yield _error_head(result)
             return
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
-            metrics = result.metrics if isinstance(result, _WithMetrics) else None
-            response = surface.dump(result.body if isinstance(result, _WithMetrics) else result)
-            if metrics is not None:
-                response["metrics"] = metrics
+            response = surface.dump(result)
             summary = surface.summarize(response)
             surface.shape(response, shape_body)
             summary["replica_ms"] = _ms_since(started)
@@ -305,13 +301,6 @@ def stream_host() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-class _WithMetrics:
-    """A converted non-stream body with the engine timing its conversion dropped."""
-
-    def __init__(self, body, metrics: dict[str, Any] | None):
-        self.body, self.metrics = body, metrics
 
 
 def _ms_since(started: float) -> float:

@@ -160,6 +160,8 @@ def response(body: Body, request: Body) -> Body:
     else:
         body["completed_at"] = None
     body["store"] = _store(request)
+    # The router continued the conversation and kept the id away from vLLM (router/responses.py).
+    body["previous_response_id"] = request.get("previous_response_id")
     # vLLM rewrites tool_choice to "none" when there are no tools; OpenAI echoes the request.
     tool_choice = request.get("tool_choice")
     body["tool_choice"] = "auto" if tool_choice is None else tool_choice

@@ -16,7 +16,7 @@ vLLM is imported inside the methods only: the router imports nothing from here.
 """
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
 
@@ -75,7 +75,6 @@ class ResponsesSurface:
 
     def shape(self, response: Body, body: Body) -> None:
         responses_shape.response(response, body)
-        response["previous_response_id"] = body.get("previous_response_id")
 
     def watcher(self, body: Body) -> "ResponsesStream":
         return ResponsesStream(self, body)
@@ -102,18 +101,24 @@ class ResponsesStream:
         if event.type in responses_shape.DELTA_TYPES:
             return responses_shape.delta_sse(event)
         payload = event.model_dump(mode="json", by_alias=True)
-        if payload.get("type") in ("response.completed",) and isinstance(payload.get("response"), dict):
+        if payload.get("type") == "response.completed" and isinstance(payload.get("response"), dict):
             # Timing off the response before it is shaped (and before the client could see it).
             self._summary = self._surface.summarize(payload["response"])
         payload = responses_shape.stream_event(payload, self._body)
-        if isinstance(payload.get("response"), dict):
-            payload["response"]["previous_response_id"] = self._body.get("previous_response_id")
         if payload.get("type") in self.TERMINAL:
             self.final = payload.get("response")
         return responses_shape.sse(payload)
 
     def trailer(self) -> Body:
         return {**self._summary, "error_code": None, "error_status": None, "response": self.final}
+
+
+class ConvertedMessage(NamedTuple):
+    """A non-stream Messages answer: vLLM's converted message, and the engine timing of the chat
+    response it was converted from (the converter drops it)."""
+
+    message: Any
+    metrics: Body | None
 
 
 class MessagesSurface:
@@ -123,8 +128,11 @@ class MessagesSurface:
 
     stream: "MessagesStream | None" = None
 
-    def dump(self, result) -> Body:
-        return result.model_dump(exclude_none=True)
+    def dump(self, result: ConvertedMessage) -> Body:
+        body = result.message.model_dump(exclude_none=True)
+        if result.metrics is not None:
+            body["metrics"] = result.metrics  # summarize() takes it off before the client sees it
+        return body
 
     def summarize(self, response: Body) -> Body:
         usage = response.get("usage") or {}
@@ -140,6 +148,9 @@ class MessagesSurface:
     def watcher(self, body: Body) -> "MessagesStream":
         self.stream = MessagesStream(body)
         return self.stream
+
+
+_FAILED_MID_STREAM = "the model failed during this stream; retry the request"
 
 
 class MessagesStream:
@@ -169,10 +180,9 @@ class MessagesStream:
             if stop := (data.get("delta") or {}).get("stop_reason"):
                 self._stop = [stop]
         elif name == "error":
-            status, message = self.chat_error or (500, "the model failed during this stream; retry the request")
+            status, message = self.chat_error or (500, _FAILED_MID_STREAM)
             self._error = ("invalid_request" if status < 500 else "stream_failed", status)
-            data = json.dumps(anthropic_shape.error_body(status, message), separators=(",", ":"))
-            return f"event: error\ndata: {data}\n\n"
+            return anthropic_shape.error_event(status, message)
         return anthropic_shape.stream_event(event, self._body)
 
     def trailer(self) -> Body:
@@ -191,13 +201,10 @@ async def peek_chat_metrics(chat_events, into: MessagesStream):
     usage chunk (``metrics``) noted on ``into`` on the way: the Anthropic converter drops it."""
     async for event in chat_events:
         if event.startswith(trailer.ERROR_PREFIX):
-            try:
-                error = json.loads(event[5:])["error"]
-                into.chat_error = (int(error.get("code") or 500), str(error.get("message") or "invalid request"))
-            except (ValueError, KeyError, TypeError):
-                into.chat_error = (500, "the model failed during this stream")
-            if into.chat_error[0] >= 500:  # a server fault's text is for our log, not the client
-                into.chat_error = (500, "the model failed during this stream; retry the request")
+            status, error = trailer.vllm_stream_error(event)
+            # A server fault's text is for our log, not the client.
+            message = str(error.get("message") or "invalid request") if status < 500 else _FAILED_MID_STREAM
+            into.chat_error = (status, message)
         elif '"metrics":' in event and '"usage":' in event:
             try:
                 into.timing = trailer.engine_timing(json.loads(event[5:]).get("metrics"))

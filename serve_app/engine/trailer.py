@@ -54,6 +54,16 @@ def ask_for_usage(body: dict[str, Any]) -> bool:
     return wanted
 
 
+def vllm_stream_error(event: str) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and error object of vLLM's mid-stream error event (``data: {"error": …}``,
+    ``code`` being the status); 500 and no detail when it cannot be read."""
+    try:
+        error = json.loads(event[5:])["error"]
+        return int(error.get("code") or 500), error
+    except (ValueError, KeyError, TypeError):
+        return 500, {}
+
+
 def _finish_reasons(choices: list[dict[str, Any]]) -> list[str]:
     return [c["finish_reason"] for c in choices if c.get("finish_reason")]
 
@@ -121,11 +131,7 @@ class StreamTrailer:
         """vLLM's mid-stream error, in our documented shape. A server-side failure (vLLM's
         ``EngineCore encountered an issue. See stack trace (above)…``) says only that the engine
         failed and to retry; a client's mistake keeps vLLM's message and status."""
-        try:
-            error = json.loads(event[5:])["error"]
-            status = int(error.get("code") or 500)
-        except (ValueError, KeyError, TypeError):
-            error, status = {}, 500
+        status, error = vllm_stream_error(event)
         if status >= 500:
             self.error_code, self.error_status = ENGINE_UNAVAILABLE, 503
             body = engine_failed_mid_stream()

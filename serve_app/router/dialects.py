@@ -56,9 +56,8 @@ class TypedEventDialect:
     def error_event(self, status: int, error: dict[str, Any]) -> bytes:
         inner = error["error"]
         if self.anthropic:
-            payload = anthropic_shape.error_body(status, inner["message"])
-        else:
-            payload = {"type": "error", "code": inner.get("code"), "message": inner["message"], "param": inner.get("param")}
+            return anthropic_shape.error_event(status, inner["message"]).encode()
+        payload = {"type": "error", "code": inner.get("code"), "message": inner["message"], "param": inner.get("param")}
         return f"event: error\ndata: {_compact(payload)}\n\n".encode()
 
 

@@ -80,8 +80,7 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 @app.exception_handler(RegistryUnavailable)
 async def _registry_unavailable(_: Request, exc: RegistryUnavailable) -> JSONResponse:
     """Wherever the key registry was needed (token endpoint, admin routes): 503, not 500."""
-    error = registry_unavailable(exc)
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return await _api_error(_, registry_unavailable(exc))
 
 
 @app.exception_handler(RequestValidationError)

@@ -72,11 +72,9 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
 @pytest.fixture(scope="session")
 def registry_dsn(postgres_dsn) -> str:
     """The two regions' shared key registry: a fresh database on the session's PostgreSQL."""
-    import psycopg
+    from tests.postgres_server import new_database
 
-    with psycopg.connect(postgres_dsn, autocommit=True) as db:
-        db.execute("CREATE DATABASE registry")
-    return postgres_dsn.rsplit("/", 1)[0] + "/registry"
+    return new_database(postgres_dsn, "registry")
 
 
 @pytest.fixture(scope="session")
