@@ -28,6 +28,7 @@ from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
 from serve_app.regions.cli import app as regions_app
+from serve_app.usage.cli import usage_app
 
 # Never print local variables in a traceback: they can hold a key or a private key.
 app = typer.Typer(no_args_is_help=True, help=__doc__.splitlines()[0], pretty_exceptions_show_locals=False)
@@ -38,6 +39,7 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(signing_app, name="signing")
 app.add_typer(token_app, name="token")
 app.add_typer(regions_app, name="regions", help="Render and check configs/ and terraform/ from regions/.")
+app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
 app.command("faults")(faults_cli.command)

@@ -179,6 +179,25 @@ class ResponsesArgs(Settings):
     max_responses: int = Field(100_000, ge=1, description="The oldest are dropped past this many.")
 
 
+class UsageArgs(Settings):
+    """The usage ledger's writer on each router replica (serve_app/usage/, docs/usage.md)."""
+
+    spool_dir: str | None = Field(
+        None,
+        description="Where records wait while the registry database is unreachable (absolute path, "
+        "on a volume every router replica of the region reaches); default: usage-spool/ beside the "
+        "response store.",
+    )
+    flush_interval_s: float = Field(1.0, gt=0, le=60, description="Records are written in batches this often.")
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_absolute():
+            raise ValueError(f"must be an absolute path, got {value!r}")
+        return value
+
+
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -216,11 +235,17 @@ class AppArgs(Settings):
     telemetry: TelemetryArgs = Field(default_factory=TelemetryArgs)
     failover: FailoverArgs = Field(default_factory=FailoverArgs)
     responses: ResponsesArgs = Field(default_factory=ResponsesArgs)
+    usage: UsageArgs = Field(default_factory=UsageArgs)
 
     def response_store_path(self) -> Path:
         if self.responses.store_path:
             return Path(self.responses.store_path)
         return self.auth.key_store_sqlite().parent / "responses.sqlite3"
+
+    def usage_spool_dir(self) -> Path:
+        if self.usage.spool_dir:
+            return Path(self.usage.spool_dir)
+        return self.response_store_path().parent / "usage-spool"
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":

@@ -83,6 +83,9 @@ class _PostgresConnection:
 class PostgresDatabase:
     kind = "postgres"
     CONNECT_TIMEOUT_S = 5
+    # No statement may hold a router's worker thread (a usage batch, a key lookup) for longer: a
+    # server that stopped answering mid-query becomes RegistryUnavailable, and the ledger spools.
+    STATEMENT_TIMEOUT_MS = 15_000
 
     def __init__(self, dsn: str):
         self.dsn = dsn
@@ -97,13 +100,16 @@ class PostgresDatabase:
         from psycopg.rows import dict_row
 
         try:
-            db = psycopg.connect(self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S)
+            db = psycopg.connect(
+                self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
+                options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
+            )
         except psycopg.OperationalError as err:
             raise RegistryUnavailable(f"cannot reach the key registry at {self.describe()}: {err}") from err
         try:
             with db:  # commits on a clean exit, rolls back on an exception
                 yield _PostgresConnection(db)
-        except psycopg.OperationalError as err:  # the server went away mid-query
+        except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
             raise RegistryUnavailable(f"key registry at {self.describe()}: {err}") from err
 
     def create_schema(self, ddl: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import context_cap, surfaces, tokenization, trailer
+from serve_app.engine import context_cap, stream_server, surfaces, token_count, tokenization, trailer
 from serve_app.engine.stream_server import Prefetched, StreamServer
 from serve_app.errors import error_body
 
@@ -54,6 +54,7 @@ class ModelServer:
         # The same construction as vLLM's own API server (entry.build_and_serve).
         self._engine_context = build_async_engine_client(vllm_args)
         self.engine = await self._engine_context.__aenter__()
+        token_count.install(self.engine)  # billing counts what the engine generates (token_count.py)
         state = State()
         await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
         self._chat = state.openai_serving_chat
@@ -192,9 +193,12 @@ class ModelServer:
         +460 MiB per router replica, kept. It becomes an error head, or, once a stream's head is
         out, an incomplete trailer that names the failure; the traceback stays in this log."""
         head_sent = False
+        count = token_count.start()  # what the engine handles for this request, however it ends
         try:
             async for item in items:
                 head_sent = head_sent or "status" in item
+                if (summary := item.get("trailer")) is not None:  # a stream's last item, or a JSON head's
+                    summary["generated"] = count.as_dict()
                 yield item
         except Exception:
             dead = self.engine.errored
@@ -203,7 +207,8 @@ class ModelServer:
             if not head_sent:
                 yield _ENGINE_UNAVAILABLE if dead else _INTERNAL_ERROR
             else:
-                yield {"trailer": {"replica": self.replica, "complete": False, "error_code": code}}
+                cut = {"replica": self.replica, "complete": False, "error_code": code, "generated": count.as_dict()}
+                yield {"trailer": cut}
 
     async def _serve(
         self, request_type, create, body: dict[str, Any], surface, shape_body: dict[str, Any] | None = None
@@ -259,21 +264,11 @@ class ModelServer:
         connection = None
         try:
             connection = await self._streams.accept(ticket, connected)
-            # Cancellation from the router (client gone) raises CancelledError in here; closing
-            # vLLM's generator (finally) then aborts the engine request, freeing its KV cache.
-            async for event in events:
-                if (event := watcher.pass_on(event)) is None:
-                    continue
-                if not connection.write(event.encode()):
-                    break  # the router closed the socket: its client left
-                if connection.must_drain():
-                    await connection.drain()
-            else:
-                complete = True
+            complete = await stream_server.pump(events, watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
             logger.warning("%s stream to the router broke off: %r", self.model_id, err)
         finally:
-            await events.aclose()
+            await events.aclose()  # vLLM aborts an unfinished engine request, freeing its KV cache
             if connection is not None:
                 connection.close()
         yield {"trailer": {**watcher.trailer(), "replica": self.replica, "complete": complete}}

@@ -9,15 +9,18 @@ written to that socket as bytes, as they are produced — one ``transport.write`
 one read per socket read on the router, so several tokens travel in one read whenever the router
 is behind, and none waits for a timer. The handle call ends with the *trailer* (timing, usage).
 
-Wire format, router → replica: ``<32 hex chars ticket>\\n``. Replica → router: the raw SSE bytes
-of the stream, then the replica closes the connection. Whether the stream ended normally is said
-by the trailer, not by the socket.
+Wire format, router → replica: ``<32 hex chars ticket>\\n``, then nothing: the router closing its
+end is its hang-up (its client left), which stops the stream at once (``pump``). Replica → router:
+the raw SSE bytes of the stream, then the replica closes the connection. Whether the stream ended
+normally is said by the trailer, not by the socket.
 """
 
 import asyncio
 import logging
 import secrets
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,6 +53,40 @@ class StreamConnection:
 
     def close(self) -> None:
         self.writer.close()
+
+
+async def pump(events: AsyncIterator, pass_on: Callable[[Any], str | None], connection: StreamConnection) -> bool:
+    """Write each of ``events`` (as ``pass_on`` shapes it; None: drop it) to the router until the
+    stream ends (True) or the router hangs up (False: its client left).
+
+    The router sends nothing after its ticket, so end-of-file on the connection is its hang-up,
+    noticed at once — also while the engine is still queueing or prefilling, when no write would
+    fail yet. Writing stops then, the engine request is aborted (by the caller's ``aclose``), and
+    the handle call still ends with its trailer: the tokens generated so far get billed.
+    """
+    writing = asyncio.ensure_future(_write_all(events, pass_on, connection))
+    hang_up = asyncio.ensure_future(connection.reader.read(1))
+    try:
+        await asyncio.wait((writing, hang_up), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this call is cancelled: nothing may go on iterating ``events``
+        hang_up.cancel()
+        if not writing.done():
+            writing.cancel()
+            await asyncio.wait([writing])
+    if writing.cancelled():
+        return False
+    return writing.result()  # an engine failure raises here
+
+
+async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None], connection: StreamConnection) -> bool:
+    async for event in events:
+        if (event := pass_on(event)) is None:
+            continue
+        if not connection.write(event.encode()):
+            return False  # the router closed the socket: its client left
+        if connection.must_drain():
+            await connection.drain()
+    return True
 
 
 class Prefetched:

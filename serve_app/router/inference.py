@@ -2,11 +2,12 @@
 chat, completions, Responses and Anthropic Messages (``/tokenize`` has its own, ``tokenization.py``).
 
 Credential (401/403 before the body is read) → body (size, JSON, strict validation per surface) →
-alias → completion budget → model scope → Responses' conversation (``responses.py``) → rate limit
-→ tier priority → the model's state here → a replica (head, then for a stream the byte socket) →
-the answer; a 503 from this region fails over to a peer once. What differs per surface is the
-validation model (``request_schema.BODIES``), the replica method, and the stream's ending and
-error shape (``dialects.py``).
+alias → completion budget → model scope → Responses' conversation (``responses.py``) → token
+budget and rate limit → a usage record once it is over (``metering.py``) → tier priority → the
+model's state here → a replica (head, then for a stream the byte socket) → the answer; a 503 from
+this region fails over to a peer once. What differs per surface is the validation model
+(``request_schema.BODIES``), the replica method, and the stream's ending and error shape
+(``dialects.py``).
 """
 
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ from serve_app.auth.ratelimit import request_token_cost
 from serve_app.errors import APIError
 from serve_app.router import dialects
 from serve_app.router.client_socket import RelayedStream
-from serve_app.router.failover import REGION_HEADER
+from serve_app.router.failover import HOP_HEADER, REGION_HEADER
 from serve_app.router.relay import REPLICA_FAILURES, Exchange, call_model, json_response, open_byte_stream, relay_events
 from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.tokenization import TOKENIZE_TOKEN_COST
@@ -63,9 +64,14 @@ async def relay(
         if method == "responses":  # previous_response_id: the router continues the conversation
             keep, history_bytes = await router.responses.continue_from(body, caller)
             cost_bytes += history_bytes
-        # Counting tokens generates none: charged like /tokenize, never the prompt's size.
-        cost = TOKENIZE_TOKEN_COST if method == "count_tokens" else request_token_cost(body, cost_bytes)
-        limits = await router.auth.admit(caller, cost)  # 429 + Retry-After
+        # Counting tokens generates none: charged like /tokenize, never the prompt's size, and
+        # neither budgeted nor recorded in the usage ledger.
+        metered = method != "count_tokens"
+        cost = request_token_cost(body, cost_bytes) if metered else TOKENIZE_TOKEN_COST
+        budget = await router.meter.check_budget(caller) if metered else {}  # 429 budget_exceeded
+        limits = {**await router.auth.admit(caller, cost), **budget}  # 429 + Retry-After
+        if metered:  # recorded once it is over, by the region that serves it
+            exchange.bill = router.meter.biller(caller, origin=request.headers.get(HOP_HEADER))
         body["priority"] = router.auth.priority(caller, body.get("priority"))  # the tier's, or lower
         try:
             await router.states.ensure_fresh()

@@ -30,14 +30,16 @@ from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
-from serve_app.router import dialects, inference, openapi, tokenization
+from serve_app.router import dialects, inference, metering, openapi, tokenization
 from serve_app.router.failover import Forwarder, is_forwarded
+from serve_app.router.metering import Meter
 from serve_app.hot_load.tracker import InFlight, ModelStates
 from serve_app.router.relay import Exchange
 from serve_app.router.request_schema import describe_validation_errors, parse_json_object
 from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
 from serve_app.telemetry.metrics import setup_metrics
+from serve_app.usage.store import UsageStore
 from serve_app.telemetry.timing import (
     ROUTE_CHAT,
     ROUTE_COMPLETIONS,
@@ -137,7 +139,7 @@ async def _model_in_body(request: Request) -> Any:
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, models: dict[str, DeploymentHandle], args: AppArgs):
+    async def __init__(self, models: dict[str, DeploymentHandle], args: AppArgs):
         self.models = models
         # Inference calls stream (head, then trailer); made once here, not per request.
         self.streaming = {model_id: handle.options(stream=True) for model_id, handle in models.items()}
@@ -167,6 +169,16 @@ class Router:
                 max_responses=args.responses.max_responses,
             )
         )
+        # Usage records go to the key registry's database (one ledger for every region).
+        self.meter = Meter(
+            UsageStore(self.auth.keys.database),
+            args.usage_spool_dir(),
+            region=region,
+            writer_id=self.replica,
+            cache_ttl_s=args.auth.cache_ttl_s,
+            flush_interval_s=args.usage.flush_interval_s,
+        )
+        self.meter.start()
         failover = args.failover
         self.forwarder = Forwarder(
             region,
@@ -178,8 +190,10 @@ class Router:
         )
 
     async def __del__(self) -> None:
-        """Serve calls this when it stops the replica: end the state refresh, close peer connections."""
+        """Serve calls this when it stops the replica: end the state refresh, write the usage
+        records still pending (or spool them), close peer connections."""
         self.states.stop()
+        await self.meter.aclose()
         await self.forwarder.aclose()
 
     @app.get("/health")
@@ -261,6 +275,13 @@ class Router:
             raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
         return {"key_id": key_id, "revoked": True}
 
+    @app.get("/v1/usage")
+    async def usage(self, request: Request):
+        """Usage totals from the ledger (docs/usage.md): the caller's key's, by day, month, model or region."""
+        return await metering.usage_report(
+            self.meter, lambda scope: self._caller(request, scope), request.query_params
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await inference.relay(self, request, ROUTE_CHAT, "chat", _read_body_within_limit)
@@ -329,16 +350,23 @@ class Router:
             return None
         reason = local.code or "unavailable"
         headers = exchange.start_failover(reason)
-        peers = [p.region for p in self.forwarder.peers if p.region != self.region and caller.allows_region(p.region)]
-        # Minted up front in a thread: a key-store cache miss must not block the event loop.
-        bound = await asyncio.to_thread(
-            lambda: {region: f"Bearer {self.auth.forwarding_token(caller, region)}" for region in peers}
-        )
-        forwarded = await self.forwarder.forward(
-            route, body, headers, reason=reason, allowed=caller.allows_region,
-            on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
-            authorization=bound.__getitem__,
-        )
+        # The region that serves the request records its usage: this one only if no peer does.
+        bill, exchange.bill = exchange.bill, None
+        forwarded = None
+        try:
+            peers = [p.region for p in self.forwarder.peers if p.region != self.region and caller.allows_region(p.region)]
+            # Minted up front in a thread: a key-store cache miss must not block the event loop.
+            bound = await asyncio.to_thread(
+                lambda: {region: f"Bearer {self.auth.forwarding_token(caller, region)}" for region in peers}
+            )
+            forwarded = await self.forwarder.forward(
+                route, body, headers, reason=reason, allowed=caller.allows_region,
+                on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
+                authorization=bound.__getitem__,
+            )
+        finally:
+            if forwarded is None or forwarded.response is None:
+                exchange.bill = bill
         exchange.note_failover(forwarded)
         if forwarded.response is not None and not forwarded.stream:
             exchange.forwarded_done(forwarded.status, forwarded.error_type)

@@ -13,14 +13,18 @@ spans from the same numbers.
 """
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -52,10 +56,15 @@ class Exchange:
     """One request's telemetry: its record, its SERVER span, finished exactly once."""
 
     def __init__(self, route: str, headers, *, region: str, replica: str):
+        self.id = uuid.uuid4().hex  # the request's usage record id: written once, however often replayed
         self.record = RequestRecord.begin(route, region=region, replica=replica)
         self.trace = tracing.start_server_span(self.record, headers)
         self.split = None
         self.failover_span = None
+        self.generated: dict[str, int] | None = None  # the engine's own token count (trailer)
+        # Called once when the request is over, with this exchange: its usage record. Set once
+        # the request is admitted; None when another region serves (and bills) it.
+        self.bill: Callable[["Exchange"], None] | None = None
         self._release_slot: Callable[[], None] = lambda: None
 
     def hold_slot(self, release: Callable[[], None]) -> None:
@@ -86,6 +95,7 @@ class Exchange:
 
     def note_trailer(self, trailer: dict[str, Any] | None) -> None:
         if trailer:
+            self.generated = trailer.get("generated") or self.generated
             self.record.note_engine(
                 trailer.get("engine_timing"),
                 usage=trailer.get("usage"),
@@ -129,6 +139,9 @@ class Exchange:
                 tracing.end_failover_span(self.failover_span, self.record, split)
             tracing.finish_request_spans(self.trace, split)
             observe(self.record, split)
+        if self.bill is not None:
+            bill, self.bill = self.bill, None
+            bill(self)
 
     def metadata(self) -> dict[str, Any]:
         return pg_metadata(self.record, self.split, self.trace.trace_id)
@@ -140,10 +153,13 @@ async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any]
     ``handle`` is already ``options(stream=True)`` (made once per router replica, not per call).
     """
     called = time.perf_counter()
-    stream = getattr(handle, method).remote(body)
+    stream = detached_from_request(lambda: getattr(handle, method).remote(body))
     try:
         head = await stream.__anext__()
         exchange.note_handle_wait((time.perf_counter() - called) * 1000, head.get("replica_ms"))
+    except asyncio.CancelledError:  # the client left before the head: the engine may stop
+        stream.cancel()
+        raise
     except BackPressureError:
         raise retry_later(f"{body['model']} is at capacity in region {region}", "overloaded") from None
     except RayActorError:
@@ -153,6 +169,30 @@ async def call_model(handle: DeploymentHandle, method: str, body: dict[str, Any]
         error = head["body"]["error"]
         raise retry_later(error["message"].removesuffix("; retry"), error["code"] or "unavailable")
     return stream, head
+
+
+def detached_from_request(call: Callable[[], Any]) -> Any:
+    """Make a handle call that Serve does not cancel with the request that made it.
+
+    Serve cancels every handle call a request made, queued or running, when that request is
+    cancelled — as the router's is when its client disconnects. A stream's call must outlive its
+    client: the replica stops the engine on the router's hang-up and still ends the call with the
+    trailer, whose token count bills the request (``settle_abandoned``). So the call is made under
+    a copy of Serve's request context with an internal id of its own (Serve files child calls
+    under the parent's internal id), keeping the request id its logs and traces use. Every path
+    that gives up on the call cancels it itself: a client gone before the head (``call_model``),
+    a listener that cannot be reached (``open_byte_stream``), a trailer that never comes.
+
+    Serve's request context is private API (``ray.serve.context``, Ray 2.60 as pinned);
+    ``tests/unit/test_byte_stream.py`` holds it to what this relies on.
+    """
+    current = serve_context._get_serve_request_context()
+    own = dataclasses.replace(
+        current, _internal_request_id=str(uuid.uuid4()), cancel_on_parent_request_cancel=False
+    )
+    context = contextvars.copy_context()
+    context.run(serve_context._serve_request_context.set, own)
+    return context.run(call)
 
 
 def json_response(head: dict[str, Any], exchange: Exchange, headers: dict[str, str]) -> JSONResponse:
@@ -198,8 +238,8 @@ async def relay_events(
 
     The trailer comes over the handle once the replica has closed the socket; ``on_trailer`` sees
     a complete stream's trailer before the closing is sent (the Responses store keeps the final
-    response it carries). A client that leaves closes the socket and cancels the replica call
-    (vLLM aborts the request, freeing its KV cache).
+    response it carries). A client that leaves: the router closes the socket, the replica aborts
+    the engine request (freeing its KV cache) and still sends its trailer (``settle_abandoned``).
     """
     reader, writer = socket
     opening = bytearray()  # the stream's bytes until its first event is whole
@@ -245,8 +285,35 @@ async def relay_events(
         yield dialect.error_event(status, error)
         finished = True
     finally:
-        writer.close()
-        if not finished:  # the client went away: abort the engine request, free its KV cache
-            stream.cancel()
+        writer.close()  # for a client that left, the replica's cue to stop (stream_server.pump)
+        if finished:
+            exchange.close()
+        else:
             exchange.finish(CLIENT_CLOSED, "client_closed")
-        exchange.close()
+            settle_abandoned(stream, exchange)
+
+
+# How long a stream the client left may take to send its trailer (the replica stops at once on the
+# hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
+ABANDONED_TRAILER_WAIT_S = 10.0
+_settling: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def settle_abandoned(stream, exchange: Exchange) -> None:
+    """Account for a stream whose client left, in the background: the replica aborts the engine
+    request when the router hangs up and still ends the handle call with a trailer, whose token
+    count is what the request cost. Then the request's spans end and it is billed."""
+
+    async def settle() -> None:
+        try:
+            item = await asyncio.wait_for(stream.__anext__(), ABANDONED_TRAILER_WAIT_S)
+            exchange.note_trailer(item.get("trailer"))
+        except Exception as err:  # no trailer in time, or the replica died: bill what is known
+            logger.warning("stream %s: no trailer after its client left (%r)", exchange.trace.trace_id, err)
+            stream.cancel()
+        finally:
+            exchange.close()
+
+    task = asyncio.get_running_loop().create_task(settle())
+    _settling.add(task)
+    task.add_done_callback(_settling.discard)

@@ -2,6 +2,7 @@
 router's own code path — credential (Bearer or x-api-key), validation, conversations continued
 from the region store, ownership, and Anthropic-shaped errors on Anthropic's routes."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -12,8 +13,10 @@ from auth_support import MODEL, api_app, authenticator, bearer
 from serve_app.auth.config import Tier
 from serve_app.router import ingress
 from serve_app.hot_load.tracker import InFlight
+from serve_app.router.metering import Meter
 from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
+from serve_app.usage.store import UsageStore
 
 ROUTER = ingress.Router.func_or_class
 
@@ -50,7 +53,11 @@ class FakeEngine:
             def remote(self, body):
                 engine.bodies.append((method, body))
                 engine.count += 1
-                return FakeCall({"status": 200, "stream": False, "body": engine.answer(method, body)})
+                head = {"status": 200, "stream": False, "body": engine.answer(method, body)}
+                if method != "count_tokens":  # what ModelServer's trailer says the engine did
+                    head["trailer"] = {"usage": {"prompt_tokens": 7, "completion_tokens": 3}, "replica": "m1",
+                                       "generated": {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 2}}
+                return FakeCall(head)
 
         return Method()
 
@@ -89,6 +96,7 @@ def setup(tmp_path):
         states=_States(), in_flight=InFlight([SimpleNamespace(id=MODEL, max_ongoing_requests=4, max_queued_requests=4)]), max_model_len={MODEL: 8192},
         responses=ResponsesAPI(ResponseStore(tmp_path / "responses.sqlite3", retention_s=3600, max_responses=100)),
         forwarder=SimpleNamespace(peers=[]),
+        meter=Meter(UsageStore(auth.keys.database), tmp_path / "spool", region="local", writer_id="r1", cache_ttl_s=0),
     )
     for name in ("_caller", "_resolve", "_fail_over"):
         setattr(fake, name, getattr(ROUTER, name).__get__(fake))
@@ -102,7 +110,7 @@ def setup(tmp_path):
     app.delete("/v1/responses/{response_id}")(_bind_id(ROUTER.delete_response, fake))
     key, _ = auth.keys.create_key(owner="alice", tier="standard")
     other, _ = auth.keys.create_key(owner="bob", tier="standard")
-    return SimpleNamespace(client=TestClient(app), engine=engine, key=key, other=other)
+    return SimpleNamespace(client=TestClient(app), engine=engine, key=key, other=other, meter=fake.meter)
 
 
 def _bind(handler, fake):
@@ -204,3 +212,48 @@ def test_an_unknown_previous_response_id_is_404_before_the_engine(setup):
     )
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
     assert setup.engine.count == calls
+
+
+def _recorded(setup):
+    """What the router's ledger holds, written as the background writer would."""
+    asyncio.run(setup.meter.ledger.flush())
+    with setup.meter.store.database.connect() as db:
+        return [dict(row) for row in db.execute("SELECT * FROM usage_records ORDER BY started_at_ms").fetchall()]
+
+
+def test_each_admitted_request_is_recorded_once_with_the_engines_tokens(setup):
+    assert setup.client.post("/v1/messages", json=HI, headers={"x-api-key": setup.key}).status_code == 200
+    assert setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key)).status_code == 200
+    counted = {k: v for k, v in HI.items() if k != "max_tokens"}
+    assert setup.client.post("/v1/messages/count_tokens", json=counted, headers={"x-api-key": setup.key}).status_code == 200
+    refused = setup.client.post("/v1/messages", json={**HI, "max_tokens": 0}, headers={"x-api-key": setup.key})
+    assert refused.status_code == 400
+    rows = _recorded(setup)
+    # Counting tokens generates none and a refused body never reached the engine: two rows.
+    assert [(r["route"], r["status"], r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"]) for r in rows] == [
+        ("/v1/messages", 200, 7, 3, 2), ("/v1/responses", 200, 7, 3, 2),
+    ]
+    assert {(r["owner"], r["region"], r["model"], r["failover_origin"]) for r in rows} == {("alice", "local", MODEL, None)}
+    assert len({r["id"] for r in rows}) == 2
+
+
+def test_a_request_forwarded_here_names_the_region_it_came_from(setup):
+    headers = {**bearer(setup.key), "x-pg-forwarded-from": "yul-02"}
+    assert setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=headers).status_code == 200
+    (row,) = _recorded(setup)
+    assert (row["region"], row["failover_origin"]) == ("local", "yul-02")
+
+
+def test_a_spent_budget_is_a_429_with_its_reset_in_anthropic_shape_too(setup):
+    key_id = setup.key.split("_")[1]
+    setup.meter.store.set_budget(key_id, tokens_per_day=10, tokens_per_month=None)
+    first = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key))
+    assert first.status_code == 200
+    assert (first.headers["x-budget-limit-tokens-day"], first.headers["x-budget-remaining-tokens-day"]) == ("10", "10")
+    # Ten tokens spent (7 + 3), not yet written: the router counts its own pending records.
+    refused = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key))
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-budget-remaining-tokens-day"] == "0"
+    anthropic = setup.client.post("/v1/messages", json=HI, headers={"x-api-key": setup.key})
+    assert _anthropic_error(anthropic) == (429, "rate_limit_error")
+    assert len(_recorded(setup)) == 1  # refused requests cost nothing and are not recorded

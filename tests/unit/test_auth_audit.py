@@ -211,6 +211,7 @@ def test_a_jwks_without_region_names_still_imports_as_foreign(tmp_path):
 class _Exchange:
     def __init__(self):
         self.done = []
+        self.bill = None
 
     def start_failover(self, reason):
         return {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
@@ -222,8 +223,9 @@ class _Exchange:
         self.done.append(status)
 
 
-def _fail_over(yul: Authenticator, credential: str, peers: list[Peer], answers) -> list[httpx.Request]:
+def _fail_over(yul: Authenticator, credential: str, peers: list[Peer], answers, exchange=None) -> list[httpx.Request]:
     seen: list[httpx.Request] = []
+    exchange = exchange or _Exchange()
 
     def peer(request: httpx.Request) -> httpx.Response:
         seen.append(request)
@@ -239,7 +241,7 @@ def _fail_over(yul: Authenticator, credential: str, peers: list[Peer], answers) 
         try:
             local = APIError(503, "overloaded", code="overloaded")
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-            return await ROUTER._fail_over(fake, Request(scope), "/v1/chat/completions", body, caller, _Exchange(), local)
+            return await ROUTER._fail_over(fake, Request(scope), "/v1/chat/completions", body, caller, exchange, local)
         finally:
             await forwarder.aclose()
 
@@ -274,6 +276,19 @@ def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_pat
         assert (refused.value.status, refused.value.code) == (401, "invalid_token")
         with pytest.raises(APIError):  # nor does the region that minted it
             yul.authenticate(sent, scope=SCOPE_INFERENCE)
+
+
+@pytest.mark.parametrize("peer_status, billed_here", [(200, False), (400, False), (503, True)])
+def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path, peer_status, billed_here):
+    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    yul = regions["yul-02"]
+    key, _ = yul.keys.create_key(owner="alice", tier="standard")
+    exchange = _Exchange()
+    exchange.bill = bill = object()  # what inference.relay set when it admitted the request
+    _fail_over(yul, f"Bearer {key}", [Peer("yvr-01", "https://yvr.test")], lambda r: httpx.Response(peer_status, json={}),
+               exchange)
+    # A peer that answered (whatever it said) records the request; none did: this region does.
+    assert (exchange.bill is bill) is billed_here
 
 
 def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve_app.engine.stream_server import StreamServer
+from serve_app.engine.stream_server import StreamServer, pump
 from serve_app.errors import APIError
 from serve_app.router.relay import Exchange, open_byte_stream, relay_events
 from serve_app.telemetry.timing import ROUTE_CHAT
@@ -40,22 +40,24 @@ class FakeHandleStream:
 
 
 async def _replica(server: StreamServer, ticket, future, events, done: asyncio.Event, hold: asyncio.Event | None = None):
-    """The replica's side of one stream: wait for the router, write each event, close."""
+    """The replica's side of one stream, as ``ModelServer._serve`` runs it: wait for the router,
+    ``pump`` the events (``hold``: the engine stalls after the first), close the source."""
     connection = await server.accept(ticket, future)
-    written = 0
-    for event in events:
-        if not connection.write(event.encode()):
-            break
-        written += 1
-        try:
-            await connection.drain()
-        except ConnectionError:  # the router closed the socket
-            break
-        if hold is not None:
-            await hold.wait()
+    produced = []
+
+    async def engine():
+        for event in events:
+            produced.append(event)
+            yield event
+            if hold is not None:
+                await hold.wait()
+
+    source = engine()
+    complete = await pump(source, lambda event: event, connection)
+    await source.aclose()  # vLLM's generator: closing it aborts the engine request
     connection.close()
     done.set()
-    return written
+    return complete, len(produced)
 
 
 async def _start(events, *, hold=None, trailer=TRAILER):
@@ -107,23 +109,32 @@ def test_a_stream_the_replica_did_not_finish_ends_with_an_error_event_not_a_hang
     assert exchange.record.status == 500
 
 
-def test_a_client_that_leaves_closes_the_socket_and_cancels_the_replica_call():
+def test_a_client_that_leaves_stops_the_replica_at_once_and_its_tokens_are_still_billed():
+    generated = {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 0}
+    cut = {**TRAILER, "usage": None, "complete": False, "generated": generated}
+
     async def scenario():
-        hold = asyncio.Event()
-        server, replica, stream, socket, exchange = await _start(EVENTS * 50, hold=hold)
+        hold = asyncio.Event()  # the engine stalls after its first token: no write could fail
+        server, replica, stream, socket, exchange = await _start(EVENTS * 50, hold=hold, trailer=cut)
+        billed = []
+        exchange.bill = billed.append
         relay = relay_events(stream, socket, exchange, client_wants_usage=False)
         first = await relay.__anext__()
         assert first.startswith(b"data: ")
         await relay.aclose()  # what Starlette does when the client disconnects
-        hold.set()
-        written = await asyncio.wait_for(replica, 5)
+        complete, produced = await asyncio.wait_for(replica, 5)  # the hang-up alone stopped it
+        for _ in range(100):
+            if billed:
+                break
+            await asyncio.sleep(0.01)
         server.close()
-        return stream, exchange, written
+        return stream, exchange, complete, produced, billed
 
-    stream, exchange, written = asyncio.run(scenario())
-    assert stream.cancelled
+    stream, exchange, complete, produced, billed = asyncio.run(scenario())
+    assert not complete and produced == 1  # nothing more was generated once the router hung up
+    assert not stream.cancelled  # the call ended with its trailer, not a cancel
+    assert billed == [exchange] and exchange.generated == generated  # billed once, as counted
     assert exchange.record.status == 499
-    assert written < 100  # the replica stopped writing once the router's socket was gone
 
 
 def test_a_wrong_ticket_gets_nothing_and_the_expected_stream_times_out():
@@ -199,3 +210,60 @@ def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
     assert relayed.decode().endswith("data: [DONE]\n\n")
     assert (exchange.record.status, exchange.record.error_type) == (503, "engine_unavailable")
+
+
+def test_a_replica_that_never_sends_its_trailer_is_cancelled_and_the_request_still_billed(monkeypatch):
+    from serve_app.router import relay
+
+    monkeypatch.setattr(relay, "ABANDONED_TRAILER_WAIT_S", 0.2)
+
+    async def scenario():
+        hold = asyncio.Event()
+        server, replica, stream, socket, exchange = await _start(EVENTS * 5, hold=hold)
+        stream.done = asyncio.Event()  # the handle call never yields its trailer
+        billed = []
+        exchange.bill = billed.append
+        events = relay_events(stream, socket, exchange, client_wants_usage=False)
+        await events.__anext__()
+        await events.aclose()
+        for _ in range(100):
+            if billed:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(replica, 5)
+        server.close()
+        return stream, exchange, billed
+
+    stream, exchange, billed = asyncio.run(scenario())
+    assert stream.cancelled and billed == [exchange]
+    assert exchange.generated is None and exchange.record.status == 499
+
+
+def test_a_model_call_is_made_outside_the_requests_cancellation_scope():
+    """Serve cancels the handle calls a request made when it is cancelled (its client left),
+    filed under the request's internal id: the model call gets an id of its own, and keeps the
+    request id of logs and traces (Serve's private request context, as pinned)."""
+    from dataclasses import replace
+
+    from ray.serve import context as serve_context
+
+    from serve_app.router.relay import detached_from_request
+
+    parent = replace(
+        serve_context._get_serve_request_context(),
+        request_id="req-1", _internal_request_id="parent", cancel_on_parent_request_cancel=True,
+    )
+    token = serve_context._serve_request_context.set(parent)
+    try:
+        async def in_a_task():  # Serve's handle assigns the call in a task made at call time
+            return serve_context._get_serve_request_context()
+
+        async def scenario():
+            return await detached_from_request(lambda: asyncio.ensure_future(in_a_task()))
+
+        seen = asyncio.run(scenario())
+        assert seen.request_id == "req-1"
+        assert seen._internal_request_id not in ("", "parent") and not seen.cancel_on_parent_request_cancel
+        assert serve_context._get_serve_request_context() is parent  # the request's own is untouched
+    finally:
+        serve_context._serve_request_context.reset(token)

@@ -1,0 +1,200 @@
+"""Per-key token budgets per UTC day and per UTC month (prompt + completion tokens).
+
+A budget is global, across every router of every region: the spend it is checked against is the
+shared ledger's rollup (``UsageStore.budget_state``), plus what this router recorded and has not
+written yet (``UsageLedger.pending_tokens``), so a router sees its own spend at once. The router
+calls ``check()`` before admitting a request; a key whose day's or month's spend has reached its
+limit gets a 429 ``budget_exceeded`` with ``Retry-After`` until the period resets.
+
+The overshoot is bounded, not zero. A request is admitted while spend < limit, and its cost is
+known only when it ends, so past the limit a key can still get:
+  - the requests already in flight when the limit was reached (each up to its prompt plus its
+    completion budget), admitted before any of them was recorded;
+  - what other routers and regions admitted meanwhile: their records reach the database within
+    their ledger's ``flush_interval_s``, and this router reads the database again within
+    ``cache_ttl_s`` — so about (flush_interval_s + cache_ttl_s) of the key's traffic elsewhere.
+
+Each check reads the cache in the event loop; a miss loads the budget and both spends in one
+thread call (one connection), shared by every check of that key waiting on it. Keys without a
+budget are cached too: for them a check costs one cached lookup. When the ledger writes a batch
+it tells the guard (``forget``), so this router's next check reads the spend it just wrote.
+
+Bounded grace: when the store cannot be reached on a miss, the guard keeps the key's last known
+entry (budget and spend, still counting this router's new spend on top) for another
+``cache_ttl_s`` and tries again after that. A key it has no entry for is admitted (fail open)
+until the store answers again: a ledger outage must not stop inference, and the records of what
+it admits are spooled and reach the ledger afterwards (``ledger.py``), so the spend is counted
+late, never lost. Each failed reload is logged.
+"""
+
+import asyncio
+import datetime as dt
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from serve_app.auth.database import RegistryUnavailable
+from serve_app.errors import APIError
+from serve_app.usage.ledger import UsageLedger
+from serve_app.usage.records import utc_day
+from serve_app.usage.store import Budget, UsageStore
+
+logger = logging.getLogger("ray.serve")
+
+MAX_ENTRIES = 50_000  # keys cached; bounded like the key store's cache
+
+
+# --- reset math (pure: unit-tested with fixed times) ---------------------------------------------
+def _utc_date(now: float) -> dt.date:
+    return dt.datetime.fromtimestamp(now, dt.timezone.utc).date()
+
+
+def _epoch(day: dt.date) -> float:
+    return dt.datetime(day.year, day.month, day.day, tzinfo=dt.timezone.utc).timestamp()
+
+
+def month_start(now: float) -> str:
+    """The first UTC day ``YYYY-MM-01`` of the month ``now`` falls in."""
+    return _utc_date(now).replace(day=1).isoformat()
+
+
+def next_day_start(now: float) -> float:
+    """The epoch time of the next UTC midnight (when a daily budget resets)."""
+    return _epoch(_utc_date(now) + dt.timedelta(days=1))
+
+
+def next_month_start(now: float) -> float:
+    """The epoch time of the first of the next UTC month (December → January of the next year)."""
+    today = _utc_date(now)
+    return _epoch(dt.date(today.year + today.month // 12, today.month % 12 + 1, 1))
+
+
+def iso_utc(epoch_s: float) -> str:
+    return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- the guard -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    budget: Budget | None
+    day: str  # the UTC day and month the spends were read for
+    month: str
+    spent_day: int
+    spent_month: int
+    expires: float
+    known: bool = True  # False: the store could not be read and the key is admitted unchecked
+
+    def spent(self, day: str, month: str) -> tuple[int, int]:
+        """Spends for the current period: an entry read before midnight says nothing about the
+        new day (or month), whose database spend was 0 then."""
+        return (self.spent_day if day == self.day else 0, self.spent_month if month == self.month else 0)
+
+
+class BudgetGuard:
+    def __init__(
+        self,
+        store: UsageStore,
+        ledger: UsageLedger | None,
+        *,
+        cache_ttl_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.store, self.ledger = store, ledger
+        self.cache_ttl_s, self.clock = cache_ttl_s, clock
+        self._entries: dict[str, _Entry] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+
+    async def check(self, key_id: str) -> dict[str, str]:
+        """The budget headers for an admitted request; APIError 429 ``budget_exceeded`` when the
+        key's daily or monthly spend has reached its limit. ``{}`` for a key without a budget."""
+        now = self.clock()
+        entry = self._entries.get(key_id)
+        if entry is None or entry.expires <= now:
+            entry = await self._load(key_id, now)
+        if entry.budget is None:  # no budget, or admitted unchecked while the store is away
+            return {}
+        pending = self.ledger.pending_tokens(key_id) if self.ledger is not None else 0
+        spent_day, spent_month = entry.spent(utc_day(now), month_start(now))
+        headers: dict[str, str] = {}
+        exceeded = None
+        for period, limit, spent, reset_at in (
+            ("day", entry.budget.tokens_per_day, spent_day + pending, next_day_start(now)),
+            ("month", entry.budget.tokens_per_month, spent_month + pending, next_month_start(now)),
+        ):
+            if limit is None:
+                continue
+            headers[f"x-budget-limit-tokens-{period}"] = str(limit)
+            headers[f"x-budget-remaining-tokens-{period}"] = str(max(0, limit - spent))
+            headers[f"x-budget-reset-tokens-{period}"] = f"{reset_at - now:.3f}s"
+            if spent >= limit:
+                exceeded = (period, limit, reset_at)  # month after day: the later reset is the one to wait for
+        if exceeded is not None:
+            period, limit, reset_at = exceeded
+            headers["Retry-After"] = str(max(1, math.ceil(reset_at - now)))
+            raise APIError(
+                429,
+                f"This key's {'daily' if period == 'day' else 'monthly'} token budget ({limit} tokens per UTC "
+                f"{period}) is used up; it resets at {iso_utc(reset_at)}.",
+                code="budget_exceeded",
+                headers=headers,
+            )
+        return headers
+
+    def forget(self, key_ids: Iterable[str]) -> None:
+        """Make the next check of these keys read the store again (hook it to
+        ``UsageLedger.on_written``). The entry is kept, expired, as the fallback should that read
+        fail. A load already under way may have read the spend from before the write: its answer
+        still serves the checks waiting on it but is not cached."""
+        for key_id in key_ids:
+            entry = self._entries.get(key_id)
+            if entry is not None:
+                self._entries[key_id] = replace(entry, expires=-math.inf)
+            self._loading.pop(key_id, None)
+
+    async def _load(self, key_id: str, now: float) -> _Entry:
+        task = self._loading.get(key_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._fetch(key_id, now))
+            self._loading[key_id] = task
+        # shield: a check whose client went away must not cancel the load the others wait on.
+        return await asyncio.shield(task)
+
+    async def _fetch(self, key_id: str, now: float) -> _Entry:
+        this = asyncio.current_task()
+        day, month = utc_day(now), month_start(now)
+        stale = self._entries.get(key_id)
+        try:
+            try:
+                budget, spent_day, spent_month = await asyncio.to_thread(
+                    self.store.budget_state, key_id, day=day, month_start=month
+                )
+                entry = _Entry(budget, day, month, spent_day, spent_month, self.clock() + self.cache_ttl_s)
+            except RegistryUnavailable as err:
+                expires = self.clock() + self.cache_ttl_s
+                if stale is None or not stale.known:
+                    logger.warning(
+                        "budget check: usage store unavailable (%s); admitting key %s unchecked", err, key_id
+                    )
+                    entry = _Entry(None, day, month, 0, 0, expires, known=False)
+                else:
+                    logger.warning(
+                        "budget check: usage store unavailable (%s); key %s keeps its last known budget", err, key_id
+                    )
+                    entry = replace(stale, expires=expires)
+        finally:  # whatever happened, the next check after this one starts a load of its own
+            current = self._loading.get(key_id) is this  # False: forgotten meanwhile
+            if current:
+                del self._loading[key_id]
+        if current:
+            self._cache(key_id, entry)
+        return entry
+
+    def _cache(self, key_id: str, entry: _Entry) -> None:
+        if len(self._entries) >= MAX_ENTRIES:
+            now = self.clock()
+            self._entries = {k: e for k, e in self._entries.items() if e.expires > now}
+            if len(self._entries) >= MAX_ENTRIES:
+                self._entries.clear()
+        self._entries[key_id] = entry

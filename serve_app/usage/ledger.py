@@ -1,0 +1,252 @@
+"""The usage ledger's writer: records leave the request path at once and reach the database in
+batches, and none is lost when the database is away.
+
+``record()`` only appends to a list in the event loop. A background task writes what is pending
+every ``flush_interval_s`` (sooner once ``max_batch`` records wait), in a thread, one
+transaction per batch (``UsageStore.insert``). A batch that cannot be written goes to a spool
+file on local disk (JSON lines, written to ``*.tmp``, fsynced, renamed: a file is complete or
+absent); after the next successful write the spool is replayed, oldest first, and each file
+unlinked once its records are in. Any replica replays any file, so what a replica that died
+left behind is written by the next one. Two replicas replaying one file at once is harmless:
+record ids are idempotent, and a file already unlinked is skipped.
+
+Not covered: records still in memory when the process is killed (at most ``flush_interval_s``
+of them; ``aclose()`` flushes them on a clean stop), and a spool directory that is not durable
+(give the routers a volume for it).
+
+The budget guard reads ``pending_tokens``: what this replica recorded and the database does
+not have yet (pending, being written, or spooled), so a router sees its own spend at once.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from serve_app.usage.records import UsageRecord
+from serve_app.usage.store import UsageStore
+
+logger = logging.getLogger("ray.serve")
+
+SUFFIX = ".jsonl"
+# With no traffic to write, the spool is still looked at this often: files a replica that died
+# left behind (or this one's, spooled during an outage that ended quietly) are replayed.
+IDLE_REPLAY_S = 30.0
+
+
+class UsageLedger:
+    def __init__(
+        self,
+        store: UsageStore,
+        spool_dir: Path,
+        *,
+        writer_id: str,
+        flush_interval_s: float = 1.0,
+        max_batch: int = 500,
+    ):
+        self.store = store
+        self.spool_dir = Path(spool_dir)
+        # Part of spool file names: anything but a plain name character becomes "_".
+        self.writer_id = re.sub(r"[^A-Za-z0-9_.-]", "_", writer_id) or "writer"
+        self.flush_interval_s = flush_interval_s
+        self.max_batch = max_batch
+        # Called in the loop with the key ids of every batch that reached the database (the
+        # budget guard drops its cached spend for them: BudgetGuard.forget).
+        self.on_written: Callable[[set[str]], None] | None = None
+        self.written = self.spooled = self.replayed = 0  # records, for ops
+        self._pending: list[UsageRecord] = []
+        self._unwritten: Counter[str] = Counter()  # tokens by key, until the database has them
+        self._own_spool: dict[str, Counter[str]] = {}  # this writer's spool files -> their tokens
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task | None = None
+        self._replayed_at = time.monotonic()
+
+    # --- the request path ---------------------------------------------------------------------
+    def record(self, r: UsageRecord) -> None:
+        """Queue ``r`` for writing. O(1), never blocks, never raises: it runs as a request ends."""
+        if not isinstance(r, UsageRecord):  # a bug in the caller must not fail the response, nor the batch
+            logger.error("usage ledger: not a UsageRecord (%s); dropped", type(r).__name__)
+            return
+        self._pending.append(r)
+        self._unwritten[r.key_id] += r.total_tokens
+        if len(self._pending) >= self.max_batch:
+            self._wakeup.set()
+
+    def pending_tokens(self, key_id: str) -> int:
+        return self._unwritten.get(key_id, 0)
+
+    # --- the writer -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the writer; call from within the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def aclose(self) -> None:
+        """Stop the writer and flush what is pending (to the database, or to the spool). The
+        writer is never cancelled mid-write: a batch taken but not yet written would be lost."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        else:
+            await self.flush()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), self.flush_interval_s)
+            except TimeoutError:
+                pass
+            self._wakeup.clear()
+            await self._flush_logged()
+        await self._flush_logged()  # what arrived while the last flush ran
+
+    async def _flush_logged(self) -> None:
+        try:
+            await self.flush()
+        except Exception:  # the writer must outlive anything (e.g. an unreadable spool directory)
+            logger.exception("usage ledger: flush failed")
+
+    async def flush(self) -> None:
+        """Write everything pending, ``max_batch`` records per transaction; then, if that
+        worked, replay the spool. A batch that fails is spooled (or, failing that, kept)."""
+        batch, self._pending = self._pending, []
+        for start in range(0, len(batch), self.max_batch):
+            if not await self._write(batch[start : start + self.max_batch]):
+                # The database is away: the rest need not wait for a timeout each.
+                await self._spool_or_keep(batch[start + self.max_batch :])
+                return
+        if batch or time.monotonic() - self._replayed_at > IDLE_REPLAY_S:
+            await self._replay()
+
+    async def _write(self, batch: list[UsageRecord]) -> bool:
+        try:
+            await asyncio.to_thread(self.store.insert, batch)
+        except Exception as err:  # RegistryUnavailable, psycopg's and sqlite3's errors alike
+            logger.warning(
+                "usage ledger: writing %d records failed (%s: %s); spooling them", len(batch), type(err).__name__, err
+            )
+            await self._spool_or_keep(batch)
+            return False
+        self.written += len(batch)
+        self._settle(_tokens_by_key(batch))
+        return True
+
+    async def _spool_or_keep(self, batch: list[UsageRecord]) -> None:
+        if not batch:
+            return
+        try:
+            name = await asyncio.to_thread(self._spool, batch)
+        except Exception as err:  # the disk is full or read-only: hold them until a write succeeds
+            logger.error(
+                "usage ledger: cannot spool %d records to %s (%s); keeping them in memory",
+                len(batch), self.spool_dir, err,
+            )
+            self._pending[:0] = batch
+            return
+        self.spooled += len(batch)
+        self._own_spool[name] = _tokens_by_key(batch)
+
+    def _spool(self, batch: list[UsageRecord]) -> str:
+        """Write ``batch`` to a new spool file atomically; return its name."""
+        self.spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stamp = time.time_ns()
+        while (self.spool_dir / f"{self.writer_id}-{stamp}{SUFFIX}").exists():
+            stamp += 1
+        name = f"{self.writer_id}-{stamp}{SUFFIX}"
+        tmp = self.spool_dir / f"{name}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+            out.writelines(json.dumps(r.to_json()) + "\n" for r in batch)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.spool_dir / name)
+        _fsync_dir(self.spool_dir)  # the rename itself must survive a crash
+        return name
+
+    async def _replay(self) -> None:
+        self._replayed_at = time.monotonic()
+        names = await asyncio.to_thread(self._spool_files)
+        # This writer's files that are gone were replayed by another replica: they are written.
+        for name in [n for n in self._own_spool if n not in names]:
+            self._settle(self._own_spool.pop(name))
+        for name in names:
+            try:
+                records = await asyncio.to_thread(self._replay_file, self.spool_dir / name)
+            except Exception as err:  # the database went away again: the rest waits for the next write
+                logger.warning("usage ledger: replaying %s failed (%s: %s)", name, type(err).__name__, err)
+                return
+            if records is None:  # another replica replayed it first
+                continue
+            self.replayed += len(records)
+            own = self._own_spool.pop(name, None)  # this writer's file: its tokens stop counting here
+            self._settle(own if own is not None else _tokens_by_key(records), unwritten=own is not None)
+            logger.info("usage ledger: replayed %d records from %s", len(records), name)
+
+    def _spool_files(self) -> list[str]:
+        """Every writer's spool files, oldest first (by the time in their names)."""
+        try:
+            names = [n for n in os.listdir(self.spool_dir) if n.endswith(SUFFIX)]
+        except FileNotFoundError:  # nothing was ever spooled
+            return []
+        except OSError as err:  # unusable (not a directory, no permission): spooling fails loudly too
+            logger.warning("usage ledger: cannot list the spool %s (%s)", self.spool_dir, err)
+            return []
+        return sorted(names, key=lambda n: (_stamp(n), n))
+
+    def _replay_file(self, path: Path) -> list[UsageRecord] | None:
+        """Insert a spool file's records and unlink it; None if it is already gone."""
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return None
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(UsageRecord.from_json(json.loads(line)))
+            except ValueError as err:  # json's errors are ValueErrors too
+                logger.error("usage ledger: skipping corrupt line %d of %s (%s)", number, path.name, err)
+        self.store.insert(records)
+        path.unlink(missing_ok=True)
+        return records
+
+    def _settle(self, tokens: Counter[str], unwritten: bool = True) -> None:
+        """The database now has these tokens: stop counting them as this replica's own, and tell
+        the budget guard to read them from there."""
+        if unwritten:
+            self._unwritten.subtract(tokens)
+            for key_id in [k for k in tokens if self._unwritten[k] <= 0]:
+                del self._unwritten[key_id]
+        if self.on_written is not None and tokens:
+            try:
+                self.on_written(set(tokens))
+            except Exception:
+                logger.exception("usage ledger: on_written failed")
+
+
+def _tokens_by_key(records: list[UsageRecord]) -> Counter[str]:
+    tokens: Counter[str] = Counter()
+    for r in records:
+        tokens[r.key_id] += r.total_tokens  # a key with 0 tokens is kept, so on_written names it
+    return tokens
+
+
+def _stamp(name: str) -> int:
+    try:
+        return int(name[: -len(SUFFIX)].rsplit("-", 1)[1])
+    except (IndexError, ValueError):  # not one of ours: after every real spool file
+        return 1 << 63
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

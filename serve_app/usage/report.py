@@ -1,0 +1,81 @@
+"""The usage report ``GET /v1/usage`` answers and ``serve-app usage report`` prints: counters from
+the ledger's daily rollup over a range of UTC days, grouped by day, month, model, region or key.
+
+``parse_query`` turns the query string into arguments and refuses bad ones with a 400 naming the
+parameter; ``usage_report`` reads the store (synchronously: the router calls it in a thread).
+"""
+
+import csv
+import datetime as dt
+import io
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from serve_app.errors import APIError
+from serve_app.usage.store import COUNTERS, GROUPS, UsageStore
+
+# A year and a leap day: one report covers at most this many days (the rollup is per day, so a
+# bound on days is a bound on the rows a report reads per key, model and region).
+MAX_RANGE_DAYS = 366
+_DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_usage_query")
+
+
+def _day(raw: str, param: str) -> dt.date:
+    # fullmatch first: date.fromisoformat also takes 20261201 and other ISO spellings.
+    if _DAY.fullmatch(raw):
+        try:
+            return dt.date.fromisoformat(raw)
+        except ValueError:
+            pass
+    raise _bad(f"{param} must be a UTC day YYYY-MM-DD, not {raw!r}", param)
+
+
+def parse_query(params: Mapping[str, str], *, today: str) -> tuple[str, str, tuple[str, ...]]:
+    """``(since, until, group_by)`` from a query. Defaults: the current month so far (since the
+    first of ``today``'s month, until ``today``), grouped by day."""
+    until = _day(params["until"], "until") if "until" in params else dt.date.fromisoformat(today)
+    since = _day(params["since"], "since") if "since" in params else dt.date.fromisoformat(today).replace(day=1)
+    if since > until:
+        raise _bad(f"since ({since}) is after until ({until})", "since")
+    days = (until - since).days + 1
+    if days > MAX_RANGE_DAYS:
+        raise _bad(f"a report covers at most {MAX_RANGE_DAYS} days; {since}..{until} is {days}", "since")
+    names = [name.strip() for name in params.get("group_by", "day").split(",")]
+    unknown = [name for name in names if name not in GROUPS]
+    if unknown:
+        known, refused = ", ".join(GROUPS), ", ".join(map(repr, unknown))
+        raise _bad(f"group_by takes a comma-separated list of {known}; unknown: {refused}", "group_by")
+    return since.isoformat(), until.isoformat(), tuple(dict.fromkeys(names))  # duplicates once
+
+
+def usage_report(
+    store: UsageStore, *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...]
+) -> dict[str, Any]:
+    """The report object: its rows, and their totals. ``key_id`` None (or ""): every key's usage."""
+    key_id = key_id or None
+    rows = store.totals(key_id=key_id, since=since, until=until, group_by=group_by)
+    return {
+        "object": "usage.report",
+        "key_id": key_id,
+        "since": since,
+        "until": until,
+        "group_by": list(group_by),
+        "data": rows,
+        "totals": {counter: sum(row[counter] for row in rows) for counter in COUNTERS},
+    }
+
+
+def to_csv(report: Mapping[str, Any]) -> str:
+    """The report's rows as CSV: the group columns, then the counters (totals are left out: a
+    spreadsheet sums them, and a totals row would be summed twice)."""
+    columns = [*report["group_by"], *COUNTERS]
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(columns)
+    writer.writerows([row[column] for column in columns] for row in report["data"])
+    return out.getvalue()

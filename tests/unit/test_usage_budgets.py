@@ -1,0 +1,233 @@
+"""Per-key token budgets: the reset math, the guard's 429s and headers on real databases, this
+router's unwritten spend, the cache, and what happens when the store is away."""
+
+import asyncio
+import datetime as dt
+import logging
+import threading
+
+import pytest
+
+from serve_app.auth.database import open_database
+from serve_app.errors import APIError
+from serve_app.usage import budgets
+from serve_app.usage.budgets import BudgetGuard
+from serve_app.usage.ledger import UsageLedger
+from serve_app.usage.store import UsageStore
+from test_usage_store import open_test_database, unreachable, usage_record
+
+
+def at(iso: str) -> float:
+    return dt.datetime.fromisoformat(iso).replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+class Clock:
+    def __init__(self, iso: str):
+        self.now = at(iso)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingStore(UsageStore):
+    """The real store, counting the budget reads the guard makes."""
+
+    reads = 0
+
+    def budget_state(self, key_id, *, day, month_start):
+        self.reads += 1
+        return super().budget_state(key_id, day=day, month_start=month_start)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path) -> CountingStore:
+    return CountingStore(open_test_database(request, tmp_path))
+
+
+@pytest.fixture
+def sqlite_store(tmp_path) -> CountingStore:
+    return CountingStore(open_database(tmp_path / "registry.sqlite3", create=True))
+
+
+def _check(guard, key_id="k1"):
+    return asyncio.run(guard.check(key_id))
+
+
+def _refusal(guard, key_id="k1") -> APIError:
+    with pytest.raises(APIError) as refused:
+        _check(guard, key_id)
+    return refused.value
+
+
+# --- reset math ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "now, day_reset, month_reset",
+    [
+        ("2026-12-01T13:00:00", "2026-12-02T00:00:00", "2027-01-01T00:00:00"),  # December → January
+        ("2026-12-31T23:59:59.5", "2027-01-01T00:00:00", "2027-01-01T00:00:00"),
+        ("2026-02-28T00:00:00", "2026-03-01T00:00:00", "2026-03-01T00:00:00"),  # midnight itself: the next one
+        ("2028-02-28T12:00:00", "2028-02-29T00:00:00", "2028-03-01T00:00:00"),  # a leap year
+        ("2026-01-31T08:00:00", "2026-02-01T00:00:00", "2026-02-01T00:00:00"),
+    ],
+)
+def test_budgets_reset_at_the_next_utc_midnight_and_the_first_of_the_next_month(now, day_reset, month_reset):
+    assert budgets.next_day_start(at(now)) == at(day_reset)
+    assert budgets.next_month_start(at(now)) == at(month_reset)
+    assert budgets.month_start(at(now)) == now[:8] + "01"
+
+
+def test_reset_times_are_written_in_iso_8601_utc():
+    assert budgets.iso_utc(at("2026-12-02T00:00:00")) == "2026-12-02T00:00:00Z"
+
+
+# --- the guard ---------------------------------------------------------------------------------------
+def test_a_daily_budget_admits_below_its_limit_and_refuses_at_it(store):
+    store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    store.insert([usage_record(day="2026-12-01", prompt=800, completion=100, cached=500)])  # 900: cached is not extra
+    store.insert([usage_record(day="2026-11-30", prompt=5000, completion=0)])  # yesterday does not count
+    clock = Clock("2026-12-01T13:00:00")
+    guard = BudgetGuard(store, None, cache_ttl_s=5, clock=clock)
+    assert _check(guard) == {
+        "x-budget-limit-tokens-day": "1000",
+        "x-budget-remaining-tokens-day": "100",
+        "x-budget-reset-tokens-day": "39600.000s",  # 11 h to midnight
+    }
+    store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
+    guard.forget({"k1"})
+    clock.now += 0.5
+    refused = _refusal(guard)
+    assert refused.status == 429 and refused.code == "budget_exceeded"
+    assert "daily" in refused.message and "1000 tokens" in refused.message and "2026-12-02T00:00:00Z" in refused.message
+    assert refused.headers["Retry-After"] == "39600" and refused.headers["x-budget-remaining-tokens-day"] == "0"
+    assert _check(guard, "k2") == {}  # another key, without a budget
+
+
+def test_a_monthly_budget_counts_the_whole_utc_month_and_names_the_later_reset(store):
+    store.set_budget("k1", tokens_per_day=10_000, tokens_per_month=5000)
+    store.insert([usage_record(day="2026-12-01", prompt=3000, completion=0), usage_record(day="2026-12-20", prompt=1999, completion=0)])
+    store.insert([usage_record(day="2026-11-30", prompt=9000, completion=0)])  # last month
+    clock = Clock("2026-12-31T23:00:00")
+    guard = BudgetGuard(store, None, clock=clock)
+    headers = _check(guard)
+    assert headers["x-budget-remaining-tokens-month"] == "1" and headers["x-budget-remaining-tokens-day"] == "10000"
+    assert headers["x-budget-reset-tokens-month"] == "3600.000s"  # December → 1 January
+
+    store.insert([usage_record(day="2026-12-31", prompt=1, completion=0)])
+    guard.forget({"k1"})
+    refused = _refusal(guard)
+    assert "monthly" in refused.message and "5000 tokens per UTC month" in refused.message
+    assert "2027-01-01T00:00:00Z" in refused.message and refused.headers["Retry-After"] == "3600"
+
+    store.set_budget("k1", tokens_per_day=1, tokens_per_month=5000)  # both spent: the month is the one to wait for
+    guard.forget({"k1"})
+    clock.now = at("2026-12-20T10:00:00")  # 1999 spent today: the day's 1 is spent too
+    refused = _refusal(guard)
+    assert "monthly" in refused.message and refused.headers["Retry-After"] == str(11 * 86400 + 14 * 3600)
+    assert refused.headers["x-budget-reset-tokens-day"] == f"{14 * 3600}.000s"
+
+
+def test_headers_name_only_the_budgets_that_are_set(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=None, tokens_per_month=100)
+    headers = _check(BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T00:00:00")))
+    assert sorted(headers) == ["x-budget-limit-tokens-month", "x-budget-remaining-tokens-month", "x-budget-reset-tokens-month"]
+
+
+def test_this_routers_unwritten_spend_counts_at_once_and_only_once(sqlite_store, tmp_path):
+    sqlite_store.set_budget("k1", tokens_per_day=1500, tokens_per_month=None)
+    ledger = UsageLedger(sqlite_store, tmp_path / "spool", writer_id="a")
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(sqlite_store, ledger, clock=clock)
+    ledger.on_written = guard.forget
+
+    async def main():
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "1500"
+        ledger.record(usage_record(day="2026-12-01", prompt=900, completion=100))  # not written yet
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
+        await ledger.flush()  # now in the database, and no longer pending: still 1000 spent, not 2000
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
+        ledger.record(usage_record(day="2026-12-01", prompt=500, completion=0))
+        with pytest.raises(APIError):
+            await guard.check("k1")
+
+    asyncio.run(main())
+    assert sqlite_store.reads == 2  # the first load, and the reload after the write
+
+
+def test_the_cache_serves_checks_for_its_ttl_and_coalesces_concurrent_loads(sqlite_store):
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
+
+    async def concurrent():
+        return await asyncio.gather(*(guard.check("k1") for _ in range(10)))
+
+    assert asyncio.run(concurrent()) == [{}] * 10 and sqlite_store.reads == 1  # no budget: one read for all
+    sqlite_store.set_budget("k1", tokens_per_day=10, tokens_per_month=None)
+    clock.now += 4
+    assert _check(guard) == {} and sqlite_store.reads == 1  # within the TTL: the cached answer
+    clock.now += 1.5
+    assert _check(guard)["x-budget-limit-tokens-day"] == "10" and sqlite_store.reads == 2
+
+
+def test_an_entry_read_before_midnight_counts_nothing_for_the_new_day(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    sqlite_store.insert([usage_record(day="2026-12-01", at="23:59:58", prompt=100, completion=0)])
+    clock = Clock("2026-12-01T23:59:59")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
+    assert _refusal(guard).headers["Retry-After"] == "1"
+    clock.now += 2  # 00:00:01, still within the entry's TTL
+    assert _check(guard)["x-budget-remaining-tokens-day"] == "100"
+
+
+def test_an_unreachable_store_fails_open_for_unknown_keys_and_keeps_known_ones(store, caplog):
+    store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(store, None, cache_ttl_s=5, clock=clock)
+    _refusal(guard)  # k1 is known, and over its budget
+    store.database = unreachable(store.database)
+    clock.now += 10  # the entry has expired
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        assert _refusal(guard).code == "budget_exceeded"  # the stale entry still refuses
+        assert _check(guard, "k2") == {}  # never seen: admitted
+    assert "keeps its last known budget" in caplog.text and "admitting key k2 unchecked" in caplog.text
+    reads = store.reads
+    assert _check(guard, "k2") == {} and store.reads == reads  # no retry until the grace entry expires
+    clock.now += 6
+    assert _check(guard, "k2") == {} and store.reads == reads + 1
+
+
+def test_a_load_that_began_before_a_write_is_not_cached(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    release = threading.Event()
+    read = sqlite_store.budget_state
+
+    def slow_read(key_id, **kwargs):  # reads, then is slow to answer
+        answer = read(key_id, **kwargs)
+        release.wait(5)
+        return answer
+
+    sqlite_store.budget_state = slow_read
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+
+    async def main():
+        early = asyncio.create_task(guard.check("k1"))
+        await asyncio.sleep(0.05)  # its read is under way, in a thread
+        sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
+        guard.forget({"k1"})  # what the ledger does once that batch is written
+        release.set()
+        assert (await early)["x-budget-remaining-tokens-day"] == "100"  # it read before the write
+        with pytest.raises(APIError):  # a fresh read, not the early one's answer
+            await guard.check("k1")
+
+    asyncio.run(main())
+    assert sqlite_store.reads == 2
+
+
+def test_a_forgotten_key_keeps_its_entry_as_the_fallback_when_the_reload_fails(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+    _refusal(guard)
+    guard.forget({"k1"})
+    sqlite_store.database = unreachable(sqlite_store.database)
+    assert _refusal(guard).code == "budget_exceeded"  # not admitted unchecked

@@ -1,0 +1,248 @@
+"""The usage ledger's writer against real databases: batches off the request path, a spool when
+the database is away, and a replay that writes each record exactly once."""
+
+import asyncio
+import json
+import logging
+import os
+import stat
+import time
+
+import pytest
+
+from serve_app.usage.ledger import UsageLedger
+from serve_app.usage.store import UsageStore
+from test_usage_store import open_test_database, unreachable, usage_record
+
+
+class CountingStore(UsageStore):
+    """The real store, remembering the record ids of every insert it was asked to do."""
+
+    def __init__(self, database):
+        super().__init__(database)
+        self.batches: list[list[str]] = []
+
+    def insert(self, records):
+        records = list(records)
+        self.batches.append([r.id for r in records])
+        return super().insert(records)
+
+    def sizes(self) -> list[int]:
+        return [len(batch) for batch in self.batches]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path) -> CountingStore:
+    return CountingStore(open_test_database(request, tmp_path))
+
+
+def _requests(store, key_id=None) -> int:
+    rows = store.totals(key_id=key_id, since="2026-01-01", until="2026-12-31", group_by=("key_id",))
+    return sum(row["requests"] for row in rows)
+
+
+def _spool_files(path):
+    return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+async def _until(condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_records_are_written_in_batches_off_the_request_path(store, tmp_path):
+    ledger = UsageLedger(store, tmp_path / "spool", writer_id="router-a", flush_interval_s=0.05)
+    written_keys = []
+    ledger.on_written = written_keys.append
+
+    async def main():
+        ledger.start()
+        for i in range(5):
+            ledger.record(usage_record(key_id=f"k{i % 2}"))
+        assert ledger.pending_tokens("k0") == 3 * 120 and ledger.pending_tokens("k1") == 2 * 120
+        await _until(lambda: ledger.written == 5)
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert store.sizes() == [5]  # one transaction for the five
+    assert _requests(store, "k0") == 3 and _requests(store, "k1") == 2
+    assert ledger.pending_tokens("k0") == 0 and written_keys == [{"k0", "k1"}]
+    assert ledger.spooled == 0 and not (tmp_path / "spool").exists()  # made only when needed
+
+
+def test_a_full_batch_is_written_before_the_interval_and_in_max_batch_pieces(store, tmp_path):
+    ledger = UsageLedger(store, tmp_path / "spool", writer_id="a", flush_interval_s=30, max_batch=3)
+
+    async def main():
+        ledger.start()
+        for _ in range(3):
+            ledger.record(usage_record())
+        await _until(lambda: ledger.written == 3, timeout_s=2)  # far sooner than 30 s
+        for _ in range(7):  # recorded while nothing runs: written 3 + 3 + 1 on close
+            ledger.record(usage_record())
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert store.sizes()[0] == 3 and sorted(store.sizes()[1:]) == [1, 3, 3] and _requests(store) == 10
+
+
+def test_a_failed_write_is_spooled_then_replayed_exactly_once_after_recovery(store, tmp_path, caplog):
+    spool = tmp_path / "spool"
+    working = store.database
+    store.database = unreachable(working)
+    ledger = UsageLedger(store, spool, writer_id="SERVE_REPLICA::router#1", flush_interval_s=0.05)
+    lost = [usage_record(key_id="k1"), usage_record(key_id="k1"), usage_record(key_id="k2")]
+
+    async def outage():
+        for r in lost:
+            ledger.record(r)
+        with caplog.at_level(logging.WARNING, logger="ray.serve"):
+            await ledger.flush()
+
+    asyncio.run(outage())
+    assert ledger.spooled == 3 and ledger.written == 0 and "spooling them" in caplog.text
+    (name,) = _spool_files(spool)
+    assert name.startswith("SERVE_REPLICA__router_1-") and name.endswith(".jsonl")
+    assert stat.S_IMODE(os.stat(spool).st_mode) == 0o700
+    assert [json.loads(line)["id"] for line in (spool / name).read_text().splitlines()] == [r.id for r in lost]
+    assert ledger.pending_tokens("k1") == 240  # not in the database yet: still this router's to count
+
+    store.database = working
+    asyncio.run(_record_and_flush(ledger, usage_record(key_id="k3")))
+    assert ledger.written == 1 and ledger.replayed == 3 and _spool_files(spool) == []
+    assert _requests(store, "k1") == 2 and _requests(store, "k2") == 1 and _requests(store) == 4
+    assert ledger.pending_tokens("k1") == 0
+
+    (spool / f"other-{time.time_ns()}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in lost))
+    asyncio.run(_record_and_flush(ledger, usage_record(key_id="k3")))  # the same file replayed again
+    assert _requests(store) == 5 and _spool_files(spool) == []
+
+
+async def _record_and_flush(ledger, *records):
+    for r in records:
+        ledger.record(r)
+    await ledger.flush()
+
+
+def test_a_dead_replicas_spool_is_replayed_by_another_and_its_owner_notices(store, tmp_path):
+    spool = tmp_path / "spool"
+    working = store.database
+    store.database = unreachable(working)
+    dying = UsageLedger(store, spool, writer_id="a")
+    asyncio.run(_record_and_flush(dying, usage_record(key_id="k1")))
+    assert dying.spooled == 1 and dying.pending_tokens("k1") == 120
+
+    store.database = working
+    survivor = UsageLedger(store, spool, writer_id="b")
+    asyncio.run(_record_and_flush(survivor, usage_record(key_id="k2")))
+    assert survivor.replayed == 1 and _requests(store, "k1") == 1 and _spool_files(spool) == []
+    assert survivor.pending_tokens("k1") == 0  # never its own to count
+
+    # Back from a partition: its file is gone, so its spend is in the database now.
+    asyncio.run(_record_and_flush(dying, usage_record(key_id="k2")))
+    assert dying.pending_tokens("k1") == 0 and dying.replayed == 0 and _requests(store) == 3
+
+
+def test_two_replicas_replaying_one_file_at_once_write_each_record_once(store, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    left = [usage_record(key_id="k1") for _ in range(50)]
+    (spool / f"dead-{time.time_ns()}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in left))
+    first, second = (UsageLedger(store, spool, writer_id=w) for w in ("a", "b"))
+
+    async def main():
+        first.record(usage_record(key_id="k2"))
+        second.record(usage_record(key_id="k2"))
+        await asyncio.gather(first.flush(), second.flush())
+
+    asyncio.run(main())
+    assert _requests(store, "k1") == 50 and _requests(store, "k2") == 2 and _spool_files(spool) == []
+    assert first.replayed + second.replayed >= 50
+
+
+def test_a_corrupt_spool_line_is_skipped_and_the_rest_is_replayed(store, tmp_path, caplog):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    good = [usage_record(key_id="k1"), usage_record(key_id="k1")]
+    mistyped = {**usage_record().to_json(), "prompt_tokens": "lots"}
+    lines = [json.dumps(good[0].to_json()), '{"id": "trunc', json.dumps(mistyped), "[1, 2]", "", json.dumps(good[1].to_json())]
+    (spool / f"a-{time.time_ns()}.jsonl").write_text("\n".join(lines) + "\n")
+    ledger = UsageLedger(store, spool, writer_id="b")
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        asyncio.run(_record_and_flush(ledger, usage_record(key_id="k2")))
+    assert _requests(store, "k1") == 2 and _requests(store) == 3 and _spool_files(spool) == []
+    assert sum("skipping corrupt line" in line for line in caplog.text.splitlines()) == 3
+    assert "line 2 " in caplog.text and "line 3 " in caplog.text and "line 4 " in caplog.text
+
+
+def test_spool_files_are_replayed_oldest_first(store, tmp_path):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    older, newer = usage_record(key_id="k1"), usage_record(key_id="k1")
+    (spool / "zeta-100.jsonl").write_text(json.dumps(older.to_json()) + "\n")
+    (spool / "alpha-200.jsonl").write_text(json.dumps(newer.to_json()) + "\n")
+    (spool / "a-300.jsonl.tmp").write_text("half-written")  # a spool write still under way
+    ledger = UsageLedger(store, spool, writer_id="b")
+    asyncio.run(_record_and_flush(ledger, usage_record(key_id="k2")))
+    assert store.batches[1:] == [[older.id], [newer.id]]  # by the time in the name, not the writer's
+    assert _spool_files(spool) == ["a-300.jsonl.tmp"] and _requests(store, "k1") == 2
+
+
+def test_aclose_flushes_what_is_pending_to_the_database_or_to_the_spool(store, tmp_path):
+    ledger = UsageLedger(store, tmp_path / "spool", writer_id="a", flush_interval_s=30)
+
+    async def main():
+        ledger.start()
+        ledger.record(usage_record())
+        await asyncio.sleep(0)
+        ledger.record(usage_record())
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert ledger.written == 2 and _requests(store) == 2
+
+    store.database = unreachable(store.database)
+    never_started = UsageLedger(store, tmp_path / "spool", writer_id="b")
+    never_started.record(usage_record())
+    asyncio.run(never_started.aclose())
+    assert never_started.spooled == 1 and len(_spool_files(tmp_path / "spool")) == 1
+
+
+def test_record_never_raises_on_a_bad_record(store, tmp_path, caplog):
+    ledger = UsageLedger(store, tmp_path / "spool", writer_id="a")
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        ledger.record({"key_id": "k1"})
+    ledger.record(usage_record())
+    asyncio.run(ledger.aclose())
+    assert "not a UsageRecord" in caplog.text and ledger.written == 1 and _requests(store) == 1
+
+
+def test_records_that_can_be_neither_written_nor_spooled_are_kept_for_the_next_write(store, tmp_path):
+    not_a_dir = tmp_path / "spool"
+    not_a_dir.write_text("")  # mkdir fails: as on a full or read-only disk
+    working = store.database
+    store.database = unreachable(working)
+    ledger = UsageLedger(store, not_a_dir, writer_id="a")
+    kept = usage_record(key_id="k1")
+    asyncio.run(_record_and_flush(ledger, kept))
+    assert ledger.spooled == 0 and ledger.pending_tokens("k1") == 120
+    store.database = working
+    asyncio.run(ledger.flush())
+    assert ledger.written == 1 and store.batches[-1] == [kept.id] and ledger.pending_tokens("k1") == 0
+
+
+def test_a_spool_left_behind_is_replayed_without_new_traffic(store, tmp_path, monkeypatch):
+    from serve_app.usage import ledger as ledger_module
+
+    spool = tmp_path / "spool"
+    working = store.database
+    store.database = unreachable(working)
+    asyncio.run(_record_and_flush(UsageLedger(store, spool, writer_id="gone"), usage_record(key_id="k1")))
+    assert len(_spool_files(spool)) == 1
+    store.database = working
+    monkeypatch.setattr(ledger_module, "IDLE_REPLAY_S", 0.0)
+    idle = UsageLedger(store, spool, writer_id="idle")
+    asyncio.run(idle.flush())  # nothing pending here: the spool is looked at all the same
+    assert idle.replayed == 1 and _spool_files(spool) == [] and _requests(store, "k1") == 1
