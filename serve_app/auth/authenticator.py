@@ -137,7 +137,9 @@ class Authenticator:
         self.args, self.region, self.limiter = args, region, limiter
         # Only the local region may create missing key material; a region must be provisioned.
         create = region == LOCAL_REGION
-        self.keys = KeyStore(args.key_store(), cache_ttl_s=args.cache_ttl_s, create=create)
+        self.keys = KeyStore(
+            args.key_store(), cache_ttl_s=args.cache_ttl_s, create=create, replica=args.key_store_replica()
+        )
         self.keyset = tokens.KeysetFile(args.signing_keys(), check_interval_s=args.cache_ttl_s, create=create)
         dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
         # Only its hash is kept, and compared in constant time like any other key.

@@ -48,6 +48,12 @@ class AuthArgs(Settings):
         description="Name of an env var holding a postgresql:// DSN (a Kubernetes Secret in a "
         "region): the key registry every region shares. When set it replaces key_store_path.",
     )
+    key_registry_read_dsn_env: str | None = Field(
+        None,
+        description="Name of an env var holding a postgresql:// DSN of the registry's read replica "
+        "nearest this region: key lookups, revocation checks, usage reports and budget spend are "
+        "read there, while writes go to key_registry_dsn_env. Unset or empty: all on the primary.",
+    )
     signing_keys_path: str | None = Field(
         None,
         description="Signing keyset JSON (absolute path). Default, local region only: "
@@ -114,6 +120,12 @@ class AuthArgs(Settings):
                 )
             return dsn
         return self.key_store_sqlite()
+
+    def key_store_replica(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The registry's nearest read replica (a DSN), or None: reads go to the primary."""
+        if not (self.key_registry_dsn_env and self.key_registry_read_dsn_env):
+            return None
+        return (os.environ if environ is None else environ).get(self.key_registry_read_dsn_env, "").strip() or None
 
     def key_store_sqlite(self) -> Path:
         return Path(self.key_store_path) if self.key_store_path else state_dir() / "keys.sqlite3"

@@ -1,8 +1,10 @@
 """Where the key registry lives: a SQLite file (the embedded default) or PostgreSQL (regions).
 
-One small adapter so ``KeyStore`` is written once: both give a connection per operation, in a
-transaction, whose ``execute(sql, params)`` takes ``?`` placeholders and returns rows readable by
-column name. The SQL the store runs is the subset both speak (``INSERT … ON CONFLICT … DO
+One small adapter so ``KeyStore`` and ``UsageStore`` are written once: both give a connection per
+operation, in a transaction, whose ``execute(sql, params)`` takes ``?`` placeholders and returns
+rows readable by column name. ``connect(read=True)`` is for a read that may be a little stale:
+PostgreSQL sends it to the region's nearest read replica when one is named (key lookups,
+revocation checks, reports, budget spend), every write goes to the primary. The SQL the store runs is the subset both speak (``INSERT … ON CONFLICT … DO
 UPDATE``, ``COALESCE``); only the DDL differs (``BLOB`` / ``BYTEA``, ``INTEGER`` / ``BIGINT``).
 
 PostgreSQL is reached with psycopg 3, synchronously: every call already runs off the event loop
@@ -50,8 +52,8 @@ class SqliteDatabase:
         return str(self.path)
 
     @contextmanager
-    def connect(self) -> Iterator[sqlite3.Connection]:
-        # mode=rw never creates a file by accident.
+    def connect(self, read: bool = False) -> Iterator[sqlite3.Connection]:
+        # One file: reads and writes alike. mode=rw never creates a file by accident.
         try:
             db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
         except sqlite3.OperationalError as err:
@@ -87,30 +89,32 @@ class PostgresDatabase:
     # server that stopped answering mid-query becomes RegistryUnavailable, and the ledger spools.
     STATEMENT_TIMEOUT_MS = 15_000
 
-    def __init__(self, dsn: str):
-        self.dsn = dsn
+    def __init__(self, dsn: str, replica: str | None = None):
+        """``dsn``: the primary; ``replica``: the region's nearest read replica, if any."""
+        self.dsn, self.replica = dsn, replica
 
-    def describe(self) -> str:
-        """The DSN without its password (for logs and errors)."""
-        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.dsn)
+    def describe(self, dsn: str | None = None) -> str:
+        """A DSN without its password (for logs and errors)."""
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", dsn or self.dsn)
 
     @contextmanager
-    def connect(self) -> Iterator[_PostgresConnection]:
+    def connect(self, read: bool = False) -> Iterator[_PostgresConnection]:
         import psycopg
         from psycopg.rows import dict_row
 
+        dsn = self.replica if read and self.replica else self.dsn
         try:
             db = psycopg.connect(
-                self.dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
+                dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
                 options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
             )
         except psycopg.OperationalError as err:
-            raise RegistryUnavailable(f"cannot reach the key registry at {self.describe()}: {err}") from err
+            raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
         try:
             with db:  # commits on a clean exit, rolls back on an exception
                 yield _PostgresConnection(db)
         except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
-            raise RegistryUnavailable(f"key registry at {self.describe()}: {err}") from err
+            raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
 
     def create_schema(self, ddl: str) -> None:
         ddl = ddl.replace(" BLOB ", " BYTEA ").replace(" INTEGER", " BIGINT")
@@ -131,8 +135,11 @@ def is_dsn(location: str | Path) -> bool:
     return isinstance(location, str) and _DSN.match(location) is not None
 
 
-def open_database(location: str | Path, *, create: bool = False) -> SqliteDatabase | PostgresDatabase:
-    """A ``postgresql://`` DSN, or a SQLite path (``create``: make the file if it is missing)."""
+def open_database(
+    location: str | Path, *, create: bool = False, replica: str | None = None
+) -> SqliteDatabase | PostgresDatabase:
+    """A ``postgresql://`` DSN (``replica``: its read replica's), or a SQLite path (``create``:
+    make the file if it is missing)."""
     if is_dsn(location):
-        return PostgresDatabase(location)
+        return PostgresDatabase(location, replica)
     return SqliteDatabase(location, create=create)

@@ -153,16 +153,19 @@ class _TTLCache:
 class KeyStore:
     """``location``: a SQLite path, or a ``postgresql://`` DSN (``database.open_database``)."""
 
-    def __init__(self, location: Path | str, *, cache_ttl_s: float = 5, create: bool = False):
-        self.database = open_database(location, create=create)
+    def __init__(
+        self, location: Path | str, *, cache_ttl_s: float = 5, create: bool = False, replica: str | None = None
+    ):
+        """``replica``: the DSN of the registry's read replica nearest this region, if any."""
+        self.database = open_database(location, create=create, replica=replica)
         self.database.create_schema(_SCHEMA)
         self._keys = _TTLCache(cache_ttl_s)
         self._revoked = _TTLCache(cache_ttl_s)
 
-    def _connect(self):
+    def _connect(self, read: bool = False):
         # A connection per operation: reads are rare (cached) and this stays correct across
-        # threads and processes.
-        return self.database.connect()
+        # threads and processes. Reads may go to a read replica: its lag adds to cache_ttl_s.
+        return self.database.connect(read)
 
     # --- reads (cached) ---------------------------------------------------------------------
     def get(self, key_id: str, offline: bool = False) -> KeyRecord | None:
@@ -184,12 +187,12 @@ class KeyStore:
         return self._revoked.get(jti, lambda: self._jti_row_exists(jti), offline)
 
     def _load(self, key_id: str) -> KeyRecord | None:
-        with self._connect() as db:
+        with self._connect(read=True) as db:
             row = db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
         return _record(row) if row else None
 
     def _jti_row_exists(self, jti: str) -> bool:
-        with self._connect() as db:
+        with self._connect(read=True) as db:
             return db.execute("SELECT 1 FROM revoked_tokens WHERE jti = ?", (jti,)).fetchone() is not None
 
     # --- writes (the CLI and the admin endpoint) --------------------------------------------
@@ -237,7 +240,7 @@ class KeyStore:
         return f"{PREFIX}_{record.key_id}_{secret}", record
 
     def list_keys(self) -> list[KeyRecord]:
-        with self._connect() as db:
+        with self._connect(read=True) as db:
             rows = db.execute("SELECT * FROM api_keys ORDER BY created_at, key_id").fetchall()
         return [_record(row) for row in rows]
 

@@ -124,7 +124,7 @@ class UsageStore:
                 )
         return len(new)
 
-    # --- reads (reports, budgets) -------------------------------------------------------------
+    # --- reads (reports, budgets): from the region's read replica when it has one ---------------
     def totals(
         self, *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...]
     ) -> list[dict[str, Any]]:
@@ -139,7 +139,7 @@ class UsageStore:
         where, params = "day >= ? AND day <= ?", (since, until)
         if key_id is not None:
             where, params = where + " AND key_id = ?", (*params, key_id)
-        with self.database.connect() as db:
+        with self.database.connect(read=True) as db:
             rows = db.execute(
                 f"SELECT {selected}, {sums} FROM usage_daily WHERE {where} GROUP BY {groups} ORDER BY {groups}",
                 params,
@@ -154,7 +154,7 @@ class UsageStore:
 
     def spent(self, key_id: str, since_day: str) -> int:
         """Prompt + completion tokens ``key_id`` used from ``since_day`` (inclusive) on."""
-        with self.database.connect() as db:
+        with self.database.connect(read=True) as db:
             row = db.execute(
                 "SELECT COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS spent FROM usage_daily"
                 " WHERE key_id = ? AND day >= ?",
@@ -164,9 +164,9 @@ class UsageStore:
 
     def budget_state(self, key_id: str, *, day: str, month_start: str) -> tuple[Budget | None, int, int]:
         """``(budget, spent on day, spent since month_start)`` on one connection: what a budget
-        check needs, for one connect (+ TLS) to a possibly distant primary instead of three.
+        check needs, for one connect (+ TLS) to the nearest replica (or the primary) instead of three.
         A key without a budget costs one indexed lookup and no spend query."""
-        with self.database.connect() as db:
+        with self.database.connect(read=True) as db:
             budget = _budget(db, key_id)
             if budget is None:
                 return None, 0, 0
@@ -196,7 +196,7 @@ class UsageStore:
         return budget
 
     def budget(self, key_id: str) -> Budget | None:
-        with self.database.connect() as db:
+        with self.database.connect(read=True) as db:
             return _budget(db, key_id)
 
     def clear_budget(self, key_id: str) -> bool:

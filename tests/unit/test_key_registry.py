@@ -91,3 +91,26 @@ def test_a_registry_outage_is_a_503_with_retry_after_not_a_500(tmp_path, fresh_d
         asyncio.run(auth.authenticate_async(f"Bearer {key}", scope=SCOPE_INFERENCE))
     assert refused.value.status == 503 and refused.value.code == "key_registry_unavailable"
     assert refused.value.headers["Retry-After"] and "127.0.0.1" not in refused.value.message
+
+
+def test_reads_go_to_the_regions_read_replica_and_writes_to_the_primary(postgres_dsn):
+    """A replica is another server in production; here another database stands in for it, so a
+    read that went to the primary would find what only the primary holds."""
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    KeyStore(replica)  # the replica's schema (replication would bring it)
+    here = KeyStore(primary, cache_ttl_s=0, replica=replica)
+    key, record = here.create_key(owner="alice", tier="standard")  # a write: to the primary
+    assert KeyStore(primary, cache_ttl_s=0).lookup(key) == record
+    assert here.lookup(key) is None  # a read: from the replica, which has not got it
+    assert here.list_keys() == []
+    assert here.revoke_key(record.key_id)  # writes find the primary's row
+    assert KeyStore(primary, cache_ttl_s=0).get(record.key_id).disabled_at is not None
+
+
+def test_the_read_replica_is_named_by_env_and_only_beside_a_primary():
+    args = AuthArgs(key_registry_dsn_env="PRIMARY", key_registry_read_dsn_env="REPLICA")
+    assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": "postgresql://r/x"}) == "postgresql://r/x"
+    assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": " "}) is None  # empty: all on the primary
+    assert AuthArgs(key_registry_read_dsn_env="REPLICA").key_store_replica({"REPLICA": "postgresql://r/x"}) is None

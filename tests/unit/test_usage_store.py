@@ -181,3 +181,19 @@ def test_budgets_are_set_replaced_read_and_cleared(store):
     with pytest.raises(ValueError, match="negative"):
         store.set_budget("k1", tokens_per_day=-1, tokens_per_month=None)
     assert store.clear_budget("k1") and store.budget("k1") is None
+
+
+def test_records_are_written_to_the_primary_and_reports_read_from_the_replica(postgres_dsn):
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    UsageStore(open_database(replica))  # the replica's schema (replication would bring it)
+    here = UsageStore(open_database(primary, replica=replica))
+    assert here.insert([usage_record()]) == 1
+    here.set_budget("k1", tokens_per_day=10, tokens_per_month=None)
+    assert _by_day(UsageStore(open_database(primary))) == [
+        {"day": "2026-12-01", "requests": 1, "prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 0,
+         "total_tokens": 120}
+    ]
+    assert _by_day(here) == [] and here.budget("k1") is None  # reads: the replica, which lags behind
+    assert here.budget_state("k1", day="2026-12-01", month_start="2026-12-01") == (None, 0, 0)
