@@ -7,7 +7,10 @@ Every region file (``serve_app.regions.schema``) plus the catalog becomes:
 - ``terraform/regions/<id>/main.tf`` and ``generated.auto.tfvars.json``: the region's Terraform
   root and its variables (here);
 - ``terraform/global/generated.auto.tfvars.json``: every region's endpoint for the global
-  latency-routed DNS name and its health checks (here).
+  latency-routed DNS name and its health checks (here);
+- ``terraform/global/registry_replicas.tf``: a read replica of the key registry in each distinct
+  AWS region the regions are nearest (their ``route53_latency_region``), with its provider alias
+  (here: Terraform cannot iterate over providers).
 
 Everything generated is deterministic; ``serve-app regions check`` (and the unit tests) fail when a
 committed file differs from its rendering.
@@ -22,16 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.paths import REPO_ROOT
-from serve_app.regions.serve_config import (  # noqa: F401  (app_args, telemetry_args: part of this module's API)
+from serve_app.regions.serve_config import (
     GENERATED_MARKER,
+    REGISTRY_CA_DIR,
+    REGISTRY_CA_FILE,
     REGISTRY_DSN_ENV,
+    REGISTRY_READ_DSN_ENV,
     RENDER_COMMAND,
     SIGNING_KEYS_DIR,
     SIGNING_KEYS_FILE,
     STATE_DIR,
-    app_args,
     render_serve_config,
-    telemetry_args,
 )
 from serve_app.regions.schema import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
 
@@ -78,7 +82,10 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
             "signing_keys_dir": SIGNING_KEYS_DIR,
             "signing_keys_file": SIGNING_KEYS_FILE,
             "state_dir": STATE_DIR,
+            "registry_ca_dir": REGISTRY_CA_DIR,
+            "registry_ca_file": REGISTRY_CA_FILE,
         },
+        "registry_read_dsn_env": REGISTRY_READ_DSN_ENV,
     }
 
 
@@ -107,7 +114,8 @@ _REGION_ROOT_TF = """\
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/@ID@.yaml.
 # Secrets and the release come from the environment, never from files in git:
 #   TF_VAR_cluster_host, TF_VAR_cluster_ca_certificate, TF_VAR_cluster_token,
-#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn
+#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn, TF_VAR_registry_read_dsn,
+#   TF_VAR_registry_ca_bundle
 # See docs/regions.md ("Terraform") for init and the first apply.
 
 terraform {
@@ -160,6 +168,8 @@ variable "auth_mounts" {
     signing_keys_dir  = string
     signing_keys_file = string
     state_dir         = string
+    registry_ca_dir   = string
+    registry_ca_file  = string
   })
 }
 
@@ -191,9 +201,25 @@ variable "signing_keyset_json" {
 }
 
 variable "registry_dsn" {
-  description = "postgresql:// DSN of the key registry every region shares (docs/auth.md, section Registry)."
+  description = "postgresql:// DSN of the key registry's primary, which every region shares (docs/auth.md, section Registry)."
   type        = string
   sensitive   = true
+}
+
+variable "registry_read_dsn" {
+  description = "postgresql:// DSN of the registry instance nearest this region, for reads (terraform/global output registry_read_endpoints)."
+  type        = string
+  sensitive   = true
+}
+
+variable "registry_read_dsn_env" {
+  description = "The env var the routers read the read DSN from (generated from serve_app/regions/serve_config.py)."
+  type        = string
+}
+
+variable "registry_ca_bundle" {
+  description = "PEM CA bundle of the registry's server certificates (RDS), the DSNs' sslrootcert."
+  type        = string
 }
 
 provider "kubernetes" {
@@ -213,14 +239,17 @@ provider "helm" {
 module "region" {
   source = "../../modules/region"
 
-  region              = var.region
-  ray_version         = var.ray_version
-  auth_mounts         = var.auth_mounts
-  image               = var.image
-  serve_config        = file("${path.module}/../../../configs/@ID@.yaml")
-  signing_keyset_json = var.signing_keyset_json
-  registry_dsn        = var.registry_dsn
-  registry_dsn_env    = "@REGISTRY_DSN_ENV@"
+  region                = var.region
+  ray_version           = var.ray_version
+  auth_mounts           = var.auth_mounts
+  image                 = var.image
+  serve_config          = file("${path.module}/../../../configs/@ID@.yaml")
+  signing_keyset_json   = var.signing_keyset_json
+  registry_dsn          = var.registry_dsn
+  registry_dsn_env      = "@REGISTRY_DSN_ENV@"
+  registry_read_dsn     = var.registry_read_dsn
+  registry_read_dsn_env = var.registry_read_dsn_env
+  registry_ca_bundle    = var.registry_ca_bundle
 }
 
 output "public_endpoint" {
@@ -242,6 +271,82 @@ def render_region_root(region: Region) -> str:
     )
 
 
+# --- the key registry's read replicas (terraform/global/registry_replicas.tf) --------------------
+
+
+def registry_replica_regions(regions: dict[str, Region]) -> dict[str, list[str]]:
+    """Each distinct AWS region an edge region is nearest (its ``route53_latency_region``), with
+    the edge regions nearest it, sorted: one read replica each (none, at plan time, in the
+    primary's own region)."""
+    nearest: dict[str, list[str]] = {}
+    for region in regions.values():
+        nearest.setdefault(region.route53_latency_region, []).append(region.id)
+    return {aws: sorted(ids) for aws, ids in sorted(nearest.items())}
+
+
+def tf_name(aws_region: str) -> str:
+    """``us-west-2`` -> ``us_west_2``: the provider alias and module name of that region's replica."""
+    return aws_region.replace("-", "_")
+
+
+_REGISTRY_REPLICAS_HEADER = """\
+# @MARKER@*.yaml by `@COMMAND@`.
+# Do not edit by hand: the template is serve_app/regions/render.py (_REGISTRY_REPLICA_TF); CI fails on drift.
+#
+# The key registry's read replicas (registry.tf): one in each distinct AWS region the region
+# files name as route53_latency_region, with the edge regions nearest it:
+@NEAREST@
+# The one in var.registry_primary_region creates nothing: the edge regions nearest it read the
+# primary.
+# Terraform cannot iterate over providers, hence an alias of the aws provider main.tf pins and a
+# module call per AWS region.
+"""
+
+_REGISTRY_REPLICA_TF = """
+provider "aws" {
+  alias  = "@ALIAS@"
+  region = "@AWS@"
+}
+
+module "registry_replica_@ALIAS@" {
+  source    = "../modules/registry_replica"
+  providers = { aws = aws.@ALIAS@ }
+
+  enabled                   = var.registry_primary_region != "@AWS@"
+  identifier                = "${local.registry_identifier}-@AWS@"
+  source_db_arn             = aws_db_instance.registry.arn
+  engine_version            = local.registry_engine_version.replicas
+  instance_class            = var.registry_instance_class
+  max_allocated_storage_gib = var.registry_storage_gib.max
+  network                   = try(var.registry_network["@AWS@"], null)
+  monitoring_role_arn       = aws_iam_role.registry_monitoring.arn
+  log_retention_days        = var.registry_log_retention_days
+  tags                      = local.registry_tags
+}
+"""
+
+
+def render_registry_replicas(regions: dict[str, Region]) -> str:
+    nearest = registry_replica_regions(regions)
+    text = (
+        _REGISTRY_REPLICAS_HEADER.replace("@MARKER@", GENERATED_MARKER)
+        .replace("@COMMAND@", RENDER_COMMAND)
+        .replace("@NEAREST@", "\n".join(f"#   {aws}: {', '.join(ids)}" for aws, ids in nearest.items()))
+    )
+    for aws in nearest:
+        text += _REGISTRY_REPLICA_TF.replace("@ALIAS@", tf_name(aws)).replace("@AWS@", aws)
+    width = max(len(aws) for aws in nearest) + 2  # `terraform fmt` aligns the map's `=`
+    endpoints = "".join(
+        f'    {f"{chr(34)}{aws}{chr(34)}":<{width}} = module.registry_replica_{tf_name(aws)}.endpoint\n'
+        for aws in nearest
+    )
+    return text + (
+        "\nlocals {\n"
+        "  # host:port of the replica in each AWS region (null in the primary's): outputs.tf.\n"
+        "  registry_replica_endpoints = {\n" + endpoints + "  }\n}\n"
+    )
+
+
 def _json(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
@@ -256,6 +361,7 @@ def rendered_files(regions: dict[str, Region]) -> dict[str, str]:
             terraform_region_vars(region)
         )
     files["terraform/global/generated.auto.tfvars.json"] = _json(terraform_global_vars(regions))
+    files["terraform/global/registry_replicas.tf"] = render_registry_replicas(regions)
     return files
 
 
@@ -265,7 +371,7 @@ def generated_files_on_disk(repo: Path) -> set[str]:
     for path in (repo / "configs").glob("*.yaml"):
         if GENERATED_MARKER in path.read_text().split("\n", 1)[0]:
             found.add(str(path.relative_to(repo)))
-    for path in (repo / "terraform" / "regions").glob("*/main.tf"):
+    for path in [*(repo / "terraform" / "regions").glob("*/main.tf"), *(repo / "terraform" / "global").glob("*.tf")]:
         if GENERATED_MARKER in path.read_text().split("\n", 1)[0]:
             found.add(str(path.relative_to(repo)))
     for path in (repo / "terraform").glob("**/generated.auto.tfvars.json"):

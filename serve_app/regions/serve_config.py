@@ -25,13 +25,18 @@ GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carrie
 # Where the region's auth material is mounted in every Ray pod (terraform/modules/region). The
 # signing keyset comes from a Kubernetes Secret (read-only; a `terraform apply` with a rotated or
 # re-imported keyset updates the mounted file in place and routers reload it). The API keys live
-# in the registry every region shares (PostgreSQL): its DSN comes from the region's registry
-# Secret as REGISTRY_DSN_ENV. The writable shared volume holds the region's stored Responses.
+# in the registry every region shares (PostgreSQL): the region's registry Secret holds the DSN
+# of its primary (REGISTRY_DSN_ENV, every write) and of the instance nearest the region
+# (REGISTRY_READ_DSN_ENV, reads); both name the CA bundle mounted at REGISTRY_CA_DIR as their
+# sslrootcert. The writable shared volume holds the region's stored Responses.
 SIGNING_KEYS_DIR = "/etc/serve_app/signing"
 SIGNING_KEYS_FILE = "signing-keys.json"
 STATE_DIR = "/var/lib/serve_app"
 KEY_STORE_FILE = "keys.sqlite3"
 REGISTRY_DSN_ENV = "SERVE_APP_REGISTRY_DSN"
+REGISTRY_READ_DSN_ENV = "SERVE_APP_REGISTRY_READ_DSN"
+REGISTRY_CA_DIR = "/etc/serve_app/registry-ca"
+REGISTRY_CA_FILE = "rds-ca.pem"
 # The same in every region, so a token minted in one region verifies in all of them.
 TOKEN_ISSUER = "https://auth.edge.polargrid.ai"
 TOKEN_AUDIENCE = f"https://{GLOBAL_HOSTNAME}"
@@ -57,6 +62,7 @@ def auth_args(region: Region) -> dict[str, Any]:
     return {
         "key_store_path": f"{STATE_DIR}/{KEY_STORE_FILE}",  # the registry replaces it; Responses' dir
         "key_registry_dsn_env": REGISTRY_DSN_ENV,
+        "key_registry_read_dsn_env": REGISTRY_READ_DSN_ENV,
         "signing_keys_path": f"{SIGNING_KEYS_DIR}/{SIGNING_KEYS_FILE}",
         "issuer": TOKEN_ISSUER,
         "audience": TOKEN_AUDIENCE,

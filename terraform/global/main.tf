@@ -5,6 +5,10 @@
 #
 # Each region's own name (api.<id>.edge.polargrid.ai) points at that region's ingress and is
 # managed with the region's site, not here.
+#
+# The key registry every region shares, on RDS for PostgreSQL, is here too: the primary
+# (registry.tf) and a read replica in each edge region's nearest AWS region (registry_replicas.tf,
+# rendered from regions/ like generated.auto.tfvars.json).
 
 terraform {
   required_version = ">= 1.10.0"
@@ -22,9 +26,16 @@ terraform {
   }
 }
 
-# Route 53 is global; its health-check metrics live in us-east-1.
+# Route 53 is global; its health-check metrics live in us-east-1. IAM is global too.
 provider "aws" {
   region = "us-east-1"
+}
+
+# The key registry's primary (registry.tf). Every alias of this file and of
+# registry_replicas.tf is the aws provider pinned above.
+provider "aws" {
+  alias  = "registry_primary"
+  region = var.registry_primary_region
 }
 
 locals {

@@ -1,5 +1,6 @@
 """GPU region configs cannot run here; their production settings are checked instead."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,36 @@ def test_every_region_exports_traces_to_its_collector_with_a_consistent_protocol
         assert tracing.endpoint.endswith("/v1/traces")
     assert 0 < tracing.sampling_ratio <= 1
     assert tracing.resource_attributes["deployment.environment"] == region.status
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_routers_read_the_nearest_registry_instance_and_write_the_primary(name):
+    """The Serve config reads both DSNs from the env vars the region's Terraform fills from the
+    registry Secret's `dsn` and `read_dsn`; an empty `read_dsn` sends reads to the primary."""
+    import hcl2
+
+    region_id = Path(name).stem
+    auth = parse_app_args(app_args(load_serve_config(name))).auth
+    root = REPO / "terraform" / "regions" / region_id
+    (call,) = [body for entry in hcl2.loads((root / "main.tf").read_text())["module"] for body in entry.values()]
+    tfvars = json.loads((root / "generated.auto.tfvars.json").read_text())
+    assert call["registry_dsn_env"].strip('"') == auth.key_registry_dsn_env
+    assert call["registry_read_dsn_env"] == "${var.registry_read_dsn_env}"
+    assert tfvars["registry_read_dsn_env"] == auth.key_registry_read_dsn_env
+    module = REPO / "terraform" / "modules" / "region"
+    (env,) = [entry["env"] for entry in hcl2.loads((module / "rayservice.tf").read_text())["locals"] if "env" in entry]
+    from_secret = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"].strip('"') for e in env if "valueFrom" in e}
+    assert from_secret == {"${var.registry_dsn_env}": "dsn", "${var.registry_read_dsn_env}": "read_dsn"}
+
+    # Both DSNs' sslrootcert (docs/regions.md) is where the module mounts the registry's CA bundle.
+    (volume,) = [v for v in hcl2.loads((module / "rayservice.tf").read_text())["locals"][0]["auth_mounts"]
+                 if v["name"] == '"registry-ca"']
+    assert volume == {"name": '"registry-ca"', "mountPath": "${var.auth_mounts.registry_ca_dir}", "readOnly": True}
+    ca_file = f"{tfvars['auth_mounts']['registry_ca_dir']}/{tfvars['auth_mounts']['registry_ca_file']}"
+    assert f"sslrootcert={ca_file}" in (REPO / "docs" / "regions.md").read_text()
+
+    primary, replica = "postgresql://app@primary/registry", "postgresql://app@replica/registry"
+    environ = {auth.key_registry_dsn_env: primary, auth.key_registry_read_dsn_env: replica}
+    assert auth.key_store(environ) == primary
+    assert auth.key_store_replica(environ) == replica
+    assert auth.key_store_replica({**environ, auth.key_registry_read_dsn_env: ""}) is None

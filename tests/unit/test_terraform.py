@@ -217,25 +217,43 @@ def test_generated_region_variables_match_the_declared_types(region_id):
         if name in MODULE_VARIABLES:  # passed straight through: the module must accept it too
             assert type_of(MODULE_VARIABLES[name]) == type_of(variables[name]), name
     # Secrets and the release are never generated: they come from TF_VAR_* at apply time.
-    for secret in ("cluster_token", "signing_keyset_json"):
+    for secret in ("cluster_token", "signing_keyset_json", "registry_dsn", "registry_read_dsn"):
         assert variables[secret].get("sensitive") is True
         assert "default" not in variables[secret]
         assert secret not in values
 
 
+# Global inputs without a default that the operator sets (registry_network.tfvars.example).
+GLOBAL_OPERATOR_INPUTS = {"registry_network"}
+
+
 def test_generated_global_variables_match_the_declared_types():
     variables = declared_variables(TERRAFORM / "global")
     values = json.loads((TERRAFORM / "global" / "generated.auto.tfvars.json").read_text())
-    assert set(values) == {name for name, body in variables.items() if "default" not in body}
+    required = {name for name, body in variables.items() if "default" not in body}
+    assert set(values) == required - GLOBAL_OPERATOR_INPUTS
+    assert not set(values) & GLOBAL_OPERATOR_INPUTS, "operator inputs are never generated"
     for name, value in values.items():
         assert not conforms(value, type_of(variables[name]), name)
+
+
+def test_the_registry_network_example_fits_the_variable_and_covers_every_instance():
+    variables = declared_variables(TERRAFORM / "global")
+    example = hcl2.loads((TERRAFORM / "global" / "registry_network.tfvars.example").read_text())
+    assert set(example) - {"__comments__"} == GLOBAL_OPERATOR_INPUTS
+    network = {k.strip('"'): v for k, v in example["registry_network"].items()}
+    assert not conforms(network, type_of(variables["registry_network"]), "registry_network")
+    # The default primary's AWS region and every replica's have an entry.
+    primary = variables["registry_primary_region"]["default"].strip('"')
+    assert {primary} | {r.route53_latency_region for r in REGIONS.values()} <= set(network)
 
 
 def test_sensitive_module_inputs_have_no_default():
     for name, body in MODULE_VARIABLES.items():
         if body.get("sensitive") is True:
             assert "default" not in body, name
-    assert MODULE_VARIABLES["signing_keyset_json"].get("sensitive") is True
+    for secret in ("signing_keyset_json", "registry_dsn", "registry_read_dsn"):
+        assert MODULE_VARIABLES[secret].get("sensitive") is True, secret
 
 
 def test_providers_are_pinned_exactly_in_every_root():
@@ -256,3 +274,145 @@ def test_gpu_workers_hand_the_weight_cache_to_the_images_user_before_vllm_writes
     assert '"model-cache"' in init and 'mountPath = "/models"' in init
     assert "chown ${var.pod_fs_group}:${var.pod_fs_group} /models" in init
     assert 'drop = ["ALL"]' in init and '"CHOWN"' in init
+
+
+# --- the key registry: a primary, and a replica per nearest AWS region --------------------------
+
+
+GLOBAL = TERRAFORM / "global"
+REPLICA_MODULE = TERRAFORM / "modules" / "registry_replica"
+
+
+def unquote(value: str) -> str:
+    return value.strip('"')
+
+
+def global_blocks(kind: str) -> list[tuple[str, dict]]:
+    """Every ``kind`` block of the global root's files, as (name, body), duplicates kept."""
+    return [
+        (unquote(name), body)
+        for path in sorted(GLOBAL.glob("*.tf"))
+        for entry in parse(path).get(kind, [])
+        for name, body in entry.items()
+    ]
+
+
+def resources(directory: Path) -> dict[str, dict]:
+    """``type.name`` -> body, over a directory's .tf files."""
+    out = {}
+    for path in sorted(directory.glob("*.tf")):
+        for entry in parse(path).get("resource", []):
+            for kind, named in entry.items():
+                for name, body in named.items():
+                    out[f"{unquote(kind)}.{unquote(name)}"] = body
+    return out
+
+
+def replica_calls() -> dict[str, tuple[str, dict]]:
+    """The registry_replica module calls, by name, each with the AWS region of its provider."""
+    regions_of = {unquote(body["alias"]): unquote(body["region"]) for name, body in global_blocks("provider") if "alias" in body}
+    calls = {}
+    for name, body in global_blocks("module"):
+        if unquote(body["source"]) == "../modules/registry_replica":
+            alias = re.fullmatch(r"\$\{aws\.(\w+)\}", body["providers"]["aws"]).group(1)
+            calls[name] = (regions_of[alias], body)
+    return calls
+
+
+def test_the_registry_has_one_replica_per_distinct_nearest_aws_region():
+    nearest = {region.route53_latency_region for region in REGIONS.values()}
+    targeted = [aws_region for aws_region, _ in replica_calls().values()]
+    assert sorted(targeted) == sorted(nearest)  # each once, none left out, none extra
+
+
+def test_a_replica_in_the_primarys_own_aws_region_creates_nothing():
+    for name, (aws_region, call) in replica_calls().items():
+        assert call["enabled"] == f'${{var.registry_primary_region != "{aws_region}"}}', name
+        assert call["network"] == f'${{try(var.registry_network["{aws_region}"], null)}}', name
+    for address, body in resources(REPLICA_MODULE).items():
+        condition = body.get("count", body.get("for_each", ""))
+        assert str(condition).startswith("${var.enabled ?"), f"{address} is created even when disabled"
+    # Each edge region reads its nearest replica (outputs.tf: the primary in the primary's region).
+    (endpoints,) = [entry["registry_replica_endpoints"] for entry in parse(GLOBAL / "registry_replicas.tf")["locals"]]
+    assert {unquote(k): v for k, v in endpoints.items()} == {
+        aws_region: f"${{module.{name}.endpoint}}" for name, (aws_region, _) in replica_calls().items()
+    }
+
+
+def test_every_module_call_passes_exactly_the_modules_variables():
+    replica_variables = set(declared_variables(REPLICA_MODULE))
+    for name, (_, call) in replica_calls().items():
+        args = {k for k in call if k not in ("source", "providers", "__is_block__")}
+        assert args == replica_variables, f"{name}: extra {args - replica_variables}, missing {replica_variables - args}"
+    # The region roots: test_region_root_calls_the_module_with_exactly_its_variables (defaults may stay).
+
+
+def admits(constraint: str, version: str) -> bool:
+    """Whether a Terraform version constraint (comma-separated >=, >, <=, <, = terms) admits a version."""
+    import operator
+
+    ops = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt, "=": operator.eq}
+    release = lambda text: tuple(int(part) for part in text.split("."))  # noqa: E731
+    terms = [re.fullmatch(r"\s*(>=|<=|>|<|=)?\s*([\d.]+)\s*", term).groups() for term in constraint.split(",")]
+    return all(ops[op or "="](release(version), release(bound)) for op, bound in terms)
+
+
+def test_every_provider_alias_is_the_roots_exactly_pinned_provider():
+    assert admits(">= 5.70.0, < 6.0.0", "5.100.0") and not admits(">= 5.70.0, < 6.0.0", "6.0.0")
+    # One pin for the whole root: no other file declares a provider version of its own.
+    (pins,) = [
+        entry
+        for path in sorted(GLOBAL.glob("*.tf"))
+        for settings in parse(path).get("terraform", [])
+        for entry in settings.get("required_providers", [])
+    ]
+    pinned = {name: unquote(spec["version"]) for name, spec in pins.items() if name != "__is_block__"}
+    providers = global_blocks("provider")
+    aliases = [unquote(body["alias"]) for _, body in providers if "alias" in body]
+    assert len(aliases) == len(set(aliases))
+    assert {name for name, _ in providers} <= set(pinned), "a provider the root does not pin"
+    for name, (_, call) in replica_calls().items():
+        assert re.fullmatch(r"\$\{aws\.(\w+)\}", call["providers"]["aws"]).group(1) in aliases, name
+    (module_settings,) = parse(REPLICA_MODULE / "versions.tf")["terraform"]
+    (module_providers,) = module_settings["required_providers"]
+    assert admits(unquote(module_providers["aws"]["version"]), pinned["aws"])
+
+
+HARDENING = (
+    "multi_az", "storage_encrypted", "storage_type", "publicly_accessible", "port",
+    "iam_database_authentication_enabled", "deletion_protection", "backup_retention_period",
+    "copy_tags_to_snapshot", "ca_cert_identifier", "auto_minor_version_upgrade",
+    "performance_insights_enabled", "monitoring_interval",
+)
+
+
+def test_replicas_carry_the_primarys_hardening():
+    primary, replica = resources(GLOBAL), resources(REPLICA_MODULE)
+    db, replica_db = primary["aws_db_instance.registry"], replica["aws_db_instance.replica"]
+    assert {k: db[k] for k in HARDENING} == {k: replica_db[k] for k in HARDENING}
+    assert db["multi_az"] and db["storage_encrypted"] and not db["publicly_accessible"] and db["deletion_protection"]
+    assert db["manage_master_user_password"] is True
+    assert re.fullmatch(r'"16\.\d+"', parse(GLOBAL / "registry.tf")["locals"][0]["registry_engine_version"]["primary"])
+    for key in ("kms_key_id", "performance_insights_kms_key_id"):
+        assert db[key] == "${aws_kms_key.registry.arn}" and replica_db[key] == "${aws_kms_key.replica[0].arn}"
+    assert replica_db["replicate_source_db"] == "${var.source_db_arn}"
+    for call in replica_calls().values():
+        assert call[1]["source_db_arn"] == "${aws_db_instance.registry.arn}"
+    # TLS forced, and the same parameters on both.
+    params = primary["aws_db_parameter_group.registry"], replica["aws_db_parameter_group.replica"]
+    assert params[0]["parameter"] == params[1]["parameter"] and params[0]["family"] == params[1]["family"]
+    assert {unquote(p["name"]): unquote(p["value"]) for p in params[0]["parameter"]}["rds.force_ssl"] == "1"
+    # 5432 only, from the operator's client CIDRs; no egress rule.
+    for group in (primary["aws_security_group.registry"], replica["aws_security_group.replica"]):
+        (ingress,) = group["ingress"]
+        assert (ingress["from_port"], ingress["to_port"], ingress["protocol"]) == (5432, 5432, '"tcp"')
+        assert "egress" not in group
+    for key in (primary["aws_kms_key.registry"], replica["aws_kms_key.replica"]):
+        assert key["enable_key_rotation"] is True and "policy" in key
+
+
+def test_outputs_never_carry_a_password():
+    outputs = dict(global_blocks("output"))
+    assert not [name for name, body in outputs.items() if "password" in str(body["value"]).lower()]
+    assert outputs["registry_master_user_secret_arn"]["value"].endswith("master_user_secret[0].secret_arn}")
+

@@ -37,9 +37,10 @@ resource "kubernetes_secret_v1" "signing_keys" {
   }
 }
 
-# The key registry's DSN: API keys (hashes only), tiers and revocations live in the one PostgreSQL
-# registry every region shares (docs/auth.md, "Registry"); routers read it from the env var the
-# Serve config names (rayservice.tf), the admin API writes revocations to it.
+# The key registry's DSNs: API keys (hashes only), tiers, revocations, the usage ledger and
+# budgets live in the one PostgreSQL registry every region shares (docs/auth.md, "Registry").
+# `dsn` is its primary (every write), `read_dsn` the instance nearest this region (reads; empty:
+# the primary). Routers read them from the env vars the Serve config names (rayservice.tf).
 resource "kubernetes_secret_v1" "registry" {
   metadata {
     name      = "${local.name}-registry"
@@ -49,7 +50,22 @@ resource "kubernetes_secret_v1" "registry" {
 
   type = "Opaque"
   data = {
-    dsn = var.registry_dsn
+    dsn      = var.registry_dsn
+    read_dsn = var.registry_read_dsn
+  }
+}
+
+# The CA bundle the registry's server certificates chain to (RDS's), which both DSNs name as
+# sslrootcert (sslmode=verify-full). Public, hence a ConfigMap; mounted read-only (rayservice.tf).
+resource "kubernetes_config_map_v1" "registry_ca" {
+  metadata {
+    name      = "${local.name}-registry-ca"
+    namespace = kubernetes_namespace_v1.serve.metadata[0].name
+    labels    = local.labels
+  }
+
+  data = {
+    (var.auth_mounts.registry_ca_file) = var.registry_ca_bundle
   }
 }
 

@@ -12,10 +12,15 @@ locals {
     { name = "HF_HOME", value = "/models/hf" },
     # HAProxy in place of Serve's Python proxy (serve_app.app.RAY_ENV; docs/architecture.md).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
-    # The shared key registry (main.tf); Ray's workers inherit the pod's env.
+    # The shared key registry (main.tf): its primary and the instance to read from; Ray's
+    # workers inherit the pod's env.
     {
       name      = var.registry_dsn_env
       valueFrom = { secretKeyRef = { name = kubernetes_secret_v1.registry.metadata[0].name, key = "dsn" } }
+    },
+    {
+      name      = var.registry_read_dsn_env
+      valueFrom = { secretKeyRef = { name = kubernetes_secret_v1.registry.metadata[0].name, key = "read_dsn" } }
     },
   ]
 
@@ -29,11 +34,16 @@ locals {
       name                  = "state"
       persistentVolumeClaim = { claimName = kubernetes_persistent_volume_claim_v1.state.metadata[0].name }
     },
+    {
+      name      = "registry-ca"
+      configMap = { name = kubernetes_config_map_v1.registry_ca.metadata[0].name }
+    },
   ]
 
   auth_mounts = [
     { name = "signing-keys", mountPath = var.auth_mounts.signing_keys_dir, readOnly = true },
     { name = "state", mountPath = var.auth_mounts.state_dir },
+    { name = "registry-ca", mountPath = var.auth_mounts.registry_ca_dir, readOnly = true },
   ]
 
   head_resources = {

@@ -32,6 +32,8 @@ variable "auth_mounts" {
     signing_keys_dir  = string
     signing_keys_file = string
     state_dir         = string
+    registry_ca_dir   = string
+    registry_ca_file  = string
   })
 }
 
@@ -107,4 +109,25 @@ variable "registry_dsn" {
 variable "registry_dsn_env" {
   description = "The env var the routers read the registry's DSN from (the rendered Serve config's auth.key_registry_dsn_env)."
   type        = string
+}
+
+variable "registry_read_dsn" {
+  description = "postgresql:// DSN of the registry instance nearest this region, for reads (terraform/global output registry_read_endpoints; empty: reads go to the primary). Never in git: TF_VAR_registry_read_dsn."
+  type        = string
+  sensitive   = true
+}
+
+variable "registry_read_dsn_env" {
+  description = "The env var the routers read the read DSN from (the rendered Serve config's auth.key_registry_read_dsn_env)."
+  type        = string
+}
+
+variable "registry_ca_bundle" {
+  description = "PEM CA bundle of the registry's server certificates (RDS: global-bundle.pem), mounted for the DSNs' sslrootcert. TF_VAR_registry_ca_bundle."
+  type        = string
+
+  validation {
+    condition     = startswith(trimspace(var.registry_ca_bundle), "-----BEGIN CERTIFICATE-----")
+    error_message = "registry_ca_bundle is PEM: the RDS CA bundle (docs/regions.md, \"The key registry database\")."
+  }
 }

@@ -5,7 +5,8 @@
 # generated.auto.tfvars.json (same region file) and the rendered Serve config configs/yul-02.yaml.
 # Secrets and the release come from the environment, never from files in git:
 #   TF_VAR_cluster_host, TF_VAR_cluster_ca_certificate, TF_VAR_cluster_token,
-#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn
+#   TF_VAR_image, TF_VAR_signing_keyset_json, TF_VAR_registry_dsn, TF_VAR_registry_read_dsn,
+#   TF_VAR_registry_ca_bundle
 # See docs/regions.md ("Terraform") for init and the first apply.
 
 terraform {
@@ -58,6 +59,8 @@ variable "auth_mounts" {
     signing_keys_dir  = string
     signing_keys_file = string
     state_dir         = string
+    registry_ca_dir   = string
+    registry_ca_file  = string
   })
 }
 
@@ -89,9 +92,25 @@ variable "signing_keyset_json" {
 }
 
 variable "registry_dsn" {
-  description = "postgresql:// DSN of the key registry every region shares (docs/auth.md, section Registry)."
+  description = "postgresql:// DSN of the key registry's primary, which every region shares (docs/auth.md, section Registry)."
   type        = string
   sensitive   = true
+}
+
+variable "registry_read_dsn" {
+  description = "postgresql:// DSN of the registry instance nearest this region, for reads (terraform/global output registry_read_endpoints)."
+  type        = string
+  sensitive   = true
+}
+
+variable "registry_read_dsn_env" {
+  description = "The env var the routers read the read DSN from (generated from serve_app/regions/serve_config.py)."
+  type        = string
+}
+
+variable "registry_ca_bundle" {
+  description = "PEM CA bundle of the registry's server certificates (RDS), the DSNs' sslrootcert."
+  type        = string
 }
 
 provider "kubernetes" {
@@ -111,14 +130,17 @@ provider "helm" {
 module "region" {
   source = "../../modules/region"
 
-  region              = var.region
-  ray_version         = var.ray_version
-  auth_mounts         = var.auth_mounts
-  image               = var.image
-  serve_config        = file("${path.module}/../../../configs/yul-02.yaml")
-  signing_keyset_json = var.signing_keyset_json
-  registry_dsn        = var.registry_dsn
-  registry_dsn_env    = "SERVE_APP_REGISTRY_DSN"
+  region                = var.region
+  ray_version           = var.ray_version
+  auth_mounts           = var.auth_mounts
+  image                 = var.image
+  serve_config          = file("${path.module}/../../../configs/yul-02.yaml")
+  signing_keyset_json   = var.signing_keyset_json
+  registry_dsn          = var.registry_dsn
+  registry_dsn_env      = "SERVE_APP_REGISTRY_DSN"
+  registry_read_dsn     = var.registry_read_dsn
+  registry_read_dsn_env = var.registry_read_dsn_env
+  registry_ca_bundle    = var.registry_ca_bundle
 }
 
 output "public_endpoint" {
