@@ -109,6 +109,6 @@ def _shape(
 
 def without_nulls(body: Body, request: Body | None = None) -> Body:
     """Top-level ``null`` fields dropped (tokenize's ``token_strs`` when not asked for). Takes
-    the request like the other shapes, which ``ModelServer._serve`` passes to each."""
+    the request like the other shapes, which ``VLLMEngine._run`` passes to each."""
     _prune(body, (), {})
     return body

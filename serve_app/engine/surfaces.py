@@ -1,8 +1,8 @@
 """How each API surface's vLLM output becomes a head, SSE bytes and a trailer in the replica.
 
-``ModelServer._serve`` does the same thing for every endpoint — validate with vLLM's request model,
-call vLLM's serving object, answer a non-stream body in the head or stream SSE bytes to the router,
-and end with a trailer — and a ``Surface`` supplies what differs:
+``VLLMEngine._run`` does the same thing for every endpoint — validate with vLLM's request model,
+call vLLM's serving object, answer a whole body or a stream of events (``protocol.py``), which
+``ModelServer`` turns into a head, SSE bytes and a trailer — and a ``Surface`` supplies what differs:
 
 - ``dump``: vLLM's pydantic result as the JSON body (Responses needs ``by_alias`` for ``schema``,
   Anthropic ``exclude_none``);

@@ -1,6 +1,6 @@
 """The replica's small rules for ``/tokenize`` and ``/detokenize`` around vLLM's own serving object.
 
-Pure functions, so they are unit-tested without an engine; ``deployment.ModelServer`` applies them.
+Pure functions, so they are unit-tested without an engine; ``vllm_engine.VLLMEngine`` applies them.
 """
 
 from typing import Any

@@ -1,0 +1,56 @@
+"""The seam between the model replica (``deployment.ModelServer``: Serve, heads, the byte socket,
+trailers) and the engine that answers requests (``vllm_engine.VLLMEngine``; a fake in the unit
+tests). Nothing here imports vLLM.
+
+An engine takes one request — the replica method's name (``chat``, ``completions``, ``responses``,
+``messages``, ``count_tokens``, ``tokenize``, ``detokenize``) and its body — and answers with:
+
+- an ``Answer``: a whole JSON body with its status (a non-stream success, or any error the engine
+  reports before a stream starts), and for a success its ``summary`` (engine timing, usage, finish
+  reasons: the trailer the router reads);
+- a ``Stream``: the engine's events, already under way, and a ``watcher`` that turns each event
+  into the SSE bytes the client gets (or None: drop it) and collects the stream's trailer.
+
+An engine raises only for its own failures (``dead`` says whether the engine itself is gone); a
+client's mistake is an ``Answer`` with a 4xx.
+"""
+
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple, Protocol
+
+Body = dict[str, Any]
+
+METHODS = ("chat", "completions", "responses", "messages", "count_tokens", "tokenize", "detokenize")
+
+
+class Answer(NamedTuple):
+    status: int
+    body: Body
+    summary: Body | None = None  # a success's trailer: engine_timing, usage, finish_reasons
+
+
+class Watcher(Protocol):
+    def pass_on(self, event: Any) -> str | None: ...
+    def trailer(self) -> Body: ...
+
+
+class Stream(NamedTuple):
+    events: AsyncIterator[Any]  # closing it ends the engine request (frees its KV cache)
+    watcher: Watcher
+
+
+class Engine(Protocol):
+    @property
+    def dead(self) -> bool:
+        """The engine itself failed (its core died): every request fails until it is replaced."""
+
+    async def start(self) -> None: ...
+
+    async def serve(self, method: str, body: Body) -> Answer | Stream: ...
+
+    async def check_health(self) -> None:
+        """Raise when the engine cannot serve (Serve replaces the replica)."""
+
+    def unfinished_requests(self) -> int: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,257 @@
+"""The vLLM adapter: the only module that touches vLLM's launcher and serving internals.
+
+``VLLMEngine`` builds one ``AsyncLLM`` in-process exactly as vLLM's own API server does (its CLI
+parser for the engine flags, ``build_async_engine_client``, ``init_app_state``), then answers each
+request through vLLM's own serving layer — prompt rendering, tool parsing, guided decoding,
+reasoning, sampling, SSE framing, Responses and Anthropic Messages — as an ``Answer`` or a
+``Stream`` (``protocol.py``). What it adds is our glue: the context cap at render time
+(``context_cap.py``), the engine's token count for billing (``token_count.py``), tier priority
+on Messages, opt-in reasoning, and each surface's schema-exact shape (``surfaces.py``).
+
+vLLM is imported inside the methods only: importing this module costs nothing, and the router
+and the unit tests never load torch.
+"""
+
+import logging
+from typing import Any
+
+from serve_app.config import ModelDeploymentArgs
+from serve_app.engine import context_cap, surfaces, token_count, tokenization
+from serve_app.engine.protocol import Answer, Body, Stream
+from serve_app.engine.stream_server import Prefetched
+from serve_app.errors import error_body
+
+logger = logging.getLogger("ray.serve")
+
+
+class VLLMEngine:
+    def __init__(self, args: ModelDeploymentArgs, model_path: str):
+        self.args, self.model_path = args, model_path
+        self.engine = None
+
+    @property
+    def dead(self) -> bool:
+        return bool(self.engine is not None and self.engine.errored)
+
+    async def start(self) -> None:
+        from serve_app.engine.preflight import check_engine_environment
+
+        check_engine_environment()
+
+        from starlette.datastructures import State
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        cli_args = self.args.engine_cli_args(self.model_path)
+        logger.info("starting vLLM for %s: %s", self.args.id, " ".join(cli_args))
+        vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(cli_args)
+        validate_parsed_serve_args(vllm_args)
+
+        # The same construction as vLLM's own API server (entry.build_and_serve).
+        self._engine_context = build_async_engine_client(vllm_args)
+        self.engine = await self._engine_context.__aenter__()
+        token_count.install(self.engine)  # billing counts what the engine generates
+        state = State()
+        await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+        # /tokenize and /detokenize: vLLM's own serving object, with the chat path's renderer
+        # and default template kwargs, so a count here is the count chat will see.
+        self._tokenization = state.serving_tokenization
+        self._vocab_size = self._tokenization.renderer.get_tokenizer().max_token_id + 1
+        # Responses and Anthropic Messages: vLLM's serving objects for them, with its in-memory
+        # response store off (VLLM_ENABLE_RESPONSES_API_STORE unset): stored responses live in
+        # the router's region-wide store, which every router and model replica can reach.
+        self._responses = state.openai_serving_responses
+        self._messages = state.anthropic_serving_messages
+        # vLLM builds its Anthropic object without the per-request metrics the chat object has
+        # (--enable-per-request-metrics); the trailer's engine timing needs them.
+        self._messages.enable_per_request_metrics = self._chat.enable_per_request_metrics
+        context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
+        context_cap.install(self._messages, "render_chat_request", prompt_param="messages")
+        context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def unfinished_requests(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    async def serve(self, method: str, body: Body) -> Answer | Stream:
+        return await getattr(self, f"_on_{method}")(body)
+
+    # --- one per replica method ------------------------------------------------------------------
+    async def _on_chat(self, body: Body) -> Answer | Stream:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        _apply_enable_thinking(body)
+        return await self._run(ChatCompletionRequest, self._chat.create_chat_completion, body, surfaces.CHAT)
+
+    async def _on_completions(self, body: Body) -> Answer | Stream:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        return await self._run(CompletionRequest, self._completion.create_completion, body, surfaces.COMPLETIONS)
+
+    async def _on_responses(self, body: Body) -> Answer | Stream:
+        """``POST /v1/responses``, stateless here: the router has already replaced a
+        ``previous_response_id`` by the conversation it continues, and stores the result."""
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+        echo = {"previous_response_id": body.pop(surfaces.ECHO_PREVIOUS_RESPONSE_ID, None)}
+        body.pop("previous_response_id", None)  # continued by the router already
+        engine_body = {**body, "store": False}  # the router stores; the client's `store` is echoed
+        _reasoning_opt_in(engine_body, asked=(body.get("reasoning") or {}).get("effort") not in (None, "none"))
+        create = self._responses.create_responses
+        surface = surfaces.ResponsesSurface()
+        return await self._run(ResponsesRequest, create, engine_body, surface, shape_body={**body, **echo})
+
+    async def _on_messages(self, body: Body) -> Answer | Stream:
+        """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority (its
+        request model has no such field) and the engine timing the converter would drop."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        priority = body.pop("priority", 0)
+        surface = surfaces.MessagesSurface()
+
+        async def create(request, raw_request):
+            return await self._create_messages(request, priority, surface.stream)
+
+        return await self._run(AnthropicMessagesRequest, create, body, surface)
+
+    async def _on_count_tokens(self, body: Body) -> Answer | Stream:
+        """``POST /v1/messages/count_tokens``: the prompt as the Messages route would render it."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+        return await self._run(AnthropicCountTokensRequest, self._messages.count_tokens, body, surfaces.PLAIN)
+
+    async def _on_tokenize(self, body: Body) -> Answer | Stream:
+        """``POST /tokenize``: vLLM's ``TokenizeResponse``, never a stream."""
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
+        _apply_enable_thinking(body)
+        tokenization.never_stream(body)
+        request_type = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        create = self._tokenization.create_tokenize
+        return await self._run(request_type, create, body, surfaces.TOKENIZATION)
+
+    async def _on_detokenize(self, body: Body) -> Answer | Stream:
+        """``POST /detokenize``: vLLM's ``DetokenizeResponse``, never a stream."""
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
+
+        tokenization.never_stream(body)
+        return await self._run(DetokenizeRequest, self._detokenize, body, surfaces.PLAIN)
+
+    # --- vLLM's serving layer, adapted -----------------------------------------------------------
+    async def _create_messages(self, request, priority: int, watcher):
+        """vLLM's ``create_messages``, with ``priority`` set on the chat request it converts to."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        anthropic = self._messages
+        effort = "none"
+        if request.thinking is not None and request.thinking.type == "disabled":
+            effort = await anthropic._get_disabled_thinking_effort()
+        chat_request = anthropic.to_chat_completion_request(
+            request, merge_inline_system=anthropic._merge_inline_system, disabled_thinking_effort=effort
+        )
+        chat_request.priority = priority
+        # Thinking is opt-in, as on Anthropic's API (Qwen's template thinks unless told not to).
+        # Its budget is not enforced: vLLM would need a reasoning config the model may not have;
+        # max_tokens bounds thinking and answer together (docs/api.md, "Messages").
+        thinking = request.thinking is not None and request.thinking.type in ("enabled", "adaptive")
+        kwargs = dict(chat_request.chat_template_kwargs or {})
+        kwargs["enable_thinking"] = thinking
+        chat_request.chat_template_kwargs = kwargs
+        chat_request.thinking_token_budget = None
+        result = await anthropic.create_chat_completion(chat_request, None)
+        if isinstance(result, ErrorResponse):
+            return result
+        if isinstance(result, ChatCompletionResponse):
+            metrics = result.metrics.model_dump() if getattr(result, "metrics", None) is not None else None
+            return surfaces.ConvertedMessage(anthropic.messages_full_converter(result), metrics)
+        return anthropic.message_stream_converter(surfaces.peek_chat_metrics(result, watcher))
+
+    async def _detokenize(self, request, raw_request):
+        """vLLM's detokenize, after refusing ids the tokenizer does not have: a client's mistake
+        is a 400 naming the id, not whatever the tokenizer does with it (skip it, or fail)."""
+        from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+        if (index := tokenization.first_unknown_token(request.tokens, self._vocab_size)) is not None:
+            message = tokenization.unknown_token_message(request.tokens[index], self._vocab_size)
+            error = ErrorInfo(message=message, type="BadRequestError", param=f"tokens[{index}]", code=400)
+            return ErrorResponse(error=error)
+        return await self._tokenization.create_detokenize(request, raw_request)
+
+    async def _run(self, request_type, create, body: Body, surface, shape_body: Body | None = None) -> Answer | Stream:
+        """Validate ``body`` with vLLM's ``request_type``, run ``create`` and answer it; the
+        ``surface`` (``surfaces.py``) dumps, shapes and watches what vLLM returns. ``shape_body``:
+        the request as the client sent it, when ``body`` is the engine's variant of it."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        shape_body = body if shape_body is None else shape_body
+        watcher = surface.watcher(body) if body.get("stream") else None  # may add stream_options
+        try:
+            request = request_type.model_validate(body)
+        except ValidationError as err:
+            return _validation_error(err)
+        except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
+            return _error(create_error_response(exc))
+        try:
+            result = await create(request, None)
+        except Exception as exc:  # vLLM raises for bad input too; it maps them itself
+            if self.dead:
+                raise  # the engine core died: the replica answers 503, Serve replaces it
+            result = create_error_response(exc)
+            if result.error.code >= 500:
+                logger.exception("%s request failed", self.args.id)
+        if isinstance(result, ErrorResponse):
+            return _error(result)
+        if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
+            response = surface.dump(result)
+            summary = surface.summarize(response)
+            surface.shape(response, shape_body)
+            return Answer(200, response, summary)
+        return Stream(Prefetched(result), watcher)  # the engine starts on it while the head travels
+
+
+def _apply_enable_thinking(body: dict[str, Any]) -> None:
+    """The product's top-level ``enable_thinking`` switch is a chat-template kwarg in vLLM."""
+    if "enable_thinking" in body:
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.setdefault("enable_thinking", body.pop("enable_thinking"))
+        body["chat_template_kwargs"] = kwargs
+
+
+def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
+    """Responses: the model reasons only when ``reasoning.effort`` asks it to (Qwen's template
+    thinks unless told not to); an explicit ``chat_template_kwargs.enable_thinking`` wins."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    kwargs.setdefault("enable_thinking", asked)
+    body["chat_template_kwargs"] = kwargs
+
+
+def _error(response) -> Answer:
+    error = response.error
+    code = context_cap.CONTEXT_LENGTH_EXCEEDED if context_cap.is_context_overflow(error) else None
+    return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
+
+
+def _validation_error(err) -> Answer:
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+    errors = err.errors()
+    first = errors[0]
+    param = clean_loc_for_param(tuple(first["loc"])) if first.get("loc") else None
+    details = "; ".join(
+        f"{clean_loc_for_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5]
+    )
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return Answer(400, error_body(400, f"invalid request: {details}{more}", param=param))
