@@ -30,7 +30,7 @@ from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
-from serve_app.router import dialects, inference, metering, openapi, tokenization
+from serve_app.router import inference, metering, openapi, tokenization
 from serve_app.router.failover import Forwarder, is_forwarded
 from serve_app.router.metering import Meter
 from serve_app.hot_load.tracker import InFlight, ModelStates
@@ -40,13 +40,6 @@ from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
 from serve_app.telemetry.metrics import setup_metrics
 from serve_app.usage.store import UsageStore
-from serve_app.telemetry.timing import (
-    ROUTE_CHAT,
-    ROUTE_COMPLETIONS,
-    ROUTE_COUNT_TOKENS,
-    ROUTE_MESSAGES,
-    ROUTE_RESPONSES,
-)
 from serve_app.telemetry.tracing import setup_tracing
 
 logger = logging.getLogger("ray.serve")
@@ -284,17 +277,15 @@ class Router:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await inference.relay(self, request, ROUTE_CHAT, "chat", _read_body_within_limit)
+        return await inference.serve(self, request, inference.CHAT, _read_body_within_limit)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await inference.relay(self, request, ROUTE_COMPLETIONS, "completions", _read_body_within_limit)
+        return await inference.serve(self, request, inference.COMPLETIONS, _read_body_within_limit)
 
     @app.post("/v1/responses")
     async def create_response(self, request: Request):
-        return await inference.relay(
-            self, request, ROUTE_RESPONSES, "responses", _read_body_within_limit, dialect=dialects.RESPONSES
-        )
+        return await inference.serve(self, request, inference.RESPONSES, _read_body_within_limit)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> dict[str, Any]:
@@ -311,11 +302,11 @@ class Router:
     # Anthropic's API: its x-api-key header is a credential here, and errors come in its shape.
     @app.post("/v1/messages")
     async def messages(self, request: Request):
-        return await inference.anthropic(self, request, ROUTE_MESSAGES, "messages", _read_body_within_limit)
+        return await inference.serve(self, request, inference.MESSAGES, _read_body_within_limit)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(self, request: Request):
-        return await inference.anthropic(self, request, ROUTE_COUNT_TOKENS, "count_tokens", _read_body_within_limit)
+        return await inference.serve(self, request, inference.COUNT_TOKENS, _read_body_within_limit)
 
     # vLLM's own spellings (it serves no /v1/ ones); answered by the replica's tokenizer.
     @app.post("/tokenize")
