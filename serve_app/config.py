@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app import catalog
 from serve_app.auth.config import AuthArgs
-from serve_app.settings import Settings
+from serve_app.settings import Settings, listed_twice
 from serve_app.telemetry.config import TelemetryArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
@@ -253,17 +253,16 @@ class AppArgs(Settings):
         peers = [peer.region for peer in self.failover.peers]
         if self.region in peers:
             raise ValueError(f"failover.peers: region {self.region!r} cannot fail over to itself")
-        if len(set(peers)) != len(peers):
-            raise ValueError("failover.peers: a region is listed twice")
+        if twice := listed_twice(peers):
+            raise ValueError(f"failover.peers: listed twice: {', '.join(twice)}")
         return self
 
     @field_validator("models")
     @classmethod
     def _unique(cls, models: list[ModelDeploymentArgs]) -> list[ModelDeploymentArgs]:
         ids = [m.id for m in models]
-        duplicates = sorted({i for i in ids if ids.count(i) > 1})
-        if duplicates:
-            raise ValueError(f"model ids listed twice: {', '.join(duplicates)}")
+        if twice := listed_twice(ids):
+            raise ValueError(f"model ids listed twice: {', '.join(twice)}")
         return models
 
 

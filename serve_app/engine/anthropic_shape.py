@@ -27,6 +27,8 @@ fix are parsed and re-encoded.
 import json
 from typing import Any
 
+from serve_app.engine.sse import named_event
+
 Body = dict[str, Any]
 
 # Anthropic's error types by HTTP status, as the spec's ErrorResponse allows them. Its enum has no
@@ -90,7 +92,7 @@ def error_body(status: int, message: str, request_id: str | None = None) -> Body
 
 def error_event(status: int, message: str) -> str:
     """An Anthropic stream's ``error`` event, whoever noticed the failure (replica or router)."""
-    return f"event: error\ndata: {json.dumps(error_body(status, message), separators=(',', ':'))}\n\n"
+    return named_event("error", error_body(status, message))
 
 
 def _setdefault_none(obj: Body, keys: tuple[str, ...]) -> None:
@@ -193,4 +195,4 @@ def stream_event(sse: str, request: Body) -> str:
     if not isinstance(payload, dict):
         return sse
     fix(payload, request)
-    return f"{_EVENT}{name}{_DATA}{json.dumps(payload, separators=(',', ':'))}\n\n"
+    return named_event(name, payload)

@@ -26,9 +26,10 @@ every stream with ``response.completed``, whatever the status; OpenAI sends
 left as vLLM builds them (walking them would cost per token).
 """
 
-import json
 import time
 from typing import Any
+
+from serve_app.engine.sse import named_event
 
 Body = dict[str, Any]
 
@@ -268,4 +269,4 @@ def delta_sse(event: Any) -> str:
 
 def sse(event: Body) -> str:
     """The event as one SSE frame, named by its type (no ``[DONE]`` follows in this API)."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+    return named_event(event["type"], event)

@@ -15,6 +15,7 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 import json
 from typing import Any
 
+from serve_app.engine.sse import data_event
 from serve_app.errors import error_body
 
 VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (dialects.py)
@@ -85,7 +86,7 @@ def _without_prompt_token_ids(event: str) -> str:
     payload.pop("prompt_token_ids", None)
     for choice in payload.get("choices") or ():
         choice.pop("prompt_token_ids", None)
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return data_event(payload)
 
 
 def _without_vllm_nulls(event: str) -> str:
@@ -122,7 +123,7 @@ class StreamTrailer:
             payload = json.loads(event[5:])
             self.usage = payload.get("usage")
             self.timing = engine_timing(payload.pop("metrics", None))
-            return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n" if self.client_wants_usage else None
+            return data_event(payload) if self.client_wants_usage else None
         if not self.token_ids_asked and _PROMPT_TOKEN_IDS in event:
             event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
         return _without_vllm_nulls(event)
@@ -138,7 +139,7 @@ class StreamTrailer:
         else:
             self.error_code, self.error_status = "invalid_request", status
             body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+        return data_event(body)
 
     def trailer(self) -> dict[str, Any]:
         return {

@@ -20,14 +20,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from serve_app.engine import anthropic_shape
+from serve_app.engine.sse import data_event, named_event
 from serve_app.errors import APIError
 from serve_app.telemetry.timing import PG_METADATA_EVENT, pg_metadata_event
 
 DONE = b"data: [DONE]\n\n"
-
-
-def _compact(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, separators=(",", ":"))
 
 
 class ChatDialect:
@@ -40,7 +37,7 @@ class ChatDialect:
         return event.encode() + DONE
 
     def error_event(self, status: int, error: dict[str, Any]) -> bytes:
-        return f"data: {_compact(error)}\n\n".encode() + DONE
+        return data_event(error).encode() + DONE
 
 
 class TypedEventDialect:
@@ -51,14 +48,14 @@ class TypedEventDialect:
 
     def closing(self, metadata: dict[str, Any], **_: Any) -> bytes:
         payload = {"type": PG_METADATA_EVENT, "pg_metadata": dict(metadata)}
-        return f"event: {PG_METADATA_EVENT}\ndata: {_compact(payload)}\n\n".encode()
+        return named_event(PG_METADATA_EVENT, payload).encode()
 
     def error_event(self, status: int, error: dict[str, Any]) -> bytes:
         inner = error["error"]
         if self.anthropic:
             return anthropic_shape.error_event(status, inner["message"]).encode()
         payload = {"type": "error", "code": inner.get("code"), "message": inner["message"], "param": inner.get("param")}
-        return f"event: error\ndata: {_compact(payload)}\n\n".encode()
+        return named_event("error", payload).encode()
 
 
 CHAT = ChatDialect()

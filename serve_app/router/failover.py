@@ -28,12 +28,12 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import anyio
 import httpx
 from starlette.responses import Response, StreamingResponse
 
+from serve_app.config import Peer  # the peer region as a region file names it: id and router URL
 from serve_app.errors import error_body
 
 logger = logging.getLogger("ray.serve")
@@ -50,21 +50,6 @@ _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "
                   "accept-encoding", HOP_HEADER}
 _PEER_BROKE = "peer_stream_failed"
 OnDone = Callable[[int, str | None], None]
-
-
-class PeerLike(Protocol):
-    """Anything with a region and an endpoint (the config's pydantic model, or ``Peer``)."""
-
-    @property
-    def region(self) -> str: ...
-    @property
-    def endpoint(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class Peer:
-    region: str
-    endpoint: str  # the peer router's base URL; may carry a path prefix
 
 
 @dataclass
@@ -106,7 +91,7 @@ class _RelayResponse(StreamingResponse):
 
 
 class Forwarder:
-    def __init__(self, region: str, peers: Sequence[PeerLike], *, connect_timeout_s: float = 2.0,
+    def __init__(self, region: str, peers: Sequence[Peer], *, connect_timeout_s: float = 2.0,
                  read_timeout_s: float = 600.0, max_attempts: int = 2,
                  unreachable_hold_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
                  verify: ssl.SSLContext | bool = True, clock: Callable[[], float] = time.monotonic):
@@ -183,7 +168,7 @@ class Forwarder:
                 await upstream.aclose()
         return Forwarded(None, None, None, attempts)
 
-    async def _relay(self, peer: PeerLike, upstream: httpx.Response, reason: str, attempts: list[Attempt],
+    async def _relay(self, peer: Peer, upstream: httpx.Response, reason: str, attempts: list[Attempt],
                      on_done: OnDone) -> Forwarded:
         status, error_type = upstream.status_code, None
         relayed = [(k, v) for k, v in upstream.headers.multi_items()  # multi: www-authenticate may repeat
@@ -212,7 +197,7 @@ class Forwarder:
         return Forwarded(response, peer.region, status, attempts, error_type, stream)
 
 
-async def _relay_events(peer: PeerLike, upstream: httpx.Response, on_done: OnDone) -> AsyncIterator[bytes]:
+async def _relay_events(peer: Peer, upstream: httpx.Response, on_done: OnDone) -> AsyncIterator[bytes]:
     """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event."""
     result: tuple[int, str | None] = (499, "client_closed")  # unless we reach the end below
     try:
@@ -231,7 +216,7 @@ async def _relay_events(peer: PeerLike, upstream: httpx.Response, on_done: OnDon
             await upstream.aclose()
 
 
-def _broke_body(peer: PeerLike) -> dict:
+def _broke_body(peer: Peer) -> dict:
     return error_body(502, f"the peer region {peer.region} failed mid-response", code=_PEER_BROKE)
 
 

@@ -2,6 +2,9 @@
 telemetry and the region files. Unknown keys are errors, named with their path, so a typo fails
 the deploy instead of being ignored. (Request bodies are not settings: ``router/strict.py``.)"""
 
+from collections import Counter
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -13,3 +16,8 @@ class FrozenSettings(Settings):
     """Settings read as facts, never changed after loading (the region files)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def listed_twice(items: Iterable[str]) -> list[str]:
+    """The items that appear more than once, sorted: what a "listed twice" error names."""
+    return sorted(item for item, n in Counter(items).items() if n > 1)

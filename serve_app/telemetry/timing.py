@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.engine.sse import named_event
+
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_COMPLETIONS = "/v1/completions"
 ROUTE_RESPONSES = "/v1/responses"
@@ -330,7 +332,7 @@ def pg_metadata_event(
     }
     if usage is not None:
         chunk["usage"] = dict(usage)
-    return f"event: {PG_METADATA_EVENT}\ndata: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    return named_event(PG_METADATA_EVENT, chunk)
 
 
 def sse_data(event: str) -> dict[str, Any] | None:

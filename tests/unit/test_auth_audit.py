@@ -21,7 +21,8 @@ from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, SharedRateLimiter
 from serve_app.errors import APIError
 from serve_app.router import ingress, openapi
-from serve_app.router.failover import Forwarder, Peer
+from serve_app.config import Peer
+from serve_app.router.failover import Forwarder
 from tests.unit.auth_support import (
     MODEL,
     OTHER_MODEL,
@@ -256,7 +257,7 @@ def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_pat
     key, record = yul.keys.create_key(owner="alice", tier="standard")
     client_token = _mint(router_like_app(yul), key)
     credential = f"Bearer {client_token if via == 'token' else key}"
-    peers = [Peer("yvr-01", "https://yvr.test"), Peer("yyz-01", "https://yyz.test")]
+    peers = [Peer(region="yvr-01", endpoint="https://yvr.test"), Peer(region="yyz-01", endpoint="https://yyz.test")]
     # yvr is overloaded too (503), yyz serves: both are tried, each with its own token.
     seen = _fail_over(yul, credential, peers, lambda r: httpx.Response(503 if r.url.host == "yvr.test" else 200, json={}))
     assert [r.url.host for r in seen] == ["yvr.test", "yyz.test"]
@@ -285,7 +286,7 @@ def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path
     key, _ = yul.keys.create_key(owner="alice", tier="standard")
     exchange = _Exchange()
     exchange.bill = bill = object()  # what inference.relay set when it admitted the request
-    _fail_over(yul, f"Bearer {key}", [Peer("yvr-01", "https://yvr.test")], lambda r: httpx.Response(peer_status, json={}),
+    _fail_over(yul, f"Bearer {key}", [Peer(region="yvr-01", endpoint="https://yvr.test")], lambda r: httpx.Response(peer_status, json={}),
                exchange)
     # A peer that answered (whatever it said) records the request; none did: this region does.
     assert (exchange.bill is bill) is billed_here

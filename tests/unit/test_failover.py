@@ -11,20 +11,20 @@ import httpx
 import pytest
 from starlette.datastructures import Headers
 
+from serve_app.config import Peer
 from serve_app.router.failover import (
     FAILOVER_FROM_HEADER,
     FAILOVER_REASON_HEADER,
     HOP_HEADER,
     REGION_HEADER,
     Forwarder,
-    Peer,
     is_forwarded,
 )
 
 ROUTE = "/v1/chat/completions"
 BODY = {"model": "qwen-3.6-35b-a3b", "messages": [{"role": "user", "content": "héllo"}], "max_tokens": 8}
 AUTH = {"authorization": "Bearer sk-secret-credential", "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
-PEERS = [Peer("yvr-01", "https://yvr.test"), Peer("yyz-01", "https://yyz.test"), Peer("ams-01", "https://ams.test")]
+PEERS = [Peer(region="yvr-01", endpoint="https://yvr.test"), Peer(region="yyz-01", endpoint="https://yyz.test"), Peer(region="ams-01", endpoint="https://ams.test")]
 
 
 class Peers:
@@ -83,7 +83,7 @@ def sse(events: list[bytes]):
 
 def test_request_goes_to_endpoint_plus_route_with_hop_header_credential_and_body():
     peers = Peers(yvr=httpx.Response(200, json={"ok": True}))
-    fwd = Forwarder("yul-02", [Peer("yvr-01", "https://yvr.test/")], transport=httpx.MockTransport(peers))
+    fwd = Forwarder("yul-02", [Peer(region="yvr-01", endpoint="https://yvr.test/")], transport=httpx.MockTransport(peers))
     forward(fwd)
     (request,) = peers.requests
     assert request.method == "POST" and str(request.url) == "https://yvr.test/v1/chat/completions"
@@ -108,7 +108,7 @@ def test_stale_transport_headers_from_the_caller_are_not_forwarded():
 
 def test_endpoint_with_a_path_prefix_keeps_it():
     seen = []
-    fwd = Forwarder("yul-02", [Peer("local-peer", "http://127.0.0.1:8123/peer")],
+    fwd = Forwarder("yul-02", [Peer(region="local-peer", endpoint="http://127.0.0.1:8123/peer")],
                     transport=httpx.MockTransport(lambda r: seen.append(r) or httpx.Response(200, json={})))
     result = forward(fwd)
     assert result is not None and result.region == "local-peer"
@@ -261,7 +261,7 @@ def test_max_attempts_is_respected():
 
 def test_a_peer_named_like_the_local_region_is_never_tried():
     peers = Peers(yvr=httpx.Response(200, json={}), yyz=httpx.Response(200, json={}))
-    result = forward(forwarder(peers, [Peer("yul-02", "https://yvr.test"), Peer("yyz-01", "https://yyz.test")]))
+    result = forward(forwarder(peers, [Peer(region="yul-02", endpoint="https://yvr.test"), Peer(region="yyz-01", endpoint="https://yyz.test")]))
     assert peers.hosts() == ["yyz.test"] and result.region == "yyz-01"
 
 
