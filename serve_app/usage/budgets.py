@@ -105,6 +105,9 @@ class BudgetGuard:
         self.cache_ttl_s, self.clock = cache_ttl_s, clock
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Task] = {}
+        # Keys whose records this router just wrote: their next load reads the primary, since
+        # the region's read replica may lag behind it (their pending tokens stopped counting).
+        self._written: set[str] = set()
 
     async def check(self, key_id: str) -> dict[str, str]:
         """The budget headers for an admitted request; APIError 429 ``budget_exceeded`` when the
@@ -146,9 +149,16 @@ class BudgetGuard:
         """Make the next check of these keys read the store again (hook it to
         ``UsageLedger.on_written``). The entry is kept, expired, as the fallback should that read
         fail. A load already under way may have read the spend from before the write: its answer
-        still serves the checks waiting on it but is not cached."""
+        still serves the checks waiting on it but is not cached. A key known to have no budget
+        keeps its entry until it expires: its spend decides nothing (a budget set meanwhile is
+        seen within ``cache_ttl_s``), and its traffic should not cost a query per write."""
+        if len(self._written) >= MAX_ENTRIES:
+            self._written.clear()
         for key_id in key_ids:
             entry = self._entries.get(key_id)
+            if entry is not None and entry.known and entry.budget is None:
+                continue
+            self._written.add(key_id)
             if entry is not None:
                 self._entries[key_id] = replace(entry, expires=-math.inf)
             self._loading.pop(key_id, None)
@@ -167,9 +177,12 @@ class BudgetGuard:
         stale = self._entries.get(key_id)
         try:
             try:
+                primary = key_id in self._written
                 budget, spent_day, spent_month = await asyncio.to_thread(
-                    self.store.budget_state, key_id, day=day, month_start=month
+                    self.store.budget_state, key_id, day=day, month_start=month, primary=primary
                 )
+                if primary:
+                    self._written.discard(key_id)
                 entry = _Entry(budget, day, month, spent_day, spent_month, self.clock() + self.cache_ttl_s)
             except RegistryUnavailable as err:
                 expires = self.clock() + self.cache_ttl_s

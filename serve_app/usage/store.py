@@ -162,11 +162,15 @@ class UsageStore:
             ).fetchone()
         return int(row["spent"])
 
-    def budget_state(self, key_id: str, *, day: str, month_start: str) -> tuple[Budget | None, int, int]:
+    def budget_state(
+        self, key_id: str, *, day: str, month_start: str, primary: bool = False
+    ) -> tuple[Budget | None, int, int]:
         """``(budget, spent on day, spent since month_start)`` on one connection: what a budget
         check needs, for one connect (+ TLS) to the nearest replica (or the primary) instead of three.
-        A key without a budget costs one indexed lookup and no spend query."""
-        with self.database.connect(read=True) as db:
+        A key without a budget costs one indexed lookup and no spend query. ``primary``: read the
+        primary even when a replica is named (right after this router wrote the key's records,
+        which the replica may not have yet)."""
+        with self.database.connect(read=not primary) as db:
             budget = _budget(db, key_id)
             if budget is None:
                 return None, 0, 0

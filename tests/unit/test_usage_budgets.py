@@ -33,10 +33,12 @@ class CountingStore(UsageStore):
     """The real store, counting the budget reads the guard makes."""
 
     reads = 0
+    primary_reads = 0
 
-    def budget_state(self, key_id, *, day, month_start):
+    def budget_state(self, key_id, *, day, month_start, primary=False):
         self.reads += 1
-        return super().budget_state(key_id, day=day, month_start=month_start)
+        self.primary_reads += primary
+        return super().budget_state(key_id, day=day, month_start=month_start, primary=primary)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -150,7 +152,23 @@ def test_this_routers_unwritten_spend_counts_at_once_and_only_once(sqlite_store,
             await guard.check("k1")
 
     asyncio.run(main())
-    assert sqlite_store.reads == 2  # the first load, and the reload after the write
+    assert sqlite_store.reads == 2  # the first load, and the reload after the write...
+    assert sqlite_store.primary_reads == 1  # ...from the primary: a replica may not have it yet
+
+
+def test_a_key_without_a_budget_costs_no_reload_when_its_records_are_written(sqlite_store, tmp_path):
+    ledger = UsageLedger(sqlite_store, tmp_path / "spool", writer_id="a")
+    guard = BudgetGuard(sqlite_store, ledger, clock=Clock("2026-12-01T12:00:00"))
+    ledger.on_written = guard.forget
+
+    async def main():
+        for _ in range(3):
+            assert await guard.check("k1") == {}
+            ledger.record(usage_record(day="2026-12-01"))
+            await ledger.flush()
+
+    asyncio.run(main())
+    assert sqlite_store.reads == 1 and sqlite_store.primary_reads == 0  # one read per cache TTL
 
 
 def test_the_cache_serves_checks_for_its_ttl_and_coalesces_concurrent_loads(sqlite_store):
