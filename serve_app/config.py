@@ -10,14 +10,27 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app import catalog
 from serve_app.auth.config import AuthArgs
-from serve_app.settings import Settings, listed_twice
+from serve_app.settings import Settings, describe_errors, listed_twice
 from serve_app.telemetry.config import TelemetryArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
+
+
+def replica_bounds_problem(
+    low: int, initial: int | None, high: int, names: tuple[str, str, str]
+) -> str | None:
+    """What breaks min <= initial <= max in autoscaling bounds, or None; ``names`` spell min,
+    initial and max as the settings at hand do (the app's args here, a region file's replicas)."""
+    min_name, initial_name, max_name = names
+    if low > high:
+        return f"{min_name} ({low}) > {max_name} ({high})"
+    if initial is not None and not low <= initial <= high:
+        return f"{initial_name} ({initial}) is not within [{min_name} {low}, {max_name} {high}]"
+    return None
 
 
 class Autoscaling(Settings):
@@ -37,12 +50,9 @@ class Autoscaling(Settings):
 
     @model_validator(mode="after")
     def _bounds(self) -> "Autoscaling":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
-        if self.initial_replicas is not None and not (
-            self.min_replicas <= self.initial_replicas <= self.max_replicas
-        ):
-            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        names = ("min_replicas", "initial_replicas", "max_replicas")
+        if problem := replica_bounds_problem(self.min_replicas, self.initial_replicas, self.max_replicas, names):
+            raise ValueError(problem)
         return self
 
 
@@ -268,14 +278,8 @@ class AppArgs(Settings):
 
 def parse_app_args(raw: dict[str, Any]) -> AppArgs:
     """Validate a Serve config's ``args``; ValueError carries a readable list of the problems."""
-    from pydantic import ValidationError
-
     try:
         return AppArgs.model_validate(raw)
     except ValidationError as err:
-        problems = []
-        for e in err.errors():
-            where = ".".join(str(part) for part in e["loc"]) or "args"
-            problems.append(f"  {where}: {e['msg']}")
-        raise ValueError("invalid application args:\n" + "\n".join(problems)) from None
-
+        problems = "\n".join(f"  {line}" for line in describe_errors(err, "args"))
+        raise ValueError("invalid application args:\n" + problems) from None

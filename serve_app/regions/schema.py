@@ -17,8 +17,9 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app import catalog
+from serve_app.config import Autoscaling, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
-from serve_app.settings import FrozenSettings
+from serve_app.settings import FrozenSettings, describe_errors, listed_twice
 
 # Blackwell GPUs, spelled as Ray's accelerator types (ray.util.accelerators: NVIDIA_B200,
 # NVIDIA_RTX_PRO_6000), with the CUDA compute capability each reports (the GPU smoke test checks
@@ -75,9 +76,7 @@ class GpuPool(FrozenSettings):
 
     @model_validator(mode="after")
     def _nodes_add_up(self) -> "GpuPool":
-        names = [n.name for n in self.nodes]
-        twice = sorted({n for n in names if names.count(n) > 1})
-        if twice:
+        if twice := listed_twice(n.name for n in self.nodes):
             raise ValueError(f"GPU nodes listed twice: {', '.join(twice)}")
         on_nodes = sum(n.gpus for n in self.nodes)
         if on_nodes != self.count:
@@ -94,10 +93,8 @@ class Replicas(FrozenSettings):
 
     @model_validator(mode="after")
     def _ordered(self) -> "Replicas":
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) > max ({self.max})")
-        if self.initial is not None and not self.min <= self.initial <= self.max:
-            raise ValueError(f"initial ({self.initial}) is not within [min {self.min}, max {self.max}]")
+        if problem := replica_bounds_problem(self.min, self.initial, self.max, ("min", "initial", "max")):
+            raise ValueError(problem)
         return self
 
 
@@ -117,12 +114,19 @@ class RegionModel(FrozenSettings):
 
     id: str = Field(description="Canonical catalog id.")
     replicas: Replicas
+    # Serving knobs that ModelDeploymentArgs and its Autoscaling take too (serve_config.model_args
+    # passes each through). The app's defaults (serve_app/config.py) suit the CPU default's
+    # replica, 16 sequences at once (configs/local.yaml); a region's replica is one Blackwell GPU
+    # running max_num_seqs (64), so these differ on purpose: max_ongoing_requests 1.5 x
+    # max_num_seqs, so the engine keeps a queue of its own (_target_admitted), the target and the
+    # router's queue scaled with it; and a slower scale-down, since a replica's cold start loads
+    # ~35 GB of weights. The scale-up delay is the app's.
     target_ongoing_requests: int = Field(24, ge=1, description="Autoscaling target per replica.")
     max_ongoing_requests: int = Field(
         96, ge=1, description="What one replica admits into vLLM: more than max_num_seqs, so the engine keeps a queue."
     )
     max_queued_requests: int = Field(128, ge=1, description="Beyond this the router sheds load (503).")
-    upscale_delay_s: float = Field(15, ge=0)
+    upscale_delay_s: float = Field(Autoscaling.model_fields["upscale_delay_s"].default, ge=0)
     downscale_delay_s: float = Field(600, ge=0)
     cpus: float = Field(8, gt=0, description="Ray CPUs per replica (tokenisation, detokenisation).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -245,12 +249,9 @@ class Region(FrozenSettings):
             raise ValueError(f"public_endpoint must be {expected!r}, got {self.public_endpoint!r}")
         if self.id in self.peers:
             raise ValueError(f"peers: a region cannot be its own failover peer ({self.id!r})")
-        twice = sorted({p for p in self.peers if self.peers.count(p) > 1})
-        if twice:
+        if twice := listed_twice(self.peers):
             raise ValueError(f"peers listed twice: {', '.join(twice)}")
-        ids = [m.id for m in self.models]
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        if twice:
+        if twice := listed_twice(m.id for m in self.models):
             raise ValueError(f"models listed twice: {', '.join(twice)}")
         wanted = sum(m.replicas.max for m in self.models)
         if wanted > self.gpu.count:
@@ -279,15 +280,6 @@ class Region(FrozenSettings):
 # --- loading -----------------------------------------------------------------------------------
 
 
-def problems(err: ValidationError) -> list[str]:
-    out = []
-    for e in err.errors():
-        where = ".".join(str(part) for part in e["loc"]) or "(file)"
-        message = e["msg"].removeprefix("Value error, ")
-        out.append(f"{where}: {message}")
-    return out
-
-
 def parse_region(raw: Any, source: str = "region") -> Region:
     """Validate one region's data; RegionError names the file and every problem in it."""
     if not isinstance(raw, dict):
@@ -295,7 +287,7 @@ def parse_region(raw: Any, source: str = "region") -> Region:
     try:
         return Region.model_validate(raw)
     except ValidationError as err:
-        raise RegionError("\n".join(f"{source}: {p}" for p in problems(err))) from None
+        raise RegionError("\n".join(f"{source}: {p}" for p in describe_errors(err, "(file)"))) from None
 
 
 def load_region(path: Path) -> Region:

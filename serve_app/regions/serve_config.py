@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from serve_app import catalog
 from serve_app.config import AppArgs
-from serve_app.regions.schema import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, problems, public_endpoint
+from serve_app.regions.schema import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, public_endpoint
+from serve_app.settings import describe_errors
 
 RENDER_COMMAND = "serve-app regions render"
 GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carries it
@@ -148,7 +149,7 @@ def app_args(region: Region) -> dict[str, Any]:
         validated = AppArgs.model_validate(raw)
     except ValidationError as err:
         raise RegionError(
-            "\n".join(f"regions/{region.id}.yaml renders invalid args: {p}" for p in problems(err))
+            "\n".join(f"regions/{region.id}.yaml renders invalid args: {p}" for p in describe_errors(err, "args"))
         ) from None
     dumped = _tidy(validated.model_dump(mode="json", exclude_unset=True))
     ordered = {key: dumped.pop(key) for key in _ARGS_ORDER if key in dumped}

@@ -32,6 +32,10 @@ def test_defaults_are_explicit_autoscaling_numbers():
         ({"models": [{"id": "gpt-4o"}]}, "not a canonical catalog id"),
         ({"models": [{"id": "qwen-3.6-a3b"}]}, "not a canonical catalog id"),
         (minimal(autoscaling={"min_replicas": 3, "max_replicas": 2}), "min_replicas (3) > max_replicas (2)"),
+        (
+            minimal(autoscaling={"min_replicas": 1, "initial_replicas": 5, "max_replicas": 2}),
+            "models.0.autoscaling: initial_replicas (5) is not within [min_replicas 1, max_replicas 2]",
+        ),
         (minimal(resources={"accelerator_type": "B200"}), "num_gpus is 0"),
         (minimal(resources={"num_gpus": 2}), "num_gpus"),
         ({"models": [{"id": "qwen-3.6-35b-a3b"}, {"id": "qwen-3.6-35b-a3b"}]}, "listed twice"),
@@ -52,6 +56,17 @@ def test_bad_args_are_rejected_with_a_message_naming_the_problem(raw, fragment):
     with pytest.raises(ValueError) as err:
         parse_app_args(raw)
     assert fragment in str(err.value)
+
+
+def test_every_problem_is_one_line_naming_its_path_without_pydantics_prefix():
+    with pytest.raises(ValueError) as err:
+        parse_app_args({"models": [{"id": "gpt-4o"}], "modles": []})
+    first, *problems = str(err.value).splitlines()
+    assert first == "invalid application args:"
+    assert sorted(problems) == [
+        "  models.0.id: 'gpt-4o' is not a canonical catalog id (known: qwen-3.6-35b-a3b, qwen-3.5-27b)",
+        "  modles: Extra inputs are not permitted",
+    ]
 
 
 def test_peers_may_use_plain_http_only_on_loopback():

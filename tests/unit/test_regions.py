@@ -96,6 +96,15 @@ def test_bad_region_files_are_rejected_with_a_message_naming_file_field_and_prob
     assert str(err.value).startswith("regions/yul-02.yaml: ")
 
 
+def test_a_models_defaults_pass_the_regions_own_rules_and_share_the_apps_scale_up_delay():
+    from serve_app.config import Autoscaling
+
+    model = regions.RegionModel(id="qwen-3.6-35b-a3b", replicas={"min": 1, "max": 1})
+    assert model.target_ongoing_requests <= model.max_ongoing_requests
+    assert model.max_ongoing_requests > model.max_num_seqs
+    assert model.upscale_delay_s == Autoscaling().upscale_delay_s
+
+
 def test_unknown_peer_and_shared_latency_region_are_rejected_across_files():
     region_set = dict(REGIONS)
     region_set["yul-02"] = regions.parse_region(with_change("peers", ["zzz-01"]))

@@ -281,6 +281,7 @@ def test_gpu_workers_hand_the_weight_cache_to_the_images_user_before_vllm_writes
 
 GLOBAL = TERRAFORM / "global"
 REPLICA_MODULE = TERRAFORM / "modules" / "registry_replica"
+BASE_MODULE = TERRAFORM / "modules" / "registry_base"  # the primary's and each replica's key, groups, logs
 
 
 def unquote(value: str) -> str:
@@ -308,6 +309,26 @@ def resources(directory: Path) -> dict[str, dict]:
     return out
 
 
+def module_calls(directory: Path) -> dict[str, dict]:
+    """``module "x" {...}`` calls of a directory's .tf files, by name."""
+    out = {}
+    for path in sorted(directory.glob("*.tf")):
+        out |= blocks(parse(path), "module")
+    return out
+
+
+def base_calls() -> dict[str, dict]:
+    """The registry_base calls: the primary's (global root) and the replica module's."""
+    calls = {
+        f"{directory.name}/{name}": body
+        for directory, source in ((GLOBAL, "../modules/registry_base"), (REPLICA_MODULE, "../registry_base"))
+        for name, body in module_calls(directory).items()
+        if unquote(body["source"]) == source
+    }
+    assert set(calls) == {"global/registry_base", "registry_replica/registry_base"}, calls
+    return calls
+
+
 def replica_calls() -> dict[str, tuple[str, dict]]:
     """The registry_replica module calls, by name, each with the AWS region of its provider."""
     regions_of = {unquote(body["alias"]): unquote(body["region"]) for name, body in global_blocks("provider") if "alias" in body}
@@ -332,6 +353,8 @@ def test_a_replica_in_the_primarys_own_aws_region_creates_nothing():
     for address, body in resources(REPLICA_MODULE).items():
         condition = body.get("count", body.get("for_each", ""))
         assert str(condition).startswith("${var.enabled ?"), f"{address} is created even when disabled"
+    for name, body in module_calls(REPLICA_MODULE).items():
+        assert body.get("count") == "${var.enabled ? 1 : 0}", f"module {name} is called even when disabled"
     # Each edge region reads its nearest replica (outputs.tf: the primary in the primary's region).
     (endpoints,) = [entry["registry_replica_endpoints"] for entry in parse(GLOBAL / "registry_replicas.tf")["locals"]]
     assert {unquote(k): v for k, v in endpoints.items()} == {
@@ -344,6 +367,10 @@ def test_every_module_call_passes_exactly_the_modules_variables():
     for name, (_, call) in replica_calls().items():
         args = {k for k in call if k not in ("source", "providers", "__is_block__")}
         assert args == replica_variables, f"{name}: extra {args - replica_variables}, missing {replica_variables - args}"
+    base_variables = set(declared_variables(BASE_MODULE))
+    for name, call in base_calls().items():
+        args = {k for k in call if k not in ("source", "providers", "count", "__is_block__")}
+        assert args == base_variables, f"{name}: extra {args - base_variables}, missing {base_variables - args}"
     # The region roots: test_region_root_calls_the_module_with_exactly_its_variables (defaults may stay).
 
 
@@ -373,9 +400,13 @@ def test_every_provider_alias_is_the_roots_exactly_pinned_provider():
     assert {name for name, _ in providers} <= set(pinned), "a provider the root does not pin"
     for name, (_, call) in replica_calls().items():
         assert re.fullmatch(r"\$\{aws\.(\w+)\}", call["providers"]["aws"]).group(1) in aliases, name
-    (module_settings,) = parse(REPLICA_MODULE / "versions.tf")["terraform"]
-    (module_providers,) = module_settings["required_providers"]
-    assert admits(unquote(module_providers["aws"]["version"]), pinned["aws"])
+    # The primary's registry_base is in the primary's region; the replica module's inherits its `aws`.
+    assert base_calls()["global/registry_base"]["providers"] == {"aws": "${aws.registry_primary}"}
+    assert "providers" not in base_calls()["registry_replica/registry_base"]
+    for module in (REPLICA_MODULE, BASE_MODULE):
+        (module_settings,) = parse(module / "versions.tf")["terraform"]
+        (module_providers,) = module_settings["required_providers"]
+        assert admits(unquote(module_providers["aws"]["version"]), pinned["aws"]), module.name
 
 
 HARDENING = (
@@ -387,28 +418,41 @@ HARDENING = (
 
 
 def test_replicas_carry_the_primarys_hardening():
-    primary, replica = resources(GLOBAL), resources(REPLICA_MODULE)
+    primary, replica, base = resources(GLOBAL), resources(REPLICA_MODULE), resources(BASE_MODULE)
     db, replica_db = primary["aws_db_instance.registry"], replica["aws_db_instance.replica"]
     assert {k: db[k] for k in HARDENING} == {k: replica_db[k] for k in HARDENING}
     assert db["multi_az"] and db["storage_encrypted"] and not db["publicly_accessible"] and db["deletion_protection"]
     assert db["manage_master_user_password"] is True
     assert re.fullmatch(r'"16\.\d+"', parse(GLOBAL / "registry.tf")["locals"][0]["registry_engine_version"]["primary"])
-    for key in ("kms_key_id", "performance_insights_kms_key_id"):
-        assert db[key] == "${aws_kms_key.registry.arn}" and replica_db[key] == "${aws_kms_key.replica[0].arn}"
+    # Key, subnet group, parameter group and log groups: each instance's own registry_base.
+    for instance, ref in ((db, "module.registry_base"), (replica_db, "module.registry_base[0]")):
+        for key in ("kms_key_id", "performance_insights_kms_key_id"):
+            assert instance[key] == f"${{{ref}.kms_key_arn}}", key
+        assert instance["db_subnet_group_name"] == f"${{{ref}.db_subnet_group_name}}"
+        assert instance["parameter_group_name"] == f"${{{ref}.parameter_group_name}}"
+        assert instance["enabled_cloudwatch_logs_exports"] == f"${{{ref}.log_exports}}"
+        assert "${module.registry_base}" in instance["depends_on"]  # its log groups first
+    assert db["master_user_secret_kms_key_id"] == "${module.registry_base.kms_key_arn}"
     assert replica_db["replicate_source_db"] == "${var.source_db_arn}"
     for call in replica_calls().values():
         assert call[1]["source_db_arn"] == "${aws_db_instance.registry.arn}"
-    # TLS forced, and the same parameters on both.
-    params = primary["aws_db_parameter_group.registry"], replica["aws_db_parameter_group.replica"]
-    assert params[0]["parameter"] == params[1]["parameter"] and params[0]["family"] == params[1]["family"]
-    assert {unquote(p["name"]): unquote(p["value"]) for p in params[0]["parameter"]}["rds.force_ssl"] == "1"
+    # TLS forced, and DDL and slow statements logged.
+    params = base["aws_db_parameter_group.registry"]
+    assert {unquote(p["name"]): unquote(p["value"]) for p in params["parameter"]} == {
+        "rds.force_ssl": "1",
+        "ssl_min_protocol_version": "TLSv1.2",
+        "log_statement": "ddl",
+        "log_min_duration_statement": "1000",
+    }
     # 5432 only, from the operator's client CIDRs; no egress rule.
     for group in (primary["aws_security_group.registry"], replica["aws_security_group.replica"]):
         (ingress,) = group["ingress"]
         assert (ingress["from_port"], ingress["to_port"], ingress["protocol"]) == (5432, 5432, '"tcp"')
         assert "egress" not in group
-    for key in (primary["aws_kms_key.registry"], replica["aws_kms_key.replica"]):
-        assert key["enable_key_rotation"] is True and "policy" in key
+    assert db["vpc_security_group_ids"] == ["${aws_security_group.registry.id}"]
+    assert replica_db["vpc_security_group_ids"] == ["${aws_security_group.replica[0].id}"]
+    key = base["aws_kms_key.registry"]
+    assert key["enable_key_rotation"] is True and "policy" in key
 
 
 def test_outputs_never_carry_a_password():

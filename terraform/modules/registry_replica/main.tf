@@ -1,77 +1,25 @@
 # One cross-region read replica of the key registry (terraform/global/registry.tf), in the AWS
-# region of the `aws` provider it is given: its own KMS key, subnet group, security group and
-# parameter group there, and the primary's hardening (tests/unit/test_terraform.py compares
-# them). Every resource has count = 0 when var.enabled is false (the primary's own region).
+# region of the `aws` provider it is given: its own KMS key, log groups, subnet group and
+# parameter group there (terraform/modules/registry_base, as the primary's), its own security
+# group, and the primary's hardening (tests/unit/test_terraform.py compares them). Every resource
+# and module call has count = 0 when var.enabled is false (the primary's own region).
 
-locals {
-  log_exports = ["postgresql", "upgrade"]
+# The replica's KMS key, log groups, subnet group and parameter group, as the primary's
+# (terraform/modules/registry_base), in this provider's AWS region.
+module "registry_base" {
+  source = "../registry_base"
+  count  = var.enabled ? 1 : 0
+
+  identifier          = var.identifier
+  role                = "replica"
+  kms_key_description = "serve-app key registry (replica ${var.identifier}): storage, Performance Insights, logs"
+  subnet_ids          = var.network.subnet_ids
+  log_retention_days  = var.log_retention_days
+  tags                = var.tags
 }
 
-data "aws_caller_identity" "current" {}
-
-data "aws_partition" "current" {}
-
-data "aws_region" "current" {}
-
-resource "aws_kms_key" "replica" {
-  count = var.enabled ? 1 : 0
-
-  description             = "serve-app key registry (replica ${var.identifier}): storage, Performance Insights, logs"
-  enable_key_rotation     = true
-  deletion_window_in_days = 30
-  policy = jsonencode({
-    Version = "2012-10-17"
-    Statement = [
-      {
-        Sid       = "AccountIAMPolicies"
-        Effect    = "Allow"
-        Principal = { AWS = "arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:root" }
-        Action    = "kms:*"
-        Resource  = "*"
-      },
-      {
-        Sid       = "CloudWatchLogsForTheReplicaLogGroups"
-        Effect    = "Allow"
-        Principal = { Service = "logs.${data.aws_region.current.name}.amazonaws.com" }
-        Action    = ["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"]
-        Resource  = "*"
-        Condition = {
-          ArnLike = {
-            "kms:EncryptionContext:aws:logs:arn" = "arn:${data.aws_partition.current.partition}:logs:${data.aws_region.current.name}:${data.aws_caller_identity.current.account_id}:log-group:/aws/rds/instance/${var.identifier}/*"
-          }
-        }
-      },
-    ]
-  })
-
-  tags = var.tags
-}
-
-resource "aws_kms_alias" "replica" {
-  count = var.enabled ? 1 : 0
-
-  name          = "alias/${var.identifier}"
-  target_key_id = aws_kms_key.replica[0].key_id
-}
-
-resource "aws_cloudwatch_log_group" "replica" {
-  for_each = var.enabled ? toset(local.log_exports) : toset([])
-
-  name              = "/aws/rds/instance/${var.identifier}/${each.key}"
-  retention_in_days = var.log_retention_days
-  kms_key_id        = aws_kms_key.replica[0].arn
-  tags              = var.tags
-}
-
-resource "aws_db_subnet_group" "replica" {
-  count = var.enabled ? 1 : 0
-
-  name        = var.identifier
-  description = "serve-app key registry replica: private subnets"
-  subnet_ids  = var.network.subnet_ids
-  tags        = var.tags
-}
-
+# Where these resources were before terraform/modules/registry_base: state moves, nothing is
+# replaced.
 # PostgreSQL from the edge sites that read here only; no egress rule.
 resource "aws_security_group" "replica" {
   count = var.enabled ? 1 : 0
@@ -91,37 +39,6 @@ resource "aws_security_group" "replica" {
   tags = var.tags
 }
 
-resource "aws_db_parameter_group" "replica" {
-  count = var.enabled ? 1 : 0
-
-  name        = "${var.identifier}-postgres16"
-  family      = "postgres16"
-  description = "serve-app key registry: TLS only, DDL and slow statements logged"
-
-  parameter {
-    name  = "rds.force_ssl"
-    value = "1"
-  }
-  parameter {
-    name  = "ssl_min_protocol_version"
-    value = "TLSv1.2"
-  }
-  parameter {
-    name  = "log_statement"
-    value = "ddl"
-  }
-  parameter {
-    name  = "log_min_duration_statement"
-    value = "1000"
-  }
-
-  tags = var.tags
-
-  lifecycle {
-    create_before_destroy = true
-  }
-}
-
 resource "aws_db_instance" "replica" {
   count = var.enabled ? 1 : 0
   #checkov:skip=CKV_AWS_226:the engine version is pinned exactly in terraform/global and raised by review, replicas before the primary; RDS upgrading on its own would make the pin drift
@@ -135,15 +52,15 @@ resource "aws_db_instance" "replica" {
   storage_type          = "gp3"
   max_allocated_storage = var.max_allocated_storage_gib
   storage_encrypted     = true
-  kms_key_id            = aws_kms_key.replica[0].arn
+  kms_key_id            = module.registry_base[0].kms_key_arn
 
   iam_database_authentication_enabled = true
 
   multi_az               = true
-  db_subnet_group_name   = aws_db_subnet_group.replica[0].name
+  db_subnet_group_name   = module.registry_base[0].db_subnet_group_name
   vpc_security_group_ids = [aws_security_group.replica[0].id]
   publicly_accessible    = false
-  parameter_group_name   = aws_db_parameter_group.replica[0].name
+  parameter_group_name   = module.registry_base[0].parameter_group_name
   ca_cert_identifier     = "rds-ca-rsa2048-g1"
 
   auto_minor_version_upgrade = false
@@ -159,14 +76,14 @@ resource "aws_db_instance" "replica" {
   # RDS takes no final snapshot of a read replica.
   skip_final_snapshot = true
 
-  enabled_cloudwatch_logs_exports       = local.log_exports
+  enabled_cloudwatch_logs_exports       = module.registry_base[0].log_exports
   performance_insights_enabled          = true
-  performance_insights_kms_key_id       = aws_kms_key.replica[0].arn
+  performance_insights_kms_key_id       = module.registry_base[0].kms_key_arn
   performance_insights_retention_period = 7
   monitoring_interval                   = 30
   monitoring_role_arn                   = var.monitoring_role_arn
 
   tags = var.tags
 
-  depends_on = [aws_cloudwatch_log_group.replica]
+  depends_on = [module.registry_base]
 }
