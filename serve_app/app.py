@@ -5,7 +5,6 @@ with its autoscaling, queue bounds and Ray resources, and binds the ``Router`` i
 them.
 """
 
-import logging
 import os
 from typing import Any
 
@@ -16,8 +15,9 @@ from serve_app.config import TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, pa
 from serve_app.engine.deployment import ModelServer
 from serve_app.hot_load.autoscaling import POLICY_PATH
 from serve_app.router.ingress import Router
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 # The environment the Ray cluster itself must start with (the Makefile, the test session and
 # terraform/modules/region set it): HAProxy, which Ray 2.60 bundles, listens on the HTTP port in

@@ -13,7 +13,6 @@ region, 429 with ``Retry-After`` and ``x-ratelimit-*``. No message ever quotes a
 
 import asyncio
 import hmac
-import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -27,8 +26,9 @@ from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError, retry_later
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 REALM = "serve_app"
 # A forwarded request is verified when the peer receives it, within a second or two.

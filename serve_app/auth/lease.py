@@ -25,15 +25,15 @@ wait for a dead actor; its first answer ends the outage and the replica's bucket
 """
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from serve_app.auth.ratelimit import Decision, RateLimiter, Window
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 LEASE_FRACTION = 0.05
 LEASE_TTL_S = 2.0

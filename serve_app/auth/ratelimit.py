@@ -12,14 +12,15 @@ a shorter answer: simple, bounded, and it is what a caller asked to be allowed t
 
 import asyncio
 import json
-import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("ray.serve")
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
 
 UNSPECIFIED_COMPLETION_TOKENS = 1024
 CHARS_PER_TOKEN = 4

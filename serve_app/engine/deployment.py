@@ -15,7 +15,6 @@ What this class knows is Serve and that wire format; what it asks of an engine i
 ``protocol.Engine`` — so it is unit-tested on a fake engine, without Ray or vLLM.
 """
 
-import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,8 +27,9 @@ from serve_app.engine import stream_server, token_count, trailer
 from serve_app.engine.protocol import Answer, Engine
 from serve_app.engine.stream_server import StreamServer
 from serve_app.errors import error_body
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 Head = dict[str, Any]
 

@@ -16,13 +16,14 @@ normally is said by the trailer, not by the socket.
 """
 
 import asyncio
-import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("ray.serve")
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
 
 TICKET_BYTES = 16  # 32 hex characters on the wire
 TICKET_LINE_LEN = 2 * TICKET_BYTES + 1

@@ -12,7 +12,6 @@ vLLM is imported inside the methods only: importing this module costs nothing, a
 and the unit tests never load torch.
 """
 
-import logging
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
@@ -20,8 +19,9 @@ from serve_app.engine import context_cap, surfaces, token_count, tokenization
 from serve_app.engine.protocol import Answer, Body, Stream
 from serve_app.engine.stream_server import Prefetched
 from serve_app.errors import error_body
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 
 class VLLMEngine:

@@ -10,7 +10,6 @@ its own view at once; the others follow within a second.
 """
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,8 +30,9 @@ from serve_app.hot_load.state import (
     read_wanted,
     write_wanted,
 )
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 REFRESH_S = 1.0
 # While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in

@@ -23,7 +23,6 @@ router and relay its answer.
 """
 
 import json
-import logging
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,8 +34,9 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app.config import Peer  # the peer region as a region file names it: id and router URL
 from serve_app.errors import error_body
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 HOP_HEADER = "x-pg-forwarded-from"
 REGION_HEADER = "x-pg-region"

@@ -10,7 +10,6 @@ router forwards it once to a peer region (``serve_app.router.failover``). Auth l
 """
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -41,8 +40,9 @@ from serve_app.router.responses import ResponsesAPI
 from serve_app.telemetry.metrics import setup_metrics
 from serve_app.usage.store import UsageStore
 from serve_app.telemetry.tracing import setup_tracing
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 # A full 8192-token prompt is ~32 KiB of text; tools and schemas add some. Anything near this is
 # abuse or a client bug, and reading it would cost router memory for nothing.

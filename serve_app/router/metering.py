@@ -16,7 +16,6 @@ with ``failover_origin`` naming this region); this region records it only when n
 """
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -33,8 +32,9 @@ from serve_app.usage.budgets import BudgetGuard
 from serve_app.usage.ledger import UsageLedger
 from serve_app.usage.records import UsageRecord
 from serve_app.usage.store import UsageStore
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 
 class Meter:

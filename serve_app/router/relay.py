@@ -15,7 +15,6 @@ spans from the same numbers.
 import asyncio
 import contextvars
 import dataclasses
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -35,8 +34,9 @@ from serve_app.router import dialects
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import RequestRecord, pg_metadata, server_timing_header, sse_data
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
 # 503 codes that mean a replica (not the model's load) failed: its engine died, or it vanished.

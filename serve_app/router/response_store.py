@@ -24,7 +24,6 @@ Bounds:
 
 import asyncio
 import json
-import logging
 import sqlite3
 import threading
 import time
@@ -35,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-logger = logging.getLogger("ray.serve")
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
 
 T = TypeVar("T")
 

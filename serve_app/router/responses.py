@@ -19,7 +19,6 @@ A response belongs to the key's owner: another owner's id is "not found", never 
 """
 
 import json
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -28,8 +27,9 @@ from serve_app.auth.authenticator import Principal
 from serve_app.engine.surfaces import ECHO_PREVIOUS_RESPONSE_ID
 from serve_app.errors import APIError
 from serve_app.router.response_store import ResponseStore, StoredResponse
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 
 Keeper = Callable[[dict[str, Any] | None], Awaitable[None]]

@@ -24,7 +24,6 @@ The instruments are created lazily, on the first observation in the replica, so 
 when the deployment class is pickled, and importing this module needs no running Ray.
 """
 
-import logging
 import re
 import threading
 from collections.abc import Callable
@@ -32,8 +31,9 @@ from typing import Any
 
 from serve_app.telemetry.config import MetricsArgs, TelemetryArgs
 from serve_app.telemetry.timing import RequestRecord, Split, compute_split
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 PREFIX = "serve_app_"
 LABELS = ("region", "model", "route")

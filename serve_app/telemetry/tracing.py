@@ -21,7 +21,6 @@ incoming ``traceparent`` still continues), so ``pg_metadata.trace_id`` always id
 in logs.
 """
 
-import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,8 +36,9 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from serve_app.telemetry.config import TelemetryArgs, TracingArgs
 from serve_app.telemetry.timing import RequestRecord, Split
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 INSTRUMENTATION_NAME = "serve_app"
 SPAN_AUTH, SPAN_NETWORK, SPAN_QUEUE, SPAN_INFERENCE = "auth", "network", "queue", "inference"

@@ -29,7 +29,6 @@ late, never lost. Each failed reload is logged.
 
 import asyncio
 import datetime as dt
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -40,8 +39,9 @@ from serve_app.errors import APIError
 from serve_app.usage.ledger import UsageLedger
 from serve_app.usage.records import utc_day
 from serve_app.usage.store import Budget, UsageStore
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 MAX_ENTRIES = 50_000  # keys cached; bounded like the key store's cache
 

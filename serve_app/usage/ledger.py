@@ -20,7 +20,6 @@ not have yet (pending, being written, or spooled), so a router sees its own spen
 
 import asyncio
 import json
-import logging
 import os
 import re
 import time
@@ -30,8 +29,9 @@ from pathlib import Path
 
 from serve_app.usage.records import UsageRecord
 from serve_app.usage.store import UsageStore
+from serve_app.telemetry.logs import module_logger
 
-logger = logging.getLogger("ray.serve")
+logger = module_logger(__name__)
 
 SUFFIX = ".jsonl"
 # With no traffic to write, the spool is still looked at this often: files a replica that died

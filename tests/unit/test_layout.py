@@ -32,3 +32,32 @@ def test_the_serving_processes_import_no_dev_tooling():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_serving_modules_log_under_serves_logger_by_module_name():
+    """Serve writes a replica's log from ``ray.serve``'s handlers only (it does not propagate):
+    a serving module's logger is its child, so its records land there, under its own name."""
+    import logging
+
+    from serve_app.router import relay
+    from serve_app.usage import ledger
+
+    serve_logger = logging.getLogger("ray.serve")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    serve_logger.addHandler(handler)
+    try:
+        ledger.logger.warning("from the ledger")
+        relay.logger.warning("from the relay")
+    finally:
+        serve_logger.removeHandler(handler)
+    assert [(r.name, r.getMessage()) for r in seen] == [
+        ("ray.serve.serve_app.usage.ledger", "from the ledger"),
+        ("ray.serve.serve_app.router.relay", "from the relay"),
+    ]
+    # Only the client library (used outside Serve) names a logger of its own.
+    named = subprocess.run(
+        ["grep", "-rln", "--include=*.py", "logging.getLogger(", "serve_app"], cwd=REPO, capture_output=True, text=True
+    ).stdout.split()
+    assert sorted(named) == ["serve_app/client/auth.py", "serve_app/client/transport.py", "serve_app/telemetry/logs.py"]
