@@ -199,3 +199,51 @@ def model_handle(serve_app):
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# --- the peer region's model state: tests say what they need, not what ran before them ----------
+PEER_MODEL = "qwen-3.6-35b-a3b"
+PEER_LOAD_TIMEOUT_S = 600  # a vLLM CPU engine starting next to another one on 2 cores
+PEER_UNLOAD_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="session")
+def peer_admin_key(serve_app) -> str:
+    from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+
+    store = KeyStore(serve_app["auth"].key_store(), cache_ttl_s=0)
+    key, _ = store.create_key(owner="it-peer-state", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    return key
+
+
+def bring_peer_to(serve_app, admin_key: str, wanted: str, timeout_s: float) -> None:
+    """Load (``loaded``) or unload (``cold``) the peer region's model unless it is so already,
+    and wait until it is."""
+    url, headers = serve_app["peer_url"], {"Authorization": f"Bearer {admin_key}"}
+
+    def state() -> str:
+        card = httpx.get(f"{url}/v1/models/{PEER_MODEL}", headers=headers, timeout=30)
+        assert card.status_code == 200, card.text
+        return card.json()["state"]
+
+    if state() == wanted:
+        return
+    action = "load" if wanted == "loaded" else "unload"
+    asked = httpx.post(f"{url}/v1/models/{action}", headers=headers, json={"model": PEER_MODEL}, timeout=30)
+    assert asked.status_code in (200, 202), asked.text
+    deadline = time.monotonic() + timeout_s
+    while (now := state()) != wanted:
+        assert now != "failed" and time.monotonic() < deadline, f"the peer's model is {now}, not {wanted}"
+        time.sleep(1)
+
+
+@pytest.fixture
+def peer_cold(serve_app, peer_admin_key) -> None:
+    """The peer region's model is cold: its requests fail over to local."""
+    bring_peer_to(serve_app, peer_admin_key, "cold", PEER_UNLOAD_TIMEOUT_S)
+
+
+@pytest.fixture
+def peer_loaded(serve_app, peer_admin_key) -> None:
+    """The peer region serves its model itself."""
+    bring_peer_to(serve_app, peer_admin_key, "loaded", PEER_LOAD_TIMEOUT_S)

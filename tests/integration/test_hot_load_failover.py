@@ -2,9 +2,10 @@
 
 The session fixture deploys the ``peer`` region next to ``local`` (tests/integration/conftest.py):
 the same tiny model, cold at first, one request at a time, and each region names the other as
-its failover peer. The tests run in order: the peer starts cold (its requests fail over to
-local), is loaded by alias, serves, is overloaded (its requests fail over again), and is unloaded.
-Every request goes through the official openai SDK or plain HTTP against the real Serve proxy.
+its failover peer. Each test says which state of the peer's model it needs (the ``peer_cold`` and
+``peer_loaded`` fixtures load or unload it when it is not so already), so any order works; in
+file order the peer is loaded once and unloaded once. Every request goes through the official
+openai SDK or plain HTTP against the real Serve proxy.
 """
 
 import subprocess
@@ -93,7 +94,7 @@ def _post_forwarded(url: str, key: str) -> httpx.Response:
 
 
 # --- cold -----------------------------------------------------------------------------------------
-def test_each_region_lists_its_models_state(serve_app, keys):
+def test_each_region_lists_its_models_state(serve_app, keys, peer_cold):
     local = httpx.get(f"{serve_app['base_url']}/v1/models", headers=_bearer(keys["user"])).json()["data"]
     peer = httpx.get(f"{serve_app['peer_url']}/v1/models", headers=_bearer(keys["user"])).json()["data"]
     assert [(m["id"], m["region"], m["state"]) for m in local] == [(MODEL, "local", "loaded")]
@@ -103,7 +104,7 @@ def test_each_region_lists_its_models_state(serve_app, keys):
     assert health.status_code == 503 and health.json()["states"] == {MODEL: "cold"}
 
 
-def test_a_request_for_a_model_cold_here_is_served_by_the_peer_region(serve_app, keys):
+def test_a_request_for_a_model_cold_here_is_served_by_the_peer_region(serve_app, keys, peer_cold):
     raw, reply = _chat_raw(serve_app["peer_url"], keys["user"])
     assert raw.status_code == 200 and reply.choices
     assert raw.headers["x-pg-region"] == "local"
@@ -112,7 +113,7 @@ def test_a_request_for_a_model_cold_here_is_served_by_the_peer_region(serve_app,
     assert reply.pg_metadata["region"] == "local"  # the serving region's own timing
 
 
-def test_a_stream_fails_over_too_and_ends_with_done(serve_app, keys):
+def test_a_stream_fails_over_too_and_ends_with_done(serve_app, keys, peer_cold):
     client = _sdk(serve_app["peer_url"], keys["user"])
     with client.chat.completions.with_streaming_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=4, stream=True
@@ -122,7 +123,7 @@ def test_a_stream_fails_over_too_and_ends_with_done(serve_app, keys):
     assert chunks and chunks[-1].pg_metadata["region"] == "local"
 
 
-def test_a_forwarded_request_is_never_forwarded_again(serve_app, keys):
+def test_a_forwarded_request_is_never_forwarded_again(serve_app, keys, peer_cold):
     response = _post_forwarded(serve_app["peer_url"], keys["user"])
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "model_cold"
@@ -130,7 +131,7 @@ def test_a_forwarded_request_is_never_forwarded_again(serve_app, keys):
     assert "x-pg-failover-from" not in response.headers
 
 
-def test_a_caller_not_allowed_in_the_peer_region_gets_the_local_503(serve_app, keys):
+def test_a_caller_not_allowed_in_the_peer_region_gets_the_local_503(serve_app, keys, peer_cold):
     with pytest.raises(openai.APIStatusError) as refused:
         _chat_raw(serve_app["peer_url"], keys["peer_only"])
     assert refused.value.status_code == 503
@@ -138,7 +139,7 @@ def test_a_caller_not_allowed_in_the_peer_region_gets_the_local_503(serve_app, k
     assert int(refused.value.response.headers["Retry-After"]) > 0
 
 
-def test_the_failover_is_one_trace_across_both_regions(serve_app, keys, otlp_receiver):
+def test_the_failover_is_one_trace_across_both_regions(serve_app, keys, peer_cold, otlp_receiver):
     trace_id = "%032x" % int(time.time() * 1e6)
     _chat_raw(serve_app["peer_url"], keys["user"], extra_headers={"traceparent": f"00-{trace_id}-{'1' * 16}-01"})
     spans = otlp_receiver["spans_for_trace"](trace_id, min_spans=7)
@@ -171,7 +172,7 @@ def test_load_rejects_models_the_region_does_not_have(serve_app, keys):
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
 
 
-def test_load_by_hf_repo_id_reports_progress_until_loaded(serve_app, keys):
+def test_load_by_hf_repo_id_reports_progress_until_loaded(serve_app, keys, peer_cold):
     url = serve_app["peer_url"]
     response = httpx.post(f"{url}/v1/models/load", headers=_bearer(keys["admin"]), json={"model": HF_REPO})
     assert response.status_code == 202, response.text
@@ -190,13 +191,13 @@ def test_load_by_hf_repo_id_reports_progress_until_loaded(serve_app, keys):
     assert again.status_code == 200 and again.json()["state"] == "loaded"
 
 
-def test_a_loaded_model_is_served_in_its_own_region(serve_app, keys):
+def test_a_loaded_model_is_served_in_its_own_region(serve_app, keys, peer_loaded):
     raw, reply = _chat_raw(serve_app["peer_url"], keys["user"])
     assert raw.headers["x-pg-region"] == "peer" and "x-pg-failover-from" not in raw.headers
     assert reply.pg_metadata["region"] == "peer"
 
 
-def test_an_overloaded_region_fails_over(serve_app, keys):
+def test_an_overloaded_region_fails_over(serve_app, keys, peer_loaded):
     """The peer runs one request and queues one. With one running, of two more sent together one
     takes the queue slot and the other is shed there, so it is served by local instead."""
     url = serve_app["peer_url"]
@@ -232,7 +233,7 @@ def test_an_overloaded_region_fails_over(serve_app, keys):
 
 
 # --- unload ----------------------------------------------------------------------------------------
-def test_unload_drains_to_cold_and_requests_fail_over_again(serve_app, keys):
+def test_unload_drains_to_cold_and_requests_fail_over_again(serve_app, keys, peer_loaded):
     url = serve_app["peer_url"]
     response = httpx.post(f"{url}/v1/models/unload", headers=_bearer(keys["admin"]), json={"model": MODEL})
     assert response.status_code in (200, 202), response.text

@@ -126,7 +126,7 @@ def test_an_abandoned_stream_is_recorded_with_the_tokens_generated_before_the_cl
     assert row["prompt_tokens"] > 0
 
 
-def test_a_failed_over_request_is_recorded_once_by_the_region_that_served_it(serve_app, registry):
+def test_a_failed_over_request_is_recorded_once_by_the_region_that_served_it(serve_app, registry, peer_cold):
     key, key_id = _new_key(registry, "it-usage-failover")
     peer = _sdk(serve_app["peer_url"], key)
 
@@ -137,7 +137,7 @@ def test_a_failed_over_request_is_recorded_once_by_the_region_that_served_it(ser
 
     raw = asyncio.run(ask())
     assert raw.status_code == 200
-    # The peer region's model starts cold (and test_hot_load_failover leaves it cold): local serves.
+    # The peer region's model is cold (peer_cold): local serves.
     assert raw.headers["x-pg-failover-from"] == "peer" and raw.headers["x-pg-region"] == "local"
     time.sleep(2)  # both regions' ledgers have flushed: a second row would be there by now
     (row,) = _rows(registry, key_id, 2)
@@ -168,7 +168,7 @@ def test_a_budget_is_enforced_in_every_region_from_the_shared_ledger(serve_app, 
     assert refused.json()["error"]["code"] == "budget_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
     assert spent * (len(answers) - 1) >= 60  # refused only once the day's budget was spent
-    # The peer region reads the same ledger: refused there too, before its (cold) model matters.
+    # The peer region reads the same ledger: refused there too, whatever its model's state.
     deadline = time.monotonic() + WRITTEN_WITHIN_S
     while True:
         there = httpx.post(f"{serve_app['peer_url']}/v1/chat/completions", json=body, headers=headers, timeout=60)
