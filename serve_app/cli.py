@@ -19,7 +19,8 @@ import yaml
 from serve_app import catalog
 from serve_app.image import gpu_smoke, image_lock
 from serve_app.auth import tokens
-from serve_app.auth.authenticator import Principal, mint_token
+from serve_app.auth.authenticator import mint_token
+from serve_app.auth.principal import Principal
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore

@@ -17,20 +17,20 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from serve_app.auth import tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.principal import Principal, forbidden, unauthorized
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError, retry_later
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
 
-REALM = "serve_app"
 # A forwarded request is verified when the peer receives it, within a second or two.
 FORWARDING_TOKEN_TTL_S = 60
 DEV_KEY_ID = "dev"
@@ -49,76 +49,6 @@ def region_audience(audience: str, region: str) -> str:
 
 class Limiter(Protocol):
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None: ...
-
-
-@dataclass(frozen=True)
-class Principal:
-    key_id: str
-    owner: str
-    models: frozenset[str]  # canonical ids; {"*"}: all
-    regions: frozenset[str]  # {"*"}: all
-    scopes: frozenset[str]
-    tier: str
-    via: str  # "token", "api_key" or "dev_key"
-    expires_at: int | None = None  # a token's exp: a token minted for this caller never outlives it
-    # A token signed by another region's (imported) key: that region's name, or "" when its JWKS
-    # did not say. None: this region vouches for the caller (its own key, store or dev key).
-    signed_in: str | None = None
-
-    def allows_model(self, model_id: str) -> bool:
-        return ALL in self.models or model_id in self.models
-
-    def allows_region(self, region: str) -> bool:
-        return ALL in self.regions or region in self.regions
-
-    @classmethod
-    def from_record(cls, record: KeyRecord) -> "Principal":
-        return cls(
-            key_id=record.key_id,
-            owner=record.owner,
-            models=frozenset(record.models),
-            regions=frozenset(record.regions),
-            scopes=frozenset(record.scopes),
-            tier=record.tier,
-            via="api_key",
-        )
-
-    def claims(self) -> dict[str, Any]:
-        """What a token minted for this caller asserts besides the registered claims."""
-        return {
-            "owner": self.owner,
-            "models": sorted(self.models),
-            "regions": sorted(self.regions),
-            "tier": self.tier,
-            "scope": " ".join(sorted(self.scopes)),  # OAuth style: space-separated
-        }
-
-    @classmethod
-    def from_claims(cls, claims: dict[str, Any]) -> "Principal":
-        """The inverse of ``claims()`` for a verified token; wrong types are a 401, not a 500."""
-        strings = [claims.get(name) for name in ("sub", "owner", "tier", "scope")]
-        lists = [claims.get(name) for name in ("models", "regions")]
-        if not all(isinstance(v, str) for v in strings) or not all(
-            isinstance(v, list) and all(isinstance(i, str) for i in v) for v in lists
-        ):
-            raise unauthorized("token claims are malformed", "invalid_token")
-        sub, owner, tier, scope = strings
-        return cls(
-            sub, owner, frozenset(lists[0]), frozenset(lists[1]), frozenset(scope.split()), tier, "token",
-            expires_at=int(claims["exp"]),
-        )
-
-
-def unauthorized(message: str, code: str, error: str | None = "invalid_token") -> APIError:
-    challenge = f'Bearer realm="{REALM}"'
-    if error:  # RFC 6750 §3.1: no error attribute when the request carried no credential at all
-        challenge += f', error="{error}", error_description="{message}"'
-    return APIError(401, message, code=code, headers={"WWW-Authenticate": challenge})
-
-
-def forbidden(message: str, code: str, scope: str | None = None) -> APIError:
-    challenge = f'Bearer realm="{REALM}", error="insufficient_scope"' + (f', scope="{scope}"' if scope else "")
-    return APIError(403, message, code=code, headers={"WWW-Authenticate": challenge})
 
 
 def _looks_like_jwt(credential: str) -> bool:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from serve_app.auth.authenticator import Principal
+from serve_app.auth.principal import Principal
 from serve_app.engine.surfaces import ECHO_PREVIOUS_RESPONSE_ID
 from serve_app.errors import APIError
 from serve_app.router.response_store import ResponseStore, StoredResponse

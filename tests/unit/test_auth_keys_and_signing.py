@@ -9,7 +9,7 @@ import pytest
 from serve_app.auth import keys as keys_module
 from serve_app.auth import tokens
 from serve_app.auth.keys import KeyStore, parse_key
-from serve_app.auth.authenticator import Principal
+from serve_app.auth.principal import Principal
 from tests.unit.auth_support import DEV_KEY, authenticator, chat, router_like_app
 
 
