@@ -107,6 +107,9 @@ class PostgresDatabase:
             db = psycopg.connect(
                 dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
                 options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
+                # A server that vanished mid-query (no FIN, no RST) is found by TCP keepalive, not
+                # the kernel's two hours: statement_timeout is the server's, and it is gone.
+                keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
             )
         except psycopg.OperationalError as err:
             raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err

@@ -107,25 +107,32 @@ class ModelServer:
                 head["trailer"] = {**outcome.summary, "replica": self.replica, "generated": count.as_dict()}
             yield head
             return
-        await self._streams.start()
-        ticket, connected = self._streams.expect()
-        yield {
-            "status": 200, "body": None, "stream": True,
-            "socket": self._streams.address, "ticket": ticket, "replica_ms": _ms_since(started),
-        }
-        complete, failure = False, None
-        connection = None
-        try:
+        connection = ticket = None
+        complete, failure, failed_head = False, None, _INTERNAL_ERROR
+        head_sent = False
+        try:  # from here on the engine request is under way: every way out closes it
+            await self._streams.start()
+            ticket, connected = self._streams.expect()
+            head_sent = True  # Serve may cancel this call at the yield: the finally still runs
+            yield {
+                "status": 200, "body": None, "stream": True,
+                "socket": self._streams.address, "ticket": ticket, "replica_ms": _ms_since(started),
+            }
             connection = await self._streams.accept(ticket, connected)
             complete = await stream_server.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
             logger.warning("%s stream to the router broke off: %r", self.model_id, err)
         except Exception:
-            _, failure = self._failed()
+            failed_head, failure = self._failed()
         finally:
             await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
             if connection is not None:
                 connection.close()
+            elif ticket is not None:
+                self._streams.forget(ticket)
+        if not head_sent:  # the stream listener could not start: an error head, as before a stream
+            yield failed_head
+            return
         summary = {"complete": False, "error_code": failure} if failure else {**outcome.watcher.trailer(), "complete": complete}
         yield {"trailer": {**summary, "replica": self.replica, "generated": count.as_dict()}}
 

@@ -17,6 +17,7 @@ normally is said by the trailer, not by the socket.
 
 import asyncio
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,24 @@ TICKET_LINE_LEN = 2 * TICKET_BYTES + 1
 CONNECT_TIMEOUT_S = 10.0
 # Past this many bytes buffered for a router that reads slowly, the replica awaits the drain.
 HIGH_WATER_BYTES = 256 * 1024
+
+
+# A peer that vanished without a FIN or RST (its node crashed, the link was cut) is found by TCP
+# keepalive: probed after this long idle, every interval, given up after count misses (~25 s),
+# so neither end holds a stream (and the engine its KV cache) for the kernel's two hours.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """Turn TCP keepalive on for the byte path's connection (either end)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 @dataclass(frozen=True)
@@ -73,10 +92,24 @@ async def pump(events: AsyncIterator, pass_on: Callable[[Any], str | None], conn
         hang_up.cancel()
         if not writing.done():
             writing.cancel()
-            await asyncio.wait([writing])
+            await _until_done(writing)
     if writing.cancelled():
         return False
     return writing.result()  # an engine failure raises here
+
+
+async def _until_done(task: asyncio.Task) -> None:
+    """Wait for a cancelled task to finish, however often this wait is cancelled meanwhile (the
+    caller closes the generator the task iterates next, which must not be running then); a
+    cancellation received here is raised once the task is done."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None], connection: StreamConnection) -> bool:
@@ -115,7 +148,7 @@ class Prefetched:
         """Stop the source (vLLM aborts the engine request), also while its first item is pending."""
         if self._first is not None:
             self._first.cancel()
-            await asyncio.wait([self._first])  # never raises, so a cancel of the caller stays pending
+            await _until_done(self._first)  # the source must not be running when it is closed
             self._first = None
         await self._source.aclose()
 
@@ -154,6 +187,10 @@ class StreamServer:
         finally:
             self._expected.pop(ticket, None)
 
+    def forget(self, ticket: str) -> None:
+        """Drop a ticket whose connection will never be accepted (the call ended first)."""
+        self._expected.pop(ticket, None)
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             line = await asyncio.wait_for(reader.readexactly(TICKET_LINE_LEN), CONNECT_TIMEOUT_S)
@@ -164,6 +201,7 @@ class StreamServer:
         if future is None or future.done():  # unknown, expired or reused ticket: not ours to serve
             writer.close()
             return
+        keep_alive(writer)
         future.set_result(StreamConnection(reader, writer))
 
     def close(self) -> None:

@@ -41,7 +41,23 @@ def find_uvicorn_cycle(send: Callable) -> Any | None:
 
 
 class RelayedStream(StreamingResponse):
-    """A ``StreamingResponse`` whose body chunks skip the ASGI send chain when they can."""
+    """A ``StreamingResponse`` whose body chunks skip the ASGI send chain when they can.
+
+    ``on_end``: called once the response is over however it ended — also when the client left
+    before the body's first chunk was asked for, when the body generator never started and so
+    never ran its own ``finally`` (the relay's cleanup).
+    """
+
+    def __init__(self, *args, on_end: Callable[[], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_end is not None:
+                self._on_end()
 
     async def stream_response(self, send: Callable) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

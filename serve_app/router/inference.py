@@ -22,7 +22,9 @@ from serve_app.errors import APIError
 from serve_app.router import dialects
 from serve_app.router.client_socket import RelayedStream
 from serve_app.router.failover import HOP_HEADER, REGION_HEADER
-from serve_app.router.relay import REPLICA_FAILURES, Exchange, call_model, json_response, open_byte_stream, relay_events
+from serve_app.router.relay import (
+    REPLICA_FAILURES, Exchange, abandon_unrelayed, call_model, json_response, open_byte_stream, relay_events,
+)
 from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.tokenization import TOKENIZE_TOKEN_COST
 from serve_app.telemetry.timing import ROUTE_CHAT, ROUTE_COMPLETIONS, ROUTE_COUNT_TOKENS, ROUTE_MESSAGES, ROUTE_RESPONSES
@@ -106,14 +108,18 @@ async def relay(router: Any, request: Request, family: Family, read_body: ReadBo
     limits[REGION_HEADER] = router.region
     if not head["stream"]:
         if keep is not None and head["status"] == 200:
-            await keep(head["body"])
+            with exchange.failures_recorded():  # a client gone meanwhile is still accounted for
+                await keep(head["body"])
         return json_response(head, exchange, limits)
     client_wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     on_trailer = (lambda trailer: keep(trailer.get("response"))) if keep is not None else None
     events = relay_events(
         stream, socket, exchange, client_wants_usage=client_wants_usage, dialect=family.dialect, on_trailer=on_trailer
     )
-    return RelayedStream(events, media_type="text/event-stream", headers=limits)
+    return RelayedStream(
+        events, media_type="text/event-stream", headers=limits,
+        on_end=lambda: abandon_unrelayed(stream, socket, exchange),
+    )
 
 
 def check_completion_budget(body: dict[str, Any], cap: int) -> None:

@@ -21,15 +21,16 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import catalog
-from serve_app.auth.authenticator import Authenticator, Principal, registry_unavailable
+from serve_app.auth.authenticator import Authenticator, registry_unavailable
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.lease import LeasedRateLimiter
+from serve_app.auth.principal import Principal
 from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs
 from serve_app.errors import APIError, error_body
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
-from serve_app.router import inference, metering, openapi, tokenization
+from serve_app.router import inference, metering, openapi, relay, tokenization
 from serve_app.router.failover import Forwarder, is_forwarded
 from serve_app.router.metering import Meter
 from serve_app.hot_load.tracker import InFlight, ModelStates
@@ -186,6 +187,7 @@ class Router:
         """Serve calls this when it stops the replica: end the state refresh, write the usage
         records still pending (or spool them), close peer connections."""
         self.states.stop()
+        await relay.wait_settled()  # abandoned streams' trailers: their records, then the last write
         await self.meter.aclose()
         await self.forwarder.aclose()
 
@@ -341,9 +343,9 @@ class Router:
             return None
         reason = local.code or "unavailable"
         headers = exchange.start_failover(reason)
-        # The region that serves the request records its usage: this one only if no peer does.
+        # The region that serves the request records its usage: this one only if no peer took it
+        # (a client gone meanwhile may have been admitted there: not recorded here either).
         bill, exchange.bill = exchange.bill, None
-        forwarded = None
         try:
             peers = [p.region for p in self.forwarder.peers if p.region != self.region and caller.allows_region(p.region)]
             # Minted up front in a thread: a key-store cache miss must not block the event loop.
@@ -355,9 +357,11 @@ class Router:
                 on_done=exchange.forwarded_done,  # a relayed stream: when its last byte is out
                 authorization=bound.__getitem__,
             )
-        finally:
-            if forwarded is None or forwarded.response is None:
-                exchange.bill = bill
+        except Exception:  # not a client gone (CancelledError): nothing reached a peer's engine
+            exchange.bill = bill
+            raise
+        if forwarded.response is None:
+            exchange.bill = bill
         exchange.note_failover(forwarded)
         if forwarded.response is not None and not forwarded.stream:
             exchange.forwarded_done(forwarded.status, forwarded.error_type)

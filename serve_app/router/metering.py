@@ -23,7 +23,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from serve_app.auth.authenticator import Principal
+from serve_app.auth.principal import Principal
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.errors import APIError
 from serve_app.router.relay import Exchange
@@ -65,6 +65,9 @@ class Meter:
         forwarded it here, if one did."""
 
         def bill(exchange: Exchange) -> None:
+            record = exchange.record
+            if origin is not None and record.status == 503 and record.model_replica is None:
+                return  # forwarded here and not served either: the forwarding region records its 503
             try:
                 self.ledger.record(usage_record(exchange, caller, region=self.region, origin=origin))
             except Exception:  # metering must never fail the request it meters

@@ -27,7 +27,7 @@ from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.engine.stream_server import CONNECT_TIMEOUT_S
+from serve_app.engine.stream_server import CONNECT_TIMEOUT_S, keep_alive
 from serve_app.engine.trailer import ENGINE_UNAVAILABLE, engine_failed_mid_stream
 from serve_app.errors import APIError, error_body, retry_later
 from serve_app.router import dialects
@@ -62,6 +62,7 @@ class Exchange:
         self.split = None
         self.failover_span = None
         self.generated: dict[str, int] | None = None  # the engine's own token count (trailer)
+        self.relay_started = False  # relay_events ran (its finally accounts for the stream)
         # Called once when the request is over, with this exchange: its usage record. Set once
         # the request is admitted; None when another region serves (and bills) it.
         self.bill: Callable[["Exchange"], None] | None = None
@@ -220,6 +221,10 @@ async def open_byte_stream(stream, head: dict[str, Any], model: str):
         stream.cancel()
         logger.exception("cannot reach the stream listener of %s at %s:%s", model, host, port)
         raise retry_later(f"{model} replica became unavailable", "replica_unavailable") from None
+    except asyncio.CancelledError:  # the client left while connecting: the engine may stop
+        stream.cancel()
+        raise
+    keep_alive(writer)
     writer.write(head["ticket"].encode("ascii") + b"\n")
     return reader, writer
 
@@ -241,11 +246,12 @@ async def relay_events(
     response it carries). A client that leaves: the router closes the socket, the replica aborts
     the engine request (freeing its KV cache) and still sends its trailer (``settle_abandoned``).
     """
+    exchange.relay_started = True
     reader, writer = socket
     opening = bytearray()  # the stream's bytes until its first event is whole
     first: dict[str, Any] = {}  # the first chunk: the pg_metadata event reuses its id
     usage = None
-    finished = False
+    finished = trailer_read = False
     try:
         while data := await reader.read(READ_BYTES):
             if opening is not None:
@@ -257,6 +263,7 @@ async def relay_events(
                     opening = None
             yield data
         trailer = (await stream.__anext__())["trailer"]  # the handle's last item: the engine is done
+        trailer_read = True
         exchange.note_trailer(trailer)
         usage = trailer.get("usage")
         if not trailer.get("complete", True):
@@ -286,10 +293,11 @@ async def relay_events(
         finished = True
     finally:
         writer.close()  # for a client that left, the replica's cue to stop (stream_server.pump)
-        if finished:
-            exchange.close()
-        else:
+        if not finished:
             exchange.finish(CLIENT_CLOSED, "client_closed")
+        if trailer_read:
+            exchange.close()
+        else:  # the client left, or the socket broke: the trailer still has the token count
             settle_abandoned(stream, exchange)
 
 
@@ -297,6 +305,24 @@ async def relay_events(
 # hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
 ABANDONED_TRAILER_WAIT_S = 10.0
 _settling: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+def abandon_unrelayed(stream, socket, exchange: Exchange) -> None:
+    """The response ended before its relay started (the client left at once): hang up, and
+    account for the stream as ``relay_events`` would have."""
+    if exchange.relay_started:
+        return
+    exchange.relay_started = True
+    socket[1].close()
+    exchange.finish(CLIENT_CLOSED, "client_closed")
+    settle_abandoned(stream, exchange)
+
+
+async def wait_settled() -> None:
+    """Until every abandoned stream's trailer is in (or given up on): before the router stops,
+    so their usage records are queued while the ledger can still write them."""
+    if _settling:
+        await asyncio.gather(*_settling, return_exceptions=True)
 
 
 def settle_abandoned(stream, exchange: Exchange) -> None:

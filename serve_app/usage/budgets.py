@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from serve_app.auth.database import RegistryUnavailable
 from serve_app.errors import APIError
 from serve_app.usage.ledger import UsageLedger
 from serve_app.usage.records import utc_day
@@ -181,10 +180,10 @@ class BudgetGuard:
                 budget, spent_day, spent_month = await asyncio.to_thread(
                     self.store.budget_state, key_id, day=day, month_start=month, primary=primary
                 )
-                if primary:
+                if primary and self._loading.get(key_id) is this:  # not forgotten again meanwhile
                     self._written.discard(key_id)
                 entry = _Entry(budget, day, month, spent_day, spent_month, self.clock() + self.cache_ttl_s)
-            except RegistryUnavailable as err:
+            except Exception as err:  # RegistryUnavailable, or any error of the database's: never a 500
                 expires = self.clock() + self.cache_ttl_s
                 if stale is None or not stale.known:
                     logger.warning(

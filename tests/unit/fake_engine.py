@@ -14,6 +14,7 @@ from typing import Any
 
 from serve_app.engine import token_count, trailer
 from serve_app.engine.protocol import Answer, Stream
+from serve_app.engine.stream_server import Prefetched
 from serve_app.errors import error_body
 
 PROMPT_TOKENS = 5
@@ -71,7 +72,7 @@ class FakeEngine:
             return Answer(200, answer, {"engine_timing": trailer.engine_timing(TIMING), "usage": usage,
                                         "finish_reasons": ["length"]})
         watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
-        return Stream(self._events(outputs, body), watcher)
+        return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int):
         produced = 0
@@ -97,11 +98,17 @@ class FakeEngine:
         def event(payload):
             return f"data: {json.dumps({**chunk, **payload}, separators=(',', ':'))}\n\n"
 
-        yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         n = 0
-        async for output in outputs:
-            n += 1
-            yield event({"choices": [{"index": 0, "delta": {"content": output.outputs[0].text}, "finish_reason": None}]})
+        try:
+            async for output in outputs:
+                if n == 0:  # as vLLM: the role chunk comes with the engine's first output
+                    yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]})
+                n += 1
+                yield event({"choices": [{"index": 0, "delta": {"content": output.outputs[0].text},
+                                          "finish_reason": None}]})
+        finally:
+            await outputs.aclose()  # closing the stream aborts the generation
         yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n, "total_tokens": PROMPT_TOKENS + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})

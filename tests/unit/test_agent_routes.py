@@ -257,3 +257,17 @@ def test_a_spent_budget_is_a_429_with_its_reset_in_anthropic_shape_too(setup):
     anthropic = setup.client.post("/v1/messages", json=HI, headers={"x-api-key": setup.key})
     assert _anthropic_error(anthropic) == (429, "rate_limit_error")
     assert len(_recorded(setup)) == 1  # refused requests cost nothing and are not recorded
+
+
+def test_a_forwarded_request_this_region_could_not_serve_is_left_to_the_forwarding_region(setup):
+    from serve_app.router.relay import Exchange
+
+    principal = SimpleNamespace(key_id="k1", owner="alice")
+    for origin, status, replica, recorded in (("yul-02", 503, None, 0), ("yul-02", 503, "m1", 1), (None, 503, None, 1)):
+        exchange = Exchange("/v1/chat/completions", {}, region="local", replica="r1")
+        exchange.record.model, exchange.record.model_replica = MODEL, replica
+        exchange.bill = setup.meter.biller(principal, origin=origin)
+        exchange.fail(status, "overloaded")
+        assert len(_recorded(setup)) == recorded
+        with setup.meter.store.database.connect() as db:
+            db.execute("DELETE FROM usage_records")

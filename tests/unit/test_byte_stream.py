@@ -267,3 +267,27 @@ def test_a_model_call_is_made_outside_the_requests_cancellation_scope():
         assert serve_context._get_serve_request_context() is parent  # the request's own is untouched
     finally:
         serve_context._serve_request_context.reset(token)
+
+
+def test_a_client_gone_before_the_relay_started_is_still_hung_up_settled_and_billed():
+    """Starlette may cancel the response before its body is first iterated: the relay's own
+    finally never runs, so the response's end does its work (``abandon_unrelayed``)."""
+    from serve_app.router.relay import abandon_unrelayed
+
+    async def scenario():
+        hold = asyncio.Event()
+        server, replica, stream, socket, exchange = await _start(EVENTS * 5, hold=hold)
+        billed = []
+        exchange.bill = billed.append
+        abandon_unrelayed(stream, socket, exchange)
+        abandon_unrelayed(stream, socket, exchange)  # the end is reported once; twice does nothing
+        complete, produced = await asyncio.wait_for(replica, 5)  # the replica saw the hang-up
+        for _ in range(100):
+            if billed:
+                break
+            await asyncio.sleep(0.01)
+        server.close()
+        return exchange, billed, complete
+
+    exchange, billed, complete = asyncio.run(scenario())
+    assert not complete and billed == [exchange] and exchange.record.status == 499

@@ -180,3 +180,20 @@ def test_an_engine_that_dies_mid_stream_ends_it_with_a_503_event_and_counts_its_
     assert error["error"]["code"] == "engine_unavailable" and _events(text)[-1] == "data: [DONE]"
     assert exchange.record.status == 503
     assert billed == [exchange] and exchange.generated["completion_tokens"] == 2
+
+
+def test_a_call_cancelled_at_its_head_closes_the_engine_request_and_forgets_its_ticket():
+    engine = FakeEngine(tokens=1000, latency_s=0.005)
+
+    async def scenario():
+        server = await _server(engine)
+        call = server.chat({**CHAT, "stream": True, "max_tokens": 1000})
+        head = await call.__anext__()
+        await asyncio.sleep(0.05)  # the engine is generating (prefetched) while the head travels
+        await call.aclose()  # Serve's cancellation reaches the generator at the head's yield
+        server._streams.close()
+        return head, server
+
+    head, server = asyncio.run(scenario())
+    assert head["stream"] and engine.closed_early == 1  # aborted, not run to max_tokens
+    assert server._streams._expected == {}

@@ -249,3 +249,12 @@ def test_a_forgotten_key_keeps_its_entry_as_the_fallback_when_the_reload_fails(s
     guard.forget({"k1"})
     sqlite_store.database = unreachable(sqlite_store.database)
     assert _refusal(guard).code == "budget_exceeded"  # not admitted unchecked
+
+
+def test_any_database_error_on_a_miss_admits_rather_than_failing_the_request(sqlite_store):
+    def broken(*args, **kwargs):
+        raise ValueError("a driver error that is not RegistryUnavailable")
+
+    sqlite_store.budget_state = broken
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+    assert _check(guard) == {}  # admitted unchecked (and logged), never a 500
