@@ -40,6 +40,17 @@ def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
     return VLLMEngine(args, model_path)
 
 
+def _replica_method(method: str):
+    """The replica method the router calls by ``method``'s name: ``ModelServer._answer`` for it."""
+
+    async def replica_method(self, body: dict[str, Any]) -> AsyncIterator[Head]:
+        async for item in self._answer(method, body):
+            yield item
+
+    replica_method.__name__ = replica_method.__qualname__ = method
+    return replica_method
+
+
 @serve.deployment
 class ModelServer:
     async def __init__(
@@ -56,34 +67,14 @@ class ModelServer:
         await self.engine.start()
         self._streams = StreamServer(stream_host())
 
-    # --- the replica methods the router calls (one per API surface) ------------------------------
-    async def chat(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("chat", body):
-            yield item
-
-    async def completions(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("completions", body):
-            yield item
-
-    async def responses(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("responses", body):
-            yield item
-
-    async def messages(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("messages", body):
-            yield item
-
-    async def count_tokens(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("count_tokens", body):
-            yield item
-
-    async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("tokenize", body):
-            yield item
-
-    async def detokenize(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer("detokenize", body):
-            yield item
+    # --- the replica methods the router calls, one per API surface ------------------------------
+    chat = _replica_method("chat")
+    completions = _replica_method("completions")
+    responses = _replica_method("responses")
+    messages = _replica_method("messages")
+    count_tokens = _replica_method("count_tokens")
+    tokenize = _replica_method("tokenize")
+    detokenize = _replica_method("detokenize")
 
     async def _answer(self, method: str, body: dict[str, Any]) -> AsyncIterator[Head]:
         """The head, then for a stream its bytes on the socket and the trailer.

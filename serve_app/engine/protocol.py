@@ -20,8 +20,6 @@ from typing import Any, NamedTuple, Protocol
 
 Body = dict[str, Any]
 
-METHODS = ("chat", "completions", "responses", "messages", "count_tokens", "tokenize", "detokenize")
-
 
 class Answer(NamedTuple):
     status: int

@@ -30,7 +30,7 @@ from serve_app.router.relay import Exchange
 from serve_app.usage import report
 from serve_app.usage.budgets import BudgetGuard
 from serve_app.usage.ledger import UsageLedger
-from serve_app.usage.records import UsageRecord
+from serve_app.usage.records import UsageRecord, utc_day
 from serve_app.usage.store import UsageStore
 from serve_app.telemetry.logs import module_logger
 
@@ -107,8 +107,7 @@ async def usage_report(meter: Meter, caller_of: Callable[[str], Awaitable[Princi
     admin's view. ``caller_of(scope)`` authenticates the request for that scope."""
     key_id = params.get("key_id")
     caller = await caller_of(SCOPE_INFERENCE if key_id is None else SCOPE_ADMIN)
-    today = time.strftime("%Y-%m-%d", time.gmtime())
-    since, until, group_by = report.parse_query(params, today=today)
+    since, until, group_by = report.parse_query(params, today=utc_day(time.time()))
     fmt = params.get("format", "json")
     if fmt not in ("json", "csv"):
         raise APIError(400, f"format must be json or csv, not {fmt!r}", param="format", code="invalid_usage_query")

@@ -335,7 +335,7 @@ def settle_abandoned(stream, exchange: Exchange) -> None:
             item = await asyncio.wait_for(stream.__anext__(), ABANDONED_TRAILER_WAIT_S)
             exchange.note_trailer(item.get("trailer"))
         except Exception as err:  # no trailer in time, or the replica died: bill what is known
-            logger.warning("stream %s: no trailer after its client left (%r)", exchange.trace.trace_id, err)
+            logger.warning("stream %s: no trailer after it ended early (%r)", exchange.trace.trace_id, err)
             stream.cancel()
         finally:
             exchange.close()

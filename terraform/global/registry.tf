@@ -49,8 +49,6 @@ module "registry_base" {
   tags                = local.registry_tags
 }
 
-# Where these resources were before terraform/modules/registry_base: state moves, nothing is
-# replaced.
 # PostgreSQL from the edge sites only; no egress rule (RDS replicates outside security groups).
 resource "aws_security_group" "registry" {
   provider = aws.registry_primary

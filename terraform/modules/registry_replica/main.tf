@@ -18,8 +18,6 @@ module "registry_base" {
   tags                = var.tags
 }
 
-# Where these resources were before terraform/modules/registry_base: state moves, nothing is
-# replaced.
 # PostgreSQL from the edge sites that read here only; no egress rule.
 resource "aws_security_group" "replica" {
   count = var.enabled ? 1 : 0
