@@ -70,3 +70,9 @@ def retry_later(
     return APIError(
         503, f"{reason}; retry {when}", param=param, code=code, headers={"Retry-After": str(retry_after_s)}
     )
+
+
+def engine_failed_mid_stream() -> dict[str, Any]:
+    """The error event a stream ends with when its engine dies, wherever that is noticed: in
+    vLLM's own error event (the replica rewrites it) or in a trailer cut short (the router)."""
+    return error_body(503, "the model engine failed during this stream; retry the request", code="engine_unavailable")

@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from serve_app.telemetry.timing import PG_METADATA_EVENT, sse_data
+from serve_app.surfaces.dialects import PG_METADATA_EVENT
+from serve_app.wire.sse import data_of
 
 PROMPT = "Say hi in one short sentence."  # the model card's prompt
 DEFAULT_MODEL = "qwen-3.6-35b-a3b"
@@ -142,7 +143,7 @@ class StreamState:
         if any(ln.startswith("data:") and ln[5:].strip() == "[DONE]" for ln in lines):
             self.done = True
             return
-        payload = sse_data("\n".join(lines))
+        payload = data_of("\n".join(lines))
         if payload is None:
             return
         if payload.get("error"):  # the router's mid-stream failure event

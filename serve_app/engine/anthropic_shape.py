@@ -27,7 +27,7 @@ fix are parsed and re-encoded.
 import json
 from typing import Any
 
-from serve_app.engine.sse import named_event
+from serve_app.wire.sse import named_event
 
 Body = dict[str, Any]
 

@@ -4,9 +4,22 @@ vLLM silently lowers ``max_tokens`` to whatever fits after the prompt. This prod
 400 ``context_length_exceeded`` instead (OpenAI's behaviour), so a client learns that its request
 cannot be served as asked rather than receiving a completion cut short. The check runs on the
 prompt vLLM has already rendered and tokenized, so nothing is tokenized twice.
+
+A limit the *router* set (the request set none, and was priced with the router's default) is not
+the client's to be refused for: it is lowered to what the real prompt leaves, which is never more
+than the router charged (``clamp_this_request``).
 """
 
+import contextvars
 from typing import Any
+
+# Whether the request this task serves has a router-set limit (``wire.Call.limit_set_by_router``).
+_CLAMP: contextvars.ContextVar[bool] = contextvars.ContextVar("serve_app_clamp_limit", default=False)
+
+
+def clamp_this_request(clamp: bool) -> None:
+    """For the request this task serves: lower a limit over the context instead of refusing it."""
+    _CLAMP.set(clamp)
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # The parameters vLLM names when the prompt alone is over the cap.
@@ -39,7 +52,10 @@ def install(serving: Any, render_method: str, prompt_param: str) -> None:
             return result
         for engine_input in engine_inputs:
             prompt_tokens = serving._extract_prompt_len(engine_input)
-            if prompt_tokens + requested > max_model_len:
+            if prompt_tokens + requested > max_model_len and _CLAMP.get() and prompt_tokens < max_model_len:
+                _lower_limit(request, max_model_len - prompt_tokens)
+                requested = max_model_len - prompt_tokens
+            elif prompt_tokens + requested > max_model_len:
                 message = overflow_message(max_model_len, prompt_tokens, requested)
                 # vLLM's ErrorInfo.code is the HTTP status; the reason travels in `type` and
                 # is_context_overflow() recognises it when the replica builds the error body.
@@ -50,6 +66,13 @@ def install(serving: Any, render_method: str, prompt_param: str) -> None:
     # An instance attribute shadows the method for this serving object only; vLLM's request
     # path calls self.<render_method>(request) and returns an ErrorResponse as it is.
     setattr(serving, render_method, render_within_cap)
+
+
+def _lower_limit(request: Any, limit: int) -> None:
+    """Set the completion limit fields the request uses to ``limit``."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        if getattr(request, field, None) is not None:
+            setattr(request, field, limit)
 
 
 def is_context_overflow(error: Any) -> bool:

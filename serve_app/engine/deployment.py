@@ -1,37 +1,45 @@
 """The model deployment: one engine per replica (``VLLMEngine``: vLLM's ``AsyncLLM`` and its own
 OpenAI, Responses and Anthropic serving layers), adapted to a Serve streaming handle.
 
-Each call yields a *head* first (``{"status", "body", "stream"}``) so the router can answer errors
-with their real status before any byte of a stream is sent. A JSON answer rides in the head with
-its trailer. A stream's events do not follow over the handle: the head names this replica's
-stream listener and a ticket, and the engine's SSE events go to the router's connection as bytes,
-as they are produced (``stream_server.py``). The handle call stays open until the stream ends and
-yields the *trailer* last (``{"trailer": {...}}``: engine timing, usage, finish reasons, the
-engine's own token count), so Serve counts the request as ongoing for its whole life (admission,
-autoscaling, drain). When the router hangs up (its client left) the engine request is aborted
-and the trailer still comes: the tokens generated so far are billed.
+One replica method per surface (``serve_app/surfaces``), each taking a ``wire.Call`` and
+yielding the call's items (``wire/messages.py``):
 
-What this class knows is Serve and that wire format; what it asks of an engine is
-``protocol.Engine`` — so it is unit-tested on a fake engine, without Ray or vLLM.
+- a whole answer: one ``Answer`` — a non-stream surface that generates nothing, or any error
+  the engine reports before it starts (the router answers it with its real status);
+- a stream: ``StreamOpen`` (the engine has started; its SSE bytes go to the router's connection
+  on this replica's listener as they are produced, ``wire/socket.py``), then the ``Trailer``;
+- a non-stream request that generates: ``Accepted`` at once (the same listener: the router's
+  hang-up stops the engine), then the ``Answer`` when the engine is done.
+
+The handle call stays open until the request is over, so Serve counts it as ongoing for its whole
+life (admission, autoscaling, drain). When the router hangs up (its client left) the engine
+request is aborted and the last item still comes, with the tokens generated so far: they are billed.
+
+What this class knows is Serve and that wire; what it asks of an engine is ``protocol.Engine`` —
+so it is unit-tested on a fake engine, without Ray or vLLM.
 """
 
+import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from ray import serve
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import stream_server, token_count, trailer
-from serve_app.engine.protocol import Answer, Engine
-from serve_app.engine.stream_server import StreamServer
+from serve_app.engine import token_count
+from serve_app.engine.protocol import Engine
 from serve_app.errors import error_body
+from serve_app.surfaces import SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire import socket as wire_socket
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, StreamOpen, Trailer
+from serve_app.wire.socket import Listener
 
 logger = module_logger(__name__)
 
-Head = dict[str, Any]
+Item = Answer | StreamOpen | Accepted | Trailer
 
 
 def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
@@ -40,19 +48,7 @@ def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
     return VLLMEngine(args, model_path)
 
 
-def _replica_method(method: str):
-    """The replica method the router calls by ``method``'s name: ``ModelServer._answer`` for it."""
-
-    async def replica_method(self, body: dict[str, Any]) -> AsyncIterator[Head]:
-        async for item in self._answer(method, body):
-            yield item
-
-    replica_method.__name__ = replica_method.__qualname__ = method
-    return replica_method
-
-
-@serve.deployment
-class ModelServer:
+class _ModelServer:
     async def __init__(
         self,
         args: ModelDeploymentArgs,
@@ -65,75 +61,102 @@ class ModelServer:
         self.replica = _replica_id()
         self.engine = make_engine(args, model_path)
         await self.engine.start()
-        self._streams = StreamServer(stream_host())
+        self._listener = Listener(stream_host())
 
-    # --- the replica methods the router calls, one per API surface ------------------------------
-    chat = _replica_method("chat")
-    completions = _replica_method("completions")
-    responses = _replica_method("responses")
-    messages = _replica_method("messages")
-    count_tokens = _replica_method("count_tokens")
-    tokenize = _replica_method("tokenize")
-    detokenize = _replica_method("detokenize")
-
-    async def _answer(self, method: str, body: dict[str, Any]) -> AsyncIterator[Head]:
-        """The head, then for a stream its bytes on the socket and the trailer.
+    async def _answer(self, surface: Surface, call: Call) -> AsyncIterator[Item]:
+        """The call's items for one request of ``surface`` (see the module's docstring).
 
         No exception leaves the replica. One would cross the handle pickled, and unpickling
         vLLM's exception classes (EngineDeadError, …) imports vLLM and torch into the router:
-        +460 MiB per router replica, kept. It becomes an error head, or, once a stream's head is
+        +460 MiB per router replica, kept. It becomes an error answer, or, once the first item is
         out, an incomplete trailer that names the failure; the traceback stays in this log.
         """
         count = token_count.start()  # what the engine handles for this request, however it ends
         started = time.perf_counter()
+        if surface.generates and not call.stream:
+            async for item in self._answer_under_way(surface, call, count, started):
+                yield item
+            return
         try:
-            outcome = await self.engine.serve(method, body)
+            outcome = await self.engine.answer(surface.name, call)
         except Exception:
-            failed_head, _ = self._failed()
-            yield failed_head
+            yield self._failed()[0]
             return
         if isinstance(outcome, Answer):
-            head = {"status": outcome.status, "body": outcome.body, "stream": False, "replica_ms": _ms_since(started)}
-            if outcome.summary is not None:
-                head["trailer"] = {**outcome.summary, "replica": self.replica, "generated": count.as_dict()}
-            yield head
+            yield self._finished(outcome, count, started)
             return
-        connection = ticket = None
-        complete, failure, failed_head = False, None, _INTERNAL_ERROR
-        head_sent = False
+        listener, connection, ticket = self._listener, None, None
+        complete, failure, failed_answer, opened = False, None, _INTERNAL_ERROR, False
         try:  # from here on the engine request is under way: every way out closes it
-            await self._streams.start()
-            ticket, connected = self._streams.expect()
-            head_sent = True  # Serve may cancel this call at the yield: the finally still runs
-            yield {
-                "status": 200, "body": None, "stream": True,
-                "socket": self._streams.address, "ticket": ticket, "replica_ms": _ms_since(started),
-            }
-            connection = await self._streams.accept(ticket, connected)
-            complete = await stream_server.pump(outcome.events, outcome.watcher.pass_on, connection)
+            await listener.start()
+            ticket, connected = listener.expect()
+            opened = True  # Serve may cancel this call at the yield: the finally still runs
+            yield StreamOpen(listener.address, ticket, _ms_since(started))
+            connection = await listener.accept(ticket, connected)
+            complete = await wire_socket.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
             logger.warning("%s stream to the router broke off: %r", self.model_id, err)
         except Exception:
-            failed_head, failure = self._failed()
+            failed_answer, failure = self._failed()
         finally:
             await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
-            if connection is not None:
-                connection.close()
-            elif ticket is not None:
-                self._streams.forget(ticket)
-        if not head_sent:  # the stream listener could not start: an error head, as before a stream
-            yield failed_head
+            _close(listener, connection, ticket)
+        if not opened:  # the listener could not start: an error answer, as before a stream
+            yield failed_answer
             return
-        summary = {"complete": False, "error_code": failure} if failure else {**outcome.watcher.trailer(), "complete": complete}
-        yield {"trailer": {**summary, "replica": self.replica, "generated": count.as_dict()}}
+        trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
+        if not failure:
+            trailer = dataclasses.replace(trailer, complete=complete)
+        yield dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
 
-    def _failed(self) -> tuple[Head, str]:
-        """Log the exception being handled; the head a request gets for it before its stream,
+    async def _answer_under_way(self, surface: Surface, call: Call, count, started: float) -> AsyncIterator[Item]:
+        """A non-stream request that generates: ``Accepted`` first, so that the router can hang up
+        while the engine works (its client left), then the answer — or, after a hang-up, an
+        incomplete answer with the tokens generated so far."""
+        listener, connection, ticket = self._listener, None, None
+        try:
+            await listener.start()
+        except Exception:
+            yield self._failed()[0]
+            return
+        work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count
+        try:
+            ticket, connected = listener.expect()
+            yield Accepted(listener.address, ticket, _ms_since(started))
+            connection = await listener.accept(ticket, connected)
+            finished = await wire_socket.first_of(work, connection)
+        except (TimeoutError, ConnectionError) as err:
+            logger.warning("%s: the router's connection broke off: %r", self.model_id, err)
+            finished = False
+        finally:
+            if not work.done():  # Serve cancelled the call, or the router never connected
+                work.cancel()
+                await wire_socket.until_done(work)
+            _close(listener, connection, ticket)
+        if not finished:  # the router hung up: its client left; the engine request was aborted
+            trailer = Trailer(complete=False, replica=self.replica, generated=count.snapshot())
+            yield Answer(499, error_body(499, "the client closed the request"), trailer)
+            return
+        try:
+            outcome = work.result()
+        except Exception:
+            yield self._failed()[0]
+            return
+        yield self._finished(outcome, count, started)
+
+    def _finished(self, answer: Answer, count, started: float) -> Answer:
+        trailer = answer.trailer
+        if trailer is not None:
+            trailer = dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
+        return dataclasses.replace(answer, trailer=trailer, replica_ms=_ms_since(started))
+
+    def _failed(self) -> tuple[Answer, str]:
+        """Log the exception being handled; the answer a request gets for it before its stream,
         and the code its trailer names after."""
         dead = self.engine.dead
         logger.exception("%s request failed in the replica%s", self.model_id, " (engine dead)" if dead else "")
         if dead:  # the engine core died; Serve's health check replaces this replica: retry
-            return _ENGINE_UNAVAILABLE, trailer.ENGINE_UNAVAILABLE
+            return _ENGINE_UNAVAILABLE, ENGINE_UNAVAILABLE
         return _INTERNAL_ERROR, "internal"
 
     async def check_health(self) -> None:
@@ -145,15 +168,39 @@ class ModelServer:
 
     def __del__(self) -> None:
         """Serve calls this when it stops the replica."""
-        if getattr(self, "_streams", None) is not None:
-            self._streams.close()
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
 
 
+def _replica_method(surface: Surface):
+    """The replica method the router calls for ``surface``: ``_answer`` for it."""
+
+    async def replica_method(self, call: Call) -> AsyncIterator[Item]:
+        async for item in self._answer(surface, call):
+            yield item
+
+    replica_method.__name__ = replica_method.__qualname__ = surface.name
+    return replica_method
+
+
+for _surface in SURFACES:  # one replica method per surface, named as the surface
+    setattr(_ModelServer, _surface.name, _replica_method(_surface))
+
+ModelServer = serve.deployment(_ModelServer, name="ModelServer")
+
+
+def _close(listener: Listener, connection, ticket: str | None) -> None:
+    if connection is not None:
+        connection.close()
+    elif ticket is not None:
+        listener.forget(ticket)
+
+
 def stream_host() -> str:
-    """The address the stream listener binds and routers connect to: this node's IP (routers on
-    other nodes must reach it), or ``SERVE_APP_STREAM_HOST`` (the local config: 127.0.0.1)."""
+    """The address the listener binds and routers connect to: this node's IP (routers on other
+    nodes must reach it), or ``SERVE_APP_STREAM_HOST`` (the local config: 127.0.0.1)."""
     if host := os.environ.get("SERVE_APP_STREAM_HOST"):
         return host
     import ray
@@ -173,17 +220,10 @@ def _ms_since(started: float) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-_ENGINE_UNAVAILABLE: Head = {
-    "status": 503,
-    "body": error_body(
-        503, "the model engine on this replica failed and is being replaced; retry", code="engine_unavailable"
-    ),
-    "stream": False,
-}
-
-
-_INTERNAL_ERROR: Head = {
-    "status": 500,
-    "body": error_body(500, "the model replica failed to serve this request; it has been logged", code="internal"),
-    "stream": False,
-}
+_ENGINE_UNAVAILABLE = Answer(
+    503,
+    error_body(503, "the model engine on this replica failed and is being replaced; retry", code=ENGINE_UNAVAILABLE),
+)
+_INTERNAL_ERROR = Answer(
+    500, error_body(500, "the model replica failed to serve this request; it has been logged", code="internal")
+)

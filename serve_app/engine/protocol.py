@@ -1,15 +1,15 @@
-"""The seam between the model replica (``deployment.ModelServer``: Serve, heads, the byte socket,
-trailers) and the engine that answers requests (``vllm_engine.VLLMEngine``; a fake in the unit
+"""The seam between the model replica (``deployment.ModelServer``: Serve, the wire, the byte
+socket) and the engine that answers requests (``vllm_engine.VLLMEngine``; a fake in the unit
 tests). Nothing here imports vLLM.
 
-An engine takes one request — the replica method's name (``chat``, ``completions``, ``responses``,
-``messages``, ``count_tokens``, ``tokenize``, ``detokenize``) and its body — and answers with:
+An engine takes one request — its surface's name (``serve_app/surfaces``) and the router's
+``wire.Call`` — and answers with:
 
-- an ``Answer``: a whole JSON body with its status (a non-stream success, or any error the engine
-  reports before a stream starts), and for a success its ``summary`` (engine timing, usage, finish
-  reasons: the trailer the router reads);
+- an ``Answer`` (``wire/messages.py``): a whole JSON body with its status (a non-stream success,
+  or any error the engine reports before a stream starts), and for a success its ``trailer``
+  (engine timing, usage, finish reasons; the replica adds its own tag and the token count);
 - a ``Stream``: the engine's events, already under way, and a ``watcher`` that turns each event
-  into the SSE bytes the client gets (or None: drop it) and collects the stream's trailer.
+  into the SSE bytes the client gets (or None: drop it) and makes the stream's trailer.
 
 An engine raises only for its own failures (``dead`` says whether the engine itself is gone); a
 client's mistake is an ``Answer`` with a 4xx.
@@ -18,18 +18,12 @@ client's mistake is an ``Answer`` with a 4xx.
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple, Protocol
 
-Body = dict[str, Any]
-
-
-class Answer(NamedTuple):
-    status: int
-    body: Body
-    summary: Body | None = None  # a success's trailer: engine_timing, usage, finish_reasons
+from serve_app.wire.messages import Answer, Call, Trailer
 
 
 class Watcher(Protocol):
     def pass_on(self, event: Any) -> str | None: ...
-    def trailer(self) -> Body: ...
+    def trailer(self) -> Trailer: ...
 
 
 class Stream(NamedTuple):
@@ -44,7 +38,7 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def serve(self, method: str, body: Body) -> Answer | Stream: ...
+    async def answer(self, surface: str, call: Call) -> Answer | Stream: ...
 
     async def check_health(self) -> None:
         """Raise when the engine cannot serve (Serve replaces the replica)."""

@@ -29,7 +29,7 @@ left as vLLM builds them (walking them would cost per token).
 import time
 from typing import Any
 
-from serve_app.engine.sse import named_event
+from serve_app.wire.sse import named_event
 
 Body = dict[str, Any]
 

@@ -17,6 +17,8 @@ import contextvars
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from serve_app.wire.messages import Generated
+
 _CURRENT: contextvars.ContextVar["TokenCount | None"] = contextvars.ContextVar("serve_app_token_count", default=None)
 
 
@@ -31,12 +33,9 @@ class TokenCount:
         self.completion_tokens = 0
         self.cached_tokens = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-        }
+    def snapshot(self) -> Generated:
+        """The count so far, as the trailer carries it."""
+        return Generated(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
 
 def start() -> TokenCount:

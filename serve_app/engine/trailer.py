@@ -1,9 +1,9 @@
-"""What the replica tells the router about a finished request, peeled off vLLM's own output.
+"""What the replica tells the router about a finished request (its ``wire.Trailer``), peeled off
+vLLM's own output.
 
 vLLM (``--enable-per-request-metrics``) attaches per-request engine timing as ``metrics`` to a
 response or, for a stream, to the final usage chunk, which it only emits when usage is requested.
-The replica always asks for usage, hands the numbers to the router in a *trailer*
-(``{"trailer": {...}}``) and shows the client only what the client asked for: the usage chunk only
+The replica always asks for usage, hands the numbers to the router in the trailer, and shows the client only what the client asked for: the usage chunk only
 if requested, never the ``metrics`` field. The router ends every stream itself (timing event, then
 ``[DONE]``), so vLLM's ``[DONE]`` is dropped here.
 
@@ -15,12 +15,12 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 import json
 from typing import Any
 
-from serve_app.engine.sse import data_event
-from serve_app.errors import error_body
+from serve_app.errors import engine_failed_mid_stream, error_body
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Trailer
+from serve_app.wire.sse import data_event
 
-VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (dialects.py)
+VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (surfaces/dialects.py)
 ERROR_PREFIX = 'data: {"error"'
-ENGINE_UNAVAILABLE = "engine_unavailable"
 # vLLM-only chunk fields it writes as null when nobody asked for them (`token_ids` on every chat
 # chunk, `stop_reason`, `prompt_token_ids`, `prompt_text`): not in the OpenAI schema, and a null
 # says nothing, so they are cut out as text — no JSON parse, ~0.3 µs a chunk. When asked for
@@ -31,19 +31,13 @@ _CHAT_LOGPROBS = '"logprobs":{"content":'
 _CHAT_LOGPROBS_EXACT = '"logprobs":{"refusal":null,"content":'
 
 
-def engine_failed_mid_stream() -> dict[str, Any]:
-    """The error event a stream ends with when its engine dies, wherever that is noticed: in
-    vLLM's own error event (the replica rewrites it) or in a trailer cut short (the router)."""
-    return error_body(503, "the model engine failed during this stream; retry the request", code=ENGINE_UNAVAILABLE)
-
-
-def engine_timing(metrics: dict[str, Any] | None) -> dict[str, float | None]:
+def engine_timing(metrics: dict[str, Any] | None) -> EngineTiming:
     metrics = metrics or {}
-    return {
-        "queue_ms": metrics.get("queue_time_ms"),
-        "prefill_ms": metrics.get("time_to_first_token_ms"),
-        "decode_ms": metrics.get("generation_time_ms"),
-    }
+    return EngineTiming(
+        queue_ms=metrics.get("queue_time_ms"),
+        prefill_ms=metrics.get("time_to_first_token_ms"),
+        decode_ms=metrics.get("generation_time_ms"),
+    )
 
 
 def ask_for_usage(body: dict[str, Any]) -> bool:
@@ -69,13 +63,13 @@ def _finish_reasons(choices: list[dict[str, Any]]) -> list[str]:
     return [c["finish_reason"] for c in choices if c.get("finish_reason")]
 
 
-def from_response(body: dict[str, Any]) -> dict[str, Any]:
+def from_response(body: dict[str, Any]) -> Trailer:
     """The trailer of a non-stream response; removes ``metrics`` from ``body``."""
-    return {
-        "engine_timing": engine_timing(body.pop("metrics", None)),
-        "usage": body.get("usage"),
-        "finish_reasons": _finish_reasons(body.get("choices") or []),
-    }
+    return Trailer(
+        timing=engine_timing(body.pop("metrics", None)),
+        usage=body.get("usage"),
+        finish_reasons=tuple(_finish_reasons(body.get("choices") or [])),
+    )
 
 
 _PROMPT_TOKEN_IDS = '"prompt_token_ids":['
@@ -141,11 +135,11 @@ class StreamTrailer:
             body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
         return data_event(body)
 
-    def trailer(self) -> dict[str, Any]:
-        return {
-            "engine_timing": self.timing,
-            "usage": self.usage,
-            "finish_reasons": self.finish_reasons,
-            "error_code": self.error_code,
-            "error_status": self.error_status,
-        }
+    def trailer(self) -> Trailer:
+        return Trailer(
+            timing=self.timing,
+            usage=self.usage,
+            finish_reasons=tuple(self.finish_reasons),
+            error_code=self.error_code,
+            error_status=self.error_status,
+        )

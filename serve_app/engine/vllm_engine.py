@@ -6,20 +6,24 @@ request through vLLM's own serving layer — prompt rendering, tool parsing, gui
 reasoning, sampling, SSE framing, Responses and Anthropic Messages — as an ``Answer`` or a
 ``Stream`` (``protocol.py``). What it adds is our glue: the context cap at render time
 (``context_cap.py``), the engine's token count for billing (``token_count.py``), tier priority
-on Messages, opt-in reasoning, and each surface's schema-exact shape (``surfaces.py``).
+on Messages, opt-in reasoning, and each surface's schema-exact shape (``outputs.py``). Each
+surface's vLLM call is one handler in ``HANDLERS``; a surface the table lists and no handler
+serves fails at import (``tests/unit/test_layout.py``).
 
 vLLM is imported inside the methods only: importing this module costs nothing, and the router
 and the unit tests never load torch.
 """
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import context_cap, surfaces, token_count, tokenization
-from serve_app.engine.protocol import Answer, Body, Stream
-from serve_app.engine.stream_server import Prefetched
+from serve_app.engine import context_cap, outputs, token_count, tokenization
+from serve_app.engine.prefetch import Prefetched
+from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire.messages import Answer, Body, Call
 
 logger = module_logger(__name__)
 
@@ -55,7 +59,7 @@ class VLLMEngine:
         token_count.install(self.engine)  # billing counts what the engine generates
         state = State()
         await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
-        self._chat = state.openai_serving_chat
+        self._chat_serving = state.openai_serving_chat
         self._completion = state.openai_serving_completion
         # /tokenize and /detokenize: vLLM's own serving object, with the chat path's renderer
         # and default template kwargs, so a count here is the count chat will see.
@@ -64,13 +68,13 @@ class VLLMEngine:
         # Responses and Anthropic Messages: vLLM's serving objects for them, with its in-memory
         # response store off (VLLM_ENABLE_RESPONSES_API_STORE unset): stored responses live in
         # the router's region-wide store, which every router and model replica can reach.
-        self._responses = state.openai_serving_responses
-        self._messages = state.anthropic_serving_messages
+        self._responses_serving = state.openai_serving_responses
+        self._messages_serving = state.anthropic_serving_messages
         # vLLM builds its Anthropic object without the per-request metrics the chat object has
         # (--enable-per-request-metrics); the trailer's engine timing needs them.
-        self._messages.enable_per_request_metrics = self._chat.enable_per_request_metrics
-        context_cap.install(self._chat, "render_chat_request", prompt_param="messages")
-        context_cap.install(self._messages, "render_chat_request", prompt_param="messages")
+        self._messages_serving.enable_per_request_metrics = self._chat_serving.enable_per_request_metrics
+        context_cap.install(self._chat_serving, "render_chat_request", prompt_param="messages")
+        context_cap.install(self._messages_serving, "render_chat_request", prompt_param="messages")
         context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
 
     async def check_health(self) -> None:
@@ -83,77 +87,86 @@ class VLLMEngine:
         if self.engine is not None:
             self.engine.shutdown()
 
-    async def serve(self, method: str, body: Body) -> Answer | Stream:
-        return await getattr(self, f"_on_{method}")(body)
+    async def answer(self, surface: str, call: Call) -> Answer | Stream:
+        context_cap.clamp_this_request(call.limit_set_by_router)
+        return await HANDLERS[surface](self, call)
 
-    # --- one per replica method ------------------------------------------------------------------
-    async def _on_chat(self, body: Body) -> Answer | Stream:
+    # --- one per surface (HANDLERS) ---------------------------------------------------------------
+    async def _chat(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
+        body = _engine_body(call)
         _apply_enable_thinking(body)
-        return await self._run(ChatCompletionRequest, self._chat.create_chat_completion, body, surfaces.CHAT)
+        return await self._run(ChatCompletionRequest, self._chat_serving.create_chat_completion, body, outputs.CHAT)
 
-    async def _on_completions(self, body: Body) -> Answer | Stream:
+    async def _completions(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        return await self._run(CompletionRequest, self._completion.create_completion, body, surfaces.COMPLETIONS)
+        create = self._completion.create_completion
+        return await self._run(CompletionRequest, create, _engine_body(call), outputs.COMPLETIONS)
 
-    async def _on_responses(self, body: Body) -> Answer | Stream:
+    async def _responses(self, call: Call) -> Answer | Stream:
         """``POST /v1/responses``, stateless here: the router has already replaced a
         ``previous_response_id`` by the conversation it continues, and stores the result."""
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-        echo = {"previous_response_id": body.pop(surfaces.ECHO_PREVIOUS_RESPONSE_ID, None)}
-        body.pop("previous_response_id", None)  # continued by the router already
-        engine_body = {**body, "store": False}  # the router stores; the client's `store` is echoed
+        body = call.body
+        # The router stores; the client's `store` is echoed. The id is the router's, as a response id.
+        engine_body = {**_engine_body(call, request_id=f"resp_{call.request_id}"), "store": False}
         _reasoning_opt_in(engine_body, asked=(body.get("reasoning") or {}).get("effort") not in (None, "none"))
-        create = self._responses.create_responses
-        surface = surfaces.ResponsesSurface()
-        return await self._run(ResponsesRequest, create, engine_body, surface, shape_body={**body, **echo})
+        create = self._responses_serving.create_responses
+        shape_body = {**body, "previous_response_id": call.previous_response_id}
+        return await self._run(ResponsesRequest, create, engine_body, outputs.ResponsesOutput(), shape_body=shape_body)
 
-    async def _on_messages(self, body: Body) -> Answer | Stream:
-        """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority (its
-        request model has no such field) and the engine timing the converter would drop."""
+    async def _messages(self, call: Call) -> Answer | Stream:
+        """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority and the
+        router's request id (its request model has neither field), and the engine timing the
+        converter would drop."""
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
+        body = dict(call.body)
         priority = body.pop("priority", 0)
-        surface = surfaces.MessagesSurface()
+        output = outputs.MessagesOutput()
+        watcher = output.watcher(body) if body.get("stream") else None
 
         async def create(request, raw_request):
-            return await self._create_messages(request, priority, surface.stream)
+            return await self._create_messages(request, priority, call, watcher)
 
-        return await self._run(AnthropicMessagesRequest, create, body, surface)
+        return await self._run(AnthropicMessagesRequest, create, body, output, watcher=watcher)
 
-    async def _on_count_tokens(self, body: Body) -> Answer | Stream:
+    async def _count_tokens(self, call: Call) -> Answer | Stream:
         """``POST /v1/messages/count_tokens``: the prompt as the Messages route would render it."""
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
 
-        return await self._run(AnthropicCountTokensRequest, self._messages.count_tokens, body, surfaces.PLAIN)
+        return await self._run(AnthropicCountTokensRequest, self._messages_serving.count_tokens, dict(call.body), outputs.PLAIN)
 
-    async def _on_tokenize(self, body: Body) -> Answer | Stream:
+    async def _tokenize(self, call: Call) -> Answer | Stream:
         """``POST /tokenize``: vLLM's ``TokenizeResponse``, never a stream."""
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 
+        body = dict(call.body)
         _apply_enable_thinking(body)
         tokenization.never_stream(body)
         request_type = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
         create = self._tokenization.create_tokenize
-        return await self._run(request_type, create, body, surfaces.TOKENIZATION)
+        return await self._run(request_type, create, body, outputs.TOKENIZATION)
 
-    async def _on_detokenize(self, body: Body) -> Answer | Stream:
+    async def _detokenize(self, call: Call) -> Answer | Stream:
         """``POST /detokenize``: vLLM's ``DetokenizeResponse``, never a stream."""
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
+        body = dict(call.body)
         tokenization.never_stream(body)
-        return await self._run(DetokenizeRequest, self._detokenize, body, surfaces.PLAIN)
+        return await self._run(DetokenizeRequest, self._checked_detokenize, body, outputs.PLAIN)
 
     # --- vLLM's serving layer, adapted -----------------------------------------------------------
-    async def _create_messages(self, request, priority: int, watcher):
-        """vLLM's ``create_messages``, with ``priority`` set on the chat request it converts to."""
+    async def _create_messages(self, request, priority: int, call: Call, watcher):
+        """vLLM's ``create_messages``, with ``priority`` and the request id set on the chat
+        request it converts to."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
-        anthropic = self._messages
+        anthropic = self._messages_serving
         effort = "none"
         if request.thinking is not None and request.thinking.type == "disabled":
             effort = await anthropic._get_disabled_thinking_effort()
@@ -161,6 +174,7 @@ class VLLMEngine:
             request, merge_inline_system=anthropic._merge_inline_system, disabled_thinking_effort=effort
         )
         chat_request.priority = priority
+        chat_request.request_id = call.request_id
         # Thinking is opt-in, as on Anthropic's API (Qwen's template thinks unless told not to).
         # Its budget is not enforced: vLLM would need a reasoning config the model may not have;
         # max_tokens bounds thinking and answer together (docs/api.md, "Messages").
@@ -174,10 +188,10 @@ class VLLMEngine:
             return result
         if isinstance(result, ChatCompletionResponse):
             metrics = result.metrics.model_dump() if getattr(result, "metrics", None) is not None else None
-            return surfaces.ConvertedMessage(anthropic.messages_full_converter(result), metrics)
-        return anthropic.message_stream_converter(surfaces.peek_chat_metrics(result, watcher))
+            return outputs.ConvertedMessage(anthropic.messages_full_converter(result), metrics)
+        return anthropic.message_stream_converter(outputs.peek_chat_metrics(result, watcher))
 
-    async def _detokenize(self, request, raw_request):
+    async def _checked_detokenize(self, request, raw_request):
         """vLLM's detokenize, after refusing ids the tokenizer does not have: a client's mistake
         is a 400 naming the id, not whatever the tokenizer does with it (skip it, or fail)."""
         from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
@@ -188,16 +202,19 @@ class VLLMEngine:
             return ErrorResponse(error=error)
         return await self._tokenization.create_detokenize(request, raw_request)
 
-    async def _run(self, request_type, create, body: Body, surface, shape_body: Body | None = None) -> Answer | Stream:
+    async def _run(self, request_type, create, body: Body, output, shape_body: Body | None = None,
+                   watcher=None) -> Answer | Stream:
         """Validate ``body`` with vLLM's ``request_type``, run ``create`` and answer it; the
-        ``surface`` (``surfaces.py``) dumps, shapes and watches what vLLM returns. ``shape_body``:
-        the request as the client sent it, when ``body`` is the engine's variant of it."""
+        ``output`` (``outputs.py``) dumps, shapes and watches what vLLM returns. ``shape_body``:
+        the request as the client sent it, when ``body`` is the engine's variant of it;
+        ``watcher``: the stream's, when ``create`` needs it first."""
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         shape_body = body if shape_body is None else shape_body
-        watcher = surface.watcher(body) if body.get("stream") else None  # may add stream_options
+        if watcher is None and body.get("stream"):
+            watcher = output.watcher(body)  # may add stream_options
         try:
             request = request_type.model_validate(body)
         except ValidationError as err:
@@ -215,9 +232,9 @@ class VLLMEngine:
         if isinstance(result, ErrorResponse):
             return _error(result)
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
-            response = surface.dump(result)
-            summary = surface.summarize(response)
-            surface.shape(response, shape_body)
+            response = output.dump(result)
+            summary = output.summarize(response)
+            output.shape(response, shape_body)
             return Answer(200, response, summary)
         return Stream(Prefetched(result), watcher)  # the engine starts on it while the head travels
 
@@ -255,3 +272,24 @@ def _validation_error(err) -> Answer:
     )
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return Answer(400, error_body(400, f"invalid request: {details}{more}", param=param))
+
+
+def _engine_body(call: Call, request_id: str | None = None) -> Body:
+    """The body vLLM's request model gets: the router's, with the router's request id (the engine
+    request's, so logs and records name one request) and the caller's prefix-cache partition."""
+    body = {**call.body, "request_id": request_id or call.request_id}
+    if call.cache_salt is not None:
+        body["cache_salt"] = call.cache_salt
+    return body
+
+
+# The vLLM call of each surface (``serve_app/surfaces``), by the surface's name.
+HANDLERS: dict[str, Callable[[VLLMEngine, Call], Awaitable[Any]]] = {
+    "chat": VLLMEngine._chat,
+    "completions": VLLMEngine._completions,
+    "responses": VLLMEngine._responses,
+    "messages": VLLMEngine._messages,
+    "count_tokens": VLLMEngine._count_tokens,
+    "tokenize": VLLMEngine._tokenize,
+    "detokenize": VLLMEngine._detokenize,
+}

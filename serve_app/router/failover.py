@@ -27,6 +27,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import httpx
@@ -34,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from serve_app.config import Peer  # the peer region as a region file names it: id and router URL
 from serve_app.errors import error_body
+from serve_app.surfaces import dialects
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -122,12 +124,14 @@ class Forwarder:
     async def forward(self, route: str, body: dict, headers: Mapping[str, str], *, reason: str,
                       allowed: Callable[[str], bool] = lambda region: True,
                       on_done: OnDone | None = None,
-                      authorization: Callable[[str], str] | None = None) -> Forwarded:
+                      authorization: Callable[[str], str] | None = None, dialect: Any = None) -> Forwarded:
         """The first peer's answer that is not a 503, ready to return, or none and why.
 
         ``on_done(status, error_type)`` is called once when a relayed *stream* ends (or breaks off,
         or the client leaves). ``authorization(peer_region)``: the Authorization value for that
-        peer; it replaces any the headers carry (a token bound to one peer must not reach another)."""
+        peer; it replaces any the headers carry (a token bound to one peer must not reach another).
+        ``dialect``: the request's (``surfaces/dialects.py``), in which a peer's stream that breaks
+        off ends; OpenAI's chat chunks by default."""
         dropped = _NOT_FORWARDED | ({"authorization"} if authorization else set())
         out = {k: v for k, v in headers.items() if k.lower() not in dropped}
         out |= {"content-type": "application/json", HOP_HEADER: self.region, "accept-encoding": "identity",
@@ -162,20 +166,21 @@ class Forwarder:
             if outcome in ("connect_error", "timeout"):
                 self._unreachable_until[peer.region] = self._clock() + self.unreachable_hold_s
             if outcome == "served":
-                return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None))
+                return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None),
+                                         dialect or dialects.OPENAI)
             logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)
             if upstream is not None:
                 await upstream.aclose()
         return Forwarded(None, None, None, attempts)
 
     async def _relay(self, peer: Peer, upstream: httpx.Response, reason: str, attempts: list[Attempt],
-                     on_done: OnDone) -> Forwarded:
+                     on_done: OnDone, dialect: Any) -> Forwarded:
         status, error_type = upstream.status_code, None
         relayed = [(k, v) for k, v in upstream.headers.multi_items()  # multi: www-authenticate may repeat
                    if k in _RELAYED or k.startswith("x-ratelimit-")]
         stream = upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
         if stream:
-            response: Response = _RelayResponse(_relay_events(peer, upstream, on_done), status_code=status)
+            response: Response = _RelayResponse(_peer_events(peer, upstream, on_done, dialect), status_code=status)
         else:
             try:
                 content = await upstream.aread()
@@ -197,8 +202,9 @@ class Forwarder:
         return Forwarded(response, peer.region, status, attempts, error_type, stream)
 
 
-async def _relay_events(peer: Peer, upstream: httpx.Response, on_done: OnDone) -> AsyncIterator[bytes]:
-    """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event."""
+async def _peer_events(peer: Peer, upstream: httpx.Response, on_done: OnDone, dialect: Any) -> AsyncIterator[bytes]:
+    """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event in
+    the request's own dialect."""
     result: tuple[int, str | None] = (499, "client_closed")  # unless we reach the end below
     try:
         async for chunk in upstream.aiter_raw():
@@ -208,8 +214,7 @@ async def _relay_events(peer: Peer, upstream: httpx.Response, on_done: OnDone) -
         # The status line is sent: end the stream properly so the client never hangs.
         logger.warning("failover to %s: stream broke (%s)", peer.region, type(err).__name__)
         result = (502, _PEER_BROKE)
-        yield f"data: {json.dumps(_broke_body(peer))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        yield dialect.error_event(502, _broke_body(peer))
     finally:
         _call(on_done, *result)
         with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer

@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.auth.principal import Principal
-from serve_app.engine.surfaces import ECHO_PREVIOUS_RESPONSE_ID
 from serve_app.errors import APIError
 from serve_app.router.response_store import ResponseStore, StoredResponse
 from serve_app.telemetry.logs import module_logger
@@ -55,9 +54,8 @@ class ResponsesAPI:
         conversation = _items(body["input"])
         added = 0
         # The engine gets the conversation instead, and so does a peer region if the request
-        # fails over (its store does not have this id); the replica echoes the id from here.
+        # fails over (its store does not have this id); the router tells the replica the id to echo.
         previous = body.pop("previous_response_id", None)
-        body[ECHO_PREVIOUS_RESPONSE_ID] = previous
         if previous:
             history = await self.store.history(previous, caller.owner)
             if history is None:

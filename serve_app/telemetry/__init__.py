@@ -13,8 +13,7 @@ Typical use in the router (see docs/operations.md for the operator's side)::
     record.note_engine(engine_timing, usage, finish_reasons, response_id, replica=model_replica_tag)
     split = record.finish(status)
     metadata = pg_metadata(record, split, request_trace.trace_id)
-    # stream: yield pg_metadata_event(metadata, route=..., chunk_id=..., created=..., model=...)
-    #         then "data: [DONE]\\n\\n"
+    # stream: the surface's dialect writes the closing (serve_app/surfaces/dialects.py)
     # JSON:   body["pg_metadata"] = metadata; headers["Server-Timing"] = server_timing_header(split)
     finish_request_spans(request_trace, split)
     observe(record, split)
@@ -25,19 +24,15 @@ Only ``config`` and ``timing`` are imported here; ``tracing`` (OpenTelemetry SDK
 
 from serve_app.telemetry.config import MetricsArgs, TelemetryArgs, TracingArgs
 from serve_app.telemetry.timing import (
-    PG_METADATA_EVENT,
     RequestRecord,
     Split,
     compute_split,
     parse_server_timing,
     pg_metadata,
-    pg_metadata_event,
     server_timing_header,
-    sse_data,
 )
 
 __all__ = [
-    "PG_METADATA_EVENT",
     "MetricsArgs",
     "RequestRecord",
     "Split",
@@ -46,7 +41,5 @@ __all__ = [
     "compute_split",
     "parse_server_timing",
     "pg_metadata",
-    "pg_metadata_event",
     "server_timing_header",
-    "sse_data",
 ]

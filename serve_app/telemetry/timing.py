@@ -20,30 +20,13 @@ so N + Q + I = S exactly. Spans and ``pg_metadata`` are drawn from one ``Split``
 the trace, the ``Server-Timing`` header and the client-visible metadata consistent to the digit.
 """
 
-import json
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.engine.sse import named_event
-
-ROUTE_CHAT = "/v1/chat/completions"
-ROUTE_COMPLETIONS = "/v1/completions"
-ROUTE_RESPONSES = "/v1/responses"
-ROUTE_MESSAGES = "/v1/messages"
-ROUTE_COUNT_TOKENS = "/v1/messages/count_tokens"
-
-# GenAI semantic conventions' gen_ai.operation.name per route.
-# Responses and Messages are chats in the conventions' terms (a conversation in, a turn out).
-OPERATION_BY_ROUTE = {
-    ROUTE_CHAT: "chat", ROUTE_COMPLETIONS: "text_completion", ROUTE_RESPONSES: "chat", ROUTE_MESSAGES: "chat",
-}
-# The ``object`` of a stream chunk per route (what the openai SDK's chunk types expect).
-CHUNK_OBJECT_BY_ROUTE = {ROUTE_CHAT: "chat.completion.chunk", ROUTE_COMPLETIONS: "text_completion"}
-
-PG_METADATA_EVENT = "pg_metadata"
+from serve_app.surfaces import BY_ROUTE
 
 # Sampling and length knobs a trace may carry: numbers and flags only, never text.
 _REQUEST_PARAMS = {
@@ -108,7 +91,8 @@ class RequestRecord:
 
     @property
     def operation(self) -> str:
-        return OPERATION_BY_ROUTE.get(self.route, "unknown")
+        surface = BY_ROUTE.get(self.route)
+        return surface.operation if surface is not None else "unknown"
 
     def elapsed_ms(self) -> float:
         return _ms_since(self.start_perf_ns)
@@ -151,6 +135,8 @@ class RequestRecord:
         """What the model replica reports: ``{"queue_ms", "prefill_ms", "decode_ms"}`` (values may
         be None), OpenAI ``usage`` (``prompt_tokens``/``completion_tokens``), finish reasons, the
         response id and its own replica tag."""
+        if engine_timing is not None and not isinstance(engine_timing, Mapping):  # the wire's EngineTiming
+            engine_timing = {name: getattr(engine_timing, name) for name in ("queue_ms", "prefill_ms", "decode_ms")}
         if engine_timing:
             self.queue_ms = _non_negative(engine_timing.get("queue_ms"))
             self.prefill_ms = _non_negative(engine_timing.get("prefill_ms"))
@@ -296,64 +282,6 @@ def parse_server_timing(header: str) -> dict[str, float]:
             if key.strip() == "dur":
                 durations[name] = float(value)
     return durations
-
-
-def pg_metadata_event(
-    metadata: Mapping[str, Any],
-    *,
-    route: str,
-    chunk_id: str | None,
-    created: int | None,
-    model: str | None,
-    usage: Mapping[str, Any] | None = None,
-) -> str:
-    """The stream's last event before ``data: [DONE]``, shaped like a chunk of that stream.
-
-    The openai SDK yields every SSE event before ``[DONE]`` as a chunk, whatever its ``event:``
-    name, so this one carries one choice with an empty delta (chat) or empty text (completions):
-    ``chunk.choices[0].delta.content`` is None and loops written for vLLM/OpenAI streams keep
-    working. The timing rides along as ``chunk.pg_metadata`` (an extra field the SDK keeps).
-
-    ``usage``: when the caller asked for ``stream_options.include_usage``, pass the usage the
-    stream already reported, so code that reads ``chunks[-1].usage`` (OpenAI sends usage on the
-    last chunk before ``[DONE]``) still finds it on what is now the last chunk.
-    """
-    if route == ROUTE_COMPLETIONS:
-        choice: dict[str, Any] = {"index": 0, "text": "", "logprobs": None, "finish_reason": None}
-    else:
-        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}
-    chunk = {
-        "id": chunk_id or f"pgmeta-{metadata.get('trace_id') or 'none'}",
-        "object": CHUNK_OBJECT_BY_ROUTE.get(route, "chat.completion.chunk"),
-        "created": created if created is not None else int(time.time()),
-        "model": model or metadata.get("model") or "",
-        "choices": [choice],
-        "pg_metadata": dict(metadata),
-    }
-    if usage is not None:
-        chunk["usage"] = dict(usage)
-    return named_event(PG_METADATA_EVENT, chunk)
-
-
-def sse_data(event: str) -> dict[str, Any] | None:
-    """The JSON object of one ``data: {...}`` SSE event, or None (``[DONE]``, comments, non-JSON).
-
-    Handy for reading ``id``/``created``/``usage`` off vLLM's chunks as they are relayed.
-    """
-    payload = []
-    for line in event.splitlines():
-        if line.startswith("data:"):
-            payload.append(line[5:].removeprefix(" "))
-    if not payload:
-        return None
-    text = "\n".join(payload)
-    if not text.startswith("{"):
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _ms(value: float | None) -> float | None:

@@ -15,7 +15,10 @@ import pytest
 
 from serve_app.telemetry import tracing
 from serve_app.telemetry.config import TracingArgs
-from serve_app.telemetry.timing import ROUTE_CHAT, RequestRecord, parse_server_timing
+from serve_app.surfaces import CHAT
+from serve_app.telemetry.timing import RequestRecord, parse_server_timing
+
+ROUTE_CHAT = CHAT.route
 
 pytestmark = pytest.mark.integration
 

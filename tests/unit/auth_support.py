@@ -1,6 +1,6 @@
-"""Shared set-up for the auth unit tests: a real key store and keyset in a tmp dir, a tiny FastAPI
-app wired like the router (authenticate → model scope → rate limit), and a token forger that signs
-with the real keys (or deliberately wrong ones). No Ray: the limiter is the in-process one."""
+"""Shared set-up for the auth unit tests: a real key store and keyset in a tmp dir, and a token
+forger that signs with the real keys (or deliberately wrong ones). No Ray: the limiter is the
+in-process one. The router itself is the real one (``router_app.router_client``)."""
 
 import base64
 import hashlib
@@ -70,38 +70,14 @@ def api_app() -> FastAPI:
     return app
 
 
-def router_like_app(auth: Authenticator) -> TestClient:
-    app = api_app()
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
-        caller = auth.authenticate(auth.authorization(request.headers), scope=SCOPE_INFERENCE)
-        body = await request.json()
-        auth.authorize_model(caller, body["model"])
-        limits = await auth.admit(caller, request_token_cost(body))
-        return JSONResponse({"key_id": caller.key_id, "via": caller.via}, headers=limits)
-
-    @app.get("/v1/admin/keys")
-    async def admin(request: Request) -> dict:
-        auth.authenticate(auth.authorization(request.headers), scope=SCOPE_ADMIN)
-        return {"data": auth.list_keys()}
-
-    @app.post("/v1/auth/token")
-    async def token(request: Request) -> dict:
-        body = await request.body()
-        api_key = json.loads(body)["api_key"] if body else None
-        return await auth.issue_token(auth.authorization(request.headers), api_key)
-
-    return TestClient(app)
-
-
 def bearer(credential: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {credential}"}
 
 
 def chat(client: TestClient, credential: str | None, model: str = MODEL, **body):
     headers = bearer(credential) if credential else {}
-    return client.post("/v1/chat/completions", json={"model": model, "max_tokens": 4, **body}, headers=headers)
+    chat_body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **body}
+    return client.post("/v1/chat/completions", json=chat_body, headers=headers)
 
 
 # --- forging tokens --------------------------------------------------------------------------

@@ -4,7 +4,9 @@ tokens, configurable latency, failures before or during a stream, a dead engine 
 It answers chat like vLLM's serving layer does (the same SSE chunks, the usage chunk with
 ``metrics`` when usage is asked for, ``[DONE]``), through the real chat watcher
 (``trailer.StreamTrailer``), and its ``generate`` is wrapped by the real token counter
-(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's.
+(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's. The other surfaces get small bodies
+of their own shape (a Responses response, an Anthropic message, a tokenization), with the same
+counted generation behind the ones that generate.
 """
 
 import asyncio
@@ -13,13 +15,15 @@ from types import SimpleNamespace
 from typing import Any
 
 from serve_app.engine import token_count, trailer
-from serve_app.engine.protocol import Answer, Stream
-from serve_app.engine.stream_server import Prefetched
+from serve_app.engine.prefetch import Prefetched
+from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
+from serve_app.wire.messages import Answer, Call, Trailer
 
 PROMPT_TOKENS = 5
 DELTA = SimpleNamespace(output_kind=SimpleNamespace(name="DELTA"))
 TIMING = {"queue_time_ms": 1.0, "time_to_first_token_ms": 2.0, "generation_time_ms": 3.0}
+TOKENIZED = {"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3], "token_strs": None}
 
 
 class EngineFailed(Exception):
@@ -27,19 +31,31 @@ class EngineFailed(Exception):
 
 
 class FakeEngine:
-    """``tokens``: how many a request gets unless its ``max_tokens`` says fewer; ``latency_s``:
-    between tokens; ``fail_after``: raise after that many tokens (``dies``: the engine is dead
-    then); ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx instead."""
+    """``tokens``: how many a request gets unless its limit says fewer; ``latency_s``: between
+    tokens; ``fail_after``: raise after that many tokens (``dies``: the engine is dead then);
+    ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx instead;
+    ``prompt_tokens`` / ``cached_tokens``: what each generation reports for its prompt."""
 
-    def __init__(self, *, tokens=4, latency_s=0.0, fail_after=None, fail_before=False, dies=False, refuse=None):
+    def __init__(self, *, tokens=4, latency_s=0.0, fail_after=None, fail_before=False, dies=False, refuse=None,
+                 prompt_tokens=PROMPT_TOKENS, cached_tokens=0):
         self.tokens, self.latency_s = tokens, latency_s
         self.fail_after, self.fail_before, self.dies, self.refuse = fail_after, fail_before, dies, refuse
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         self.started = self.stopped = False
         self.dead = False
         self.generated = 0  # tokens produced, whoever was listening
         self.closed_early = 0  # generations stopped before their end (aborted requests)
-        self.bodies: list[tuple[str, dict]] = []
+        self.calls: list[tuple[str, Call]] = []
         self.generate = token_count.counting(self._generate)
+
+    @property
+    def bodies(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each request's surface and body, as the replica got them."""
+        return [(surface, call.body) for surface, call in self.calls]
+
+    @property
+    def count(self) -> int:
+        return len(self.calls)
 
     async def start(self) -> None:
         self.started = True
@@ -54,25 +70,46 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.stopped = True
 
-    async def serve(self, method: str, body: dict[str, Any]) -> Answer | Stream:
-        self.bodies.append((method, body))
+    async def answer(self, surface: str, call: Call) -> Answer | Stream:
+        self.calls.append((surface, call))
+        body = call.body
         if self.fail_before:
             self.dead = self.dies
             raise EngineFailed("before the answer")
         if self.refuse is not None:
             return Answer(self.refuse, error_body(self.refuse, "refused", param="messages"))
-        wanted = min(body.get("max_tokens") or self.tokens, self.tokens)
-        outputs = self.generate([1] * PROMPT_TOKENS, DELTA, "req", max_tokens=wanted)
-        if not body.get("stream"):
-            text = "".join([o.outputs[0].text async for o in outputs])
-            usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": wanted, "total_tokens": PROMPT_TOKENS + wanted}
-            answer = {"id": "chatcmpl-f", "object": "chat.completion", "model": body.get("model"),
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-                      "usage": usage}
-            return Answer(200, answer, {"engine_timing": trailer.engine_timing(TIMING), "usage": usage,
-                                        "finish_reasons": ["length"]})
-        watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
-        return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
+        if surface in ("tokenize", "detokenize", "count_tokens"):
+            answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
+            return Answer(200, dict(answer), Trailer())
+        limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
+        wanted = min(limit or self.tokens, self.tokens)
+        outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        if body.get("stream"):
+            watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
+            return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
+        text = "".join([o.outputs[0].text async for o in outputs])
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": wanted,
+                 "total_tokens": self.prompt_tokens + wanted}
+        summary = Trailer(timing=trailer.engine_timing(TIMING), usage=usage, finish_reasons=("length",))
+        return Answer(200, self._body(surface, call, text, usage), summary)
+
+    def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
+        model = call.body.get("model")
+        if surface == "responses":
+            return {
+                "id": f"resp_{call.request_id}", "object": "response", "status": "completed", "model": model,
+                "created_at": 1, "previous_response_id": call.previous_response_id,
+                "output": [{"type": "message", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": f"answer {self.count}"}]}],
+                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
+            }
+        if surface == "messages":
+            return {"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+                    "content": [{"type": "text", "text": text}],
+                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+        return {"id": "chatcmpl-f", "object": "chat.completion", "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+                "usage": usage}
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int):
         produced = 0
@@ -86,7 +123,7 @@ class FakeEngine:
                 produced += 1
                 self.generated += 1
                 choice = SimpleNamespace(index=0, token_ids=[produced], text=f"t{produced} ")
-                yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=0, outputs=[choice])
+                yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=self.cached_tokens, outputs=[choice])
         finally:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
@@ -110,6 +147,6 @@ class FakeEngine:
         finally:
             await outputs.aclose()  # closing the stream aborts the generation
         yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n, "total_tokens": PROMPT_TOKENS + n}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"

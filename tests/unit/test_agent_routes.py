@@ -2,129 +2,26 @@
 router's own code path — credential (Bearer or x-api-key), validation, conversations continued
 from the region store, ownership, and Anthropic-shaped errors on Anthropic's routes."""
 
-import asyncio
 from types import SimpleNamespace
 
 import pytest
-from fastapi import Request
-from fastapi.testclient import TestClient
 
-from auth_support import MODEL, api_app, authenticator, bearer
+from auth_support import MODEL, bearer
+from fake_engine import FakeEngine
 from serve_app.auth.config import Tier
-from serve_app.router import ingress
-from serve_app.hot_load.tracker import InFlight
-from serve_app.router.metering import Meter
-from serve_app.router.response_store import ResponseStore
-from serve_app.router.responses import ResponsesAPI
-from serve_app.usage.store import UsageStore
-
-ROUTER = ingress.Router.func_or_class
-
-
-class FakeCall:
-    """One handle call: the head a replica would yield, then nothing (non-stream)."""
-
-    def __init__(self, head):
-        self._items = [head]
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self._items:
-            raise StopAsyncIteration
-        return self._items.pop(0)
-
-    def cancel(self):
-        pass
-
-
-class FakeEngine:
-    """Answers like ModelServer's non-stream heads, and keeps every body it was sent."""
-
-    def __init__(self):
-        self.bodies: list[tuple[str, dict]] = []
-        self.count = 0
-
-    def __getattr__(self, method):
-        engine = self
-
-        class Method:
-            def remote(self, body):
-                engine.bodies.append((method, body))
-                engine.count += 1
-                head = {"status": 200, "stream": False, "body": engine.answer(method, body)}
-                if method != "count_tokens":  # what ModelServer's trailer says the engine did
-                    head["trailer"] = {"usage": {"prompt_tokens": 7, "completion_tokens": 3}, "replica": "m1",
-                                       "generated": {"prompt_tokens": 7, "completion_tokens": 3, "cached_tokens": 2}}
-                return FakeCall(head)
-
-        return Method()
-
-    def answer(self, method, body):
-        if method == "responses":
-            return {
-                "id": f"resp_{self.count}", "object": "response", "status": "completed", "model": body["model"],
-                "created_at": 1, "output": [{"type": "message", "role": "assistant", "status": "completed",
-                                            "content": [{"type": "output_text", "text": f"answer {self.count}"}]}],
-                "previous_response_id": body.get("pg_previous_response_id"),
-            }
-        return {"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "text", "text": "hi"}]}
-
-
-class _States:
-    async def ensure_fresh(self, *args, **kwargs):
-        return None
-
-    def require_serving(self, model_id, region):
-        return None
-
-    def suspect(self):
-        return None
-
 
 @pytest.fixture
-def setup(tmp_path):
+def setup(router_app):
     tiers = {
         "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000, priority=30),
         "dev": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
     }
-    auth = authenticator(tmp_path, tiers=tiers)
-    engine = FakeEngine()
-    fake = SimpleNamespace(
-        auth=auth, region="local", replica="r1", models={MODEL: None}, streaming={MODEL: engine},
-        states=_States(), in_flight=InFlight([SimpleNamespace(id=MODEL, max_ongoing_requests=4, max_queued_requests=4)]), max_model_len={MODEL: 8192},
-        responses=ResponsesAPI(ResponseStore(tmp_path / "responses.sqlite3", retention_s=3600, max_responses=100)),
-        forwarder=SimpleNamespace(peers=[]),
-        meter=Meter(UsageStore(auth.keys.database), tmp_path / "spool", region="local", writer_id="r1", cache_ttl_s=0),
-    )
-    for name in ("_caller", "_resolve", "_fail_over"):
-        setattr(fake, name, getattr(ROUTER, name).__get__(fake))
-    app = api_app()
-    for path, handler in (
-        ("/v1/messages", ROUTER.messages), ("/v1/messages/count_tokens", ROUTER.count_tokens),
-        ("/v1/responses", ROUTER.create_response),
-    ):
-        app.post(path)(_bind(handler, fake))
-    app.get("/v1/responses/{response_id}")(_bind_id(ROUTER.retrieve_response, fake))
-    app.delete("/v1/responses/{response_id}")(_bind_id(ROUTER.delete_response, fake))
-    key, _ = auth.keys.create_key(owner="alice", tier="standard")
-    other, _ = auth.keys.create_key(owner="bob", tier="standard")
-    return SimpleNamespace(client=TestClient(app), engine=engine, key=key, other=other, meter=fake.meter)
-
-
-def _bind(handler, fake):
-    async def route(request: Request):
-        return await handler(fake, request)
-
-    return route
-
-
-def _bind_id(handler, fake):
-    async def route(response_id: str, request: Request):
-        return await handler(fake, response_id, request)
-
-    return route
+    # What the replica's token count says of every generation: 7 prompt tokens (2 of them from
+    # the prefix cache), 3 completion tokens.
+    app = router_app(engine=FakeEngine(tokens=3, prompt_tokens=7, cached_tokens=2), tiers=tiers)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    other, _ = app.auth.keys.create_key(owner="bob", tier="standard")
+    return SimpleNamespace(client=app.client, engine=app.engine, key=key, other=other, meter=app.meter, app=app)
 
 
 HI = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
@@ -174,8 +71,9 @@ def test_previous_response_id_sends_the_whole_conversation_and_echoes_the_id(set
     second = setup.client.post(
         "/v1/responses", json={"model": MODEL, "input": "Name?", "previous_response_id": first["id"]}, headers=headers
     ).json()
-    _, sent = setup.engine.bodies[-1]
-    assert "previous_response_id" not in sent and sent["pg_previous_response_id"] == first["id"]
+    _, call = setup.engine.calls[-1]
+    sent = call.body
+    assert "previous_response_id" not in sent and call.previous_response_id == first["id"]
     assert [item.get("role") for item in sent["input"]] == ["user", "assistant", "user"]
     assert sent["input"][0]["content"] == "My name is Ada." and sent["input"][2]["content"] == "Name?"
     assert sent["input"][1]["content"][0]["text"] == "answer 1"
@@ -216,9 +114,7 @@ def test_an_unknown_previous_response_id_is_404_before_the_engine(setup):
 
 def _recorded(setup):
     """What the router's ledger holds, written as the background writer would."""
-    asyncio.run(setup.meter.ledger.flush())
-    with setup.meter.store.database.connect() as db:
-        return [dict(row) for row in db.execute("SELECT * FROM usage_records ORDER BY started_at_ms").fetchall()]
+    return setup.app.recorded()
 
 
 def test_each_admitted_request_is_recorded_once_with_the_engines_tokens(setup):
@@ -260,14 +156,14 @@ def test_a_spent_budget_is_a_429_with_its_reset_in_anthropic_shape_too(setup):
 
 
 def test_a_forwarded_request_this_region_could_not_serve_is_left_to_the_forwarding_region(setup):
-    from serve_app.router.relay import Exchange
+    from serve_app.telemetry.timing import RequestRecord
 
     principal = SimpleNamespace(key_id="k1", owner="alice")
     for origin, status, replica, recorded in (("yul-02", 503, None, 0), ("yul-02", 503, "m1", 1), (None, 503, None, 1)):
-        exchange = Exchange("/v1/chat/completions", {}, region="local", replica="r1")
-        exchange.record.model, exchange.record.model_replica = MODEL, replica
-        exchange.bill = setup.meter.biller(principal, origin=origin)
-        exchange.fail(status, "overloaded")
+        record = RequestRecord.begin("/v1/chat/completions", region="local", replica="r1")
+        record.model, record.model_replica = MODEL, replica
+        record.finish(status, "overloaded")
+        setup.meter.record("r-" + str(recorded) + str(origin), principal, record, None, origin=origin)
         assert len(_recorded(setup)) == recorded
         with setup.meter.store.database.connect() as db:
             db.execute("DELETE FROM usage_records")

@@ -33,11 +33,10 @@ from tests.unit.auth_support import (
     chat,
     claims,
     current_key,
-    router_like_app,
     sign,
 )
+from router_app import router_client
 
-ROUTER = ingress.Router.func_or_class  # the class under serve.deployment: its methods, unbound
 
 
 def _claims_of(token: str) -> dict:
@@ -74,7 +73,7 @@ def _regions(tmp_path, *names: str) -> dict[str, Authenticator]:
 @pytest.mark.parametrize("suffix", ["\n", "\r\n", " ", "\n\n"])
 def test_a_key_with_anything_after_it_is_not_a_key(tmp_path, suffix):
     auth = authenticator(tmp_path)
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, _ = auth.keys.create_key(owner="alice", tier="standard")
     assert parse_key(key + suffix) is None
     refused = client.post("/v1/auth/token", json={"api_key": key + suffix})
@@ -101,60 +100,26 @@ def test_the_public_openapi_schema_lists_no_admin_route_and_keeps_the_rest():
 
 
 # --- 3. load / unload check the admin's model scope ---------------------------------------------
-class _States:
-    def __init__(self):
-        self.wanted: list[tuple[str, str, str]] = []
-
-    async def ensure_fresh(self, *args, **kwargs):
-        return None
-
-    async def set_wanted(self, model_id, wanted, by):
-        self.wanted.append((model_id, wanted, by))
-        return SimpleNamespace(state="cold" if wanted == "cold" else "loaded")
-
-
-def _router(auth: Authenticator, **extra) -> SimpleNamespace:
-    fake = SimpleNamespace(auth=auth, region=auth.region, models={MODEL: None, OTHER_MODEL: None}, **extra)
-    fake._caller = lambda request, scope=SCOPE_INFERENCE: ROUTER._caller(fake, request, scope)
-    fake._resolve = lambda name: ROUTER._resolve(fake, name)
-    fake._model_card = lambda model_id: {"id": model_id}
-    return fake
-
-
-def _router_app(fake: SimpleNamespace) -> TestClient:
-    app = api_app()
-
-    @app.post("/v1/models/unload")
-    async def unload(request: Request):
-        return await ROUTER._set_wanted(fake, request, "cold")
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        caller = await ROUTER._caller(fake, request)
-        return {"key_id": caller.key_id}
-
-    return TestClient(app)
-
-
-def test_an_admin_scoped_to_one_model_cannot_unload_another(tmp_path):
+def test_an_admin_scoped_to_one_model_cannot_unload_another(tmp_path, router_app):
     auth = authenticator(tmp_path)
-    states = _States()
-    client = _router_app(_router(auth, states=states))
+    app = router_app(auth=auth)
     key, record = auth.keys.create_key(
         owner="ops", tier="standard", models=(MODEL,), scopes=(SCOPE_INFERENCE, SCOPE_ADMIN)
     )
-    refused = client.post("/v1/models/unload", json={"model": OTHER_MODEL}, headers=bearer(key))
+    refused = app.client.post("/v1/models/unload", json={"model": OTHER_MODEL}, headers=bearer(key))
     assert _error(refused)[:2] == (403, "model_not_allowed")
-    assert states.wanted == []  # nothing was written
-    allowed = client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
-    assert allowed.status_code == 200, allowed.text
-    assert states.wanted == [(MODEL, "cold", record.key_id)]
+    assert app.serve.kv == {}  # nothing was written
+    allowed = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
+    assert allowed.status_code in (200, 202), allowed.text
+    assert [(deployment, r.state, r.by) for (_, deployment), r in app.serve.kv.items()] == [
+        (f"model-{MODEL}", "cold", record.key_id)
+    ]
 
 
 # --- 4. token lifetime is capped; imported kids carry no admin ----------------------------------
 def test_a_token_living_longer_than_the_configured_ttl_is_refused_however_well_signed(tmp_path):
     auth = authenticator(tmp_path)  # token_ttl_s 900, leeway_s 30
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, now = current_key(auth), int(time.time())
     ten_years = sign(key, claims(auth, iat=now, nbf=now, exp=now + 10 * 365 * 86400))
     refused = chat(client, ten_years)
@@ -179,10 +144,10 @@ def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_pa
     regions = _regions(tmp_path, "yul-02", "yvr-01")
     yul, yvr = regions["yul-02"], regions["yvr-01"]
     admin_key, _ = yul.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
-    token = _mint(router_like_app(yul), admin_key)
-    assert router_like_app(yul).get("/v1/admin/keys", headers=bearer(token)).status_code == 200
+    token = _mint(router_client(yul), admin_key)
+    assert router_client(yul).get("/v1/admin/keys", headers=bearer(token)).status_code == 200
     # The same token, or one forged with yul's key (a compromised region), is no admin in yvr.
-    yvr_client = router_like_app(yvr)
+    yvr_client = router_client(yvr)
     now = int(time.time())
     forged = sign(yul.keyset.current().signing_key(), claims(yvr, iat=now, nbf=now, exp=now + 300))
     for credential in (token, forged):
@@ -209,57 +174,35 @@ def test_a_jwks_without_region_names_still_imports_as_foreign(tmp_path):
 
 
 # --- 5. failover mints a short token for the peer alone -----------------------------------------
-class _Exchange:
-    def __init__(self):
-        self.done = []
-        self.bill = None
-
-    def start_failover(self, reason):
-        return {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
-
-    def note_failover(self, forwarded):
-        self.forwarded = forwarded
-
-    def forwarded_done(self, status, error_type):
-        self.done.append(status)
-
-
-def _fail_over(yul: Authenticator, credential: str, peers: list[Peer], answers, exchange=None) -> list[httpx.Request]:
+def _fail_over(router_app, yul: Authenticator, credential: str, peers: list[Peer], answers):
+    """A chat the region cannot serve (its model is loading), failed over to ``peers`` answering
+    ``answers(request)``: the requests the peers saw, and the router."""
     seen: list[httpx.Request] = []
-    exchange = exchange or _Exchange()
 
     def peer(request: httpx.Request) -> httpx.Response:
         seen.append(request)
         return answers(request)
 
-    forwarder = Forwarder(yul.region, peers, transport=httpx.MockTransport(peer))
-    fake = _router(yul, forwarder=forwarder)
-    caller = yul.authenticate(credential, scope=SCOPE_INFERENCE)
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"authorization", credential.encode())]}
-
-    async def go():
-        try:
-            local = APIError(503, "overloaded", code="overloaded")
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-            return await ROUTER._fail_over(fake, Request(scope), "/v1/chat/completions", body, caller, exchange, local)
-        finally:
-            await forwarder.aclose()
-
-    asyncio.run(go())
-    return seen
+    app = router_app(auth=yul, region=yul.region, peers=tuple(peers), transport=httpx.MockTransport(peer))
+    app.serve.stop(MODEL)
+    app.run(app.services.states.refresh)
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    app.client.post("/v1/chat/completions", json=body, headers={"Authorization": credential})
+    return seen, app
 
 
 @pytest.mark.parametrize("via", ["token", "api_key"])
-def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_path, via):
+def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_path, router_app, via):
     regions = _regions(tmp_path, "yul-02", "yvr-01", "yyz-01")
     yul = regions["yul-02"]
     key, record = yul.keys.create_key(owner="alice", tier="standard")
-    client_token = _mint(router_like_app(yul), key)
+    client_token = _mint(router_client(yul), key)
     credential = f"Bearer {client_token if via == 'token' else key}"
     peers = [Peer(region="yvr-01", endpoint="https://yvr.test"), Peer(region="yyz-01", endpoint="https://yyz.test")]
     # yvr is overloaded too (503), yyz serves: both are tried, each with its own token.
-    seen = _fail_over(yul, credential, peers, lambda r: httpx.Response(503 if r.url.host == "yvr.test" else 200, json={}))
+    seen, _ = _fail_over(
+        router_app, yul, credential, peers, lambda r: httpx.Response(503 if r.url.host == "yvr.test" else 200, json={})
+    )
     assert [r.url.host for r in seen] == ["yvr.test", "yyz.test"]
     for request, region in zip(seen, ["yvr-01", "yyz-01"]):
         sent = request.headers["authorization"]
@@ -280,16 +223,14 @@ def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_pat
 
 
 @pytest.mark.parametrize("peer_status, billed_here", [(200, False), (400, False), (503, True)])
-def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path, peer_status, billed_here):
+def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path, router_app, peer_status, billed_here):
     regions = _regions(tmp_path, "yul-02", "yvr-01")
     yul = regions["yul-02"]
     key, _ = yul.keys.create_key(owner="alice", tier="standard")
-    exchange = _Exchange()
-    exchange.bill = bill = object()  # what inference.relay set when it admitted the request
-    _fail_over(yul, f"Bearer {key}", [Peer(region="yvr-01", endpoint="https://yvr.test")], lambda r: httpx.Response(peer_status, json={}),
-               exchange)
+    peers = [Peer(region="yvr-01", endpoint="https://yvr.test")]
+    _, app = _fail_over(router_app, yul, f"Bearer {key}", peers, lambda r: httpx.Response(peer_status, json={}))
     # A peer that answered (whatever it said) records the request; none did: this region does.
-    assert (exchange.bill is bill) is billed_here
+    assert len(app.recorded()) == (1 if billed_here else 0)
 
 
 def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):
@@ -305,7 +246,7 @@ def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):
 # --- 6. the token endpoint is rate limited per key ----------------------------------------------
 def test_the_token_endpoint_is_rate_limited_per_key_before_anything_is_signed(tmp_path, monkeypatch):
     auth = authenticator(tmp_path, token_requests_per_minute=2)
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, _ = auth.keys.create_key(owner="alice", tier="tiny")  # 2 inference requests/min
     other, _ = auth.keys.create_key(owner="bob", tier="standard")
     assert [client.post("/v1/auth/token", json={"api_key": key}).status_code for _ in range(2)] == [200, 200]
@@ -405,11 +346,11 @@ def test_a_limiter_that_cannot_decide_fails_closed_at_the_authenticator(tmp_path
 
     auth = Authenticator(auth_args(tmp_path), "local", Broken("local"), environ={})
     key, _ = auth.keys.create_key(owner="x", tier="tiny")
-    refused = chat(router_like_app(auth), key)
+    refused = chat(router_client(auth), key)
     assert _error(refused)[:2] == (503, "rate_limiter_unavailable") and refused.headers["Retry-After"] == "1"
     # The router's limiter (leased) keeps deciding from what it knows: this unseen key's first request.
     leased = Authenticator(auth_args(tmp_path), "local", LeasedRateLimiter(Broken("local")), environ={})
-    client = router_like_app(leased)
+    client = router_client(leased)
     assert chat(client, key).status_code == 200
     assert chat(client, key).status_code == 429  # and no more than the grace: fail closed
 
@@ -418,7 +359,7 @@ def test_a_limiter_that_cannot_decide_fails_closed_at_the_authenticator(tmp_path
 def test_duplicate_authorization_headers_are_400_at_the_router(tmp_path):
     auth = authenticator(tmp_path)
     key, _ = auth.keys.create_key(owner="alice", tier="standard")
-    client = _router_app(_router(auth, states=_States()))
+    client = router_client(auth)
     assert client.get("/v1/models", headers=bearer(key)).status_code == 200
     for second in (key, "pgk_ffffffffffff_" + "A" * 43, ""):
         response = client.get("/v1/models", headers=[("Authorization", f"Bearer {key}"), ("Authorization", f"Bearer {second}")])
@@ -429,14 +370,7 @@ def test_duplicate_authorization_headers_are_400_at_the_router(tmp_path):
 def test_duplicate_authorization_headers_are_400_at_the_token_endpoint(tmp_path):
     auth = authenticator(tmp_path)
     key, _ = auth.keys.create_key(owner="alice", tier="standard")
-    fake = _router(auth)
-    app = api_app()
-
-    @app.post("/v1/auth/token")
-    async def token(request: Request):
-        return await ROUTER.issue_token(fake, request)
-
-    client = TestClient(app)
+    client = router_client(auth)
     assert client.post("/v1/auth/token", headers=bearer(key)).status_code == 200
     twice = [("Authorization", f"Bearer {key}"), ("Authorization", "Bearer pgk_ffffffffffff_" + "A" * 43)]
     assert _error(client.post("/v1/auth/token", headers=twice)) == (400, "duplicate_authorization", "authorization")

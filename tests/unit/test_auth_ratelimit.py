@@ -3,7 +3,8 @@
 import pytest
 
 from serve_app.auth.ratelimit import UNSPECIFIED_COMPLETION_TOKENS, RateLimiter, request_token_cost
-from tests.unit.auth_support import authenticator, chat, router_like_app
+from tests.unit.auth_support import authenticator, chat
+from router_app import router_client
 
 
 class Clock:
@@ -106,7 +107,7 @@ def test_token_cost_uses_the_received_body_size_when_given():
 
 def test_over_the_limit_is_429_with_retry_after_and_ratelimit_headers(tmp_path):
     auth = authenticator(tmp_path)
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min
     first = chat(client, key)
     assert first.status_code == 200
@@ -125,7 +126,7 @@ def test_over_the_limit_is_429_with_retry_after_and_ratelimit_headers(tmp_path):
 
 def test_a_raw_key_and_its_tokens_share_one_budget(tmp_path):
     auth = authenticator(tmp_path)
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, _ = auth.keys.create_key(owner="tiny", tier="tiny")
     token = client.post("/v1/auth/token", json={"api_key": key}).json()["access_token"]
     assert chat(client, key).status_code == 200
@@ -136,7 +137,7 @@ def test_a_raw_key_and_its_tokens_share_one_budget(tmp_path):
 def test_a_tier_missing_from_the_config_fails_closed(tmp_path):
     auth = authenticator(tmp_path)
     key, _ = auth.keys.create_key(owner="x", tier="platinum")
-    response = chat(router_like_app(auth), key)
+    response = chat(router_client(auth), key)
     assert response.status_code == 403
     assert response.json()["error"]["code"] == "unknown_tier"
 
@@ -153,14 +154,14 @@ def test_a_limiter_outage_admits_within_the_routers_grace_only(tmp_path):
 
     auth = Authenticator(auth_args(tmp_path), "local", LeasedRateLimiter(Broken("local")), environ={})
     key, _ = auth.keys.create_key(owner="x", tier="tiny")
-    client = router_like_app(auth)
+    client = router_client(auth)
     assert chat(client, key).status_code == 200
     assert chat(client, key).status_code == 429  # the grace is bounded (tests/unit/test_auth_audit.py)
 
 
 def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_path):
     auth = authenticator(tmp_path)
-    client = router_like_app(auth)
+    client = router_client(auth)
     key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min, 1000 tokens/min
     too_big = chat(client, key, n=4, max_tokens=300)  # 4 × 300 completion tokens > 1000
     assert too_big.status_code == 400

@@ -13,7 +13,10 @@ from serve_app.bench.report import output_dir, redact_argv
 from serve_app.bench.schedule import Batch, plan_batches, run_plan
 from serve_app.bench.stats import capacity_ratios, percentile, server_ttft_ms, stream_ratios, summarize
 from serve_app.bench.vllm import vllm_command
-from serve_app.telemetry.timing import ROUTE_CHAT, pg_metadata_event
+from serve_app.surfaces import CHAT
+from serve_app.surfaces.dialects import pg_metadata_event
+
+ROUTE_CHAT = CHAT.route
 
 METADATA = {"inference_ttft_ms": 40.0, "inference_total_ms": 90.0, "queue_ms": 2.0, "network_ms": 30.0,
             "server_ms": 122.0, "region": "local", "trace_id": "ab" * 16}
@@ -32,7 +35,7 @@ def sse_stream(*, metadata=True, usage=True, tokens=("Hi", " there", "!"), done=
     if usage:
         events.append(chunk(usage={"prompt_tokens": 20, "completion_tokens": len(tokens)}))
     if metadata:
-        events.append(pg_metadata_event(METADATA, route=ROUTE_CHAT, chunk_id="c1", created=1, model="m",
+        events.append(pg_metadata_event(METADATA, chunk_id="c1", created=1, model="m",
                                         usage={"completion_tokens": len(tokens)}))
     return "".join(events) + ("data: [DONE]\n\n" if done else "")
 

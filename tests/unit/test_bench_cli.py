@@ -21,7 +21,10 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from serve_app.bench import cli as bench_cli
-from serve_app.telemetry.timing import ROUTE_CHAT, pg_metadata_event
+from serve_app.surfaces import CHAT
+from serve_app.surfaces.dialects import pg_metadata_event
+
+ROUTE_CHAT = CHAT.route
 
 OTHER = {"ours": "base", "base": "ours"}
 
@@ -59,7 +62,7 @@ class FakeSides:
             usage = {"prompt_tokens": 20, "completion_tokens": 3}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             if side == "ours":
-                yield pg_metadata_event(metadata, route=ROUTE_CHAT, chunk_id="c", created=1, model="m", usage=usage)
+                yield pg_metadata_event(metadata, chunk_id="c", created=1, model="m", usage=usage)
             self.end(side)
             yield "data: [DONE]\n\n"
 

@@ -1,46 +1,65 @@
-"""The byte path between a model replica and the router, without Ray: the replica's stream listener
-(serve_app/engine/stream_server.py) and the router's relay (serve_app/router/relay.py) over a real
-loopback socket, with the handle call stood in for by a small fake that yields the trailer."""
+"""The byte path between a model replica and the router, without Ray: the replica's listener and
+``pump`` (serve_app/wire/socket.py), the router's call (serve_app/router/call.py) and relay
+(serve_app/router/relay.py) over a real loopback socket, with the handle call stood in for by a
+small fake that yields the replica's items."""
 
 import asyncio
 import json
+from dataclasses import replace
 
 import pytest
 
-from serve_app.engine.stream_server import StreamServer, pump
+from router_app import bare_context
 from serve_app.errors import APIError
-from serve_app.router.relay import Exchange, open_byte_stream, relay_events
-from serve_app.telemetry.timing import ROUTE_CHAT
+from serve_app.router import relay
+from serve_app.router.call import ReplicaCall
+from serve_app.wire.messages import Call, EngineTiming, Generated, StreamOpen, Trailer
+from serve_app.wire.socket import Listener, pump
 
 EVENTS = [
     'data: {"id":"chatcmpl-1","created":7,"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n',
     'data: {"id":"chatcmpl-1","created":7,"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n',
 ]
-TRAILER = {
-    "engine_timing": {"queue_ms": 1.0, "prefill_ms": 2.0, "decode_ms": 3.0},
-    "usage": {"prompt_tokens": 4, "completion_tokens": 2},
-    "finish_reasons": ["length"],
-    "replica": "r1",
-    "complete": True,
-}
+TRAILER = Trailer(
+    timing=EngineTiming(queue_ms=1.0, prefill_ms=2.0, decode_ms=3.0),
+    usage={"prompt_tokens": 4, "completion_tokens": 2},
+    finish_reasons=("length",),
+    replica="r1",
+)
 
 
-class FakeHandleStream:
-    """What ``handle.chat.remote()`` returns, after its head: the trailer once the replica is done."""
+class FakeHandleCall:
+    """What ``handle.chat.remote()`` returns: the head, then the trailer once the replica is done."""
 
-    def __init__(self, done: asyncio.Event, trailer=TRAILER):
-        self.done, self.trailer, self.cancelled = done, trailer, False
+    def __init__(self, head, done: asyncio.Event, trailer=TRAILER):
+        self.items, self.done, self.trailer, self.cancelled = [head], done, trailer, False
 
     async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
         await self.done.wait()
-        return {"trailer": self.trailer}
+        return self.trailer
 
     def cancel(self):
         self.cancelled = True
 
 
-async def _replica(server: StreamServer, ticket, future, events, done: asyncio.Event, hold: asyncio.Event | None = None):
-    """The replica's side of one stream, as ``ModelServer._serve`` runs it: wait for the router,
+class FakeHandle:
+    def __init__(self, made):
+        self.made = made
+
+    def __getattr__(self, method):
+        handle = self
+
+        class Method:
+            def remote(self, call):
+                return handle.made
+
+        return Method()
+
+
+async def _replica(server: Listener, ticket, future, events, done: asyncio.Event, hold: asyncio.Event | None = None):
+    """The replica's side of one stream, as ``ModelServer`` runs it: wait for the router,
     ``pump`` the events (``hold``: the engine stalls after the first), close the source."""
     connection = await server.accept(ticket, future)
     produced = []
@@ -61,25 +80,31 @@ async def _replica(server: StreamServer, ticket, future, events, done: asyncio.E
 
 
 async def _start(events, *, hold=None, trailer=TRAILER):
-    server = StreamServer("127.0.0.1")
+    server = Listener("127.0.0.1")
     await server.start()
     ticket, future = server.expect()
     done = asyncio.Event()
     replica = asyncio.create_task(_replica(server, ticket, future, events, done, hold))
-    stream = FakeHandleStream(done, trailer)
-    head = {"status": 200, "stream": True, "socket": server.address, "ticket": ticket}
-    socket = await open_byte_stream(stream, head, "m")
-    exchange = Exchange(ROUTE_CHAT, {}, region="local", replica="router-1")
-    exchange.record.model = "m"
-    return server, replica, stream, socket, exchange
+    handle_call = FakeHandleCall(StreamOpen(server.address, ticket), done, trailer)
+    ctx = bare_context()
+    ctx.call = ReplicaCall(FakeHandle(handle_call), "chat", Call({}, ctx.id), "m", "local")
+    await ctx.call.first()
+    return server, replica, handle_call, ctx
 
 
-async def _collect(events, **kwargs) -> tuple[bytes, Exchange, FakeHandleStream]:
-    server, replica, stream, socket, exchange = await _start(events, **kwargs)
-    relayed = b"".join([chunk async for chunk in relay_events(stream, socket, exchange, client_wants_usage=False)])
+async def _collect(events, **kwargs):
+    server, replica, handle_call, ctx = await _start(events, **kwargs)
+    relayed = b"".join([chunk async for chunk in relay.events(ctx)])
     await replica
     server.close()
-    return relayed, exchange, stream
+    return relayed, ctx, handle_call
+
+
+async def _until_billed(ctx):
+    for _ in range(200):
+        if ctx.services.meter.records:
+            return
+        await asyncio.sleep(0.01)
 
 
 def test_the_replicas_bytes_reach_the_client_unchanged_then_timing_and_done():
@@ -99,7 +124,7 @@ def test_the_replicas_bytes_reach_the_client_unchanged_then_timing_and_done():
 
 
 def test_a_stream_the_replica_did_not_finish_ends_with_an_error_event_not_a_hang():
-    relayed, exchange, _ = asyncio.run(_collect(EVENTS[:1], trailer={**TRAILER, "complete": False}))
+    relayed, exchange, _ = asyncio.run(_collect(EVENTS[:1], trailer=replace(TRAILER, complete=False)))
     text = relayed.decode()
     assert text.startswith(EVENTS[0])
     error = json.loads(text.split("\n\n")[1].removeprefix("data: "))
@@ -110,36 +135,32 @@ def test_a_stream_the_replica_did_not_finish_ends_with_an_error_event_not_a_hang
 
 
 def test_a_client_that_leaves_stops_the_replica_at_once_and_its_tokens_are_still_billed():
-    generated = {"prompt_tokens": 4, "completion_tokens": 1, "cached_tokens": 0}
-    cut = {**TRAILER, "usage": None, "complete": False, "generated": generated}
+    generated = Generated(prompt_tokens=4, completion_tokens=1, cached_tokens=0)
+    cut = replace(TRAILER, usage=None, complete=False, generated=generated)
 
     async def scenario():
         hold = asyncio.Event()  # the engine stalls after its first token: no write could fail
-        server, replica, stream, socket, exchange = await _start(EVENTS * 50, hold=hold, trailer=cut)
-        billed = []
-        exchange.bill = billed.append
-        relay = relay_events(stream, socket, exchange, client_wants_usage=False)
-        first = await relay.__anext__()
+        server, replica, stream, exchange = await _start(EVENTS * 50, hold=hold, trailer=cut)
+        events = relay.events(exchange)
+        first = await events.__anext__()
         assert first.startswith(b"data: ")
-        await relay.aclose()  # what Starlette does when the client disconnects
+        await events.aclose()  # what Starlette does when the client disconnects
         complete, produced = await asyncio.wait_for(replica, 5)  # the hang-up alone stopped it
-        for _ in range(100):
-            if billed:
-                break
-            await asyncio.sleep(0.01)
+        await _until_billed(exchange)
         server.close()
-        return stream, exchange, complete, produced, billed
+        return stream, exchange, complete, produced
 
-    stream, exchange, complete, produced, billed = asyncio.run(scenario())
+    stream, exchange, complete, produced = asyncio.run(scenario())
     assert not complete and produced == 1  # nothing more was generated once the router hung up
     assert not stream.cancelled  # the call ended with its trailer, not a cancel
-    assert billed == [exchange] and exchange.generated == generated  # billed once, as counted
+    ((_, _, record, billed_tokens, _),) = exchange.services.meter.records  # billed once, as counted
+    assert billed_tokens == generated and record is exchange.record
     assert exchange.record.status == 499
 
 
 def test_a_wrong_ticket_gets_nothing_and_the_expected_stream_times_out():
     async def scenario():
-        server = StreamServer("127.0.0.1")
+        server = Listener("127.0.0.1")
         await server.start()
         ticket, future = server.expect()
         reader, writer = await asyncio.open_connection(*server.address)
@@ -154,14 +175,15 @@ def test_a_wrong_ticket_gets_nothing_and_the_expected_stream_times_out():
 
 def test_an_unreachable_listener_is_a_503_the_router_can_fail_over_on():
     async def scenario():
-        server = StreamServer("127.0.0.1")
+        server = Listener("127.0.0.1")
         await server.start()
         address = server.address
         server.close()
         await server._server.wait_closed()
-        stream = FakeHandleStream(asyncio.Event())
+        stream = FakeHandleCall(StreamOpen(address, "t" * 32), asyncio.Event())
+        call = ReplicaCall(FakeHandle(stream), "chat", Call({}, "r"), "m", "local")
         with pytest.raises(APIError) as raised:
-            await open_byte_stream(stream, {"socket": address, "ticket": "t" * 32}, "m")
+            await call.first()
         return stream, raised.value
 
     stream, error = asyncio.run(scenario())
@@ -170,7 +192,7 @@ def test_an_unreachable_listener_is_a_503_the_router_can_fail_over_on():
 
 
 def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
-    from serve_app.engine.stream_server import Prefetched
+    from serve_app.engine.prefetch import Prefetched
 
     async def scenario():
         started, closed = asyncio.Event(), []
@@ -206,36 +228,31 @@ def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
 
 
 def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
-    trailer = {**TRAILER, "error_code": "engine_unavailable", "error_status": 503}
+    trailer = replace(TRAILER, error_code="engine_unavailable", error_status=503)
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
     assert relayed.decode().endswith("data: [DONE]\n\n")
     assert (exchange.record.status, exchange.record.error_type) == (503, "engine_unavailable")
 
 
 def test_a_replica_that_never_sends_its_trailer_is_cancelled_and_the_request_still_billed(monkeypatch):
-    from serve_app.router import relay
+    from serve_app.router import call
 
-    monkeypatch.setattr(relay, "ABANDONED_TRAILER_WAIT_S", 0.2)
+    monkeypatch.setattr(call, "LAST_ITEM_WAIT_S", 0.2)
 
     async def scenario():
         hold = asyncio.Event()
-        server, replica, stream, socket, exchange = await _start(EVENTS * 5, hold=hold)
+        server, replica, stream, exchange = await _start(EVENTS * 5, hold=hold)
         stream.done = asyncio.Event()  # the handle call never yields its trailer
-        billed = []
-        exchange.bill = billed.append
-        events = relay_events(stream, socket, exchange, client_wants_usage=False)
+        events = relay.events(exchange)
         await events.__anext__()
         await events.aclose()
-        for _ in range(100):
-            if billed:
-                break
-            await asyncio.sleep(0.01)
+        await _until_billed(exchange)
         await asyncio.wait_for(replica, 5)
         server.close()
-        return stream, exchange, billed
+        return stream, exchange
 
-    stream, exchange, billed = asyncio.run(scenario())
-    assert stream.cancelled and billed == [exchange]
+    stream, exchange = asyncio.run(scenario())
+    assert stream.cancelled and len(exchange.services.meter.records) == 1
     assert exchange.generated is None and exchange.record.status == 499
 
 
@@ -247,7 +264,7 @@ def test_a_model_call_is_made_outside_the_requests_cancellation_scope():
 
     from ray.serve import context as serve_context
 
-    from serve_app.router.relay import detached_from_request
+    from serve_app.router.call import detached as detached_from_request
 
     parent = replace(
         serve_context._get_serve_request_context(),
@@ -271,23 +288,18 @@ def test_a_model_call_is_made_outside_the_requests_cancellation_scope():
 
 def test_a_client_gone_before_the_relay_started_is_still_hung_up_settled_and_billed():
     """Starlette may cancel the response before its body is first iterated: the relay's own
-    finally never runs, so the response's end does its work (``abandon_unrelayed``)."""
-    from serve_app.router.relay import abandon_unrelayed
+    finally never runs, so the response's end settles the request (``RelayedStream``'s ``on_end``)."""
+    from serve_app.router.context import abandoned
 
     async def scenario():
         hold = asyncio.Event()
-        server, replica, stream, socket, exchange = await _start(EVENTS * 5, hold=hold)
-        billed = []
-        exchange.bill = billed.append
-        abandon_unrelayed(stream, socket, exchange)
-        abandon_unrelayed(stream, socket, exchange)  # the end is reported once; twice does nothing
+        server, replica, stream, exchange = await _start(EVENTS * 5, hold=hold)
+        exchange.settle(abandoned())
+        exchange.settle(abandoned())  # the end is reported once; twice does nothing
         complete, produced = await asyncio.wait_for(replica, 5)  # the replica saw the hang-up
-        for _ in range(100):
-            if billed:
-                break
-            await asyncio.sleep(0.01)
+        await _until_billed(exchange)
         server.close()
-        return exchange, billed, complete
+        return exchange, complete
 
-    exchange, billed, complete = asyncio.run(scenario())
-    assert not complete and billed == [exchange] and exchange.record.status == 499
+    exchange, complete = asyncio.run(scenario())
+    assert not complete and len(exchange.services.meter.records) == 1 and exchange.record.status == 499

@@ -19,7 +19,10 @@ from serve_app.image import gpu_smoke_checks as checks
 from serve_app.cli import app as cli_app
 from serve_app.config import parse_app_args
 from serve_app.regions.schema import load_regions
-from serve_app.telemetry.timing import ROUTE_CHAT, pg_metadata_event
+from serve_app.surfaces import CHAT
+from serve_app.surfaces.dialects import pg_metadata_event
+
+ROUTE_CHAT = CHAT.route
 from tests.conftest import REPO
 
 REGIONS = load_regions(REPO / "regions")
@@ -268,7 +271,7 @@ def test_the_three_requests_go_through_the_official_sdk():
             events = [{**base, "choices": delta("Hi", None)}, {**base, "choices": delta(" there", "stop")},
                       {**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}]
             text = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
-            text += pg_metadata_event({"inference_ttft_ms": 9.0}, route=ROUTE_CHAT, chunk_id="c", created=1, model=MODEL)
+            text += pg_metadata_event({"inference_ttft_ms": 9.0}, chunk_id="c", created=1, model=MODEL)
             return httpx2.Response(200, headers={"content-type": "text/event-stream"},
                                    content=(text + "data: [DONE]\n\n").encode())
         if "tools" in body:

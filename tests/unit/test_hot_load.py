@@ -299,7 +299,7 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
 
 
 def test_in_flight_says_busy_when_every_slot_is_taken_and_shedding_when_the_queue_is_too():
-    from serve_app.hot_load.tracker import InFlight
+    from serve_app.router.in_flight import InFlight
 
     in_flight = InFlight([ModelDeploymentArgs(id=MODEL, max_ongoing_requests=2, max_queued_requests=1)])
     releases = [in_flight.begin(MODEL) for _ in range(2)]

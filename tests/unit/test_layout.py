@@ -61,3 +61,18 @@ def test_serving_modules_log_under_serves_logger_by_module_name():
         ["grep", "-rln", "--include=*.py", "logging.getLogger(", "serve_app"], cwd=REPO, capture_output=True, text=True
     ).stdout.split()
     assert sorted(named) == ["serve_app/client/auth.py", "serve_app/client/transport.py", "serve_app/telemetry/logs.py"]
+
+
+def test_every_surface_is_one_row_with_its_route_replica_method_and_vllm_handler():
+    """A surface is its row (serve_app/surfaces), its body model and its vLLM call: the router's
+    route, the replica's method and the engine's handler all come from, or answer to, the table."""
+    from serve_app import surfaces
+    from serve_app.engine.deployment import ModelServer
+    from serve_app.engine.vllm_engine import HANDLERS
+    from serve_app.router import ingress
+
+    routes = {route.path for route in ingress.app.routes}
+    for surface in surfaces.SURFACES:
+        assert surface.route in routes, surface
+        assert callable(getattr(ModelServer.func_or_class, surface.name)), surface
+    assert set(HANDLERS) == set(surfaces.BY_NAME)

@@ -178,7 +178,7 @@ def test_the_trailer_still_sees_usage_and_finish_reasons():
     body = chat_body()
     summary = trailer.from_response(body)
     openai_shape.chat(body, CHAT_REQUEST)
-    assert summary["usage"]["prompt_tokens"] == 9 and summary["finish_reasons"] == ["stop"]
+    assert summary.usage["prompt_tokens"] == 9 and summary.finish_reasons == ("stop",)
 
 
 def test_tokenize_body_drops_token_strs_when_not_asked():

@@ -6,7 +6,8 @@ from fastapi.testclient import TestClient
 
 from serve_app.engine.context_cap import overflow_message
 from serve_app.errors import APIError
-from serve_app.router import ingress
+from serve_app.router import body as router_body
+from serve_app.router.request_schema import parse_json_object
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def client():
 
     @app.post("/echo")
     async def echo(request: Request):
-        return await ingress._read_json_object(request)
+        return parse_json_object(await router_body.read_body(request))
 
     return TestClient(app)
 
@@ -38,14 +39,14 @@ def test_non_object_bodies_are_400_invalid_json(client, raw):
 
 
 def test_body_over_the_limit_is_413_by_declared_length(client):
-    response = client.post("/echo", content=b" " * (ingress.MAX_REQUEST_BODY_BYTES + 1))
+    response = client.post("/echo", content=b" " * (router_body.MAX_REQUEST_BODY_BYTES + 1))
     assert response.status_code == 413
     assert response.json()["error"]["code"] == "request_too_large"
 
 
 def test_chunked_body_over_the_limit_is_413(client):
     def chunks():
-        for _ in range(ingress.MAX_REQUEST_BODY_BYTES // 65536 + 2):
+        for _ in range(router_body.MAX_REQUEST_BODY_BYTES // 65536 + 2):
             yield b" " * 65536
 
     response = client.post("/echo", content=chunks())

@@ -16,17 +16,18 @@ from pydantic import ValidationError
 from serve_app.telemetry import metrics as telemetry_metrics
 from serve_app.telemetry import tracing
 from serve_app.telemetry.config import TelemetryArgs, TracingArgs
+from serve_app.surfaces import CHAT, COMPLETIONS
+from serve_app.surfaces.dialects import pg_metadata_event
 from serve_app.telemetry.timing import (
-    ROUTE_CHAT,
-    ROUTE_COMPLETIONS,
     RequestRecord,
     compute_split,
     parse_server_timing,
     pg_metadata,
-    pg_metadata_event,
     server_timing_header,
-    sse_data,
 )
+from serve_app.wire.sse import data_of
+
+ROUTE_CHAT, ROUTE_COMPLETIONS = CHAT.route, COMPLETIONS.route
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
@@ -242,20 +243,20 @@ def test_server_timing_header_is_w3c_and_round_trips():
 
 def test_pg_metadata_event_is_a_chunk_of_its_stream():
     meta = pg_metadata(make_record(), compute_split(make_record()), CLIENT_TRACE_ID)
-    event = pg_metadata_event(meta, route=ROUTE_CHAT, chunk_id="chatcmpl-1", created=1, model="m")
+    event = pg_metadata_event(meta, chunk_id="chatcmpl-1", created=1, model="m")
     assert event.startswith("event: pg_metadata\ndata: {") and event.endswith("}\n\n")
-    chunk = sse_data(event)
+    chunk = data_of(event)
     assert chunk["id"] == "chatcmpl-1" and chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
     assert chunk["pg_metadata"] == meta
-    completion = sse_data(pg_metadata_event(meta, route=ROUTE_COMPLETIONS, chunk_id="c", created=1, model="m"))
+    completion = data_of(pg_metadata_event(meta, chunk_object="text_completion", chunk_id="c", created=1, model="m"))
     assert completion["object"] == "text_completion" and completion["choices"][0]["text"] == ""
 
 
 def test_sse_data_reads_relayed_events():
-    assert sse_data('data: {"id": "chatcmpl-9", "created": 5}\n\n') == {"id": "chatcmpl-9", "created": 5}
-    assert sse_data("data: [DONE]\n\n") is None
-    assert sse_data(": keep-alive\n\n") is None
+    assert data_of('data: {"id": "chatcmpl-9", "created": 5}\n\n') == {"id": "chatcmpl-9", "created": 5}
+    assert data_of("data: [DONE]\n\n") is None
+    assert data_of(": keep-alive\n\n") is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -582,7 +583,7 @@ def chat_stream_bytes(meta) -> bytes:
         + json.dumps({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]})
     )
     body = "".join(f"{event}\n\n" for event in events)
-    body += pg_metadata_event(meta, route=ROUTE_CHAT, chunk_id="chatcmpl-1", created=1, model="qwen-3.6-35b-a3b")
+    body += pg_metadata_event(meta, chunk_id="chatcmpl-1", created=1, model="qwen-3.6-35b-a3b")
     return (body + "data: [DONE]\n\n").encode()
 
 
@@ -592,7 +593,7 @@ def completion_stream_bytes(meta) -> bytes:
         "data: " + json.dumps({**base, "choices": [{"index": 0, "text": t, "logprobs": None, "finish_reason": f}]}) + "\n\n"
         for t, f in (("Hel", None), ("lo", "length"))
     )
-    body += pg_metadata_event(meta, route=ROUTE_COMPLETIONS, chunk_id="cmpl-1", created=1, model="qwen-3.6-35b-a3b")
+    body += pg_metadata_event(meta, chunk_object="text_completion", chunk_id="cmpl-1", created=1, model="qwen-3.6-35b-a3b")
     return (body + "data: [DONE]\n\n").encode()
 
 
@@ -696,7 +697,7 @@ def test_openai_sdk_include_usage_stream_still_ends_with_usage(meta):
     payload = (
         head
         + f"data: {json.dumps(usage_chunk)}\n\n"
-        + pg_metadata_event(meta, route=ROUTE_CHAT, chunk_id="chatcmpl-1", created=1, model="m", usage=usage)
+        + pg_metadata_event(meta, chunk_id="chatcmpl-1", created=1, model="m", usage=usage)
         + "data: [DONE]\n\n"
     )
     client = openai.OpenAI(

@@ -6,6 +6,7 @@ from enum import Enum
 from types import SimpleNamespace
 
 from serve_app.engine import token_count
+from serve_app.wire.messages import Generated
 
 
 class Kind(Enum):  # vLLM's RequestOutputKind, by name
@@ -57,7 +58,7 @@ def _run(engine, kind, *, take=None, counted=True):
 def test_deltas_are_summed_per_step_across_choices():
     engine = FakeEngine([_output([1, 2]), _output([1, 1]), _output([3, 0])])
     count = _run(engine, Kind.DELTA)
-    assert count.as_dict() == {"prompt_tokens": 5, "completion_tokens": 8, "cached_tokens": 3}
+    assert count.snapshot() == Generated(prompt_tokens=5, completion_tokens=8, cached_tokens=3)
 
 
 def test_cumulative_and_final_outputs_are_counted_once():

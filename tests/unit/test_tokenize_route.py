@@ -1,150 +1,61 @@
-"""``/tokenize`` and ``/detokenize`` at the router, without Ray: a fake router and model handle.
-
-What runs is the real ``serve_app.router.tokenization.relay`` (auth order, validation, alias,
-model scope, the one-token rate-limit charge, model state, the handle call and the JSON answer)
-and the real router schemas; only the parts that need Ray or an engine are fakes.
-"""
+"""``/tokenize`` and ``/detokenize`` at the router, without Ray: the real router on a fake engine
+(``router_app.py``): auth order, validation, alias, model scope, the rate-limit charge by size,
+model state, the replica call and the JSON answer."""
 
 import subprocess
 import sys
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from fastapi.testclient import TestClient
-
+from auth_support import MODEL, OTHER_MODEL, authenticator, bearer
+from fake_engine import TOKENIZED, FakeEngine
+from serve_app.auth.ratelimit import RateLimiter
 from serve_app.engine import tokenization as replica_rules
-from serve_app.errors import APIError, retry_later
-from serve_app.router import ingress, openapi, tokenization
+from serve_app.router import ingress, openapi
 
-MODEL = "qwen-3.6-35b-a3b"
-ALIASES = {MODEL: MODEL, "qwen-3.6-a3b": MODEL}
-TOKENIZED = {"count": 2, "max_model_len": 8192, "tokens": [9707, 1879]}
+TOKENIZE = {"model": "qwen-3.6-a3b", "prompt": "Hello world"}
 
 
-class FakeStream:
-    def __init__(self, head):
-        self.head = head
-
-    async def __anext__(self):
-        return self.head
-
-
-class FakeHandle:
-    def __init__(self, head):
-        self.head, self.calls = head, []
-
-    def __getattr__(self, method):
-        handle = self
-
-        class Remote:
-            @staticmethod
-            def remote(body):
-                handle.calls.append((method, dict(body)))
-                return FakeStream(handle.head)
-
-        return Remote
+@pytest.fixture
+def app(router_app, tmp_path):
+    # A limiter whose clock stands still: its buckets do not refill between requests, so what
+    # each request was charged reads off the headers exactly.
+    app = router_app(auth=authenticator(tmp_path, limiter=RateLimiter(clock=lambda: 1000.0)))
+    app.key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    return app
 
 
-class FakeAuth:
-    def __init__(self, allowed=(MODEL,)):
-        self.allowed, self.charged = allowed, []
-
-    def authorize_model(self, caller, model_id):
-        if model_id not in self.allowed:
-            raise APIError(403, "not yours", param="model", code="model_not_allowed")
-
-    async def admit(self, caller, tokens):
-        self.charged.append(tokens)
-        return {"x-ratelimit-remaining-requests": "59"}
+def post(app, path, body, key=None, **kwargs):
+    return app.client.post(path, json=body, headers=bearer(key or app.key), **kwargs)
 
 
-class FakeStates:
-    def __init__(self, serving=True):
-        self.serving = serving
-
-    async def ensure_fresh(self):
-        pass
-
-    def require_serving(self, model_id, region):
-        if not self.serving:
-            raise retry_later(f"{model_id} is cold in {region}", "model_cold", 60, param="model")
+def _charged(response) -> tuple[int, int]:
+    """What the key has left after ``response`` (requests, tokens), from its rate-limit headers."""
+    return int(response.headers["x-ratelimit-remaining-requests"]), int(response.headers["x-ratelimit-remaining-tokens"])
 
 
-class FakeInFlight:
-    def __init__(self):
-        self.open = 0
-
-    def begin(self, model_id):
-        self.open += 1
-
-        def release():
-            self.open -= 1
-
-        return release
-
-
-class FakeRouter:
-    region, replica = "local", "router-1"
-
-    def __init__(self, head=None, *, authenticated=True, **fakes):
-        self.head = head or {"status": 200, "body": dict(TOKENIZED), "stream": False, "trailer": {"replica": "r1"}}
-        self.handle = FakeHandle(self.head)
-        self.streaming = {MODEL: self.handle}
-        self.auth = fakes.get("auth", FakeAuth())
-        self.states = fakes.get("states", FakeStates())
-        self.in_flight = FakeInFlight()
-        self.authenticated = authenticated
-        self.bodies_read = 0
-
-    async def _caller(self, request):
-        if not self.authenticated:
-            raise APIError(401, "no credential", code="missing_authorization")
-        return object()
-
-    def _resolve(self, name):
-        if name not in ALIASES:
-            raise APIError(404, f"no model {name!r}", param="model", code="model_not_found")
-        return ALIASES[name]
-
-
-def client_for(router: FakeRouter) -> TestClient:
-    app = FastAPI()
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    async def read_body(request: Request) -> bytes:
-        router.bodies_read += 1
-        return await ingress._read_body_within_limit(request)
-
-    @app.post("/{method}")
-    async def route(method: str, request: Request):
-        return await tokenization.relay(router, request, method, read_body)
-
-    return TestClient(app)
-
-
-def test_tokenize_resolves_the_alias_charges_one_token_and_answers_the_replicas_body():
-    router = FakeRouter()
-    response = client_for(router).post("/tokenize", json={"model": "qwen-3.6-a3b", "prompt": "Hello world"})
+def test_tokenize_resolves_the_alias_charges_its_size_and_answers_the_replicas_body(app):
+    response = post(app, "/tokenize", TOKENIZE)
     assert response.status_code == 200
     body = response.json()
     assert {key: body[key] for key in TOKENIZED} == TOKENIZED
     assert body["pg_metadata"]["model"] == MODEL
     assert "total;dur=" in response.headers["server-timing"] and response.headers["x-pg-region"] == "local"
-    assert router.handle.calls == [("tokenize", {"model": MODEL, "prompt": "Hello world"})]
-    assert router.auth.charged == [tokenization.TOKENIZE_TOKEN_COST] == [1]  # not prompt + max_tokens
-    assert router.in_flight.open == 0  # the slot is given back
+    ((surface, call),) = app.engine.calls
+    assert (surface, call.body) == ("tokenize", {"model": MODEL, "prompt": "Hello world"})
+    # Charged one request and its size in tokens (what the replica tokenizes), never a flat 1:
+    # a 2 MiB body is not a free 1-token request.
+    requests, tokens = _charged(response)
+    size = len(response.request.content)
+    assert (600 - requests, 1_000_000 - tokens) == (1, size // 4)
+    big = post(app, "/tokenize", {"model": MODEL, "prompt": "word " * 20_000})
+    assert tokens - _charged(big)[1] == len(big.request.content) // 4 > 25_000
+    assert app.services.in_flight.load(MODEL, 1)["in_flight"] == 0  # the slot is given back
 
 
-def test_detokenize_goes_to_the_replicas_detokenize():
-    head = {"status": 200, "body": {"prompt": "Hello world"}, "stream": False, "trailer": {}}
-    router = FakeRouter(head)
-    response = client_for(router).post("/detokenize", json={"model": MODEL, "tokens": [9707, 1879]})
-    assert response.status_code == 200 and response.json()["prompt"] == "Hello world"
-    assert router.handle.calls[0][0] == "detokenize"
+def test_detokenize_goes_to_the_replicas_detokenize(app):
+    response = post(app, "/detokenize", {"model": MODEL, "tokens": [9707, 1879]})
+    assert response.status_code == 200 and response.json()["prompt"] == "t1 t2"
+    assert app.engine.calls[0][0] == "detokenize"
 
 
 @pytest.mark.parametrize(
@@ -161,41 +72,41 @@ def test_detokenize_goes_to_the_replicas_detokenize():
         ("detokenize", {"model": MODEL}, "tokens"),
     ],
 )
-def test_bad_bodies_are_400_before_anything_is_charged_or_sent(method, body, param):
-    router = FakeRouter()
-    response = client_for(router).post(f"/{method}", json=body)
+def test_bad_bodies_are_400_before_anything_is_charged_or_sent(app, method, body, param):
+    response = post(app, f"/{method}", body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
-    assert router.auth.charged == [] and router.handle.calls == []
+    assert app.engine.calls == []
+    assert _charged(post(app, "/tokenize", TOKENIZE))[0] == 599  # only the good request was charged
 
 
-def test_no_credential_is_401_before_the_body_is_read():
-    router = FakeRouter(authenticated=False)
-    response = client_for(router).post("/tokenize", json={"model": MODEL, "prompt": "x"})
-    assert response.status_code == 401 and router.bodies_read == 0
+def test_no_credential_is_401_before_the_body_is_read(app):
+    response = app.client.post("/tokenize", content=b"{not json")
+    assert response.status_code == 401  # not the body's 400: the body was not read
 
 
-def test_unknown_model_is_404_and_a_model_outside_the_keys_scope_is_403():
-    router = FakeRouter()
-    assert client_for(router).post("/tokenize", json={"model": "gpt-5", "prompt": "x"}).status_code == 404
-    router = FakeRouter(auth=FakeAuth(allowed=()))
-    response = client_for(router).post("/tokenize", json={"model": MODEL, "prompt": "x"})
-    assert response.status_code == 403 and router.auth.charged == []
+def test_unknown_model_is_404_and_a_model_outside_the_keys_scope_is_403(app):
+    assert post(app, "/tokenize", {"model": "gpt-5", "prompt": "x"}).status_code == 404
+    narrow, _ = app.auth.keys.create_key(owner="bob", tier="standard", models=(OTHER_MODEL,))
+    response = post(app, "/tokenize", {"model": MODEL, "prompt": "x"}, key=narrow)
+    assert response.status_code == 403
+    allowed = post(app, "/tokenize", {"model": OTHER_MODEL, "prompt": "x"}, key=narrow)
+    assert _charged(allowed)[0] == 599  # the refused request cost nothing
 
 
-def test_a_model_not_loaded_here_is_503_with_retry_after():
-    router = FakeRouter(states=FakeStates(serving=False))
-    response = client_for(router).post("/tokenize", json={"model": MODEL, "prompt": "x"})
-    assert response.status_code == 503 and response.headers["retry-after"] == "60"
-    assert router.handle.calls == []
+def test_a_model_not_loaded_here_is_503_with_retry_after(app):
+    app.serve.stop(MODEL)
+    app.run(app.services.states.refresh)
+    response = post(app, "/tokenize", {"model": MODEL, "prompt": "x"})
+    assert response.status_code == 503 and response.headers["retry-after"] == "30"
+    assert app.engine.calls == []
 
 
-def test_the_replicas_error_is_answered_with_its_status():
-    error = {"error": {"message": "token id 999999 is not in the model's vocabulary", "type": "invalid_request_error",
-                       "param": "tokens[0]", "code": None}}
-    router = FakeRouter({"status": 400, "body": error, "stream": False})
-    response = client_for(router).post("/detokenize", json={"model": MODEL, "tokens": [999999]})
-    assert response.status_code == 400 and response.json() == error
+def test_the_replicas_error_is_answered_with_its_status(router_app):
+    app = router_app(engine=FakeEngine(refuse=400))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response = post(app, "/detokenize", {"model": MODEL, "tokens": [999999]}, key=key)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
 def test_the_replica_refuses_ids_past_the_tokenizer_by_index():
@@ -222,6 +133,6 @@ def test_openapi_publishes_both_bodies_with_the_inference_errors():
 
 
 def test_the_router_side_never_imports_vllm():
-    code = "import sys, serve_app.router.ingress, serve_app.router.tokenization; print('vllm' in sys.modules)"
+    code = "import sys, serve_app.router.ingress, serve_app.router.pipeline; print('vllm' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -3,6 +3,7 @@
 import json
 
 from serve_app.engine import trailer
+from serve_app.wire.messages import EngineTiming, Trailer
 
 METRICS = {"queue_time_ms": 1.5, "time_to_first_token_ms": 20.0, "generation_time_ms": 80.0, "tokens_per_second": 9}
 DELTA = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
@@ -29,13 +30,13 @@ def run(watcher, events):
 def test_stream_without_usage_request_hides_the_usage_chunk_and_done():
     watcher = trailer.StreamTrailer(client_wants_usage=False)
     assert run(watcher, [DELTA, FINAL, USAGE, "data: [DONE]\n\n"]) == [DELTA, FINAL]
-    assert watcher.trailer() == {
-        "engine_timing": {"queue_ms": 1.5, "prefill_ms": 20.0, "decode_ms": 80.0},
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
-        "finish_reasons": ["length"],
-        "error_code": None,
-        "error_status": None,
-    }
+    assert watcher.trailer() == Trailer(
+        timing=EngineTiming(queue_ms=1.5, prefill_ms=20.0, decode_ms=80.0),
+        usage={"prompt_tokens": 3, "completion_tokens": 2},
+        finish_reasons=("length",),
+        error_code=None,
+        error_status=None,
+    )
 
 
 def test_stream_with_usage_request_keeps_usage_but_never_metrics():
@@ -52,12 +53,12 @@ def test_non_stream_response_trailer_removes_metrics():
     body = {"choices": [{"finish_reason": "stop"}], "usage": {"completion_tokens": 4}, "metrics": METRICS}
     summary = trailer.from_response(body)
     assert "metrics" not in body
-    assert summary["engine_timing"]["prefill_ms"] == 20.0
-    assert summary["finish_reasons"] == ["stop"]
+    assert summary.timing.prefill_ms == 20.0
+    assert summary.finish_reasons == ("stop",)
 
 
 def test_missing_metrics_give_empty_timing():
-    assert trailer.engine_timing(None) == {"queue_ms": None, "prefill_ms": None, "decode_ms": None}
+    assert trailer.engine_timing(None) == EngineTiming(queue_ms=None, prefill_ms=None, decode_ms=None)
 
 
 def test_an_engine_failure_mid_stream_becomes_our_engine_unavailable_error():
@@ -71,8 +72,8 @@ def test_an_engine_failure_mid_stream_becomes_our_engine_unavailable_error():
     assert error["type"] == "service_unavailable" and error["code"] == "engine_unavailable"
     assert "EngineCore" not in error["message"] and "stack trace" not in error["message"]
     assert event.endswith("\n\n")
-    assert watcher.trailer()["error_code"] == "engine_unavailable"
-    assert watcher.trailer()["error_status"] == 503
+    assert watcher.trailer().error_code == "engine_unavailable"
+    assert watcher.trailer().error_status == 503
 
 
 def test_a_client_error_mid_stream_keeps_its_status_and_message():
@@ -80,14 +81,14 @@ def test_a_client_error_mid_stream_keeps_its_status_and_message():
     event = watcher.pass_on('data: {"error":{"message":"bad grammar","type":"BadRequestError","param":"x","code":400}}\n\n')
     error = json.loads(event[5:])["error"]
     assert (error["type"], error["message"], error["param"]) == ("invalid_request_error", "bad grammar", "x")
-    assert watcher.trailer()["error_code"] == "invalid_request"
-    assert watcher.trailer()["error_status"] == 400
+    assert watcher.trailer().error_code == "invalid_request"
+    assert watcher.trailer().error_status == 400
 
 
 def test_token_events_are_passed_on_untouched():
     watcher = trailer.StreamTrailer(client_wants_usage=False)
     event = 'data: {"id":"c","choices":[{"index":0,"delta":{"content":"error"}}]}\n\n'
-    assert watcher.pass_on(event) is event and watcher.trailer()["error_code"] is None
+    assert watcher.pass_on(event) is event and watcher.trailer().error_code is None
 
 
 def test_vllm_only_nulls_are_cut_from_chunks_and_asked_for_values_kept():

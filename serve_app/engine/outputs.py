@@ -1,8 +1,8 @@
-"""How each API surface's vLLM output becomes a head, SSE bytes and a trailer in the replica.
+"""How each surface's vLLM output becomes an answer, SSE bytes and a trailer in the replica.
 
-``VLLMEngine._run`` does the same thing for every endpoint — validate with vLLM's request model,
+``VLLMEngine._run`` does the same thing for every surface — validate with vLLM's request model,
 call vLLM's serving object, answer a whole body or a stream of events (``protocol.py``), which
-``ModelServer`` turns into a head, SSE bytes and a trailer — and a ``Surface`` supplies what differs:
+``ModelServer`` puts on the wire — and an *output* supplies what differs:
 
 - ``dump``: vLLM's pydantic result as the JSON body (Responses needs ``by_alias`` for ``schema``,
   Anthropic ``exclude_none``);
@@ -15,18 +15,17 @@ call vLLM's serving object, answer a whole body or a stream of events (``protoco
 vLLM is imported inside the methods only: the router imports nothing from here.
 """
 
+import dataclasses
 import json
 from typing import Any, NamedTuple
 
 from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
+from serve_app.wire.messages import Trailer
 
 Body = dict[str, Any]
 
-# The body field that carries ``previous_response_id`` past the router (router/responses.py).
-ECHO_PREVIOUS_RESPONSE_ID = "pg_previous_response_id"
 
-
-class ChatSurface:
+class ChatOutput:
     """Chat and completions: vLLM's SSE strings, with usage (and timing) always asked for."""
 
     def __init__(self, shape):
@@ -35,7 +34,7 @@ class ChatSurface:
     def dump(self, result) -> Body:
         return result.model_dump()
 
-    def summarize(self, response: Body) -> Body:
+    def summarize(self, response: Body) -> Trailer:
         return trailer.from_response(response)
 
     def shape(self, response: Body, body: Body) -> None:
@@ -46,10 +45,10 @@ class ChatSurface:
         return trailer.StreamTrailer(trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")))
 
 
-CHAT = ChatSurface(openai_shape.chat)
-COMPLETIONS = ChatSurface(openai_shape.completion)
-TOKENIZATION = ChatSurface(openai_shape.without_nulls)
-PLAIN = ChatSurface(None)
+CHAT = ChatOutput(openai_shape.chat)
+COMPLETIONS = ChatOutput(openai_shape.completion)
+TOKENIZATION = ChatOutput(openai_shape.without_nulls)
+PLAIN = ChatOutput(None)
 
 
 def _usage(prompt: int | None, completion: int | None) -> Body | None:
@@ -59,19 +58,19 @@ def _usage(prompt: int | None, completion: int | None) -> Body | None:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-class ResponsesSurface:
+class ResponsesOutput:
     """OpenAI Responses: vLLM yields event objects, which are shaped and framed here."""
 
     def dump(self, result) -> Body:
         return result.model_dump(mode="json", by_alias=True)
 
-    def summarize(self, response: Body) -> Body:
+    def summarize(self, response: Body) -> Trailer:
         usage = response.get("usage") or {}
-        return {
-            "engine_timing": trailer.engine_timing(response.pop("metrics", None)),
-            "usage": _usage(usage.get("input_tokens"), usage.get("output_tokens")),
-            "finish_reasons": [_responses_finish(response)],
-        }
+        return Trailer(
+            timing=trailer.engine_timing(response.pop("metrics", None)),
+            usage=_usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            finish_reasons=(_responses_finish(response),),
+        )
 
     def shape(self, response: Body, body: Body) -> None:
         responses_shape.response(response, body)
@@ -92,10 +91,10 @@ class ResponsesStream:
 
     TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
-    def __init__(self, surface: ResponsesSurface, body: Body):
-        self._surface, self._body = surface, body
+    def __init__(self, output: ResponsesOutput, body: Body):
+        self._output, self._body = output, body
         self.final: Body | None = None
-        self._summary: Body = {"engine_timing": trailer.engine_timing(None), "usage": None, "finish_reasons": []}
+        self._summary = Trailer()
 
     def pass_on(self, event) -> str:
         if event.type in responses_shape.DELTA_TYPES:
@@ -103,14 +102,14 @@ class ResponsesStream:
         payload = event.model_dump(mode="json", by_alias=True)
         if payload.get("type") == "response.completed" and isinstance(payload.get("response"), dict):
             # Timing off the response before it is shaped (and before the client could see it).
-            self._summary = self._surface.summarize(payload["response"])
+            self._summary = self._output.summarize(payload["response"])
         payload = responses_shape.stream_event(payload, self._body)
         if payload.get("type") in self.TERMINAL:
             self.final = payload.get("response")
         return responses_shape.sse(payload)
 
-    def trailer(self) -> Body:
-        return {**self._summary, "error_code": None, "error_status": None, "response": self.final}
+    def trailer(self) -> Trailer:
+        return dataclasses.replace(self._summary, response=self.final)
 
 
 class ConvertedMessage(NamedTuple):
@@ -121,12 +120,9 @@ class ConvertedMessage(NamedTuple):
     metrics: Body | None
 
 
-class MessagesSurface:
-    """Anthropic Messages: vLLM's converter yields finished SSE strings (``event:`` lines).
-    One per request: ``stream`` is the request's watcher, which the chat stream under the
-    converter reports its engine timing to."""
-
-    stream: "MessagesStream | None" = None
+class MessagesOutput:
+    """Anthropic Messages: vLLM's converter yields finished SSE strings (``event:`` lines); the
+    chat stream under the converter reports its engine timing to the request's watcher."""
 
     def dump(self, result: ConvertedMessage) -> Body:
         body = result.message.model_dump(exclude_none=True)
@@ -134,20 +130,19 @@ class MessagesSurface:
             body["metrics"] = result.metrics  # summarize() takes it off before the client sees it
         return body
 
-    def summarize(self, response: Body) -> Body:
+    def summarize(self, response: Body) -> Trailer:
         usage = response.get("usage") or {}
-        return {
-            "engine_timing": trailer.engine_timing(response.pop("metrics", None)),
-            "usage": _usage(usage.get("input_tokens"), usage.get("output_tokens")),
-            "finish_reasons": [response["stop_reason"]] if response.get("stop_reason") else [],
-        }
+        return Trailer(
+            timing=trailer.engine_timing(response.pop("metrics", None)),
+            usage=_usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            finish_reasons=(response["stop_reason"],) if response.get("stop_reason") else (),
+        )
 
     def shape(self, response: Body, body: Body) -> None:
         anthropic_shape.message(response, body)
 
     def watcher(self, body: Body) -> "MessagesStream":
-        self.stream = MessagesStream(body)
-        return self.stream
+        return MessagesStream(body)
 
 
 _FAILED_MID_STREAM = "the model failed during this stream; retry the request"
@@ -185,15 +180,15 @@ class MessagesStream:
             return anthropic_shape.error_event(status, message)
         return anthropic_shape.stream_event(event, self._body)
 
-    def trailer(self) -> Body:
+    def trailer(self) -> Trailer:
         code, status = self._error or (None, None)
-        return {
-            "engine_timing": self.timing,
-            "usage": _usage(self._prompt, self._completion),
-            "finish_reasons": self._stop,
-            "error_code": code,
-            "error_status": status,
-        }
+        return Trailer(
+            timing=self.timing,
+            usage=_usage(self._prompt, self._completion),
+            finish_reasons=tuple(self._stop),
+            error_code=code,
+            error_status=status,
+        )
 
 
 async def peek_chat_metrics(chat_events, into: MessagesStream):

@@ -1,18 +1,18 @@
-"""The replica's half of the byte path: a TCP listener that carries each stream's SSE bytes.
+"""The byte socket between a router and a model replica: one TCP connection per request.
 
-Tokens never cross a DeploymentHandle (docs/architecture.md, "The token path"). The router's
-handle call carries control only: Serve routes it to a replica, counts it as an ongoing request
-(admission, ``max_queued_requests``, autoscaling, graceful drain), and cancelling it aborts the
-engine request. For a stream, the replica answers that call with a *head* naming this listener and
-a one-time ticket; the router connects, sends the ticket, and from then on vLLM's SSE events are
-written to that socket as bytes, as they are produced — one ``transport.write`` per event here,
-one read per socket read on the router, so several tokens travel in one read whenever the router
-is behind, and none waits for a timer. The handle call ends with the *trailer* (timing, usage).
+Tokens never cross a DeploymentHandle (docs/architecture.md, "The token path"). The handle call
+carries control; when the replica has bytes for the router (a stream) or must learn that the
+router gave up (a non-stream request under way), it names its listener and a one-time ticket in
+its first item (``messages.StreamOpen`` / ``messages.Accepted``) and the router connects.
 
 Wire format, router → replica: ``<32 hex chars ticket>\\n``, then nothing: the router closing its
-end is its hang-up (its client left), which stops the stream at once (``pump``). Replica → router:
-the raw SSE bytes of the stream, then the replica closes the connection. Whether the stream ended
-normally is said by the trailer, not by the socket.
+end is its hang-up (its client left), which the replica notices at once (``pump``, ``hung_up``),
+also while the engine is still queueing or prefilling. Replica → router: the raw SSE bytes of the
+stream (nothing for a non-stream request), then the replica closes the connection. How the
+request ended is said by the handle's last item (the trailer), never by the socket.
+
+An unknown, expired or reused ticket gets the connection closed without a byte. Both ends use TCP
+keepalive, so a peer that vanished without a FIN or RST (its node lost) is found in ~25 s.
 """
 
 import asyncio
@@ -22,27 +22,25 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serve_app.telemetry.logs import module_logger
-
-logger = module_logger(__name__)
+from serve_app.wire.messages import Address
 
 TICKET_BYTES = 16  # 32 hex characters on the wire
 TICKET_LINE_LEN = 2 * TICKET_BYTES + 1
-# How long the replica waits for the router to connect after sending the head. The router does so
-# at once; this only bounds a router that died between the head and the connect.
+# How long the replica waits for the router to connect after naming the socket. The router does
+# so at once; this only bounds a router that died in between. Also the router's connect timeout.
 CONNECT_TIMEOUT_S = 10.0
 # Past this many bytes buffered for a router that reads slowly, the replica awaits the drain.
 HIGH_WATER_BYTES = 256 * 1024
-
-
-# A peer that vanished without a FIN or RST (its node crashed, the link was cut) is found by TCP
-# keepalive: probed after this long idle, every interval, given up after count misses (~25 s),
-# so neither end holds a stream (and the engine its KV cache) for the kernel's two hours.
+# A peer that vanished without a FIN or RST: probed after this long idle, every interval, given
+# up after count misses (~25 s), so neither end holds a request (and the engine its KV cache) for
+# the kernel's two hours.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+# One read on the router: whatever the replica has written, up to this much.
+READ_BYTES = 64 * 1024
 
 
 def keep_alive(writer: asyncio.StreamWriter) -> None:
-    """Turn TCP keepalive on for the byte path's connection (either end)."""
+    """Turn TCP keepalive on for the byte socket (either end)."""
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
@@ -53,6 +51,18 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+# --- the router's end ---------------------------------------------------------------------------
+async def connect(address: Address, ticket: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a replica's listener and present ``ticket``. Raises ``OSError`` (or
+    ``TimeoutError``) when the listener cannot be reached."""
+    host, port = address
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    keep_alive(writer)
+    writer.write(ticket.encode("ascii") + b"\n")
+    return reader, writer
+
+
+# --- the replica's end --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StreamConnection:
     reader: asyncio.StreamReader
@@ -71,6 +81,10 @@ class StreamConnection:
     async def drain(self) -> None:
         await self.writer.drain()
 
+    async def hung_up(self) -> None:
+        """Returns when the router closes its end (it sends nothing after its ticket)."""
+        await self.reader.read(1)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -79,26 +93,33 @@ async def pump(events: AsyncIterator, pass_on: Callable[[Any], str | None], conn
     """Write each of ``events`` (as ``pass_on`` shapes it; None: drop it) to the router until the
     stream ends (True) or the router hangs up (False: its client left).
 
-    The router sends nothing after its ticket, so end-of-file on the connection is its hang-up,
-    noticed at once — also while the engine is still queueing or prefilling, when no write would
-    fail yet. Writing stops then, the engine request is aborted (by the caller's ``aclose``), and
-    the handle call still ends with its trailer: the tokens generated so far get billed.
+    End-of-file on the connection is the router's hang-up, noticed at once — also while the engine
+    is still queueing or prefilling, when no write would fail yet. Writing stops then, the engine
+    request is aborted (by the caller's ``aclose`` of ``events``), and the handle call still ends
+    with its trailer: the tokens generated so far get billed.
     """
     writing = asyncio.ensure_future(_write_all(events, pass_on, connection))
-    hang_up = asyncio.ensure_future(connection.reader.read(1))
+    if await first_of(writing, connection):
+        return writing.result()  # an engine failure raises here
+    return False
+
+
+async def first_of(work: asyncio.Future, connection: StreamConnection) -> bool:
+    """Wait for ``work`` or the router's hang-up, whichever comes first: True if ``work`` finished.
+    On a hang-up (or when this wait is cancelled) ``work`` is cancelled and waited for, so that
+    nothing goes on running what the caller is about to close."""
+    hang_up = asyncio.ensure_future(connection.hung_up())
     try:
-        await asyncio.wait((writing, hang_up), return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this call is cancelled: nothing may go on iterating ``events``
+        await asyncio.wait((work, hang_up), return_when=asyncio.FIRST_COMPLETED)
+    finally:
         hang_up.cancel()
-        if not writing.done():
-            writing.cancel()
-            await _until_done(writing)
-    if writing.cancelled():
-        return False
-    return writing.result()  # an engine failure raises here
+        if not work.done():
+            work.cancel()
+            await until_done(work)
+    return not work.cancelled()
 
 
-async def _until_done(task: asyncio.Task) -> None:
+async def until_done(task: asyncio.Future) -> None:
     """Wait for a cancelled task to finish, however often this wait is cancelled meanwhile (the
     caller closes the generator the task iterates next, which must not be running then); a
     cancellation received here is raised once the task is done."""
@@ -123,38 +144,8 @@ async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None]
     return True
 
 
-class Prefetched:
-    """An async iterator whose first item is already being produced when it is made.
-
-    vLLM's stream generator submits the request to the engine only when first iterated. Started
-    before the head is yielded, the engine's queue and prefill overlap the head's trip to the
-    router and the router's connect, instead of waiting for both.
-    """
-
-    def __init__(self, source):
-        self._source = source
-        self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
-
-    def __aiter__(self) -> "Prefetched":
-        return self
-
-    async def __anext__(self):
-        if self._first is not None:
-            first, self._first = self._first, None
-            return await first
-        return await self._source.__anext__()
-
-    async def aclose(self) -> None:
-        """Stop the source (vLLM aborts the engine request), also while its first item is pending."""
-        if self._first is not None:
-            self._first.cancel()
-            await _until_done(self._first)  # the source must not be running when it is closed
-            self._first = None
-        await self._source.aclose()
-
-
-class StreamServer:
-    """One listener per replica; matches each incoming connection to the stream that expects it."""
+class Listener:
+    """One per replica; matches each incoming connection to the request that expects it."""
 
     def __init__(self, host: str):
         self.host = host
@@ -163,15 +154,14 @@ class StreamServer:
         self._expected: dict[str, asyncio.Future] = {}
 
     async def start(self) -> None:
-        """Listen on an ephemeral port; call in the event loop the streams are served on."""
+        """Listen on an ephemeral port; call in the event loop the requests are served on."""
         if self._server is None:
             self._server = await asyncio.start_server(self._accept, self.host, 0)
             self.port = self._server.sockets[0].getsockname()[1]
-            logger.info("stream listener on %s:%d", self.host, self.port)
 
     @property
-    def address(self) -> list:
-        return [self.host, self.port]
+    def address(self) -> Address:
+        return (self.host, self.port)
 
     def expect(self) -> tuple[str, asyncio.Future]:
         """A fresh ticket and the future its connection will resolve."""

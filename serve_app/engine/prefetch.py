@@ -1,0 +1,36 @@
+"""``Prefetched``: the engine's first output already being produced while the replica's first
+item travels to the router."""
+
+import asyncio
+
+from serve_app.wire.socket import until_done
+
+
+class Prefetched:
+    """An async iterator whose first item is already being produced when it is made.
+
+    vLLM's stream generator submits the request to the engine only when first iterated. Started
+    before the head is yielded, the engine's queue and prefill overlap the head's trip to the
+    router and the router's connect, instead of waiting for both.
+    """
+
+    def __init__(self, source):
+        self._source = source
+        self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
+
+    def __aiter__(self) -> "Prefetched":
+        return self
+
+    async def __anext__(self):
+        if self._first is not None:
+            first, self._first = self._first, None
+            return await first
+        return await self._source.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the source (vLLM aborts the engine request), also while its first item is pending."""
+        if self._first is not None:
+            self._first.cancel()
+            await until_done(self._first)  # the source must not be running when it is closed
+            self._first = None
+        await self._source.aclose()

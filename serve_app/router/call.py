@@ -1,0 +1,158 @@
+"""The router's end of one handle call to a model replica (``wire/messages.py`` has its items).
+
+``ReplicaCall`` starts the call, waits for the replica's first item (Serve's queue, then the
+replica's head), connects to the byte socket the head names, and reads the call's last item. A
+replica that sheds the request, died, or cannot be reached becomes a 503 the pipeline may fail over;
+nothing else is decided here.
+
+The call is made outside Serve's request-cancellation scope (``detached``): when the client
+leaves, the router hangs up the byte socket instead, the replica stops the engine at once, and
+the call still ends with its last item, whose token count bills the request (``hang_up``,
+``last``). Every path that gives up on the call before that cancels it itself.
+"""
+
+import asyncio
+import contextvars
+import dataclasses
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from ray.exceptions import RayActorError
+from ray.serve import context as serve_context
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.errors import APIError, retry_later
+from serve_app.telemetry.logs import module_logger
+from serve_app.wire import socket as wire_socket
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, Head, StreamOpen, Trailer
+
+logger = module_logger(__name__)
+
+# 503 codes that mean a replica (not the model's load) failed: its engine died, or it vanished.
+REPLICA_FAILURES = (ENGINE_UNAVAILABLE, "replica_unavailable")
+# How long a request whose client left may take to send its last item (the replica stops at once on
+# the hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
+LAST_ITEM_WAIT_S = 10.0
+
+
+class ReplicaCall:
+    """One call of ``method`` on the model's deployment (``handle`` is ``options(stream=True)``)."""
+
+    def __init__(self, handle: DeploymentHandle, method: str, call: Call, model: str, region: str):
+        self.model, self.region = model, region
+        self.head: Head | None = None
+        self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
+        self.ended = False  # the call's last item has been read (or it was given up)
+        self._started = time.perf_counter()
+        self._items = detached(lambda: getattr(handle, method).remote(call))
+
+    async def first(self) -> Head:
+        """The replica's head; a shed or dead replica is a 503 (``overloaded``, ``replica_unavailable``,
+        ``engine_unavailable``)."""
+        try:
+            head = await self._items.__anext__()
+        except asyncio.CancelledError:  # the client left before the head: the engine may stop
+            self.cancel()
+            raise
+        except BackPressureError:
+            raise retry_later(f"{self.model} is at capacity in region {self.region}", "overloaded") from None
+        except RayActorError:
+            logger.exception("model replica for %s died", self.model)
+            raise self._vanished() from None
+        self.waited_ms = (time.perf_counter() - self._started) * 1000
+        self.head = head
+        if isinstance(head, Answer):
+            self.ended = True
+            raise_if_engine_died(head)
+        else:
+            await self._connect(head)
+        return head
+
+    async def answer(self) -> Answer:
+        """An ``Accepted`` request's answer (the engine's whole body)."""
+        answer = await self._items.__anext__()
+        self.ended = True
+        raise_if_engine_died(answer)
+        return answer
+
+    async def trailer(self) -> Trailer:
+        """A stream's trailer, once the replica has closed the socket: the engine is done."""
+        trailer = await self._items.__anext__()
+        self.ended = True
+        return trailer
+
+    @property
+    def under_way(self) -> bool:
+        """The replica has started on the request and its last item is still to come."""
+        return self.head is not None and not self.ended
+
+    def hang_up(self) -> None:
+        """The client left: close the byte socket, the replica's cue to stop the engine now."""
+        if self.socket is not None:
+            self.socket[1].close()
+
+    async def last(self) -> Trailer | None:
+        """After ``hang_up``: the trailer the replica still sends (the tokens generated), or None
+        when none came in time (the call is cancelled then)."""
+        try:
+            item = await asyncio.wait_for(self._items.__anext__(), LAST_ITEM_WAIT_S)
+        except Exception as err:  # no trailer in time, or the replica died: bill what is known
+            logger.warning("no last item from %s after its client left (%r)", self.model, err)
+            self.cancel()
+            return None
+        finally:
+            self.ended = True
+        return item.trailer if isinstance(item, Answer) else item
+
+    def cancel(self) -> None:
+        self.ended = True
+        self._items.cancel()
+
+    async def _connect(self, head: StreamOpen | Accepted) -> None:
+        """Connect to the listener the head names before any byte goes to the client, so a replica
+        that cannot be reached is still a clean 503 (which may fail over), not a broken 200."""
+        try:
+            self.socket = await wire_socket.connect(head.address, head.ticket)
+        except (OSError, asyncio.TimeoutError):
+            self.cancel()
+            logger.exception("cannot reach the byte socket of %s at %s:%s", self.model, *head.address)
+            raise self._vanished() from None
+        except asyncio.CancelledError:  # the client left while connecting: the engine may stop
+            self.cancel()
+            raise
+
+    def _vanished(self) -> APIError:
+        return retry_later(f"{self.model} replica became unavailable", "replica_unavailable")
+
+
+def raise_if_engine_died(answer: Answer) -> None:
+    """A replica whose engine died answers 503 ``engine_unavailable``: another replica may serve."""
+    if answer.status == 503:
+        error = answer.body["error"]
+        raise retry_later(error["message"].removesuffix("; retry"), error["code"] or "unavailable")
+
+
+def detached(call: Callable[[], Any]) -> Any:
+    """Make a handle call that Serve does not cancel with the request that made it.
+
+    Serve cancels every handle call a request made, queued or running, when that request is
+    cancelled — as the router's is when its client disconnects. A generating call must outlive its
+    client: the replica stops the engine on the router's hang-up and still ends the call with the
+    tokens it generated. So the call is made under a copy of Serve's request context with an
+    internal id of its own (Serve files child calls under the parent's internal id), keeping the
+    request id its logs and traces use.
+
+    Serve's request context is private API (``ray.serve.context``, Ray 2.60 as pinned);
+    ``tests/unit/test_byte_stream.py`` holds it to what this relies on.
+    """
+    current = serve_context._get_serve_request_context()
+    own = dataclasses.replace(
+        current, _internal_request_id=str(uuid.uuid4()), cancel_on_parent_request_cancel=False
+    )
+    context = contextvars.copy_context()
+    context.run(serve_context._serve_request_context.set, own)
+    return context.run(call)

@@ -1,0 +1,157 @@
+"""One inference request inside the router: what the pipeline's stages learn about it, and the one
+way it ends.
+
+Every request ends through ``Context.settle(outcome)``, exactly once, whatever happened:
+
+- ``served``: the engine answered (a JSON body, or a stream to its end; the status may be an
+  error the engine reported, a 400, or a stream's error event);
+- ``refused``: the router (or this region) said no before any engine answered: 4xx, or 503;
+- ``abandoned``: the client left. If the replica was already at work, the router hangs up the
+  byte socket, the replica stops the engine and still sends the tokens generated; the request is
+  closed when they come (in the background, ``LAST_ITEM_WAIT_S`` at most);
+- ``failed``: our own fault (500), or a stream that broke;
+- ``forwarded``: a peer region answered, to the end of its response; the peer bills it.
+
+Settling releases the model slot, closes the spans and metrics (``telemetry/request.py``), writes
+the usage record of an admitted request this region served, and lets go of its budget
+reservation. Nothing else in the router ends a request.
+"""
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from fastapi import Request
+
+from serve_app.auth.principal import Principal
+from serve_app.errors import APIError
+from serve_app.router.call import ReplicaCall
+from serve_app.router.failover import HOP_HEADER
+from serve_app.router.services import Services
+from serve_app.surfaces import Surface
+from serve_app.telemetry.logs import module_logger
+from serve_app.telemetry.request import RequestTelemetry
+from serve_app.wire.messages import Generated, Trailer
+
+logger = module_logger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's convention: the client went away before the response ended
+SERVED, REFUSED, ABANDONED, FAILED, FORWARDED = "served", "refused", "abandoned", "failed", "forwarded"
+
+
+class Outcome(NamedTuple):
+    kind: str
+    status: int
+    code: str | None = None
+
+
+def served(status: int, code: str | None = None) -> Outcome:
+    return Outcome(SERVED, status, code)
+
+
+def refused(err: APIError) -> Outcome:
+    return Outcome(REFUSED, err.status, err.code)
+
+
+def abandoned() -> Outcome:
+    return Outcome(ABANDONED, CLIENT_CLOSED, "client_closed")
+
+
+def failed(status: int = 500, code: str = "internal") -> Outcome:
+    return Outcome(FAILED, status, code)
+
+
+def forwarded(status: int, code: str | None = None) -> Outcome:
+    return Outcome(FORWARDED, status, code)
+
+
+_settling: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+
+
+async def wait_settled() -> None:
+    """Until every abandoned request's last item is in (or given up on): before the router stops,
+    so their usage records are queued while the ledger can still write them."""
+    if _settling:
+        await asyncio.gather(*_settling, return_exceptions=True)
+
+
+@dataclass(eq=False)
+class Context:
+    surface: Surface
+    request: Request
+    services: Services
+    telemetry: RequestTelemetry
+    # The request's id: its usage record's (written once, however often replayed) and its engine
+    # request's, so a record, a log line and an engine request name the same request.
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    origin: str | None = None  # the region that forwarded this request here, if one did
+    caller: Principal | None = None
+    raw: bytes = b""
+    body: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None
+    previous_response_id: str | None = None  # Responses: the stored response it continues
+    history_bytes: int = 0  # Responses: the stored conversation's size (it is prompt too)
+    cost: int = 0  # the tokens the request may cost (its price), charged when it is admitted
+    headers: dict[str, str] = field(default_factory=dict)  # rate limits, budgets, region: on the response
+    admitted: bool = False  # passed the budget and the rate limit: its usage is recorded
+    billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
+    call: ReplicaCall | None = None
+    keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
+    generated: Generated | None = None
+    outcome: Outcome | None = None
+    _release_slot: Any = None
+
+    @classmethod
+    def begin(cls, surface: Surface, request: Request, services: Services) -> "Context":
+        """Call first thing when the request arrives: the clock and the SERVER span start here."""
+        telemetry = RequestTelemetry(surface.route, request.headers, region=services.region, replica=services.replica)
+        return cls(surface, request, services, telemetry, origin=request.headers.get(HOP_HEADER))
+
+    @property
+    def record(self):
+        return self.telemetry.record
+
+    def hold_slot(self) -> None:
+        """Count the request in the model's in-flight load until it settles (or fails over)."""
+        self._release_slot = self.services.in_flight.begin(self.model)
+
+    def release_slot(self) -> None:
+        if self._release_slot is not None:
+            release, self._release_slot = self._release_slot, None
+            release()
+
+    def note_trailer(self, trailer: Trailer | None) -> None:
+        if trailer is not None:
+            self.telemetry.note_trailer(trailer)
+            self.generated = trailer.generated
+
+    # --- the one exit --------------------------------------------------------------------------
+    def settle(self, outcome: Outcome) -> None:
+        """End the request with ``outcome``; only the first call counts."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        self.telemetry.finish(outcome.status, outcome.code)  # the server clock stops now
+        if self.call is not None and self.call.under_way:
+            # The client left, or the stream broke: the replica stops the engine on the hang-up
+            # and still sends the tokens it generated, which this request is billed.
+            self.call.hang_up()
+            task = asyncio.get_running_loop().create_task(self._close_when_last_item_is_in())
+            _settling.add(task)
+            task.add_done_callback(_settling.discard)
+            return
+        self._close()
+
+    async def _close_when_last_item_is_in(self) -> None:
+        try:
+            self.note_trailer(await self.call.last())
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        outcome = self.outcome
+        self.release_slot()
+        self.telemetry.close(outcome.status, outcome.code)
+        if self.admitted and not self.billed_elsewhere and self.surface.generates:
+            self.services.meter.record(self.id, self.caller, self.record, self.generated, origin=self.origin)

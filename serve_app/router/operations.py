@@ -1,0 +1,172 @@
+"""The router's routes that run on no model replica: health, model cards and hot-load, key admin,
+usage reports and stored responses.
+
+Every route that takes a credential is metered: it costs the key one request of its rate limit
+(no tokens), like an inference request's admission, so a key cannot query the registry, the
+ledger or the response store faster than its tier allows.
+"""
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from serve_app import catalog
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.principal import Principal
+from serve_app.errors import APIError
+from serve_app.hot_load.state import COLD, LOADED, RECOVERING
+from serve_app.router.request_schema import parse_json_object
+from serve_app.router.body import read_body
+from serve_app.router.services import Services
+from serve_app.telemetry.logs import module_logger
+from serve_app.usage import report
+from serve_app.usage.records import utc_day
+
+logger = module_logger(__name__)
+
+# /health re-reads Serve's status when its view is older than this (probes come every few seconds).
+HEALTH_STATUS_MAX_AGE_S = 2.0
+# ...but never waits longer than this for it: a slow controller makes the answer older, not late.
+HEALTH_WAIT_S = 0.25
+
+
+async def metered_caller(services: Services, request: Request, scope: str = SCOPE_INFERENCE) -> Principal:
+    """The caller (401/403), charged one request of its rate limit (429)."""
+    caller = await services.caller(request, scope)
+    await services.auth.admit(caller, 0)
+    return caller
+
+
+async def health(services: Services) -> JSONResponse:
+    """Liveness and readiness for the load balancer and the global DNS health check.
+
+    Read from Serve's own view of its replicas — which its health checks keep — and this router's
+    count of in-flight requests, never through a model's request slots, so it answers at once
+    however busy the region is. 200 while a loaded model has a running replica: ``status`` is
+    ``ok``, or ``busy`` when every serving model's slots are taken (requests queue or are shed,
+    but the region serves). 503 when no model serves: ``recovering`` while Serve replaces a
+    failed replica, else ``unavailable``.
+    """
+    await services.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S)
+    states = {model_id: services.states.get(model_id) for model_id in services.handles}
+    load = {model_id: services.in_flight.load(model_id, state.running) for model_id, state in states.items()}
+    serving = [model_id for model_id, state in states.items() if state.serving]
+    if serving:
+        status = "busy" if all(load[model_id]["busy"] for model_id in serving) else "ok"
+    else:
+        status = "recovering" if any(s.state == RECOVERING for s in states.values()) else "unavailable"
+    return JSONResponse(
+        {
+            "status": status,
+            "region": services.region,
+            "models": {model_id: state.serving for model_id, state in states.items()},
+            "states": {model_id: state.state for model_id, state in states.items()},
+            "load": load,
+        },
+        status_code=200 if serving else 503,
+    )
+
+
+# --- models --------------------------------------------------------------------------------------
+async def list_models(services: Services, request: Request) -> dict[str, Any]:
+    caller = await metered_caller(services, request)
+    await services.states.ensure_fresh()
+    cards = [model_card(services, model_id) for model_id in services.handles if caller.allows_model(model_id)]
+    return {"object": "list", "data": cards}
+
+
+async def retrieve_model(services: Services, model: str, request: Request) -> dict[str, Any]:
+    caller = await metered_caller(services, request)
+    model_id = services.resolve(model)
+    services.auth.authorize_model(caller, model_id)
+    await services.states.ensure_fresh()
+    return model_card(services, model_id)
+
+
+async def set_wanted(services: Services, request: Request, wanted: str) -> JSONResponse:
+    """``POST /v1/models/load`` and ``/unload`` (admin): ``{"model": <id, alias or HF repo id>}``.
+    200 when the model is already in that state, 202 while it gets there."""
+    caller = await metered_caller(services, request, SCOPE_ADMIN)
+    model_id = services.resolve(parse_json_object(await read_body(request)).get("model"))
+    services.auth.authorize_model(caller, model_id)  # an admin scoped to some models manages only those
+    await services.states.ensure_fresh()
+    state = await services.states.set_wanted(model_id, wanted, by=caller.key_id)
+    logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, services.region)
+    settled = state.state in (LOADED, COLD)
+    return JSONResponse(model_card(services, model_id), status_code=200 if settled else 202)
+
+
+def model_card(services: Services, model_id: str) -> dict[str, Any]:
+    entry = catalog.get(model_id)
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": services.created,
+        "owned_by": "serve_app",
+        "aliases": [entry.hf_repo, *entry.aliases],
+        "max_model_len": entry.engine.max_model_len,
+        "region": services.region,
+        **services.states.get(model_id).to_json(),
+    }
+
+
+# --- key admin and usage ---------------------------------------------------------------------------
+async def list_keys(services: Services, request: Request) -> dict[str, Any]:
+    await metered_caller(services, request, SCOPE_ADMIN)
+    return {"object": "list", "data": await asyncio.to_thread(services.auth.list_keys)}
+
+
+async def revoke_key(services: Services, key_id: str, request: Request) -> dict[str, Any]:
+    await metered_caller(services, request, SCOPE_ADMIN)
+    if not await asyncio.to_thread(services.auth.revoke_key, key_id):
+        raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
+    return {"key_id": key_id, "revoked": True}
+
+
+async def usage(services: Services, request: Request) -> Response:
+    """``GET /v1/usage`` (docs/usage.md): a key's own totals; with ``key_id`` (one key, or ``*``
+    for all), an admin's view."""
+    params: Mapping[str, str] = request.query_params
+    key_id = params.get("key_id")
+    caller = await metered_caller(services, request, SCOPE_INFERENCE if key_id is None else SCOPE_ADMIN)
+    since, until, group_by = report.parse_query(params, today=utc_day(time.time()))
+    fmt = params.get("format", "json")
+    if fmt not in ("json", "csv"):
+        raise APIError(400, f"format must be json or csv, not {fmt!r}", param="format", code="invalid_usage_query")
+    target = caller.key_id if key_id is None else (None if key_id == ALL else key_id)
+    answer = await asyncio.to_thread(
+        report.usage_report, services.meter.store, key_id=target, since=since, until=until, group_by=group_by
+    )
+    if fmt == "csv":
+        return PlainTextResponse(report.to_csv(answer), media_type="text/csv")
+    return JSONResponse(answer)
+
+
+# --- stored responses ------------------------------------------------------------------------------
+async def retrieve_response(services: Services, response_id: str, request: Request) -> dict[str, Any]:
+    return await services.responses.retrieve(response_id, await metered_caller(services, request))
+
+
+async def delete_response(services: Services, response_id: str, request: Request) -> dict[str, Any]:
+    return await services.responses.delete(response_id, await metered_caller(services, request))
+
+
+async def cancel_response(services: Services, response_id: str, request: Request) -> dict[str, Any]:
+    return await services.responses.cancel(response_id, await metered_caller(services, request))
+
+
+# --- tokens --------------------------------------------------------------------------------------
+async def issue_token(services: Services, request: Request) -> dict[str, Any]:
+    """``POST /v1/auth/token``: an API key (``{"api_key": ...}``, else the Bearer value) for a JWT.
+    Rate limited per key before anything is signed; store lookups and signing run off the loop."""
+    authorization = services.auth.authorization(request.headers)  # 400 if there are two
+    api_key = None
+    if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
+        api_key = parse_json_object(await read_body(request)).get("api_key")
+        if api_key is not None and not isinstance(api_key, str):
+            raise APIError(400, "api_key must be a string", param="api_key", code="invalid_api_key_field")
+    return await services.auth.issue_token(authorization, api_key or None)

@@ -1,0 +1,188 @@
+"""The router's way for every request that runs on a model replica, as named stages over one
+``Context`` (``context.py``), in the order they run:
+
+    authenticate  the credential (401/403) — and, before the body is read, a key already over its
+                  request limit (429) or a body larger than its tier allows (400)
+    parse         the body: size (413), JSON (400 invalid_json)
+    resolve       the model name → the canonical id served here (404)
+    validate      the surface's strict body model (400 naming the field)
+    authorize     the caller's model scope (403)
+    recall        Responses: the stored conversation ``previous_response_id`` continues (404)
+    price         what the request may cost: prompt plus the completion the engine will obey
+    admit         the key's token budget and rate limit (429 + Retry-After)
+    route         the model is loaded here (503) — and holds one of its slots
+    call          the replica's answer: a whole body, a stream's socket, or a request under way
+    relay         the answer to the client, and the surface's closing (``relay.py``)
+
+and the request ends through ``Context.settle``, once. A 503 from ``route`` or ``call`` (not
+loaded, overloaded, replica or engine dead) goes to one peer region first (``fail_over``). What
+differs between surfaces is their row in ``serve_app/surfaces``; nothing here names one.
+"""
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from serve_app.auth.ratelimit import request_token_cost
+from serve_app.errors import APIError
+from serve_app.router import relay
+from serve_app.router.body import read_body
+from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
+from serve_app.router.context import Context, abandoned, failed, forwarded, refused
+from serve_app.router.failover import REGION_HEADER
+from serve_app.router.request_schema import parse_json_object, validate_body
+from serve_app.router.services import Services
+from serve_app.surfaces import Surface
+from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
+
+# What a request that generates nothing (count_tokens, tokenize, detokenize) costs against the
+# key's tokens/min, beside the one request: its prompt as the router estimates it from its size.
+TOKENIZE_MIN_COST = 1
+
+
+async def run(services: Services, request: Request, surface: Surface) -> Response:
+    """Serve one request of ``surface``; every error is in the surface's own dialect."""
+    ctx = Context.begin(surface, request, services)
+    try:
+        for stage in STAGES:
+            await stage(ctx)
+        response = await dispatch(ctx)
+    except APIError as err:
+        ctx.settle(refused(err))
+        return surface.dialect.error_response(err)
+    except asyncio.CancelledError:  # the client left before an answer was ready
+        ctx.settle(abandoned())
+        raise
+    except Exception:
+        ctx.settle(failed())
+        raise
+    return surface.dialect.reshape(response)
+
+
+# --- the stages before the model --------------------------------------------------------------
+async def authenticate(ctx: Context) -> None:
+    with ctx.record.measure_auth():
+        ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
+
+
+async def parse(ctx: Context) -> None:
+    ctx.raw = await read_body(ctx.request)
+    ctx.body = parse_json_object(ctx.raw)
+    ctx.record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text
+
+
+async def resolve(ctx: Context) -> None:
+    ctx.model = ctx.body["model"] = ctx.record.model = ctx.services.resolve(ctx.body.get("model"))
+
+
+async def validate(ctx: Context) -> None:
+    validate_body(ctx.surface.name, ctx.body)
+
+
+async def authorize(ctx: Context) -> None:
+    ctx.services.auth.authorize_model(ctx.caller, ctx.model)
+
+
+async def recall(ctx: Context) -> None:
+    """Responses: the router continues the stored conversation (the engine is stateless)."""
+    if ctx.surface.stores:
+        ctx.previous_response_id = ctx.body.get("previous_response_id")
+        ctx.keep, ctx.history_bytes = await ctx.services.responses.continue_from(ctx.body, ctx.caller)
+
+
+async def price(ctx: Context) -> None:
+    size = len(ctx.raw) + ctx.history_bytes
+    ctx.cost = request_token_cost(ctx.body, size) if ctx.surface.generates else max(TOKENIZE_MIN_COST, size // 4)
+
+
+async def admit(ctx: Context) -> None:
+    services, caller = ctx.services, ctx.caller
+    budget = await services.meter.check_budget(caller)  # 429 budget_exceeded
+    limits = await services.auth.admit(caller, ctx.cost)  # 429 + Retry-After
+    ctx.headers = {**limits, **budget, REGION_HEADER: services.region}
+    ctx.admitted = True
+    if ctx.surface.generates:
+        ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))  # the tier's, or lower
+
+
+STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
+
+
+# --- the model, here or in a peer region ------------------------------------------------------
+async def dispatch(ctx: Context) -> Response:
+    try:
+        await route(ctx)
+        head = await call(ctx)
+    except APIError as unavailable:
+        if unavailable.status != 503:
+            raise
+        if unavailable.code in REPLICA_FAILURES:
+            ctx.services.states.suspect()
+        if (response := await fail_over(ctx, unavailable)) is None:
+            raise
+        return response
+    if isinstance(head, StreamOpen):
+        return relay.stream(ctx)
+    return await relay.answer(ctx, head)
+
+
+async def route(ctx: Context) -> None:
+    states = ctx.services.states
+    await states.ensure_fresh()
+    states.require_serving(ctx.model, ctx.services.region)  # 503 unless loaded here
+    ctx.hold_slot()
+
+
+async def call(ctx: Context) -> Head:
+    """The replica's answer: a whole body, or a stream's open socket. A non-stream request that
+    generates is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
+    services = ctx.services
+    wire_call = Call(ctx.body, ctx.id, previous_response_id=ctx.previous_response_id)
+    ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
+    head = await ctx.call.first()
+    # Call → head, less the replica's own work before the head: Serve's queue and its two hops.
+    ctx.record.note_router_queue(ctx.call.waited_ms - (head.replica_ms or 0.0))
+    if isinstance(head, Accepted):
+        return await ctx.call.answer()
+    return head
+
+
+async def fail_over(ctx: Context, local: APIError) -> Response | None:
+    """Forward to the first peer region that takes the request, or None (answer ``local``).
+
+    One hop: a request that was itself forwarded is never forwarded again. The caller's own
+    credential never leaves this region: each peer gets a token minted here for the same key and
+    claims, whose audience is that peer alone and which lives a minute at most, so a peer (or
+    anyone on the way) cannot replay it elsewhere or for long. The region that serves the request
+    bills it: this one only if no peer took it.
+    """
+    services, caller = ctx.services, ctx.caller
+    peers = [p.region for p in services.forwarder.peers if p.region != services.region and caller.allows_region(p.region)]
+    if ctx.origin is not None or not peers:
+        return None
+    reason = local.code or "unavailable"
+    ctx.release_slot()  # the local model is done with it
+    ctx.call = None
+    propagation = ctx.telemetry.start_failover(reason)
+    ctx.billed_elsewhere = True  # a client gone meanwhile may have been admitted there
+    try:
+        # Minted up front in a thread: a key-store cache miss must not block the event loop.
+        bound = await asyncio.to_thread(
+            lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
+        )
+        result = await services.forwarder.forward(
+            ctx.surface.route, ctx.body, propagation, reason=reason, allowed=caller.allows_region,
+            on_done=lambda status, code: ctx.settle(forwarded(status, code)),  # a stream: its last byte
+            authorization=bound.__getitem__, dialect=ctx.surface.dialect,
+        )
+    except Exception:  # not a client gone (CancelledError): nothing reached a peer's engine
+        ctx.billed_elsewhere = False
+        raise
+    ctx.telemetry.note_failover(result.attempts, result.region)
+    if result.response is None:
+        ctx.billed_elsewhere = False
+        return None
+    if not result.stream:
+        ctx.settle(forwarded(result.status, result.error_type))
+    return result.response

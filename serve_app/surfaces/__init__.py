@@ -1,0 +1,69 @@
+"""The API surfaces: one row of plain data per endpoint that runs on a model replica.
+
+A *surface* is one such endpoint — chat, completions, Responses, Messages, count_tokens,
+tokenize, detokenize. Its row says everything that differs between them, and the router (its
+pipeline, its OpenAPI document), the replica (its methods) and the telemetry (route, operation
+name) all read it here:
+
+- ``name``: the surface, and the replica method the router calls for it;
+- ``route``: the HTTP path; ``body``: the strict body model the router validates with;
+- ``dialect``: the API it speaks (``dialects.py``): how its errors look, how a stream ends,
+  whether Anthropic's ``x-api-key`` is a credential;
+- ``generates``: it runs the engine's generation: priced as prompt plus completion, checked
+  against the key's token budget, recorded in the usage ledger; else priced by size, never
+  recorded;
+- ``stores``: Responses: ``previous_response_id`` continues a stored conversation, and the
+  answer is stored;
+- ``streams``: it may answer with a stream (``"stream": true``);
+- ``operation``: OpenTelemetry's ``gen_ai.operation.name`` (GenAI semantic conventions;
+  Responses and Messages are chats in their terms: a conversation in, a turn out);
+- ``chunk_object``: the ``object`` of its stream chunks (what the openai SDK's chunk types expect).
+
+Adding a surface is its row here, its body model, and its vLLM call (``engine/vllm_engine.py``).
+"""
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from serve_app.router.messages_schema import CountTokensBody, MessagesBody
+from serve_app.router.request_schema import ChatCompletionBody, CompletionBody, DetokenizeBody, TokenizeBody
+from serve_app.router.responses_schema import ResponsesBody
+from serve_app.surfaces import dialects
+from serve_app.surfaces.dialects import Dialect
+
+
+@dataclass(frozen=True)
+class Surface:
+    name: str
+    route: str
+    body: type[BaseModel]
+    dialect: Dialect
+    operation: str
+    generates: bool = True
+    stores: bool = False
+    streams: bool = True
+    chunk_object: str = "chat.completion.chunk"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CHAT = Surface("chat", "/v1/chat/completions", ChatCompletionBody, dialects.OPENAI, "chat")
+COMPLETIONS = Surface(
+    "completions", "/v1/completions", CompletionBody, dialects.OPENAI, "text_completion", chunk_object="text_completion"
+)
+RESPONSES = Surface("responses", "/v1/responses", ResponsesBody, dialects.RESPONSES, "chat", stores=True)
+MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat")
+COUNT_TOKENS = Surface(
+    "count_tokens", "/v1/messages/count_tokens", CountTokensBody, dialects.ANTHROPIC, "count_tokens",
+    generates=False, streams=False,
+)
+TOKENIZE = Surface("tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", generates=False, streams=False)
+DETOKENIZE = Surface(
+    "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", generates=False, streams=False
+)
+
+SURFACES: tuple[Surface, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, TOKENIZE, DETOKENIZE)
+BY_NAME: dict[str, Surface] = {surface.name: surface for surface in SURFACES}
+BY_ROUTE: dict[str, Surface] = {surface.route: surface for surface in SURFACES}

@@ -1,0 +1,9 @@
+"""What crosses between the router and a model replica, in one room.
+
+- ``messages.py``: the handle call's items as small dataclasses (pickled by Serve): the
+  ``Call`` the router makes, and what the replica yields back — an ``Answer`` (a whole body),
+  a ``StreamOpen`` or a ``Held`` (the byte socket to connect to), and the ``Trailer`` last.
+- ``socket.py``: the byte socket's protocol — the replica's listener, the router's connect, the
+  ticket, keepalive, and end-of-file as the router's hang-up.
+- ``sse.py``: every server-sent event read or written, by router and replica alike.
+"""

@@ -1,0 +1,121 @@
+"""The items of one handle call between the router and a model replica.
+
+The router calls the replica method of a surface with a ``Call``. The replica yields, in order:
+
+- a request that answers with one body (any non-stream surface that generates nothing, or any
+  error found before work starts): one ``Answer``, its ``trailer`` inside;
+- a stream: ``StreamOpen`` (connect to this socket, present this ticket: the SSE bytes come
+  there, as the engine produces them), then the ``Trailer`` once the engine is done;
+- a non-stream request that generates: ``Accepted`` at once (the same socket, which carries no
+  bytes: closing it is the router's hang-up, after which the engine stops and the tokens
+  generated so far are still reported), then its ``Answer`` when the engine is done.
+
+Tokens never cross the handle: it carries control (Serve's routing, admission, queueing,
+autoscaling and drain all count the call as one ongoing request for its whole life). These are
+plain dataclasses so that Serve pickles them as it pickled dicts, and both processes import this
+module without Ray or vLLM.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+Body = dict[str, Any]
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One request of one surface, as the router sends it to a replica."""
+
+    body: Body  # validated and normalised by the router; the engine's own model checks it again
+    request_id: str  # the router's id for the request: the engine request's, and the usage record's
+    # The completion limit in ``body`` is the router's default, not the client's: where the real
+    # prompt leaves less room, the engine clamps it instead of refusing the request.
+    limit_set_by_router: bool = False
+    # Responses: the id the client continued from; the router has replaced it by the stored
+    # conversation, and the answer echoes it.
+    previous_response_id: str | None = None
+    # The prefix-cache partition of the caller's owner (vLLM's ``cache_salt``): one tenant can
+    # never hit, and so never time, another tenant's cached prompt.
+    cache_salt: str | None = None
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """The tokens the engine handled for a request, counted as they passed (the bill of a request
+    whose answer never finished)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTiming:
+    """vLLM's per-request durations (differences of engine-core monotonic timestamps)."""
+
+    queue_ms: float | None = None  # queued → first scheduled
+    prefill_ms: float | None = None  # first scheduled → first token
+    decode_ms: float | None = None  # first token → last token
+
+
+@dataclass(frozen=True, slots=True)
+class Trailer:
+    """What the replica reports once the engine is done with a request."""
+
+    timing: EngineTiming = EngineTiming()
+    usage: Body | None = None  # the engine's usage (prompt_tokens, completion_tokens, …) when it finished
+    finish_reasons: tuple[str, ...] = ()
+    complete: bool = True  # False: the stream broke off before the engine finished
+    error_code: str | None = None  # why it broke off, or the code of the error event it ended with
+    error_status: int | None = None  # the status of that error event (the status line said 200)
+    replica: str | None = None  # the model replica (Serve replica tag)
+    generated: Generated = Generated()
+    # Responses: the final response object, which the router stores for previous_response_id.
+    response: Body | None = None
+    # Responses and Messages: the stream's terminal event, held back by the replica so that the
+    # router can complete it with the request's timing and send it last (the protocols' rule).
+    terminal: Body | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole response: a non-stream body, or any error the replica reports before a stream."""
+
+    status: int
+    body: Body
+    trailer: Trailer | None = None  # a success's engine report (None: an error before the engine)
+    replica_ms: float | None = None  # the replica's own time before this item (not Serve's queue)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOpen:
+    """A stream: its SSE bytes come on ``address`` to whoever presents ``ticket``."""
+
+    address: Address
+    ticket: str
+    replica_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """A non-stream request is under way; hang up on ``address`` (after presenting ``ticket``)
+    to stop it. Its ``Answer`` follows."""
+
+    address: Address
+    ticket: str
+    replica_ms: float | None = None
+
+
+Head = Answer | StreamOpen | Accepted
+# What an abandoned request's wait may end with: its last item, however it came.
+Last = Answer | Trailer
+
+
+# The error code of a replica whose engine died (a 503 before a stream, or a stream's last error
+# event): the router may send the request to another replica or region.
+ENGINE_UNAVAILABLE = "engine_unavailable"

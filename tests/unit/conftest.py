@@ -1,0 +1,26 @@
+import pytest
+
+from router_app import build_router_app, close_open_routers, close_router_app
+
+
+@pytest.fixture
+def router_app(tmp_path, monkeypatch):
+    """``router_app(**options)``: the real router on a fake engine (``router_app.py``); each call
+    builds one more (two regions, say), all closed when the test ends."""
+    built = []
+
+    def build(**options):
+        app = build_router_app(tmp_path / f"router-{len(built)}", monkeypatch, **options)
+        built.append(app)
+        return app
+
+    yield build
+    for app in built:
+        close_router_app(app)
+
+
+@pytest.fixture(autouse=True)
+def _close_router_clients():
+    """Routers a test opened with ``router_app.router_client`` end with the test."""
+    yield
+    close_open_routers()
