@@ -20,9 +20,10 @@ from fastapi.testclient import TestClient
 from serve_app.auth.authenticator import Authenticator
 from serve_app.auth.config import AuthArgs, Tier
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
-from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, request_token_cost
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
 from serve_app.auth.tokens import Keyset, SigningKey, create_keyset
 from serve_app.errors import APIError
+from serve_app.router.pricing import price
 
 MODEL = "qwen-3.6-35b-a3b"
 OTHER_MODEL = "qwen-3.5-27b"
@@ -76,9 +77,11 @@ def router_like_app(auth: Authenticator) -> TestClient:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> JSONResponse:
         caller = auth.authenticate(auth.authorization(request.headers), scope=SCOPE_INFERENCE)
-        body = await request.json()
+        raw = await request.body()
+        body = json.loads(raw)
         auth.authorize_model(caller, body["model"])
-        limits = await auth.admit(caller, request_token_cost(body))
+        cost = price("chat", body, len(raw), context_len=8192, default_max_tokens=4096)
+        limits = await auth.admit(caller, cost.total)
         return JSONResponse({"key_id": caller.key_id, "via": caller.via}, headers=limits)
 
     @app.get("/v1/admin/keys")
