@@ -8,7 +8,7 @@ parser that its chat template speaks).
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineDefaults(BaseModel):
@@ -47,12 +47,25 @@ class CatalogModel(BaseModel):
         False, description="Qwen3 thinks unless told not to; this product turns it off."
     )
     engine: EngineDefaults
+    default_max_tokens: int = Field(
+        gt=0,
+        description="The completion limit the router sets on a request that sets none (and charges "
+        "for it: serve_app/router/pricing.py); never above engine.max_model_len.",
+    )
     speculative_method: Literal["mtp"] | None = Field(
         None,
         description="The speculative-decoding method vLLM offers with this checkpoint alone: 'mtp' "
         "drafts with the model's own multi-token-prediction layers (no draft model). Off unless a "
         "region opts in.",
     )
+
+    @model_validator(mode="after")
+    def _default_fits_the_context(self) -> "CatalogModel":
+        if self.default_max_tokens > self.engine.max_model_len:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) is over max_model_len ({self.engine.max_model_len})"
+            )
+        return self
 
     @property
     def accepted_names(self) -> tuple[str, ...]:
@@ -82,6 +95,11 @@ QWEN36_35B_A3B = CatalogModel(
         tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
+    # Half the served context: an answer of up to ~3,000 words (thinking included, when a request
+    # opts in) still leaves 4,096 tokens for the prompt, and every request without a limit is
+    # charged and escrowed this much, not the whole 8,192 (a free key's 40,000 tokens/min still
+    # fits 9 of them). vLLM alone would allow the whole context left after the prompt.
+    default_max_tokens=4096,
     # vLLM maps the qwen3_5_moe checkpoint's MTP layers to its Qwen3_5MoeMTP drafter; in 0.32 the
     # method is spelled "mtp" (per-model names such as "qwen3_5_mtp" are deprecated aliases).
     speculative_method="mtp",
@@ -101,6 +119,7 @@ QWEN35_27B = CatalogModel(
         tool_strict_level="parameter",
         reasoning_parser="qwen3",
     ),
+    default_max_tokens=4096,  # as the 35B-A3B's, for the same reasons
     speculative_method="mtp",  # dense qwen3_5: vLLM's Qwen3_5MTP drafter
 )
 

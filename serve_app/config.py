@@ -117,6 +117,12 @@ class ModelDeploymentArgs(Settings):
         description="At deploy: loaded starts replicas; cold starts none until POST /v1/models/load "
         "(serve_app/hot_load/state.py). A state set through the API outlives redeploys.",
     )
+    default_max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="The completion limit the router sets (and charges) on a request that sets none; "
+        "default: the catalog's. At most the served max_model_len.",
+    )
 
     @field_validator("id")
     @classmethod
@@ -126,6 +132,25 @@ class ModelDeploymentArgs(Settings):
                 f"{value!r} is not a canonical catalog id (known: {', '.join(catalog.CATALOG)})"
             )
         return value
+
+    @model_validator(mode="after")
+    def _default_within_context(self) -> "ModelDeploymentArgs":
+        if self.default_max_tokens is not None and self.default_max_tokens > self.max_model_len:
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) is over the served max_model_len ({self.max_model_len})"
+            )
+        return self
+
+    @property
+    def max_model_len(self) -> int:
+        """The served context: this deployment's override, else the catalog's."""
+        return self.engine.max_model_len or catalog.get(self.id).engine.max_model_len
+
+    @property
+    def completion_default(self) -> int:
+        """The limit of a request that sets none: this deployment's ``default_max_tokens``, else
+        the catalog's, lowered to a ``max_model_len`` override that is smaller."""
+        return min(self.default_max_tokens or catalog.get(self.id).default_max_tokens, self.max_model_len)
 
     @property
     def deployment_name(self) -> str:

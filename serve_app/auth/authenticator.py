@@ -50,6 +50,8 @@ def region_audience(audience: str, region: str) -> str:
 class Limiter(Protocol):
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None: ...
 
+    async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> object: ...
+
 
 def _looks_like_jwt(credential: str) -> bool:
     return credential.count(".") == 2
@@ -76,6 +78,7 @@ class Authenticator:
         self._dev_key_digest = digest(dev_key) if dev_key else None
         # Tokens for everyone, and failover tokens minted by a peer for this region only.
         self._audiences = [args.audience, region_audience(args.audience, region)]
+        self._charging: set[asyncio.Task] = set()
 
     @staticmethod
     def authorization(headers: Any, *, api_key_header: bool = False) -> str | None:
@@ -213,6 +216,19 @@ class Authenticator:
                 headers=decision.headers(),
             )
         return decision.headers()
+
+    def charge(self, principal: Principal, tokens: int) -> None:
+        """Charge ``tokens`` more against the key's tokens/min, never refused: what a request
+        turned out to cost beyond what ``admit`` charged (its real prompt over the estimate,
+        docs/auth.md). Synchronous, for the moment a request ends; the limiter is told in the
+        background (no actor call when this replica holds a lease of the key)."""
+        tier = self.args.tiers.get(principal.tier)
+        if tokens <= 0 or tier is None:
+            return
+        charged = self.limiter.charge(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens)
+        task = asyncio.get_running_loop().create_task(charged)
+        self._charging.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(self._charging.discard)
 
     # --- the token endpoint and key admin ---------------------------------------------------
     async def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:

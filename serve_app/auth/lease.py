@@ -22,6 +22,12 @@ slice (at least one request). So a key over its budget stays refused (fail close
 Retry-After, and during an outage a key gets at most its tier's rate from each replica (never
 unlimited). The actor is asked again at most every ``OUTAGE_RETRY_S``, so requests do not each
 wait for a dead actor; its first answer ends the outage and the replica's buckets are dropped.
+
+What a request cost beyond its admission (``charge``: its real prompt over the estimate) is taken
+from this replica's live lease of the key first, with no actor call; what the lease cannot cover
+goes to the actor, which may put the key in debt. During an outage this replica's own buckets
+take it (for a key they already hold; otherwise it is logged and lost: at most one request's
+under-estimate per request served during the outage).
 """
 
 import asyncio
@@ -49,6 +55,8 @@ class LeaseSource(Protocol):
         self, key_id: str, rpm: int, tpm: int, tokens: int, want_requests: int, want_tokens: int,
         returned_requests: int, returned_tokens: int,
     ) -> tuple[Decision, int, int] | None: ...
+
+    async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Window | None: ...
 
 
 @dataclass
@@ -104,6 +112,21 @@ class LeasedRateLimiter:
         if decision.allowed and (requests or granted_tokens):
             self._leases[key_id] = _Lease(requests, granted_tokens, self.clock() + LEASE_TTL_S, decision)
         return _with_lease(decision, requests, granted_tokens)
+
+    async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> None:
+        """Charge ``tokens`` more to ``key_id``, never refused: from its live lease here first,
+        the rest in the actor (or, while it is away, in this replica's buckets)."""
+        lease = self._leases.get(key_id)
+        if tokens > 0 and lease is not None and lease.expires >= self.clock():
+            taken = min(lease.tokens, tokens)  # carved out of the region's bucket for this key already
+            lease.tokens -= taken
+            tokens -= taken
+        if tokens <= 0:
+            return
+        if self._outage is not None and self._outage.knows(key_id):
+            self._outage.charge(key_id, tpm, tokens)
+        elif await self.source.charge(key_id, rpm, tpm, tokens) is None:
+            logger.warning("rate limiter unavailable: %d tokens key %s used beyond its charge are not counted", tokens, key_id)
 
     def _decide_alone(self, key_id: str, rpm: int, tpm: int, tokens: int, left: _Lease | None) -> Decision:
         if self._outage is None:

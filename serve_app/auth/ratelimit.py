@@ -4,14 +4,15 @@
 one named Ray actor that every router replica calls (``SharedRateLimiter``), so N router replicas
 enforce the limit once, not N times.
 
-Tokens are charged up front, when the request is admitted: the prompt estimated from its length
-(~4 characters a token) plus the completion budget (``max_completion_tokens``/``max_tokens``, or
-``UNSPECIFIED_COMPLETION_TOKENS`` when the request sets none), times ``n``. There is no refund for
-a shorter answer: simple, bounded, and it is what a caller asked to be allowed to use.
+Tokens are charged up front, when the request is admitted: its price (``router/pricing.py``: the
+prompt estimated from its size plus every sequence's completion limit, as the engine will obey
+it). There is no refund for a shorter answer: simple, bounded, and it is what a caller asked to be
+allowed to use. The prompt estimate can be under the engine's real count; what a request turns out
+to have cost beyond its charge is charged once it is known (``charge``), never refused: the bucket
+may go below zero, a debt the key's next requests wait out.
 """
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import Callable
@@ -22,31 +23,10 @@ from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
 
-UNSPECIFIED_COMPLETION_TOKENS = 1024
-CHARS_PER_TOKEN = 4
 ACTOR_NAMESPACE = "serve_app"
 # The limiter is on every request's path: if it does not answer this fast, the router replica
 # enforces the key's limits itself from what it last knew (serve_app/auth/lease.py), logged.
 ACTOR_TIMEOUT_S = 2
-
-
-def request_token_cost(body: dict[str, Any], body_bytes: int | None = None) -> int:
-    """Tokens a request may cost: its prompt (estimated from its size) plus its completion budget.
-
-    The router passes ``body_bytes``, the size of the JSON it received: an estimate that counts
-    tools and schemas too (they are prompt tokens as well) and costs nothing, where serialising
-    the prompt again would cost a JSON encode of up to 2 MiB per request.
-    """
-    if body_bytes is None:
-        prompt = body.get("messages", body.get("prompt", body.get("input", "")))
-        body_bytes = len(json.dumps(prompt, ensure_ascii=False))
-    prompt_tokens = body_bytes // CHARS_PER_TOKEN
-    budget = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
-    n = body.get("n")
-    # Malformed values are the engine's to reject with a 400; here they just get the default.
-    budget = budget if isinstance(budget, int) and budget > 0 else UNSPECIFIED_COMPLETION_TOKENS
-    n = n if isinstance(n, int) and n > 0 else 1
-    return prompt_tokens + budget * n
 
 
 @dataclass(frozen=True)
@@ -148,6 +128,14 @@ class RateLimiter:
         decision = Decision(True, self._window(requests), self._window(token_bucket))
         return decision, granted_requests, granted_tokens
 
+    def charge(self, key_id: str, tokens_per_minute: int, tokens: int) -> Window:
+        """Charge ``tokens`` a request turned out to cost beyond what admitting it charged (its
+        real prompt over the estimate). Never refused: the bucket may go below zero, and the
+        key's next requests wait until it has refilled past their cost (their Retry-After)."""
+        bucket = self._bucket(key_id, "tokens", tokens_per_minute, self.clock())
+        bucket.level -= max(0, tokens)
+        return self._window(bucket)
+
     def knows(self, key_id: str) -> bool:
         return (key_id, "requests") in self._buckets
 
@@ -165,7 +153,8 @@ class RateLimiter:
 
     @staticmethod
     def _window(bucket: _Bucket) -> Window:
-        return Window(int(bucket.capacity), int(bucket.level), bucket.seconds_until(bucket.capacity))
+        # In debt (charge), nothing remains: the headers never report a negative number.
+        return Window(int(bucket.capacity), max(0, int(bucket.level)), bucket.seconds_until(bucket.capacity))
 
     def _prune(self, now: float) -> None:
         # A full bucket is the same as no bucket: forgetting it bounds memory by active keys.
@@ -188,6 +177,9 @@ class LocalRateLimiter:
 
     async def lease(self, *args: int | str) -> tuple[Decision, int, int] | None:
         return self.limiter.lease(*args)
+
+    async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Window | None:
+        return self.limiter.charge(key_id, tpm, tokens)
 
 
 class SharedRateLimiter:
@@ -227,6 +219,10 @@ class SharedRateLimiter:
         """``RateLimiter.lease`` in the actor; None when it is unavailable (the lease's holder
         then decides from its last known state: serve_app/auth/lease.py)."""
         return await self._call("lease", *args)
+
+    async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Window | None:
+        """``RateLimiter.charge`` in the actor; None when it is unavailable."""
+        return await self._call("charge", key_id, tpm, tokens)
 
     async def _call(self, method: str, *args):
         try:

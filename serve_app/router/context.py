@@ -92,7 +92,8 @@ class Context:
     model: str | None = None
     previous_response_id: str | None = None  # Responses: the stored response it continues
     history_bytes: int = 0  # Responses: the stored conversation's size (it is prompt too)
-    cost: int = 0  # the tokens the request may cost (its price), charged when it is admitted
+    price: Any = None  # what it may cost (``pricing.Price``), charged when it is admitted
+    reservation: Any = None  # its price held against the key's token budget (``budgets.Reservation``)
     headers: dict[str, str] = field(default_factory=dict)  # rate limits, budgets, region: on the response
     admitted: bool = False  # passed the budget and the rate limit: its usage is recorded
     billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
@@ -154,4 +155,8 @@ class Context:
         self.release_slot()
         self.telemetry.close(outcome.status, outcome.code)
         if self.admitted and not self.billed_elsewhere and self.surface.generates:
-            self.services.meter.record(self.id, self.caller, self.record, self.generated, origin=self.origin)
+            record = self.services.meter.record(self.id, self.caller, self.record, self.generated, origin=self.origin)
+            if record is not None:  # its real cost beyond its price (the prompt estimate's miss)
+                self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
+        if self.reservation is not None:  # after the record: its real tokens count from now on
+            self.reservation.release()

@@ -24,9 +24,8 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
-from serve_app.auth.ratelimit import request_token_cost
 from serve_app.errors import APIError
-from serve_app.router import relay
+from serve_app.router import pricing, relay
 from serve_app.router.body import read_body
 from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
 from serve_app.router.context import Context, abandoned, failed, forwarded, refused
@@ -35,11 +34,6 @@ from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
-
-# What a request that generates nothing (count_tokens, tokenize, detokenize) costs against the
-# key's tokens/min, beside the one request: its prompt as the router estimates it from its size.
-TOKENIZE_MIN_COST = 1
-
 
 async def run(services: Services, request: Request, surface: Surface) -> Response:
     """Serve one request of ``surface``; every error is in the surface's own dialect."""
@@ -92,15 +86,28 @@ async def recall(ctx: Context) -> None:
 
 
 async def price(ctx: Context) -> None:
-    size = len(ctx.raw) + ctx.history_bytes
-    ctx.cost = request_token_cost(ctx.body, size) if ctx.surface.generates else max(TOKENIZE_MIN_COST, size // 4)
+    """The most the engine may generate for it, with the body normalised so that the engine obeys
+    exactly the limit priced (``pricing.py``; 400 for a limit field the surface ignores)."""
+    facts, size = ctx.services.models[ctx.model], len(ctx.raw) + ctx.history_bytes
+    # A request without a limit gets the model's default, but never more than its key's tier can
+    # ever admit in a minute: a free key's request without max_tokens is served, not a 400.
+    tier = ctx.services.auth.args.tiers.get(ctx.caller.tier)
+    default = facts.default_max_tokens
+    if tier is not None:
+        default = max(1, min(default, tier.tokens_per_minute - pricing.estimate_prompt_tokens(size)))
+    ctx.price = pricing.price(
+        ctx.surface.name, ctx.body, size, context_len=facts.context_len, default_max_tokens=default
+    )
 
 
 async def admit(ctx: Context) -> None:
+    """Its worst case held against the key's token budget (nothing held for a surface that
+    generates nothing, but a spent budget refuses it too), then charged to its rate limit."""
     services, caller = ctx.services, ctx.caller
-    budget = await services.meter.check_budget(caller)  # 429 budget_exceeded
-    limits = await services.auth.admit(caller, ctx.cost)  # 429 + Retry-After
-    ctx.headers = {**limits, **budget, REGION_HEADER: services.region}
+    held = ctx.price.total if ctx.surface.generates else 0
+    ctx.reservation = await services.meter.reserve(caller, held)  # 429 budget_exceeded
+    limits = await services.auth.admit(caller, ctx.price.total)  # 429 + Retry-After
+    ctx.headers = {**limits, **ctx.reservation.headers, REGION_HEADER: services.region}
     ctx.admitted = True
     if ctx.surface.generates:
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))  # the tier's, or lower
@@ -138,7 +145,10 @@ async def call(ctx: Context) -> Head:
     """The replica's answer: a whole body, or a stream's open socket. A non-stream request that
     generates is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
     services = ctx.services
-    wire_call = Call(ctx.body, ctx.id, previous_response_id=ctx.previous_response_id)
+    wire_call = Call(
+        ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
+        previous_response_id=ctx.previous_response_id,
+    )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()
     # Call → head, less the replica's own work before the head: Serve's queue and its two hops.
@@ -172,7 +182,7 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
             lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
         )
         result = await services.forwarder.forward(
-            ctx.surface.route, ctx.body, propagation, reason=reason, allowed=caller.allows_region,
+            ctx.surface.route, _as_the_client_set_it(ctx), propagation, reason=reason, allowed=caller.allows_region,
             on_done=lambda status, code: ctx.settle(forwarded(status, code)),  # a stream: its last byte
             authorization=bound.__getitem__, dialect=ctx.surface.dialect,
         )
@@ -186,3 +196,12 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
     if not result.stream:
         ctx.settle(forwarded(result.status, result.error_type))
     return result.response
+
+
+def _as_the_client_set_it(ctx: Context) -> dict:
+    """The body a peer region gets: as priced here, but without a completion limit this router
+    set (the peer sets and prices its own, and may lower it to what the real prompt leaves)."""
+    if not ctx.price.limit_set_by_router:
+        return ctx.body
+    field = pricing.ROUTES[ctx.surface.name].field
+    return {key: value for key, value in ctx.body.items() if key != field}

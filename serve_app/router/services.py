@@ -35,10 +35,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, model: ModelDeploymentArgs) -> "ModelFacts":
-        entry = catalog.get(model.id)
-        context_len = model.engine.max_model_len or entry.engine.max_model_len
-        default = getattr(model, "default_max_tokens", None) or getattr(entry, "default_max_tokens", None) or 4096
-        return cls(context_len=context_len, default_max_tokens=min(default, context_len))
+        return cls(context_len=model.max_model_len, default_max_tokens=model.completion_default)
 
 
 @dataclass

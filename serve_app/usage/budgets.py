@@ -1,30 +1,39 @@
-"""Per-key token budgets per UTC day and per UTC month (prompt + completion tokens).
+"""Per-key token budgets per UTC day and per UTC month (prompt + completion tokens), held in escrow.
 
 A budget is global, across every router of every region: the spend it is checked against is the
 shared ledger's rollup (``UsageStore.budget_state``), plus what this router recorded and has not
-written yet (``UsageLedger.pending_tokens``), so a router sees its own spend at once. The router
-calls ``check()`` before admitting a request; a key whose day's or month's spend has reached its
-limit gets a 429 ``budget_exceeded`` with ``Retry-After`` until the period resets.
+written yet (``UsageLedger.pending_tokens``), so a router sees its own spend at once.
 
-The overshoot is bounded, not zero. A request is admitted while spend < limit, and its cost is
-known only when it ends, so past the limit a key can still get:
-  - the requests already in flight when the limit was reached (each up to its prompt plus its
-    completion budget), admitted before any of them was recorded;
-  - what other routers and regions admitted meanwhile: their records reach the database within
-    their ledger's ``flush_interval_s``, and this router reads the database again within
-    ``cache_ttl_s`` — so about (flush_interval_s + cache_ttl_s) of the key's traffic elsewhere.
+Escrow: the router reserves a request's worst case (its price, ``router/pricing.py``) when it
+admits it (``reserve``), and releases the reservation when the request ends, right after its usage
+record is queued: from then on the record's real tokens count instead, in the ledger's pending
+tokens (no gap between the two, and no double count once released). A request is admitted only
+if the key's spend, this router's unwritten records, its open reservations and this request's
+worst case all fit in the day's and the month's limit; otherwise 429 ``budget_exceeded``, with
+``Retry-After`` until the period resets (or 1 s when only the key's own requests in flight hold
+the rest: they release it as they end). ``check`` is the same with nothing reserved.
+
+The overshoot that remains (docs/usage.md):
+  - the prompt estimate: a request may turn out to cost more than its price, by what its real
+    prompt exceeds the estimate (at most ``CHARS_PER_TOKEN`` times the estimate, plus the chat
+    template);
+  - other routers and regions: their reservations are not seen here at all, and their records
+    reach the database within their ledger's ``flush_interval_s`` and this router reads it again
+    within ``cache_ttl_s`` (plus a read replica's lag). So past the limit the key can still get
+    what the other routers admitted in flight, each of them at most the remaining budget it saw.
 
 Each check reads the cache in the event loop; a miss loads the budget and both spends in one
 thread call (one connection), shared by every check of that key waiting on it. Keys without a
-budget are cached too: for them a check costs one cached lookup. When the ledger writes a batch
-it tells the guard (``forget``), so this router's next check reads the spend it just wrote.
+budget are cached too: for them a reservation costs one cached lookup and holds nothing. When
+the ledger writes a batch it tells the guard (``forget``), so this router's next check reads the
+spend it just wrote.
 
 Bounded grace: when the store cannot be reached on a miss, the guard keeps the key's last known
-entry (budget and spend, still counting this router's new spend on top) for another
-``cache_ttl_s`` and tries again after that. A key it has no entry for is admitted (fail open)
-until the store answers again: a ledger outage must not stop inference, and the records of what
-it admits are spooled and reach the ledger afterwards (``ledger.py``), so the spend is counted
-late, never lost. Each failed reload is logged.
+entry (budget and spend, still counting this router's new spend and reservations on top) for
+another ``cache_ttl_s`` and tries again after that. A key it has no entry for is admitted (fail
+open, nothing reserved) until the store answers again: a ledger outage must not stop inference,
+and the records of what it admits are spooled and reach the ledger afterwards (``ledger.py``), so
+the spend is counted late, never lost. Each failed reload is logged.
 """
 
 import asyncio
@@ -32,7 +41,7 @@ import datetime as dt
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from serve_app.errors import APIError
 from serve_app.usage.ledger import UsageLedger
@@ -43,6 +52,8 @@ from serve_app.telemetry.logs import module_logger
 logger = module_logger(__name__)
 
 MAX_ENTRIES = 50_000  # keys cached; bounded like the key store's cache
+# Retry-After when the budget is held by the key's own requests in flight: they end, and release it.
+HELD_RETRY_AFTER_S = 1
 
 
 # --- reset math (pure: unit-tested with fixed times) ---------------------------------------------
@@ -75,6 +86,34 @@ def iso_utc(epoch_s: float) -> str:
 
 
 # --- the guard -----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Reservation:
+    """A request's worst case held against its key's budget until ``release()``: call it once the
+    request's usage record is queued (or, refused later on, at once). Idempotent. A reservation
+    dropped unreleased is released when it is garbage-collected, and logged: a bug must not hold
+    a key's budget for the life of the router."""
+
+    headers: dict[str, str]
+    key_id: str = ""
+    tokens: int = 0
+    _held: dict[str, int] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            return
+        left = held.get(self.key_id, 0) - self.tokens
+        if left > 0:
+            held[self.key_id] = left
+        else:
+            held.pop(self.key_id, None)
+
+    def __del__(self) -> None:
+        if self._held is not None:
+            logger.warning("budget reservation of %d tokens for key %s was never released", self.tokens, self.key_id)
+            self.release()
+
+
 @dataclass(frozen=True)
 class _Entry:
     budget: Budget | None
@@ -107,42 +146,56 @@ class BudgetGuard:
         # Keys whose records this router just wrote: their next load reads the primary, since
         # the region's read replica may lag behind it (their pending tokens stopped counting).
         self._written: set[str] = set()
+        self._held: dict[str, int] = {}  # tokens reserved by requests in flight, by key
 
     async def check(self, key_id: str) -> dict[str, str]:
         """The budget headers for an admitted request; APIError 429 ``budget_exceeded`` when the
-        key's daily or monthly spend has reached its limit. ``{}`` for a key without a budget."""
+        key's daily or monthly budget is spent. ``{}`` for a key without a budget."""
+        return (await self.reserve(key_id, 0)).headers
+
+    async def reserve(self, key_id: str, tokens: int) -> Reservation:
+        """Hold ``tokens`` (the request's price) against the key's budget until the request ends;
+        APIError 429 ``budget_exceeded`` when they do not fit in what is left of the day's or the
+        month's budget. A key without a budget holds nothing (``headers`` empty)."""
         now = self.clock()
         entry = self._entries.get(key_id)
         if entry is None or entry.expires <= now:
             entry = await self._load(key_id, now)
         if entry.budget is None:  # no budget, or admitted unchecked while the store is away
-            return {}
+            return Reservation({})
+        # From here to the end, no await: concurrent reservations of this router see each other.
         pending = self.ledger.pending_tokens(key_id) if self.ledger is not None else 0
+        held = self._held.get(key_id, 0)
         spent_day, spent_month = entry.spent(utc_day(now), month_start(now))
         headers: dict[str, str] = {}
-        exceeded = None
+        refusal = None
         for period, limit, spent, reset_at in (
             ("day", entry.budget.tokens_per_day, spent_day + pending, next_day_start(now)),
             ("month", entry.budget.tokens_per_month, spent_month + pending, next_month_start(now)),
         ):
             if limit is None:
                 continue
+            left = max(0, limit - spent - held)
             headers[f"x-budget-limit-tokens-{period}"] = str(limit)
-            headers[f"x-budget-remaining-tokens-{period}"] = str(max(0, limit - spent))
+            headers[f"x-budget-remaining-tokens-{period}"] = str(left)
             headers[f"x-budget-reset-tokens-{period}"] = f"{reset_at - now:.3f}s"
-            if spent >= limit:
-                exceeded = (period, limit, reset_at)  # month after day: the later reset is the one to wait for
-        if exceeded is not None:
-            period, limit, reset_at = exceeded
-            headers["Retry-After"] = str(max(1, math.ceil(reset_at - now)))
-            raise APIError(
-                429,
-                f"This key's {'daily' if period == 'day' else 'monthly'} token budget ({limit} tokens per UTC "
-                f"{period}) is used up; it resets at {iso_utc(reset_at)}.",
-                code="budget_exceeded",
-                headers=headers,
-            )
-        return headers
+            if spent + held >= limit or tokens > left:
+                # Only the key's requests in flight stand in the way: they end soon, not at the reset.
+                retry = HELD_RETRY_AFTER_S if spent < limit and tokens <= limit - spent else math.ceil(reset_at - now)
+                if refusal is None or retry >= refusal[0]:  # the longer wait is the one that decides
+                    refusal = (retry, period, limit, left, reset_at)
+        if refusal is not None:
+            retry, period, limit, left, reset_at = refusal
+            headers["Retry-After"] = str(max(1, retry))
+            raise APIError(429, _refusal_message(tokens, period, limit, left, held, reset_at), code="budget_exceeded", headers=headers)
+        if tokens <= 0:
+            return Reservation(headers)
+        self._held[key_id] = held + tokens
+        return Reservation(headers, key_id, tokens, self._held)
+
+    def held_tokens(self, key_id: str) -> int:
+        """What this router's open reservations hold of the key's budget."""
+        return self._held.get(key_id, 0)
 
     def forget(self, key_ids: Iterable[str]) -> None:
         """Make the next check of these keys read the store again (hook it to
@@ -210,3 +263,17 @@ class BudgetGuard:
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.clear()
         self._entries[key_id] = entry
+
+
+def _refusal_message(tokens: int, period: str, limit: int, left: int, held: int, reset_at: float) -> str:
+    budget = f"this key's {'daily' if period == 'day' else 'monthly'} token budget ({limit} tokens per UTC {period})"
+    resets = f"it resets at {iso_utc(reset_at)}"
+    if left == 0 and not held:
+        return f"{budget[0].upper()}{budget[1:]} is used up; {resets}."
+    if tokens <= 0:
+        return f"{budget[0].upper()}{budget[1:]} is reserved in full by its requests in flight ({held} tokens); {resets}."
+    in_flight = f" ({held} more are reserved by its requests in flight)" if held else ""
+    return (
+        f"This request may cost up to {tokens} tokens (its prompt plus n × its completion limit), and "
+        f"{budget} has {left} left{in_flight}; lower max_tokens or n, or wait: {resets}."
+    )

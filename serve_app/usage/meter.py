@@ -19,7 +19,7 @@ from pathlib import Path
 from serve_app.auth.principal import Principal
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.timing import RequestRecord
-from serve_app.usage.budgets import BudgetGuard
+from serve_app.usage.budgets import BudgetGuard, Reservation
 from serve_app.usage.ledger import UsageLedger
 from serve_app.usage.records import UsageRecord
 from serve_app.usage.store import UsageStore
@@ -47,20 +47,24 @@ class Meter:
         """Write what is pending (to the database, or to the spool if it is down)."""
         await self.ledger.aclose()
 
-    async def check_budget(self, caller: Principal) -> dict[str, str]:
-        """The caller's ``x-budget-*`` headers, or 429 ``budget_exceeded`` until its reset."""
-        return await self.budgets.check(caller.key_id)
+    async def reserve(self, caller: Principal, tokens: int) -> Reservation:
+        """Hold ``tokens`` against the caller's token budget (its ``x-budget-*`` headers on the
+        reservation), or 429 ``budget_exceeded``: spent, or too little left for this request."""
+        return await self.budgets.reserve(caller.key_id, tokens)
 
     def record(self, record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,
-               *, origin: str | None) -> None:
-        """Queue the usage record of one admitted request that is over. ``origin``: the region
-        that forwarded it here, if one did."""
+               *, origin: str | None) -> UsageRecord | None:
+        """Queue the usage record of one admitted request that is over, and return it (None: not
+        recorded here). ``origin``: the region that forwarded it here, if one did."""
         if origin is not None and request.status == 503 and request.model_replica is None:
-            return  # forwarded here and not served either: the forwarding region records its 503
+            return None  # forwarded here and not served either: the forwarding region records its 503
         try:
-            self.ledger.record(usage_record(record_id, caller, request, generated, region=self.region, origin=origin))
+            record = usage_record(record_id, caller, request, generated, region=self.region, origin=origin)
+            self.ledger.record(record)
         except Exception:  # metering must never fail the request it meters
             logger.exception("could not record usage of request %s", record_id)
+            return None
+        return record
 
 
 def usage_record(record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,

@@ -20,9 +20,10 @@ from fastapi.testclient import TestClient
 from serve_app.auth.authenticator import Authenticator
 from serve_app.auth.config import AuthArgs, Tier
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
-from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, request_token_cost
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
 from serve_app.auth.tokens import Keyset, SigningKey, create_keyset
 from serve_app.errors import APIError
+from serve_app.router.pricing import price
 
 MODEL = "qwen-3.6-35b-a3b"
 OTHER_MODEL = "qwen-3.5-27b"

@@ -142,14 +142,17 @@ def test_a_request_forwarded_here_names_the_region_it_came_from(setup):
 
 def test_a_spent_budget_is_a_429_with_its_reset_in_anthropic_shape_too(setup):
     key_id = setup.key.split("_")[1]
-    setup.meter.store.set_budget(key_id, tokens_per_day=10, tokens_per_month=None)
-    first = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key))
+    setup.meter.store.set_budget(key_id, tokens_per_day=25, tokens_per_month=None)
+    # Priced at its prompt (~15 tokens by size) plus its limit of 3: it fits the 25 left.
+    small = {"model": MODEL, "input": "hi", "max_output_tokens": 3}
+    first = setup.client.post("/v1/responses", json=small, headers=bearer(setup.key))
     assert first.status_code == 200
-    assert (first.headers["x-budget-limit-tokens-day"], first.headers["x-budget-remaining-tokens-day"]) == ("10", "10")
-    # Ten tokens spent (7 + 3), not yet written: the router counts its own pending records.
-    refused = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key))
+    assert (first.headers["x-budget-limit-tokens-day"], first.headers["x-budget-remaining-tokens-day"]) == ("25", "25")
+    # Ten tokens spent (7 + 3), not yet written: the router counts its own pending records, and
+    # the same request's worst case no longer fits the 15 left.
+    refused = setup.client.post("/v1/responses", json=small, headers=bearer(setup.key))
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded"
-    assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-budget-remaining-tokens-day"] == "0"
+    assert int(refused.headers["retry-after"]) >= 1 and refused.headers["x-budget-remaining-tokens-day"] == "15"
     anthropic = setup.client.post("/v1/messages", json=HI, headers={"x-api-key": setup.key})
     assert _anthropic_error(anthropic) == (429, "rate_limit_error")
     assert len(_recorded(setup)) == 1  # refused requests cost nothing and are not recorded

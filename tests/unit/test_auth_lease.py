@@ -2,6 +2,8 @@
 
 import asyncio
 
+import pytest
+
 from serve_app.auth import lease as lease_module
 from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
@@ -104,3 +106,52 @@ def test_a_limiter_outage_is_decided_by_the_replica_not_failed_open():
     decisions = [asyncio.run(limiter.acquire("k", 600, 1_000_000, 10)) for _ in range(40)]
     assert [d.allowed for d in decisions] == [True] * 30 + [False] * 10
     assert decisions[-1].retry_after_s > 0
+
+
+class ChargedSource(CountingSource):
+    charges = 0
+
+    async def charge(self, *args):
+        self.charges += 1
+        return await super().charge(*args)
+
+
+def test_a_charge_comes_out_of_the_live_lease_without_an_actor_call():
+    clock = Clock()
+    shared = RateLimiter(clock)
+    source = ChargedSource(shared)
+    limiter = LeasedRateLimiter(source, clock)
+    _admit(limiter, 1, rpm=600, tpm=100_000, tokens=100)  # lease: 5 000 tokens beside this request
+    asyncio.run(limiter.charge("k", 600, 100_000, 3_000))
+    assert source.charges == 0 and limiter._leases["k"].tokens == 2_000
+    asyncio.run(limiter.charge("k", 600, 100_000, 7_000))  # 2 000 from the lease, 5 000 from the region
+    assert source.charges == 1 and limiter._leases["k"].tokens == 0
+    assert shared._buckets[("k", "tokens")].level == 100_000 - 100 - 5_000 - 5_000
+
+
+def test_a_charge_after_the_lease_expired_goes_to_the_region_and_may_leave_a_debt():
+    clock = Clock()
+    shared = RateLimiter(clock)
+    source = ChargedSource(shared)
+    limiter = LeasedRateLimiter(source, clock)
+    _admit(limiter, 1, rpm=600, tpm=1_000, tokens=900)  # no slice left to lease
+    clock.now += lease_module.LEASE_TTL_S + 1
+    asyncio.run(limiter.charge("k", 600, 1_000, 2_000))
+    assert source.charges == 1 and shared._buckets[("k", "tokens")].level < 0
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=10) == [False]  # in debt: refused
+
+
+def test_during_an_outage_the_replicas_own_buckets_take_the_charge():
+    class Down:
+        async def lease(self, *args):
+            return None
+
+        async def charge(self, *args):
+            return None
+
+    clock = Clock()
+    limiter = LeasedRateLimiter(Down(), clock)
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=50) == [True]  # decided alone: 50 of a 50 slice
+    asyncio.run(limiter.charge("k", 600, 1_000, 500))
+    assert limiter._outage._buckets[("k", "tokens")].level == pytest.approx(-500)
+    asyncio.run(limiter.charge("unseen", 600, 1_000, 500))  # a key it holds nothing for: logged, not counted

@@ -1,8 +1,12 @@
 """Token-bucket arithmetic on a fake clock, the token estimate, and 429s with their headers."""
 
+import asyncio
+import dataclasses
+
 import pytest
 
-from serve_app.auth.ratelimit import UNSPECIFIED_COMPLETION_TOKENS, RateLimiter, request_token_cost
+from serve_app.auth.keys import SCOPE_INFERENCE
+from serve_app.auth.ratelimit import RateLimiter
 from tests.unit.auth_support import authenticator, chat
 from router_app import router_client
 
@@ -87,24 +91,6 @@ def test_headers_follow_openai_names():
     assert headers["retry-after-ms"] == "60000"
 
 
-@pytest.mark.parametrize(
-    "body, expected",
-    [
-        ({"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}, 110 + 50),
-        ({"prompt": "abcd" * 10, "max_completion_tokens": 5, "n": 2}, 10 + 10),
-        ({"prompt": ""}, UNSPECIFIED_COMPLETION_TOKENS),
-        ({"prompt": "", "max_tokens": "many", "n": -1}, UNSPECIFIED_COMPLETION_TOKENS),
-    ],
-)
-def test_token_cost_is_estimated_up_front(body, expected):
-    assert request_token_cost(body) == pytest.approx(expected, abs=2)
-
-
-def test_token_cost_uses_the_received_body_size_when_given():
-    body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
-    assert request_token_cost(body, body_bytes=4000) == 1000 + 50
-
-
 def test_over_the_limit_is_429_with_retry_after_and_ratelimit_headers(tmp_path):
     auth = authenticator(tmp_path)
     client = router_client(auth)
@@ -170,3 +156,51 @@ def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_
     assert "Retry-After" not in too_big.headers
     # Nothing was charged: both of the minute's requests are still there.
     assert [chat(client, key).status_code for _ in range(2)] == [200, 200]
+
+
+# --- charging what a request cost beyond its estimate ------------------------------------------------
+def test_a_charge_past_the_bucket_is_a_debt_the_next_requests_wait_out(clock):
+    limiter = RateLimiter(clock)
+    assert limiter.acquire("k", 100, 1000, 900).allowed
+    window = limiter.charge("k", 1000, 600)  # the real prompt was 600 over the estimate
+    assert window.remaining == 0  # never a negative header
+    assert limiter._buckets[("k", "tokens")].level == -500
+    denied = limiter.acquire("k", 100, 1000, 100)
+    assert not denied.allowed and denied.retry_after_s == pytest.approx(36)  # -500 → 100 at 1000/min
+    clock.now += 36
+    assert limiter.acquire("k", 100, 1000, 100).allowed
+
+
+def test_with_charges_a_key_gets_its_minute_plus_at_most_one_requests_under_estimate(clock):
+    """A hostile prompt (digits: one token a byte) is estimated at a quarter of its real count.
+    Charged the difference as each request ends, the key's real tokens over 10 minutes stay
+    within 10 minutes' limit plus one bucket and one request's under-estimate; without the
+    charge it would get four times its limit."""
+    limiter = RateLimiter(clock)
+    tpm, estimate, real = 10_000, 500, 2_000
+    used = 0
+    for _ in range(600):  # one attempt a second for 10 minutes
+        if limiter.acquire("k", 1000, tpm, estimate).allowed:
+            used += real
+            limiter.charge("k", tpm, real - estimate)
+        clock.now += 1
+    assert used <= 10 * tpm + tpm + (real - estimate)
+    assert used >= 10 * tpm - real  # and it is not starved either
+
+
+def test_the_authenticator_charges_in_the_background_and_never_refuses(tmp_path):
+    limiter = RateLimiter()
+    auth = authenticator(tmp_path, limiter=limiter)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 1000 tokens/min
+    caller = auth.authenticate(f"Bearer {key}", scope=SCOPE_INFERENCE)
+
+    async def run():
+        await auth.admit(caller, 900)
+        auth.charge(caller, 5000)
+        auth.charge(caller, 0)  # nothing to charge: no task
+        auth.charge(dataclasses.replace(caller, tier="gone"), 10)  # a tier this region lacks: nothing
+        assert len(auth._charging) == 1
+        await asyncio.gather(*auth._charging)
+
+    asyncio.run(run())
+    assert limiter._buckets[(caller.key_id, "tokens")].level == pytest.approx(100 - 5000, abs=1)

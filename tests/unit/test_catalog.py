@@ -29,6 +29,13 @@ def test_production_entry_matches_the_model_card():
     assert entry.thinking_by_default is False
     assert entry.engine.reasoning_parser == "qwen3"
     assert entry.engine.tool_call_parser == "qwen3_coder"
+    assert entry.default_max_tokens == 4096
+
+
+def test_a_default_completion_limit_over_the_context_is_refused():
+    entry = catalog.get("qwen-3.6-35b-a3b")
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        catalog.CatalogModel.model_validate({**entry.model_dump(), "default_max_tokens": 8193})
 
 
 def test_unknown_id_error_names_the_known_ids():

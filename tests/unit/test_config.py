@@ -42,6 +42,9 @@ def test_defaults_are_explicit_autoscaling_numbers():
         (minimal(autoscaling={"min_replicas": 0}), "models.0.autoscaling.min_replicas"),  # cold instead
         (minimal(max_queued_requests=0), "max_queued_requests"),  # Serve: -1 or >= 1
         (minimal(initial_state="warm"), "initial_state"),
+        (minimal(default_max_tokens=8193), "default_max_tokens (8193) is over the served max_model_len (8192)"),
+        (minimal(engine={"max_model_len": 2048}, default_max_tokens=4096), "over the served max_model_len (2048)"),
+        (minimal(default_max_tokens=0), "models.0.default_max_tokens"),
         # Forwarded requests carry the caller's credential: TLS unless it never leaves the host.
         ({**minimal(), "failover": {"peers": [{"region": "b", "endpoint": "http://api.b.example"}]}}, "https"),
         ({**minimal(), "failover": {"peers": [{"region": "b", "endpoint": "ftp://b"}]}}, "https"),
@@ -56,6 +59,13 @@ def test_bad_args_are_rejected_with_a_message_naming_the_problem(raw, fragment):
     with pytest.raises(ValueError) as err:
         parse_app_args(raw)
     assert fragment in str(err.value)
+
+
+def test_the_default_completion_limit_is_the_catalogs_or_the_deployments_within_its_context():
+    assert ModelDeploymentArgs(id="qwen-3.6-35b-a3b").completion_default == 4096
+    assert ModelDeploymentArgs(id="qwen-3.6-35b-a3b", default_max_tokens=512).completion_default == 512
+    smaller = ModelDeploymentArgs(id="qwen-3.6-35b-a3b", engine={"max_model_len": 2048})
+    assert (smaller.max_model_len, smaller.completion_default) == (2048, 2048)
 
 
 def test_every_problem_is_one_line_naming_its_path_without_pydantics_prefix():

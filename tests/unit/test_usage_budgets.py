@@ -258,3 +258,133 @@ def test_any_database_error_on_a_miss_admits_rather_than_failing_the_request(sql
     sqlite_store.budget_state = broken
     guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
     assert _check(guard) == {}  # admitted unchecked (and logged), never a 500
+
+
+# --- escrow: a request's worst case is held until it ends ----------------------------------------------
+def _guard_with_ledger(store, tmp_path, name="a", clock=None):
+    ledger = UsageLedger(store, tmp_path / f"spool-{name}", writer_id=name)
+    guard = BudgetGuard(store, ledger, clock=clock or Clock("2026-12-01T12:00:00"))
+    ledger.on_written = guard.forget
+    return guard, ledger
+
+
+def test_a_request_whose_worst_case_does_not_fit_is_refused_with_its_cost_and_what_is_left(sqlite_store):
+    """#22: one admitted request took a 50-token daily budget to 144 tokens."""
+    sqlite_store.set_budget("k1", tokens_per_day=50, tokens_per_month=None)
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+    with pytest.raises(APIError) as refused:
+        asyncio.run(guard.reserve("k1", 144))
+    assert refused.value.status == 429 and refused.value.code == "budget_exceeded"
+    assert "144 tokens" in refused.value.message and "has 50 left" in refused.value.message
+    assert refused.value.headers["Retry-After"] == "43200"  # it will not fit before midnight
+    assert guard.held_tokens("k1") == 0
+    assert asyncio.run(guard.reserve("k1", 50)).headers["x-budget-remaining-tokens-day"] == "50"
+
+
+def test_concurrent_reservations_on_one_router_never_exceed_the_budget(sqlite_store, tmp_path):
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    guard, _ = _guard_with_ledger(sqlite_store, tmp_path)
+
+    async def main():  # 20 at once, on a cold cache: all wait on one load, then decide in turn
+        return await asyncio.gather(*(guard.reserve("k1", 100) for _ in range(20)), return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    admitted = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, APIError)]
+    assert len(admitted) == 10 and len(refused) == 10 and guard.held_tokens("k1") == 1000
+    # Held by requests in flight, not spent: worth retrying soon, not at midnight.
+    assert {r.code for r in refused} == {"budget_exceeded"} and refused[0].headers["Retry-After"] == "1"
+    assert "1000 more are reserved by its requests in flight" in refused[-1].message
+    assert sqlite_store.reads == 1
+    for reservation in admitted:
+        reservation.release()
+    assert guard.held_tokens("k1") == 0
+
+
+def test_a_reservation_released_after_its_record_is_queued_leaves_no_gap_and_no_double_count(sqlite_store, tmp_path):
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    guard, ledger = _guard_with_ledger(sqlite_store, tmp_path)
+
+    async def main():
+        held = await guard.reserve("k1", 600)
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "400"
+        with pytest.raises(APIError):
+            await guard.reserve("k1", 500)
+        ledger.record(usage_record(day="2026-12-01", prompt=200, completion=100))  # it used 300 of 600
+        with pytest.raises(APIError):  # record queued, not yet released: counted twice, never zero times
+            await guard.reserve("k1", 500)
+        held.release()
+        held.release()  # idempotent: releases nothing more
+        assert guard.held_tokens("k1") == 0
+        second = await guard.reserve("k1", 700)  # 300 recorded + 700 = the limit: fits
+        await ledger.flush()  # the record reaches the database: counted there instead, once
+        with pytest.raises(APIError) as full:
+            await guard.reserve("k1", 1)
+        assert full.value.headers["x-budget-remaining-tokens-day"] == "0"
+        second.release()
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "700"
+
+    asyncio.run(main())
+
+
+def test_a_reservation_dropped_without_release_is_released_and_logged(sqlite_store, caplog):
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+
+    async def forgotten():
+        await guard.reserve("k1", 400)  # the caller drops it: a bug
+
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        asyncio.run(forgotten())
+    assert guard.held_tokens("k1") == 0 and "never released" in caplog.text
+
+
+def test_a_key_without_a_budget_reserves_nothing(sqlite_store):
+    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+
+    async def main():
+        return [await guard.reserve("k1", 10**6) for _ in range(3)]
+
+    reservations = asyncio.run(main())
+    assert [r.headers for r in reservations] == [{}] * 3 and guard._held == {} and sqlite_store.reads == 1
+    reservations[0].release()  # harmless
+
+
+def test_while_the_store_is_away_a_known_key_still_reserves_and_an_unknown_one_is_admitted(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
+    held = asyncio.run(guard.reserve("k1", 900))
+    sqlite_store.database = unreachable(sqlite_store.database)
+    clock.now += 10
+    with pytest.raises(APIError):  # the stale entry, with this router's reservation on top
+        asyncio.run(guard.reserve("k1", 200))
+    assert asyncio.run(guard.reserve("k2", 10**6)).headers == {}  # fail open, nothing held
+    held.release()
+
+
+def test_the_overshoot_left_is_other_routers_reservations_in_flight(sqlite_store, tmp_path):
+    """Two routers (two ledgers, one database) each see only their own reservations: past the
+    limit, the key can get what the other router admitted in flight — at most the remaining
+    budget that router saw — and nothing more once their records are written."""
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    a, ledger_a = _guard_with_ledger(sqlite_store, tmp_path, "a")
+    b, ledger_b = _guard_with_ledger(sqlite_store, tmp_path, "b")
+
+    async def main():
+        on_a = await a.reserve("k1", 800)
+        seen_by_b = int((await b.check("k1"))["x-budget-remaining-tokens-day"])
+        on_b = await b.reserve("k1", 800)  # a's 800 in flight are invisible here
+        admitted = on_a.tokens + on_b.tokens
+        assert admitted <= 1000 + seen_by_b  # the documented bound: limit + what b saw left
+        for ledger, held in ((ledger_a, on_a), (ledger_b, on_b)):
+            ledger.record(usage_record(day="2026-12-01", prompt=700, completion=100))
+            held.release()
+            await ledger.flush()
+        a.forget({"k1"})
+        b.forget({"k1"})  # b's cache TTL has passed, as far as a's write goes
+        for guard in (a, b):
+            with pytest.raises(APIError):  # 1600 spent: neither router admits more
+                await guard.reserve("k1", 1)
+
+    asyncio.run(main())

@@ -1,0 +1,201 @@
+"""What a request may cost, priced the way the engine will run it: one cost model for the router.
+
+The router charges a request before the engine runs it (the rate limit's tokens/min, the
+budget's escrow), so the charge must be the most the engine can generate for it — and the engine
+must obey exactly the limit that was charged. ``price()`` does both, after strict validation and
+alias resolution: it reads the one limit field the route's vLLM request model obeys, refuses the
+limit fields that model would silently ignore (charged for one number, served another), writes
+that one field back, sets it when the request has none, and counts the sequences the engine
+generates. The body is changed in place; the replica receives exactly what was priced.
+
+What vLLM 0.32 obeys (its serving code: ``get_max_tokens`` in ``entrypoints/serve/utils/api_utils``
+and each route's ``to_sampling_params``; ``tests/unit/test_pricing.py`` checks every row against
+vLLM's own request models, so an upgrade that changes a rule fails there):
+
+  route        obeys                               ignored (400 here)                    sequences
+  chat         max_completion_tokens if set,       max_output_tokens                     n
+               else max_tokens
+  completions  max_tokens (vLLM's default: 16)     max_completion_tokens,                prompts × n
+                                                   max_output_tokens
+  responses    max_output_tokens                   max_tokens, max_completion_tokens     1
+  messages     max_tokens (required)               max_completion_tokens,                1
+                                                   max_output_tokens
+
+A completions ``prompt`` that is a list of strings or of token-id lists is one prompt per entry
+(vLLM's ``prompt_to_seq``), each generating ``n``; one list of token ids is one prompt;
+``prompt_embeds`` entries are prompts too. Beam search (``use_beam_search``) is refused: each of
+its ``max_tokens`` steps submits every beam's whole prefix to the engine again and only the
+returned beams are billed, so its cost has no price the router could state. ``best_of`` is not
+a field of vLLM 0.32's chat or completions requests (ignored by the engine: one sequence per n).
+
+``count_tokens``, ``tokenize`` and ``detokenize`` generate nothing: they are priced by size,
+their prompt estimate alone.
+
+The prompt is estimated from the size of the body the router received, ``CHARS_PER_TOKEN`` bytes
+a token: free (no second JSON encode, no tokenizer at the router), and it counts tools and
+schemas too. It can be under the engine's real count (digits and CJK text tokenize at 1–3 bytes a
+token; the chat template adds its own tokens): at most ``CHARS_PER_TOKEN`` times under for text,
+plus the template. The rate limiter charges the difference once the real count is known
+(``Authenticator.charge``, docs/auth.md).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from serve_app.errors import APIError
+
+CHARS_PER_TOKEN = 4
+# /v1/completions without max_tokens: OpenAI's documented default, and vLLM's
+# (CompletionRequest.max_tokens = 16). Kept, so the route means what clients expect of it.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Methods that generate nothing: priced by the size of their body.
+SIZE_PRICED = frozenset({"count_tokens", "tokenize", "detokenize"})
+
+
+@dataclass(frozen=True)
+class Price:
+    """The most a request may cost, in tokens: its prompt (estimated) plus ``sequences`` times
+    the completion limit each of them obeys. ``limit_set_by_router``: the request set no limit
+    and the router wrote one (the replica may lower it to the context the real prompt leaves,
+    rather than refusing the request for an estimate it never made)."""
+
+    prompt_tokens: int
+    sequences: int
+    completion_tokens_each: int
+    limit_set_by_router: bool = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.sequences * self.completion_tokens_each
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class _Route:
+    field: str  # the limit field the engine obeys, and the one the router writes
+    also_read: str | None = None  # chat's deprecated max_tokens: read when `field` is unset
+    default_cap: int | None = None  # the route's own default limit, below the model's
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        return tuple(f for f in LIMIT_FIELDS if f not in (self.field, self.also_read))
+
+
+ROUTES = {
+    "chat": _Route("max_completion_tokens", also_read="max_tokens"),
+    "completions": _Route("max_tokens", default_cap=COMPLETIONS_DEFAULT_MAX_TOKENS),
+    "responses": _Route("max_output_tokens"),
+    "messages": _Route("max_tokens"),
+}
+
+
+def estimate_prompt_tokens(body_bytes: int) -> int:
+    """The prompt's tokens, estimated from the size of the body that carries it."""
+    return max(0, body_bytes) // CHARS_PER_TOKEN
+
+
+def price(method: str, body: dict[str, Any], body_bytes: int, *, context_len: int, default_max_tokens: int) -> Price:
+    """Price ``body`` (a replica ``method``'s, validated, model resolved) and normalise its limit
+    in place so that the engine obeys exactly the limit priced. ``body_bytes``: the size of what
+    the prompt came in (the request, plus a continued conversation's stored history);
+    ``context_len``: the model's served context; ``default_max_tokens``: the limit of a request
+    that sets none (``ModelDeploymentArgs.default_max_tokens``). APIError 400 for a limit field
+    the route ignores, two chat limits that disagree, a limit over the context, beam search."""
+    prompt = estimate_prompt_tokens(body_bytes)
+    if method in SIZE_PRICED:
+        return Price(prompt, 0, 0)
+    route = ROUTES[method]
+    if method in ("chat", "completions"):  # the only requests vLLM runs beam search for
+        _refuse_beam_search(body)
+    limit = _limit(route, method, body, context_len)
+    set_by_router = limit is None
+    if limit is None:
+        ceiling = min(default_max_tokens, route.default_cap or default_max_tokens)
+        limit = max(1, min(ceiling, context_len - prompt))
+    if route.also_read is not None:
+        body.pop(route.also_read, None)
+    body[route.field] = limit
+    # Completions' max_tokens 0 (echo: score the prompt) still runs one step: vLLM sends 1.
+    return Price(prompt, _sequences(method, body), max(1, limit), set_by_router)
+
+
+def _limit(route: _Route, method: str, body: dict[str, Any], context_len: int) -> int | None:
+    """The limit the request set, in the field the engine obeys; None when it set none."""
+    for field in route.ignored:
+        if body.get(field) is not None:
+            raise APIError(
+                400,
+                f"{field} is not a limit on {_ROUTE_NAMES[method]}, which would ignore it and generate up to "
+                f"its own limit; set {route.field} instead",
+                param=field,
+                code="unsupported_limit_field",
+            )
+    limit, field = body.get(route.field), route.field
+    if route.also_read is not None and (other := body.get(route.also_read)) is not None:
+        if limit is not None and other != limit:
+            raise APIError(
+                400,
+                f"{route.field} ({limit}) and {route.also_read} ({other}) disagree; the engine would obey "
+                f"{route.field} alone: set one of them",
+                param=route.also_read,
+                code="conflicting_limits",
+            )
+        if limit is None:
+            limit, field = other, route.also_read
+    if limit is not None and limit > context_len:  # could never be served: 400, not a 429 for its cost
+        raise APIError(
+            400,
+            f"{field} is {limit}, more than the model's context of {context_len} tokens (prompt included)",
+            param=field,
+            code="context_length_exceeded",
+        )
+    return limit
+
+
+def _sequences(method: str, body: dict[str, Any]) -> int:
+    """How many sequences the engine generates: chat ``n``; completions one per prompt per ``n``;
+    Responses and Messages have no ``n`` (vLLM ignores one sent anyway)."""
+    if method not in ("chat", "completions"):
+        return 1
+    n = body.get("n")
+    n = n if isinstance(n, int) and n >= 1 else 1  # validated already; None is vLLM's 1
+    return n * prompt_count(body) if method == "completions" else n
+
+
+def prompt_count(body: dict[str, Any]) -> int:
+    """The prompts of a completions body, as vLLM's ``prompt_to_seq`` splits ``prompt_embeds``
+    and ``prompt``: a string or one list of token ids is one prompt, any other list one per entry."""
+    return sum(_entries(body.get(field)) for field in ("prompt_embeds", "prompt"))
+
+
+def _entries(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, (str, bytes, dict)):
+        return 1
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return 1
+    return len(value) if isinstance(value, list) else 1
+
+
+def _refuse_beam_search(body: dict[str, Any]) -> None:
+    if body.get("use_beam_search"):
+        raise APIError(
+            400,
+            "beam search is not offered: its cost cannot be known before it runs (every step submits "
+            "each beam's whole prefix again); use n for several samples",
+            param="use_beam_search",
+            code="unsupported_parameter",
+        )
+
+
+_ROUTE_NAMES = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
