@@ -4,18 +4,23 @@
 - a JWT minted by ``POST /v1/auth/token`` (any region's, if its keys are in our keyset): verified
   with the public key alone; the local key store is consulted only for revocation;
 - a raw API key ``pgk_...`` (what an unmodified openai SDK sends as ``api_key=``): looked up in the
-  key store (cached for ``cache_ttl_s``) and turned into the same claims a token would carry;
+  key store (cached for ``cache_ttl_s``; unknown ids are bounded, ``cache.py``) and turned into the
+  same claims a token would carry;
 - in the local region only, the dev key from ``$SERVE_APP_DEV_API_KEY``.
 
 Failures raise ``APIError``: 401 with ``WWW-Authenticate`` (RFC 6750), 403 for scope, model and
-region, 429 with ``Retry-After`` and ``x-ratelimit-*``. No message ever quotes a credential.
+region, 429 with ``Retry-After`` and ``x-ratelimit-*``, 503 with ``Retry-After`` when the registry
+is away or this router's budget for unknown key ids is spent. No message ever quotes a credential.
 """
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
@@ -23,7 +28,17 @@ from typing import Any, Protocol
 from serve_app.auth import tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
 from serve_app.auth.database import RegistryUnavailable
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.keys import (
+    ALL,
+    SCOPE_ADMIN,
+    SCOPES,
+    CacheMiss,
+    KeyRecord,
+    KeyStore,
+    RegistryBusy,
+    digest,
+    looks_like_key,
+)
 from serve_app.auth.principal import Principal, forbidden, unauthorized
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError, retry_later
@@ -39,6 +54,11 @@ DEV_KEY_ID = "dev"
 TOKEN_ENDPOINT_BUCKET = "token-endpoint:{key_id}"
 # When the limiter cannot decide at all (a limiter without a grace of its own), callers wait this.
 LIMITER_DOWN_RETRY_S = 1
+# A spent budget for unknown key ids refills this fast: a second brings registry_miss_lookups_per_s.
+REGISTRY_BUSY_RETRY_S = 1
+# At most this many registry queries for unknown key ids at once, per router replica: a flood
+# never holds more of the worker threads that real keys' lookups, signing and reports share.
+UNKNOWN_ID_THREADS = 2
 
 
 def region_audience(audience: str, region: str) -> str:
@@ -68,7 +88,11 @@ class Authenticator:
         # Only the local region may create missing key material; a region must be provisioned.
         create = region == LOCAL_REGION
         self.keys = KeyStore(
-            args.key_store(), cache_ttl_s=args.cache_ttl_s, create=create, replica=args.key_store_replica()
+            args.key_store(),
+            cache_ttl_s=args.cache_ttl_s,
+            create=create,
+            replica=args.key_store_replica(),
+            miss_lookups_per_s=args.registry_miss_lookups_per_s,
         )
         self.keyset = tokens.KeysetFile(args.signing_keys(), check_interval_s=args.cache_ttl_s, create=create)
         dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
@@ -76,6 +100,8 @@ class Authenticator:
         self._dev_key_digest = digest(dev_key) if dev_key else None
         # Tokens for everyone, and failover tokens minted by a peer for this region only.
         self._audiences = [args.audience, region_audience(args.audience, region)]
+        # Made-up key ids are queried here, a few at a time (their rate: registry_miss_lookups_per_s).
+        self._unknown_id_threads = ThreadPoolExecutor(UNKNOWN_ID_THREADS, thread_name_prefix="unknown-key-id")
 
     @staticmethod
     def authorization(headers: Any, *, api_key_header: bool = False) -> str | None:
@@ -103,12 +129,21 @@ class Authenticator:
         needs (the common case), else in a worker thread, so no SQLite query blocks the loop."""
         try:
             return self.authenticate(authorization, scope=scope, offline=True)
-        except CacheMiss:
-            pass
-        try:
-            return await asyncio.to_thread(self.authenticate, authorization, scope=scope)
-        except RegistryUnavailable as err:
-            raise registry_unavailable(err) from None
+        except CacheMiss as miss:
+            query = functools.partial(self.authenticate, authorization, scope=scope)
+            try:
+                return await self._off_loop(query, miss)
+            except RegistryUnavailable as err:
+                raise registry_unavailable(err) from None
+
+    async def _off_loop(self, query: Callable[[], Principal], miss: CacheMiss) -> Principal:
+        """Run the check again where it may query: an unknown id's lookup on the threads kept for
+        those (at most UNKNOWN_ID_THREADS at once; the rest queue there, never in front of real
+        keys), anything else on the event loop's default threads."""
+        if not miss.unknown:
+            return await asyncio.to_thread(query)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._unknown_id_threads, contextvars.copy_context().run, query)
 
     def authenticate(self, authorization: str | None, *, scope: str, offline: bool = False) -> Principal:
         """The caller, if its credential is valid, allowed in this region and holds ``scope``.
@@ -169,7 +204,16 @@ class Authenticator:
                 tier=self.args.dev_tier,
                 via="dev_key",
             )
-        record = self.keys.lookup(credential, offline) if looks_like_key(credential) else None
+        try:
+            record = self.keys.lookup(credential, offline) if looks_like_key(credential) else None
+        except RegistryBusy:
+            # Not a 401: the key may be real (the SDK would not retry, and its owner would think it
+            # wrong), and nothing was learnt about it; the openai SDK retries a 503 after Retry-After.
+            raise retry_later(
+                "too many lookups of API keys this router has not seen yet",
+                "key_registry_busy",
+                REGISTRY_BUSY_RETRY_S,
+            ) from None
         if record is None:
             raise unauthorized("Incorrect API key provided", "invalid_api_key")
         _check_active(record)
@@ -225,8 +269,8 @@ class Authenticator:
                 raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")
             try:  # from the cache in the event loop; a miss queries the store in a thread
                 principal = self._from_key(credential, offline=True)
-            except CacheMiss:
-                principal = await asyncio.to_thread(self._from_key, credential)
+            except CacheMiss as miss:
+                principal = await self._off_loop(functools.partial(self._from_key, credential), miss)
             await self._admit_token_request(principal)
         # Signing and the keyset file's check stay off the event loop.
         return await asyncio.to_thread(self._mint_for, principal)
