@@ -2,7 +2,9 @@
 
 ``Authorization: Bearer <credential>`` carries one of three things, told apart by shape:
 - a JWT minted by ``POST /v1/auth/token`` (any region's, if its keys are in our keyset): verified
-  with the public key alone; the local key store is consulted only for revocation;
+  with the public key alone; where the registry holds its key, the key's row decides (revoked,
+  owner, tier) and the token can only narrow it (models, regions, scopes), so a token never says
+  more than the registry does and a registry edit reaches live tokens within ``cache_ttl_s``;
 - a raw API key ``pgk_...`` (what an unmodified openai SDK sends as ``api_key=``): looked up in the
   key store (cached for ``cache_ttl_s``; unknown ids are bounded, ``cache.py``) and turned into the
   same claims a token would carry;
@@ -178,19 +180,21 @@ class Authenticator:
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
+        if self.keys.is_jti_revoked(claims["jti"], offline):
+            raise unauthorized("token has been revoked", "token_revoked")
+        # Where the registry holds the token's key, the row is the truth, whichever region signed:
+        # a peer's key (or our own, minted before an edit) cannot claim another owner or tier. A
+        # token whose key we do not hold is trusted for its short lifetime.
+        record = self.keys.get(principal.key_id, offline)
+        if record is not None:
+            _check_active(record)
+            principal = principal.bound_to(record)
         if signing_key.imported:
             # Another region's key vouches for inference only: were it stolen, its holder could
             # otherwise mint admin tokens (revoke keys, unload models) valid in every region.
             principal = replace(
                 principal, scopes=principal.scopes - {SCOPE_ADMIN}, signed_in=signing_key.region or ""
             )
-        if self.keys.is_jti_revoked(claims["jti"], offline):
-            raise unauthorized("token has been revoked", "token_revoked")
-        # A token is checked against the key it came from when this region's store knows that
-        # key; a token from a region whose keys we do not hold is trusted for its short lifetime.
-        record = self.keys.get(principal.key_id, offline)
-        if record is not None:
-            _check_active(record)
         return principal
 
     def _from_key(self, credential: str, offline: bool = False) -> Principal:
