@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
-from serve_app.auth import tokens
+from serve_app.auth import admin, tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import (
@@ -319,11 +319,19 @@ class Authenticator:
         # Our own keys carry our region's name, so a region importing this JWKS binds them to us.
         return self.keyset.current().jwks(self.region)
 
-    def list_keys(self) -> list[dict[str, Any]]:
-        return [record.public() for record in self.keys.list_keys()]
+    # Key admin, as ``admin.py`` defines it: an operator manages every key, an owner admin its
+    # owner's. Synchronous (the registry is queried): the routes call them in a thread.
+    def list_keys(self, caller: Principal) -> list[dict[str, Any]]:
+        """The keys ``caller`` may see (``GET /v1/admin/keys``)."""
+        return [record.public() for record in self.keys.list_keys(owner=admin.managed_owner(caller))]
 
-    def revoke_key(self, key_id: str) -> bool:
-        return self.keys.revoke_key(key_id)
+    def revoke_key(self, caller: Principal, key_id: str) -> bool:
+        """Revoke ``key_id`` if ``caller`` manages it; False (the route's 404 ``key_not_found``)
+        when no such key exists or it is another owner's: the two must look alike."""
+        revoked = self.keys.revoke_key(key_id, owner=admin.managed_owner(caller))
+        if revoked:
+            logger.info("%s revoked key %s", caller.key_id, key_id)
+        return revoked
 
 
 def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_after: int | None) -> dict[str, Any]:

@@ -218,18 +218,22 @@ class KeyStore:
         self._keys.forget(record.key_id)  # were its id cached as a miss here, it works at once
         return f"{PREFIX}_{record.key_id}_{secret}", record
 
-    def list_keys(self) -> list[KeyRecord]:
+    def list_keys(self, owner: str | None = None) -> list[KeyRecord]:
+        """Every key, or ``owner``'s only."""
+        where, params = ("WHERE owner = ? ", (owner,)) if owner is not None else ("", ())
         with self._connect(read=True) as db:
-            rows = db.execute("SELECT * FROM api_keys ORDER BY created_at, key_id").fetchall()
+            rows = db.execute(f"SELECT * FROM api_keys {where}ORDER BY created_at, key_id", params).fetchall()
         return [_record(row) for row in rows]
 
-    def revoke_key(self, key_id: str) -> bool:
-        """Disable a key for good; True if it existed. Tokens minted from it stop working too."""
+    def revoke_key(self, key_id: str, owner: str | None = None) -> bool:
+        """Disable a key for good; True if it existed (and, given ``owner``, is that owner's).
+        Tokens minted from it stop working too."""
+        sql = "UPDATE api_keys SET disabled_at = COALESCE(disabled_at, ?) WHERE key_id = ?"
+        params: tuple = (int(time.time()), key_id)
+        if owner is not None:
+            sql, params = sql + " AND owner = ?", (*params, owner)
         with self._connect() as db:
-            cursor = db.execute(
-                "UPDATE api_keys SET disabled_at = COALESCE(disabled_at, ?) WHERE key_id = ?",
-                (int(time.time()), key_id),
-            )
+            cursor = db.execute(sql, params)
         self._keys.forget(key_id)
         return cursor.rowcount > 0
 

@@ -83,8 +83,8 @@ def router_like_app(auth: Authenticator) -> TestClient:
 
     @app.get("/v1/admin/keys")
     async def admin(request: Request) -> dict:
-        auth.authenticate(auth.authorization(request.headers), scope=SCOPE_ADMIN)
-        return {"data": auth.list_keys()}
+        caller = auth.authenticate(auth.authorization(request.headers), scope=SCOPE_ADMIN)
+        return {"data": auth.list_keys(caller)}
 
     @app.post("/v1/auth/token")
     async def token(request: Request) -> dict:
