@@ -2,28 +2,45 @@
 
 ``Authorization: Bearer <credential>`` carries one of three things, told apart by shape:
 - a JWT minted by ``POST /v1/auth/token`` (any region's, if its keys are in our keyset): verified
-  with the public key alone; the local key store is consulted only for revocation;
+  with the public key alone; where the registry holds its key, the key's row decides (revoked,
+  owner, tier) and the token can only narrow it (models, regions, scopes), so a token never says
+  more than the registry does and a registry edit reaches live tokens within ``cache_ttl_s``;
 - a raw API key ``pgk_...`` (what an unmodified openai SDK sends as ``api_key=``): looked up in the
-  key store (cached for ``cache_ttl_s``) and turned into the same claims a token would carry;
+  key store (cached for ``cache_ttl_s``; unknown ids are bounded, ``cache.py``) and turned into the
+  same claims a token would carry;
 - in the local region only, the dev key from ``$SERVE_APP_DEV_API_KEY``.
 
 Failures raise ``APIError``: 401 with ``WWW-Authenticate`` (RFC 6750), 403 for scope, model and
-region, 429 with ``Retry-After`` and ``x-ratelimit-*``. No message ever quotes a credential.
+region, 429 with ``Retry-After`` and ``x-ratelimit-*``, 503 with ``Retry-After`` when the registry
+is away or this router's budget for unknown key ids is spent. No message ever quotes a credential.
 """
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
-from serve_app.auth import tokens
+from serve_app.auth import admin, tokens
 from serve_app.auth.config import LOCAL_REGION, AuthArgs
 from serve_app.auth.database import RegistryUnavailable
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPES, CacheMiss, KeyRecord, KeyStore, digest, looks_like_key
+from serve_app.auth.keys import (
+    ALL,
+    SCOPE_ADMIN,
+    SCOPES,
+    CacheMiss,
+    KeyRecord,
+    KeyStore,
+    RegistryBusy,
+    digest,
+    looks_like_key,
+)
 from serve_app.auth.principal import Principal, forbidden, unauthorized
 from serve_app.auth.ratelimit import Decision
 from serve_app.errors import APIError, retry_later
@@ -39,6 +56,11 @@ DEV_KEY_ID = "dev"
 TOKEN_ENDPOINT_BUCKET = "token-endpoint:{key_id}"
 # When the limiter cannot decide at all (a limiter without a grace of its own), callers wait this.
 LIMITER_DOWN_RETRY_S = 1
+# A spent budget for unknown key ids refills this fast: a second brings registry_miss_lookups_per_s.
+REGISTRY_BUSY_RETRY_S = 1
+# At most this many registry queries for unknown key ids at once, per router replica: a flood
+# never holds more of the worker threads that real keys' lookups, signing and reports share.
+UNKNOWN_ID_THREADS = 2
 
 
 def region_audience(audience: str, region: str) -> str:
@@ -70,7 +92,11 @@ class Authenticator:
         # Only the local region may create missing key material; a region must be provisioned.
         create = region == LOCAL_REGION
         self.keys = KeyStore(
-            args.key_store(), cache_ttl_s=args.cache_ttl_s, create=create, replica=args.key_store_replica()
+            args.key_store(),
+            cache_ttl_s=args.cache_ttl_s,
+            create=create,
+            replica=args.key_store_replica(),
+            miss_lookups_per_s=args.registry_miss_lookups_per_s,
         )
         self.keyset = tokens.KeysetFile(args.signing_keys(), check_interval_s=args.cache_ttl_s, create=create)
         dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
@@ -79,6 +105,8 @@ class Authenticator:
         # Tokens for everyone, and failover tokens minted by a peer for this region only.
         self._audiences = [args.audience, region_audience(args.audience, region)]
         self._charging: set[asyncio.Task] = set()
+        # Made-up key ids are queried here, a few at a time (their rate: registry_miss_lookups_per_s).
+        self._unknown_id_threads = ThreadPoolExecutor(UNKNOWN_ID_THREADS, thread_name_prefix="unknown-key-id")
 
     @staticmethod
     def authorization(headers: Any, *, api_key_header: bool = False) -> str | None:
@@ -106,12 +134,21 @@ class Authenticator:
         needs (the common case), else in a worker thread, so no SQLite query blocks the loop."""
         try:
             return self.authenticate(authorization, scope=scope, offline=True)
-        except CacheMiss:
-            pass
-        try:
-            return await asyncio.to_thread(self.authenticate, authorization, scope=scope)
-        except RegistryUnavailable as err:
-            raise registry_unavailable(err) from None
+        except CacheMiss as miss:
+            query = functools.partial(self.authenticate, authorization, scope=scope)
+            try:
+                return await self._off_loop(query, miss)
+            except RegistryUnavailable as err:
+                raise registry_unavailable(err) from None
+
+    async def _off_loop(self, query: Callable[[], Principal], miss: CacheMiss) -> Principal:
+        """Run the check again where it may query: an unknown id's lookup on the threads kept for
+        those (at most UNKNOWN_ID_THREADS at once; the rest queue there, never in front of real
+        keys), anything else on the event loop's default threads."""
+        if not miss.unknown:
+            return await asyncio.to_thread(query)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._unknown_id_threads, contextvars.copy_context().run, query)
 
     def authenticate(self, authorization: str | None, *, scope: str, offline: bool = False) -> Principal:
         """The caller, if its credential is valid, allowed in this region and holds ``scope``.
@@ -146,19 +183,21 @@ class Authenticator:
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
+        if self.keys.is_jti_revoked(claims["jti"], offline):
+            raise unauthorized("token has been revoked", "token_revoked")
+        # Where the registry holds the token's key, the row is the truth, whichever region signed:
+        # a peer's key (or our own, minted before an edit) cannot claim another owner or tier. A
+        # token whose key we do not hold is trusted for its short lifetime.
+        record = self.keys.get(principal.key_id, offline)
+        if record is not None:
+            _check_active(record)
+            principal = principal.bound_to(record)
         if signing_key.imported:
             # Another region's key vouches for inference only: were it stolen, its holder could
             # otherwise mint admin tokens (revoke keys, unload models) valid in every region.
             principal = replace(
                 principal, scopes=principal.scopes - {SCOPE_ADMIN}, signed_in=signing_key.region or ""
             )
-        if self.keys.is_jti_revoked(claims["jti"], offline):
-            raise unauthorized("token has been revoked", "token_revoked")
-        # A token is checked against the key it came from when this region's store knows that
-        # key; a token from a region whose keys we do not hold is trusted for its short lifetime.
-        record = self.keys.get(principal.key_id, offline)
-        if record is not None:
-            _check_active(record)
         return principal
 
     def _from_key(self, credential: str, offline: bool = False) -> Principal:
@@ -172,7 +211,16 @@ class Authenticator:
                 tier=self.args.dev_tier,
                 via="dev_key",
             )
-        record = self.keys.lookup(credential, offline) if looks_like_key(credential) else None
+        try:
+            record = self.keys.lookup(credential, offline) if looks_like_key(credential) else None
+        except RegistryBusy:
+            # Not a 401: the key may be real (the SDK would not retry, and its owner would think it
+            # wrong), and nothing was learnt about it; the openai SDK retries a 503 after Retry-After.
+            raise retry_later(
+                "too many lookups of API keys this router has not seen yet",
+                "key_registry_busy",
+                REGISTRY_BUSY_RETRY_S,
+            ) from None
         if record is None:
             raise unauthorized("Incorrect API key provided", "invalid_api_key")
         _check_active(record)
@@ -241,8 +289,8 @@ class Authenticator:
                 raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")
             try:  # from the cache in the event loop; a miss queries the store in a thread
                 principal = self._from_key(credential, offline=True)
-            except CacheMiss:
-                principal = await asyncio.to_thread(self._from_key, credential)
+            except CacheMiss as miss:
+                principal = await self._off_loop(functools.partial(self._from_key, credential), miss)
             await self._admit_token_request(principal)
         # Signing and the keyset file's check stay off the event loop.
         return await asyncio.to_thread(self._mint_for, principal)
@@ -287,11 +335,19 @@ class Authenticator:
         # Our own keys carry our region's name, so a region importing this JWKS binds them to us.
         return self.keyset.current().jwks(self.region)
 
-    def list_keys(self) -> list[dict[str, Any]]:
-        return [record.public() for record in self.keys.list_keys()]
+    # Key admin, as ``admin.py`` defines it: an operator manages every key, an owner admin its
+    # owner's. Synchronous (the registry is queried): the routes call them in a thread.
+    def list_keys(self, caller: Principal) -> list[dict[str, Any]]:
+        """The keys ``caller`` may see (``GET /v1/admin/keys``)."""
+        return [record.public() for record in self.keys.list_keys(owner=admin.managed_owner(caller))]
 
-    def revoke_key(self, key_id: str) -> bool:
-        return self.keys.revoke_key(key_id)
+    def revoke_key(self, caller: Principal, key_id: str) -> bool:
+        """Revoke ``key_id`` if ``caller`` manages it; False (the route's 404 ``key_not_found``)
+        when no such key exists or it is another owner's: the two must look alike."""
+        revoked = self.keys.revoke_key(key_id, owner=admin.managed_owner(caller))
+        if revoked:
+            logger.info("%s revoked key %s", caller.key_id, key_id)
+        return revoked
 
 
 def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_after: int | None) -> dict[str, Any]:

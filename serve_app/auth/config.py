@@ -69,6 +69,11 @@ class AuthArgs(Settings):
     # How stale a router's view of the key store and keyset may be: CLI edits (create, revoke,
     # rotate) reach every router within this many seconds, without a restart.
     cache_ttl_s: float = Field(5, ge=0, le=60)
+    # Each router replica's bound on registry queries for raw keys whose id it holds no row for
+    # (a made-up id, or a real key it has not seen yet), as many at once: anyone can send a
+    # well-formed key. Past it, such a key is a 503 key_registry_busy with Retry-After: 1 and
+    # nothing is queried; keys the router holds a row for, and tokens, are never held back.
+    registry_miss_lookups_per_s: float = Field(100, gt=0, le=10_000)
     # POST /v1/auth/token per key, region-wide: a client needs one token per token_ttl_s, so this
     # only ever stops a loop (or a stolen key) from spending the router's CPU on signatures.
     token_requests_per_minute: int = Field(60, ge=1, le=10_000)

@@ -6,7 +6,8 @@ characters (~256 bits). Only SHA-256 of the secret is stored: with that much ent
 password hash adds nothing, and a fast hash keeps verification cheap on every request.
 
 Claims live in columns so the CLI can list and edit them. Reads go through a short TTL cache so a
-router sees CLI edits within ``cache_ttl_s`` without a restart, and without a query per request.
+router sees CLI edits within ``cache_ttl_s`` without a restart, and without a query per request;
+lookups of ids the registry does not hold are cached too, and bounded (``cache.py``).
 
 The registry is a SQLite file (the embedded default, one region) or PostgreSQL (``database.py``):
 one registry every region reads, so a key created once works in each region its ``regions``
@@ -19,13 +20,13 @@ import json
 import re
 import secrets
 import string
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve_app.auth.cache import CacheMiss, LookupCache, MissBudget, RegistryBusy  # noqa: F401 (re-exported)
 from serve_app.auth.database import open_database
 
 PREFIX = "pgk"
@@ -113,54 +114,29 @@ class KeyRecord:
         }
 
 
-class CacheMiss(Exception):
-    """An offline read (``offline=True``) would have had to query the database."""
-
-
-class _TTLCache:
-    """A tiny cache whose entries (misses too) live ``ttl`` seconds. Bounded, so a flood of
-    made-up key ids cannot grow it without limit."""
-
-    MAX_ENTRIES = 50_000
-
-    def __init__(self, ttl: float, clock: Callable[[], float] = time.monotonic):
-        self.ttl, self.clock = ttl, clock
-        self._entries: dict[Any, tuple[float, Any]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: Any, load: Callable[[], Any], offline: bool = False) -> Any:
-        now = self.clock()
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None and hit[0] > now:
-                return hit[1]
-        if offline:
-            raise CacheMiss(key)
-        value = load()
-        with self._lock:
-            if len(self._entries) >= self.MAX_ENTRIES:
-                self._entries = {k: v for k, v in self._entries.items() if v[0] > now}
-                if len(self._entries) >= self.MAX_ENTRIES:
-                    self._entries.clear()
-            self._entries[key] = (now + self.ttl, value)
-        return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
 class KeyStore:
     """``location``: a SQLite path, or a ``postgresql://`` DSN (``database.open_database``)."""
 
     def __init__(
-        self, location: Path | str, *, cache_ttl_s: float = 5, create: bool = False, replica: str | None = None
+        self,
+        location: Path | str,
+        *,
+        cache_ttl_s: float = 5,
+        create: bool = False,
+        replica: str | None = None,
+        miss_lookups_per_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        """``replica``: the DSN of the registry's read replica nearest this region, if any."""
+        """``replica``: the DSN of the registry's read replica nearest this region, if any.
+        ``miss_lookups_per_s``: how many raw keys of ids this store holds no row for it looks up
+        a second (the router's bound on a flood of made-up ids); None: unbounded (the CLI)."""
         self.database = open_database(location, create=create, replica=replica)
         self.database.create_schema(_SCHEMA)
-        self._keys = _TTLCache(cache_ttl_s)
-        self._revoked = _TTLCache(cache_ttl_s)
+        budget = MissBudget(miss_lookups_per_s, clock) if miss_lookups_per_s else None
+        self._keys = LookupCache(cache_ttl_s, budget=budget, clock=clock)
+        # Every answer is a row here ("not revoked" is the common one), and lookups follow a
+        # valid signature, so no budget: a caller cannot choose a token's jti without a signing key.
+        self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, clock=clock)
 
     def _connect(self, read: bool = False):
         # A connection per operation: reads are rare (cached) and this stays correct across
@@ -168,17 +144,19 @@ class KeyStore:
         return self.database.connect(read)
 
     # --- reads (cached) ---------------------------------------------------------------------
-    def get(self, key_id: str, offline: bool = False) -> KeyRecord | None:
+    def get(self, key_id: str, offline: bool = False, budgeted: bool = False) -> KeyRecord | None:
         """``offline``: from the cache only, or CacheMiss (the router's event loop never waits on
-        the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``)."""
-        return self._keys.get(key_id, lambda: self._load(key_id), offline)
+        the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``).
+        ``budgeted``: an id with no row here spends the miss budget, or raises RegistryBusy."""
+        return self._keys.get(key_id, lambda: self._load(key_id), offline, budgeted)
 
     def lookup(self, raw_key: str, offline: bool = False) -> KeyRecord | None:
-        """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret)."""
+        """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret).
+        Anyone can send a well-formed key, so its id's lookup is budgeted (RegistryBusy)."""
         parsed = parse_key(raw_key)
         if parsed is None:
             return None
-        record = self.get(parsed[0], offline)
+        record = self.get(parsed[0], offline, budgeted=True)
         if record is None or not record.secret_matches(parsed[1]):
             return None
         return record
@@ -237,21 +215,26 @@ class KeyStore:
                     expires_at,
                 ),
             )
+        self._keys.forget(record.key_id)  # were its id cached as a miss here, it works at once
         return f"{PREFIX}_{record.key_id}_{secret}", record
 
-    def list_keys(self) -> list[KeyRecord]:
+    def list_keys(self, owner: str | None = None) -> list[KeyRecord]:
+        """Every key, or ``owner``'s only."""
+        where, params = ("WHERE owner = ? ", (owner,)) if owner is not None else ("", ())
         with self._connect(read=True) as db:
-            rows = db.execute("SELECT * FROM api_keys ORDER BY created_at, key_id").fetchall()
+            rows = db.execute(f"SELECT * FROM api_keys {where}ORDER BY created_at, key_id", params).fetchall()
         return [_record(row) for row in rows]
 
-    def revoke_key(self, key_id: str) -> bool:
-        """Disable a key for good; True if it existed. Tokens minted from it stop working too."""
+    def revoke_key(self, key_id: str, owner: str | None = None) -> bool:
+        """Disable a key for good; True if it existed (and, given ``owner``, is that owner's).
+        Tokens minted from it stop working too."""
+        sql = "UPDATE api_keys SET disabled_at = COALESCE(disabled_at, ?) WHERE key_id = ?"
+        params: tuple = (int(time.time()), key_id)
+        if owner is not None:
+            sql, params = sql + " AND owner = ?", (*params, owner)
         with self._connect() as db:
-            cursor = db.execute(
-                "UPDATE api_keys SET disabled_at = COALESCE(disabled_at, ?) WHERE key_id = ?",
-                (int(time.time()), key_id),
-            )
-        self._keys.clear()
+            cursor = db.execute(sql, params)
+        self._keys.forget(key_id)
         return cursor.rowcount > 0
 
     def revoke_jti(self, jti: str, *, purge_after: int) -> None:
@@ -263,7 +246,7 @@ class KeyStore:
                 " SET revoked_at = excluded.revoked_at, purge_after = excluded.purge_after",
                 (jti, now, purge_after),
             )
-        self._revoked.clear()
+        self._revoked.forget(jti)
 
 
 def _record(row) -> KeyRecord:

@@ -5,7 +5,7 @@ The router, the usage meter and the Responses store take a ``Principal``; only t
 ``Authenticator`` (``authenticator.py``) makes one.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from serve_app.auth.keys import ALL, KeyRecord
@@ -46,6 +46,19 @@ class Principal:
             via="api_key",
         )
 
+    def bound_to(self, record: KeyRecord) -> "Principal":
+        """A verified token's principal as its key's registry row allows it: owner and tier from
+        the row; models, regions and scopes the token's within the row's (a token may narrow what
+        its key allows, never widen it)."""
+        return replace(
+            self,
+            owner=record.owner,
+            tier=record.tier,
+            models=_within(self.models, frozenset(record.models)),
+            regions=_within(self.regions, frozenset(record.regions)),
+            scopes=self.scopes & frozenset(record.scopes),
+        )
+
     def claims(self) -> dict[str, Any]:
         """What a token minted for this caller asserts besides the registered claims."""
         return {
@@ -70,6 +83,13 @@ class Principal:
             sub, owner, frozenset(lists[0]), frozenset(lists[1]), frozenset(scope.split()), tier, "token",
             expires_at=int(claims["exp"]),
         )
+
+
+def _within(claimed: frozenset[str], allowed: frozenset[str]) -> frozenset[str]:
+    """``claimed`` ∩ ``allowed``, where ``{"*"}`` is everything."""
+    if ALL in allowed:
+        return claimed
+    return allowed if ALL in claimed else claimed & allowed
 
 
 def unauthorized(message: str, code: str, error: str | None = "invalid_token") -> APIError:

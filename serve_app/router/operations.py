@@ -15,7 +15,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve_app import catalog
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth import admin
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
@@ -116,13 +117,15 @@ def model_card(services: Services, model_id: str) -> dict[str, Any]:
 
 # --- key admin and usage ---------------------------------------------------------------------------
 async def list_keys(services: Services, request: Request) -> dict[str, Any]:
-    await metered_caller(services, request, SCOPE_ADMIN)
-    return {"object": "list", "data": await asyncio.to_thread(services.auth.list_keys)}
+    """Every key an operator admin may manage; an owner admin's own owner's (docs/auth.md)."""
+    caller = await metered_caller(services, request, SCOPE_ADMIN)
+    return {"object": "list", "data": await asyncio.to_thread(services.auth.list_keys, caller)}
 
 
 async def revoke_key(services: Services, key_id: str, request: Request) -> dict[str, Any]:
-    await metered_caller(services, request, SCOPE_ADMIN)
-    if not await asyncio.to_thread(services.auth.revoke_key, key_id):
+    """Another owner's key is, to an owner admin, a key that does not exist (404)."""
+    caller = await metered_caller(services, request, SCOPE_ADMIN)
+    if not await asyncio.to_thread(services.auth.revoke_key, caller, key_id):
         raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
     return {"key_id": key_id, "revoked": True}
 
@@ -132,14 +135,15 @@ async def usage(services: Services, request: Request) -> Response:
     for all), an admin's view."""
     params: Mapping[str, str] = request.query_params
     key_id = params.get("key_id")
-    caller = await metered_caller(services, request, SCOPE_INFERENCE if key_id is None else SCOPE_ADMIN)
+    caller = await metered_caller(services, request, admin.usage_scope(key_id))
     since, until, group_by = report.parse_query(params, today=utc_day(time.time()))
     fmt = params.get("format", "json")
     if fmt not in ("json", "csv"):
         raise APIError(400, f"format must be json or csv, not {fmt!r}", param="format", code="invalid_usage_query")
-    target = caller.key_id if key_id is None else (None if key_id == ALL else key_id)
+    wanted = admin.usage_filter(caller, key_id)  # an owner admin sees its own owner's keys only
     answer = await asyncio.to_thread(
-        report.usage_report, services.meter.store, key_id=target, since=since, until=until, group_by=group_by
+        report.usage_report, services.meter.store, key_id=wanted.key_id, owner=wanted.owner,
+        since=since, until=until, group_by=group_by,
     )
     if fmt == "csv":
         return PlainTextResponse(report.to_csv(answer), media_type="text/csv")

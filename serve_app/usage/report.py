@@ -54,14 +54,22 @@ def parse_query(params: Mapping[str, str], *, today: str) -> tuple[str, str, tup
 
 
 def usage_report(
-    store: UsageStore, *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...]
+    store: UsageStore,
+    *,
+    key_id: str | None,
+    since: str,
+    until: str,
+    group_by: tuple[str, ...],
+    owner: str | None = None,
 ) -> dict[str, Any]:
-    """The report object: its rows, and their totals. ``key_id`` None (or ""): every key's usage."""
+    """The report object: its rows, and their totals. ``key_id`` None (or ""): every key's usage;
+    ``owner``: only that owner's (an owner admin's view, ``serve_app.auth.admin.usage_filter``)."""
     key_id = key_id or None
-    rows = store.totals(key_id=key_id, since=since, until=until, group_by=group_by)
+    rows = store.totals(key_id=key_id, since=since, until=until, group_by=group_by, owner=owner)
     return {
         "object": "usage.report",
         "key_id": key_id,
+        "owner": owner,
         "since": since,
         "until": until,
         "group_by": list(group_by),

@@ -126,10 +126,12 @@ class UsageStore:
 
     # --- reads (reports, budgets): from the region's read replica when it has one ---------------
     def totals(
-        self, *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...]
+        self, *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...], owner: str | None = None
     ) -> list[dict[str, Any]]:
         """Counters per group over the inclusive UTC days ``since``..``until``, ordered by the
-        group columns. ``group_by``: a non-empty subset of ``GROUPS`` ("month" is YYYY-MM)."""
+        group columns. ``group_by``: a non-empty subset of ``GROUPS`` ("month" is YYYY-MM).
+        ``key_id``, ``owner``: only that key's, only that owner's rows (the owner the request
+        was billed to)."""
         unknown = [g for g in group_by if g not in GROUPS]
         if not group_by or unknown:
             raise ValueError(f"group_by must be a non-empty subset of {', '.join(GROUPS)}; got {list(group_by)}")
@@ -139,6 +141,8 @@ class UsageStore:
         where, params = "day >= ? AND day <= ?", (since, until)
         if key_id is not None:
             where, params = where + " AND key_id = ?", (*params, key_id)
+        if owner is not None:
+            where, params = where + " AND owner = ?", (*params, owner)
         with self.database.connect(read=True) as db:
             rows = db.execute(
                 f"SELECT {selected}, {sums} FROM usage_daily WHERE {where} GROUP BY {groups} ORDER BY {groups}",

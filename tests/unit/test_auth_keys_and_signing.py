@@ -139,23 +139,24 @@ def test_dev_key_tokens_and_keys_do_not_authenticate_in_a_region(tmp_path):
 
 
 def test_the_event_loop_never_waits_on_the_key_store(tmp_path, monkeypatch):
-    """authenticate_async answers from the cache in the loop; a miss goes to a worker thread."""
+    """authenticate_async answers from the cache in the loop; a miss goes to a worker thread
+    (a key this router has not seen yet: one of the threads kept for unknown ids)."""
     import asyncio
+    import threading
 
-    from serve_app.auth import authenticator as authenticator_module
     from serve_app.auth.keys import SCOPE_INFERENCE
     from tests.unit.auth_support import authenticator
 
     auth = authenticator(tmp_path, cache_ttl_s=5)
     key, _ = auth.keys.create_key(owner="alice", tier="standard")
-    threaded = []
-    real_to_thread = asyncio.to_thread
+    queried_on = []
+    real_connect = auth.keys.database.connect
 
-    async def counting_to_thread(fn, *args, **kwargs):
-        threaded.append(fn.__name__)
-        return await real_to_thread(fn, *args, **kwargs)
+    def recording_connect(read: bool = False):
+        queried_on.append(threading.current_thread())
+        return real_connect(read)
 
-    monkeypatch.setattr(authenticator_module.asyncio, "to_thread", counting_to_thread)
+    monkeypatch.setattr(auth.keys.database, "connect", recording_connect)
 
     async def twice():
         first = await auth.authenticate_async(f"Bearer {key}", scope=SCOPE_INFERENCE)
@@ -164,4 +165,5 @@ def test_the_event_loop_never_waits_on_the_key_store(tmp_path, monkeypatch):
 
     first, second = asyncio.run(twice())
     assert first.key_id == second.key_id and first.via == "api_key"
-    assert threaded == ["authenticate"]  # the first (cache miss) only
+    assert len(queried_on) == 1  # the first (cache miss) only
+    assert queried_on[0] is not threading.main_thread()  # not the event loop's thread

@@ -46,6 +46,17 @@ def test_a_revocation_anywhere_is_seen_everywhere_once_the_cache_expires(registr
     assert there.lookup(key).status(time.time()) == "revoked"
 
 
+def test_an_owner_lists_and_revokes_its_own_keys_only(registry):
+    store = KeyStore(registry, cache_ttl_s=0)
+    mine = {store.create_key(owner="acme", tier="standard")[1].key_id for _ in range(2)}
+    theirs = store.create_key(owner="globex", tier="standard")[1].key_id
+    assert {r.key_id for r in store.list_keys(owner="acme")} == mine
+    assert {r.key_id for r in store.list_keys()} == mine | {theirs}
+    assert not store.revoke_key(theirs, owner="acme")  # as if it did not exist
+    assert store.get(theirs).disabled_at is None
+    assert store.revoke_key(sorted(mine)[0], owner="acme")
+
+
 def test_revoked_token_ids_are_shared_and_revoking_twice_is_fine(registry):
     here, there = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0)
     now = int(time.time())

@@ -118,6 +118,13 @@ def test_a_batch_larger_than_one_statement_is_written_whole(store):
     assert store.insert(list(reversed(batch))) == 0
 
 
+def test_a_report_can_be_one_owners(store):
+    store.insert([usage_record(key_id="k1"), usage_record(key_id="k2", owner="globex"), usage_record(key_id="k3")])
+    acme = store.totals(key_id=None, owner="acme", since="2026-12-01", until="2026-12-01", group_by=("key_id",))
+    assert [row["key_id"] for row in acme] == ["k1", "k3"]
+    assert store.totals(key_id="k2", owner="acme", since="2026-12-01", until="2026-12-01", group_by=("day",)) == []
+
+
 def test_two_regions_writing_the_same_records_at_once_count_them_once(store):
     other = UsageStore(open_database(getattr(store.database, "dsn", None) or store.database.path))
     batch = [usage_record(key_id=f"k{i % 4}", model=f"m{i % 3}") for i in range(300)]

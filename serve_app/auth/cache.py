@@ -1,0 +1,212 @@
+"""The key store's read cache: what a router remembers of the registry, and what a flood of
+made-up key ids may cost it.
+
+A key id is public and a well-formed ``pgk_`` key costs nothing to invent, so every lookup of an
+id the router has no row for is a registry query an unauthenticated caller chose. This cache
+keeps those from reaching the shared database, or pushing real keys out of memory:
+
+- **Two LRU maps.** Rows (``MAX_ROWS``) and misses (``MAX_MISSES``, the negative cache) are bounded
+  apart, so misses only ever evict other misses: a flood of random ids cannot push a real key out,
+  and it cannot flush anything (the least recently used entry goes, never the whole map).
+- **TTLs.** A row is fresh for ``ttl`` (``cache_ttl_s``), a miss for ``miss_ttl`` (at most
+  ``ttl``): a key created while its id is cached as a miss is seen within ``cache_ttl_s``.
+- **Single flight.** Concurrent lookups of one id wait for one query.
+- **A budget for unknown ids** (``MissBudget``). A lookup the caller asks to be ``budgeted`` (a
+  raw key: unauthenticated), of an id this router holds no row for, even a stale one, spends one
+  token of a per-router bucket (``rate`` a second, ``rate`` deep). An empty bucket is
+  ``RegistryBusy``, raised before any query (the authenticator answers 503 with Retry-After).
+  Refreshing a row the router already holds is never budgeted: only real keys have rows, so a
+  flood cannot delay a known key's refresh, and keys this router has answered keep answering.
+  A budgeted miss is paid for in the event loop's offline pass (``offline=True``), so a refused
+  one never takes a worker thread, and a paid one says so (``CacheMiss.unknown``) so that the
+  caller can query it on a few threads of its own (the authenticator's): a flood's queries then
+  wait there, never in front of a real key's refresh.
+"""
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
+
+# An SRE sees a flood in the log, once a minute at most, not once per refused request.
+_BUSY_LOG_INTERVAL_S = 60
+
+
+class CacheMiss(Exception):
+    """An offline read (``offline=True``) would have had to query the database. ``unknown``: of
+    an id with no row here, paid for from the miss budget (the caller queries it on the threads
+    it keeps for those, so a flood never occupies the ones real keys' lookups use)."""
+
+    def __init__(self, key: Hashable, unknown: bool = False):
+        super().__init__(key)
+        self.unknown = unknown
+
+
+class RegistryBusy(Exception):
+    """This router's budget for lookups of unknown key ids is spent; nothing was queried."""
+
+
+class MissBudget:
+    """A token bucket: ``rate`` lookups a second, at most ``rate`` (at least 1) at once."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.clock = rate, clock
+        self.capacity = max(1.0, rate)
+        self._tokens, self._at = self.capacity, clock()
+        self._busy_logged_at: float | None = None
+
+    def take(self) -> bool:
+        """Spend one token if there is one. Called under the cache's lock."""
+        now = self.clock()
+        self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        if self._busy_logged_at is None or now - self._busy_logged_at >= _BUSY_LOG_INTERVAL_S:
+            self._busy_logged_at = now
+            logger.warning("key registry: refusing lookups of unknown key ids past %g/s (a flood?)", self.rate)
+        return False
+
+
+@dataclass
+class _Flight:
+    """One query in progress; lookups of the same id wait on it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: BaseException | None = None
+    waiters: int = 0
+    unknown: bool = False  # paid from the miss budget: queried (and waited for) on its own threads
+
+    def result(self) -> Any:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class LookupCache:
+    MAX_ROWS = 50_000  # real keys only: bounded by what the registry holds
+    # ~200 bytes each: the negative cache holds at most ~2 MB of a router's memory.
+    MAX_MISSES = 10_000
+    # Ids paid for in an offline pass and not looked up yet; only a lost thread leaves one behind.
+    _MAX_PAID = 10_000
+
+    def __init__(
+        self,
+        ttl: float,
+        *,
+        miss_ttl: float | None = None,
+        is_miss: Callable[[Any], bool] = lambda value: value is None,
+        budget: MissBudget | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.ttl, self.clock, self.is_miss, self.budget = ttl, clock, is_miss, budget
+        self.miss_ttl = ttl if miss_ttl is None else min(miss_ttl, ttl)
+        self._rows: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
+        self._misses: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
+        self._flights: dict[Hashable, _Flight] = {}
+        self._paid: set[Hashable] = set()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, load: Callable[[], Any], offline: bool = False, budgeted: bool = False) -> Any:
+        """The cached value, else ``load()`` (once for concurrent callers). ``offline``: raise
+        CacheMiss instead of loading. ``budgeted``: an unknown ``key`` spends the miss budget,
+        or raises RegistryBusy."""
+        now = self.clock()
+        with self._lock:
+            found, value = self._fresh(key, now)
+            if found:
+                return value
+            flight = self._flights.get(key)
+            if flight is None:
+                paid = self._pay(key, budgeted, offline)
+                if offline:
+                    raise CacheMiss(key, unknown=paid)
+                flight = self._flights[key] = _Flight(unknown=paid)
+                leader = True
+            elif offline:  # its answer is on the way: wait for it where its query runs
+                raise CacheMiss(key, unknown=flight.unknown)
+            else:
+                flight.waiters += 1
+                leader = False
+        if not leader:
+            return flight.result()
+        try:
+            flight.value = load()
+        except BaseException as err:
+            flight.error = err
+            raise
+        finally:
+            with self._lock:
+                if flight.error is None:
+                    self._store(key, flight.value, now)
+                del self._flights[key]
+            flight.done.set()
+        return flight.value
+
+    def forget(self, key: Hashable) -> None:
+        """Drop one entry (this process just changed that row): the next read queries."""
+        with self._lock:
+            self._rows.pop(key, None)
+            self._misses.pop(key, None)
+
+    def waiting(self, key: Hashable) -> int:
+        """How many lookups are waiting for ``key``'s query in progress (for tests)."""
+        with self._lock:
+            flight = self._flights.get(key)
+            return flight.waiters if flight else 0
+
+    # --- under the lock --------------------------------------------------------------------------
+    def _fresh(self, key: Hashable, now: float) -> tuple[bool, Any]:
+        row = self._rows.get(key)
+        if row is not None:
+            if row[0] > now:
+                self._rows.move_to_end(key)
+                return True, row[1]
+            return False, None  # stale: refreshed, never budgeted (the id is a real key's)
+        miss = self._misses.get(key)
+        if miss is not None and miss[0] > now:
+            self._misses.move_to_end(key)
+            return True, miss[1]
+        return False, None
+
+    def _pay(self, key: Hashable, budgeted: bool, offline: bool) -> bool:
+        """Spend the budget for a lookup of an id with no row here, once per lookup: the offline
+        pass pays, and the online pass that follows it finds the id already paid for. Whether
+        this lookup is (or was) paid for."""
+        if not budgeted or self.budget is None or key in self._rows:
+            return False
+        if key in self._paid:
+            if not offline:
+                self._paid.discard(key)
+            return True
+        if not self.budget.take():
+            raise RegistryBusy(key)
+        if offline:
+            if len(self._paid) >= self._MAX_PAID:
+                self._paid.clear()
+            self._paid.add(key)
+        return True
+
+    def _store(self, key: Hashable, value: Any, now: float) -> None:
+        self._paid.discard(key)
+        if self.is_miss(value):
+            self._rows.pop(key, None)
+            self._misses[key] = (now + self.miss_ttl, value)
+            self._misses.move_to_end(key)
+            while len(self._misses) > self.MAX_MISSES:
+                self._misses.popitem(last=False)
+        else:
+            self._misses.pop(key, None)
+            self._rows[key] = (now + self.ttl, value)
+            self._rows.move_to_end(key)
+            while len(self._rows) > self.MAX_ROWS:
+                self._rows.popitem(last=False)

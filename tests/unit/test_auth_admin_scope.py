@@ -1,0 +1,128 @@
+"""What an admin may see and do (issue #22, item 6; docs/auth.md, "Admin scopes"): an admin
+restricted to a model or a region manages its own owner's keys only (list, revoke, usage), and
+another owner's key looks like a key that does not exist. Tested on the Authenticator and the
+usage report the routes call, against a real registry file."""
+
+import pytest
+
+from serve_app.auth import admin
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.errors import APIError
+from serve_app.usage.report import usage_report
+from serve_app.usage.store import UsageStore
+from tests.unit.auth_support import DEV_KEY, MODEL, authenticator, bearer
+from tests.unit.test_usage_store import usage_record
+
+BOTH = (SCOPE_INFERENCE, SCOPE_ADMIN)
+
+
+@pytest.fixture
+def auth(tmp_path):
+    return authenticator(tmp_path)
+
+
+@pytest.fixture
+def keys(auth):
+    """Two owners' keys: acme's admin is scoped to one model, the operator to nothing."""
+
+    def create(owner, **claims):
+        raw, record = auth.keys.create_key(owner=owner, tier="standard", **claims)
+        return raw, record.key_id
+
+    made = {
+        "operator": create("platform", scopes=BOTH),
+        "acme_admin": create("acme", models=(MODEL,), scopes=BOTH),
+        "acme": create("acme"),
+        "globex": create("globex"),
+        "globex_admin": create("globex", regions=("local",), scopes=BOTH),  # all models, one region
+    }
+    return made
+
+
+def _caller(auth, keys, name, scope=SCOPE_ADMIN):
+    return auth.authenticate(bearer(keys[name][0])["Authorization"], scope=scope)
+
+
+def _ids(listing) -> set[str]:
+    return {row["key_id"] for row in listing}
+
+
+def test_an_admin_scoped_to_one_model_lists_only_its_owners_keys(auth, keys):
+    acme = _ids(auth.list_keys(_caller(auth, keys, "acme_admin")))
+    assert acme == {keys["acme_admin"][1], keys["acme"][1]}
+    everyone = _ids(auth.list_keys(_caller(auth, keys, "operator")))
+    assert everyone == {key_id for _, key_id in keys.values()}
+
+
+def test_an_admin_scoped_to_one_region_is_its_owners_admin_too(auth, keys):
+    globex = _ids(auth.list_keys(_caller(auth, keys, "globex_admin")))
+    assert globex == {keys["globex"][1], keys["globex_admin"][1]}
+
+
+def test_an_owner_admin_cannot_revoke_another_owners_key_and_it_looks_not_found(auth, keys):
+    acme_admin = _caller(auth, keys, "acme_admin")
+    assert auth.revoke_key(acme_admin, keys["globex"][1]) is False
+    assert auth.revoke_key(acme_admin, "000000000000") is False  # the same answer as no such key
+    assert _caller(auth, keys, "globex", SCOPE_INFERENCE).owner == "globex"  # still works
+    assert auth.revoke_key(acme_admin, keys["acme"][1]) is True  # its own owner's key
+    with pytest.raises(APIError) as refused:
+        _caller(auth, keys, "acme", SCOPE_INFERENCE)
+    assert refused.value.code == "api_key_revoked"
+    assert auth.revoke_key(_caller(auth, keys, "operator"), keys["globex"][1]) is True
+
+
+def test_the_local_dev_key_is_an_operator(auth, keys):
+    dev = auth.authenticate(f"Bearer {DEV_KEY}", scope=SCOPE_ADMIN)
+    assert admin.manages_every_key(dev)
+    assert _ids(auth.list_keys(dev)) == {key_id for _, key_id in keys.values()}
+
+
+def test_without_the_admin_scope_nothing_is_managed(auth, keys):
+    acme = _caller(auth, keys, "acme", SCOPE_INFERENCE)
+    for attempt in (lambda: auth.list_keys(acme), lambda: auth.revoke_key(acme, keys["acme"][1])):
+        with pytest.raises(APIError) as refused:
+            attempt()
+        assert (refused.value.status, refused.value.code) == (403, "insufficient_scope")
+    with pytest.raises(APIError):
+        admin.usage_filter(acme, "*")
+
+
+def _report(store, caller, key_id_param):
+    wanted = admin.usage_filter(caller, key_id_param)
+    return usage_report(
+        store, key_id=wanted.key_id, owner=wanted.owner, since="2026-12-01", until="2026-12-31", group_by=("key_id",)
+    )
+
+
+def test_an_owner_admin_reads_only_its_owners_usage(auth, keys):
+    store = UsageStore(auth.keys.database)
+    store.insert(
+        [
+            usage_record(key_id=keys["acme"][1], owner="acme"),
+            usage_record(key_id=keys["acme_admin"][1], owner="acme"),
+            usage_record(key_id=keys["globex"][1], owner="globex"),
+        ]
+    )
+    acme_admin, operator = _caller(auth, keys, "acme_admin"), _caller(auth, keys, "operator")
+    mine = _report(store, acme_admin, "*")
+    assert {row["key_id"] for row in mine["data"]} == {keys["acme"][1], keys["acme_admin"][1]}
+    assert mine["owner"] == "acme"
+    # Another owner's key reads exactly like a key nobody holds: an empty report.
+    assert _report(store, acme_admin, keys["globex"][1])["data"] == []
+    assert _report(store, acme_admin, "000000000000")["data"] == []
+    assert [row["key_id"] for row in _report(store, acme_admin, keys["acme"][1])["data"]] == [keys["acme"][1]]
+    everything = _report(store, operator, "*")
+    assert {row["key_id"] for row in everything["data"]} == {keys["acme"][1], keys["acme_admin"][1], keys["globex"][1]}
+    assert _report(store, operator, keys["globex"][1])["totals"]["requests"] == 1
+
+
+def test_without_key_id_the_report_is_the_callers_own_key(auth, keys):
+    acme = _caller(auth, keys, "acme", SCOPE_INFERENCE)
+    assert admin.usage_scope(None) == SCOPE_INFERENCE and admin.usage_scope("*") == SCOPE_ADMIN
+    assert admin.usage_filter(acme, None) == admin.UsageFilter(key_id=keys["acme"][1], owner=None)
+
+
+def test_an_empty_key_id_is_a_400_not_every_key(auth, keys):
+    with pytest.raises(APIError) as refused:
+        admin.usage_filter(_caller(auth, keys, "operator"), "")
+    assert (refused.value.status, refused.value.param) == (400, "key_id")
