@@ -203,15 +203,13 @@ class VLLMEngine:
         except ValidationError as err:
             return _validation_error(err)
         except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
-            return _error(create_error_response(exc))
+            return _error(create_error_response(exc), exc)
         try:
             result = await create(request, None)
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
                 raise  # the engine core died: the replica answers 503, Serve replaces it
-            result = create_error_response(exc)
-            if result.error.code >= 500:
-                logger.exception("%s request failed", self.args.id)
+            return _error(create_error_response(exc), exc)
         if isinstance(result, ErrorResponse):
             return _error(result)
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
@@ -238,8 +236,23 @@ def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
     body["chat_template_kwargs"] = kwargs
 
 
-def _error(response) -> Answer:
+# What a client reads for a server fault. vLLM's own words (an exception's text, a media fetch
+# error naming an internal host and port) go to this replica's log, which Serve stamps with the
+# request id the client got in ``x-request-id``; a 4xx keeps vLLM's message: it says what to fix.
+_SERVER_FAULT = ("the model failed to serve this request; it has been logged", "internal")
+_SERVER_FAULTS = {
+    501: ("the model engine does not support part of this request", "not_implemented"),
+    503: ("the model engine cannot take this request now; retry", None),  # the router may fail over
+}
+
+
+def _error(response, exc: BaseException | None = None) -> Answer:
+    """vLLM's ``ErrorResponse`` as our answer; ``exc``: the exception it was made from, if any."""
     error = response.error
+    if error.code >= 500:
+        logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
+        message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
+        return Answer(error.code, error_body(error.code, message, code=code))
     code = context_cap.CONTEXT_LENGTH_EXCEEDED if context_cap.is_context_overflow(error) else None
     return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
 
