@@ -20,10 +20,16 @@ e-mail address), and the engine's logs need not carry owner ids. Deterministic, 
 replica and region salts an owner alike (each replica's cache is its own; a salt that changed
 would only cost a cold cache).
 
+Where it is set: on the body the replica gets, for the methods that run the model (chat,
+completions, Responses, Messages; vLLM converts a Messages request to a chat request and copies
+the salt onto it), never on the dict a failover forwards: a peer's router refuses the field like
+any client's, and salts the request itself. ``salted`` makes that copy.
+
 Nothing here imports vLLM.
 """
 
 import hashlib
+from typing import Any
 
 # Changing the tag re-salts every owner: all prefix caches start cold, nothing else changes.
 _TAG = b"serve_app cache_salt v1\x00"
@@ -32,3 +38,9 @@ _TAG = b"serve_app cache_salt v1\x00"
 def cache_salt(owner: str) -> str:
     """The prefix-cache salt of ``owner``: 67 characters, ``o1-`` and a SHA-256 in hex."""
     return "o1-" + hashlib.sha256(_TAG + owner.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def salted(body: dict[str, Any], owner: str) -> dict[str, Any]:
+    """A shallow copy of ``body`` with ``owner``'s salt, for the replica; ``body`` is unchanged
+    (it is what a failover forwards)."""
+    return {**body, "cache_salt": cache_salt(owner)}

@@ -13,7 +13,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
 from serve_app.errors import APIError
-from serve_app.router.isolation import cache_salt
+from serve_app.router.isolation import cache_salt, salted
 from serve_app.router.request_schema import BODIES, validate_body
 from tests.conftest import REPO
 
@@ -58,6 +58,14 @@ def test_the_salt_is_the_owners_deterministic_and_distinct():
     owners = ["acme", "acme2", "Acme", "", "alice@example.com", "a/b\\c\x00", "\ud800", "x" * 10_000]
     salts = {cache_salt(owner) for owner in owners}
     assert len(salts) == len(owners)
+
+
+def test_the_replica_gets_a_salted_copy_and_a_failover_the_clients_body():
+    body = dict(BODY["chat"])
+    replica_body = salted(body, "acme")
+    assert replica_body == {**BODY["chat"], "cache_salt": cache_salt("acme")}
+    assert body == BODY["chat"]  # forwarded to a peer, whose router would refuse a cache_salt
+    validate_body("chat", body)
 
 
 @pytest.mark.parametrize("owner", ["acme", "alice@example.com", "team/ml\\x\x00", "x" * 10_000, "\ud800"])
