@@ -11,7 +11,7 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app import catalog
-from serve_app.config import TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, parse_app_args
+from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.engine.deployment import ModelServer
 from serve_app.hot_load.autoscaling import POLICY_PATH
 from serve_app.router.ingress import Router
@@ -76,8 +76,8 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         ray_actor_options["num_gpus"] = model.resources.num_gpus
     if model.resources.accelerator_type:
         ray_actor_options["accelerator_type"] = model.resources.accelerator_type
-    if model.resources.env:
-        ray_actor_options["runtime_env"] = {"env_vars": dict(model.resources.env)}
+    # The config's env, then what the engine must run with whatever the config says.
+    ray_actor_options["runtime_env"] = {"env_vars": {**model.resources.env, **ENGINE_ENV}}
     return {
         "name": model.deployment_name,
         "autoscaling_config": autoscaling_config(model),

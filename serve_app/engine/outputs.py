@@ -21,6 +21,9 @@ from typing import Any, NamedTuple
 
 from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
 from serve_app.wire.messages import Trailer
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
 
 Body = dict[str, Any]
 
@@ -197,7 +200,9 @@ async def peek_chat_metrics(chat_events, into: MessagesStream):
     async for event in chat_events:
         if event.startswith(trailer.ERROR_PREFIX):
             status, error = trailer.vllm_stream_error(event)
-            # A server fault's text is for our log, not the client.
+            # A server fault's text is for our log (Serve stamps the request id), not the client.
+            if status >= 500:
+                logger.error("vLLM's stream under a Messages stream failed (%s): %s", status, error.get("message"))
             message = str(error.get("message") or "invalid request") if status < 500 else _FAILED_MID_STREAM
             into.chat_error = (status, message)
         elif '"metrics":' in event and '"usage":' in event:

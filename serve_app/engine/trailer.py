@@ -16,8 +16,11 @@ import json
 from typing import Any
 
 from serve_app.errors import engine_failed_mid_stream, error_body
+from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Trailer
 from serve_app.wire.sse import data_event
+
+logger = module_logger(__name__)
 
 VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (surfaces/dialects.py)
 ERROR_PREFIX = 'data: {"error"'
@@ -128,6 +131,8 @@ class StreamTrailer:
         failed and to retry; a client's mistake keeps vLLM's message and status."""
         status, error = vllm_stream_error(event)
         if status >= 500:
+            # vLLM's words go to this replica's log (Serve stamps it with the request id), not the client.
+            logger.error("vLLM's stream failed (%s): %s", status, error.get("message"))
             self.error_code, self.error_status = ENGINE_UNAVAILABLE, 503
             body = engine_failed_mid_stream()
         else:

@@ -124,7 +124,7 @@ class VLLMEngine:
         converter would drop."""
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
 
-        body = dict(call.body)
+        body = _salted(dict(call.body), call)  # vLLM copies the salt onto the chat request
         priority = body.pop("priority", 0)
         output = outputs.MessagesOutput()
         watcher = output.watcher(body) if body.get("stream") else None
@@ -220,15 +220,13 @@ class VLLMEngine:
         except ValidationError as err:
             return _validation_error(err)
         except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
-            return _error(create_error_response(exc))
+            return _error(create_error_response(exc), exc)
         try:
             result = await create(request, None)
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
                 raise  # the engine core died: the replica answers 503, Serve replaces it
-            result = create_error_response(exc)
-            if result.error.code >= 500:
-                logger.exception("%s request failed", self.args.id)
+            return _error(create_error_response(exc), exc)
         if isinstance(result, ErrorResponse):
             return _error(result)
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
@@ -255,8 +253,23 @@ def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
     body["chat_template_kwargs"] = kwargs
 
 
-def _error(response) -> Answer:
+# What a client reads for a server fault. vLLM's own words (an exception's text, a media fetch
+# error naming an internal host and port) go to this replica's log, which Serve stamps with the
+# request id the client got in ``x-request-id``; a 4xx keeps vLLM's message: it says what to fix.
+_SERVER_FAULT = ("the model failed to serve this request; it has been logged", "internal")
+_SERVER_FAULTS = {
+    501: ("the model engine does not support part of this request", "not_implemented"),
+    503: ("the model engine cannot take this request now; retry", None),  # the router may fail over
+}
+
+
+def _error(response, exc: BaseException | None = None) -> Answer:
+    """vLLM's ``ErrorResponse`` as our answer; ``exc``: the exception it was made from, if any."""
     error = response.error
+    if error.code >= 500:
+        logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
+        message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
+        return Answer(error.code, error_body(error.code, message, code=code))
     code = context_cap.CONTEXT_LENGTH_EXCEEDED if context_cap.is_context_overflow(error) else None
     return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
 
@@ -277,7 +290,10 @@ def _validation_error(err) -> Answer:
 def _engine_body(call: Call, request_id: str | None = None) -> Body:
     """The body vLLM's request model gets: the router's, with the router's request id (the engine
     request's, so logs and records name one request) and the caller's prefix-cache partition."""
-    body = {**call.body, "request_id": request_id or call.request_id}
+    return _salted({**call.body, "request_id": request_id or call.request_id}, call)
+
+
+def _salted(body: Body, call: Call) -> Body:
     if call.cache_salt is not None:
         body["cache_salt"] = call.cache_salt
     return body

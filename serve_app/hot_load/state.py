@@ -16,10 +16,14 @@ loaded     wanted loaded and at least one replica running: requests are served
 loading    wanted loaded, no replica running yet (weights loading, or waiting for a GPU)
 recovering wanted loaded, no replica running: a replica failed its health checks (its engine
            died) and Serve is replacing it; transient, seconds to a minute (docs/reliability.md)
-failed     wanted loaded, no replica running, and Serve gave up starting one (see ``message``)
+failed     wanted loaded, no replica running, and Serve gave up starting one
 unloading  wanted cold, replicas still draining their in-flight requests
 cold       wanted cold, no replicas: costs nothing, needs a load before it serves
 ========== ===================================================================================
+
+``message`` says in our words what a state without a running replica waits for. Serve's own
+message (resources asked for and available, actor ids, a failed constructor's traceback with the
+image's paths) is for operators: the router logs it (``tracker.py``), callers never see it.
 
 Only ``loaded`` models receive requests; the others answer 503 with ``Retry-After`` (or the
 request fails over to a peer region). Nothing is ever sent to a cold deployment's handle, because a
@@ -87,7 +91,7 @@ class ModelState:
     starting: int = 0
     stopping: int = 0
     since: float | None = None  # when the wanted state was set (None: since deploy)
-    message: str | None = None  # Serve's own words while loading or failed (e.g. waiting for a GPU)
+    message: str | None = None  # while loading, recovering or failed, when Serve says why: ours
 
     @property
     def serving(self) -> bool:
@@ -104,13 +108,22 @@ class ModelState:
         }
 
 
+# What a caller reads while a model it wants has no running replica and Serve says why.
+PUBLIC_MESSAGES = {
+    LOADING: "a replica is starting: waiting for a GPU, or loading the weights",
+    RECOVERING: "a replica failed its health checks and is being replaced",
+    FAILED: "replicas failed to start; the region's operators have the details in its logs",
+}
+
+
 def derive_state(
     wanted: WantedRecord,
     replica_states: Mapping[str, int],
     deployment_status: str | None = None,
     message: str | None = None,
 ) -> ModelState:
-    """The caller-facing state from the wanted state and Serve's replica counts by state name."""
+    """The caller-facing state from the wanted state and Serve's replica counts by state name;
+    ``message``, Serve's own, only decides whether the state carries one of ours."""
     running = int(replica_states.get("RUNNING", 0))
     starting = sum(int(replica_states.get(name, 0)) for name in _STARTING)
     stopping = int(replica_states.get("STOPPING", 0))
@@ -122,4 +135,4 @@ def derive_state(
     if running:
         return ModelState(LOADED, "loaded", since=since, **counts)
     state = {"DEPLOY_FAILED": FAILED, "UNHEALTHY": RECOVERING}.get(deployment_status or "", LOADING)
-    return ModelState(state, "loaded", since=since, message=message or None, **counts)
+    return ModelState(state, "loaded", since=since, message=PUBLIC_MESSAGES[state] if message else None, **counts)

@@ -73,6 +73,7 @@ class ModelStates:
         self._status_read_at = float("-inf")
         self._suspect_until = float("-inf")
         self._pending: asyncio.Task | None = None  # a refresh a caller asked for, in flight
+        self._serve_messages: dict[str, str] = {}  # Serve's message per model, last logged
 
     def get(self, model_id: str) -> ModelState:
         return self._states[model_id]
@@ -107,8 +108,18 @@ class ModelStates:
             self._status_read_at = time.monotonic()
         self._wanted = wanted
         for model_id, deployment in self.deployments.items():
-            self._states[model_id] = _state_of(wanted[model_id], self._deployments.get(deployment))
+            status_of = self._deployments.get(deployment)
+            self._log_serve_message(model_id, getattr(status_of, "message", "") or "")
+            self._states[model_id] = _state_of(wanted[model_id], status_of)
         self._refreshed = True
+
+    def _log_serve_message(self, model_id: str, message: str) -> None:
+        """Serve's words about a deployment, for operators: logged once each time they change
+        (the state callers see says what they mean in ours, ``state.PUBLIC_MESSAGES``)."""
+        if message != self._serve_messages.get(model_id, ""):
+            self._serve_messages[model_id] = message
+            if message:
+                logger.warning("Serve on %s: %s", self.deployments[model_id], message)
 
     def suspect(self) -> None:
         """A replica answered that its engine died or could not be reached: read Serve's status

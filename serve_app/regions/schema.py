@@ -17,7 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from serve_app import catalog
-from serve_app.config import Autoscaling, replica_bounds_problem
+from serve_app.config import Autoscaling, MediaPolicy, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
 from serve_app.settings import FrozenSettings, describe_errors, listed_twice
 
@@ -212,6 +212,11 @@ class Region(FrozenSettings):
     )
     trace_sampling_ratio: float = Field(
         0.1, ge=0, le=1, description="Share of new traces recorded; a caller's traceparent decides for its own."
+    )
+    media: MediaPolicy = Field(
+        MediaPolicy(),
+        description="Images, audio and video in requests: off (text only), or {allowed_domains: [host, ...]}, "
+        "the hosts the engine may fetch them from (docs/regions.md, \"Media\").",
     )
 
     @field_validator("id")

@@ -97,9 +97,12 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
         "downscale_delay_s": model.downscale_delay_s,
     }
     state = {"initial_state": model.state} if model.state != "loaded" else {}
+    # Off is the default: written only when the region allows some hosts.
+    media = {"media": {"allowed_domains": list(region.media.allowed_domains)}} if region.media.enabled else {}
     return {
         "id": model.id,
         **state,
+        **media,
         # Only serving knobs: the checkpoint, quantization, context cap and eager mode stay the
         # catalog's (an override here would silently fork production settings per region).
         "engine": engine_args(model),

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, Closed, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, Strict
 
 # vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine.
 MAX_STOP_SEQUENCES = 4
@@ -87,7 +87,7 @@ class AnthropicMetadata(Closed):
     user_id: str | None = None
 
 
-class _Prompt(Strict):
+class _Prompt(Body):
     """What both routes render: the conversation, its system prompt and tools."""
 
     model: str

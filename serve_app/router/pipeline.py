@@ -25,11 +25,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from serve_app.errors import APIError
-from serve_app.router import pricing, relay
+from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
 from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
 from serve_app.router.context import Context, abandoned, failed, forwarded, refused
 from serve_app.router.failover import REGION_HEADER
+from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
@@ -71,7 +72,11 @@ async def resolve(ctx: Context) -> None:
 
 
 async def validate(ctx: Context) -> None:
+    """The surface's strict body, and the region's media policy: a media part the model's region
+    does not take (or from a host it does not allow) is a 400 naming the part."""
     validate_body(ctx.surface.name, ctx.body)
+    if (problem := media_problem(ctx.surface.name, ctx.body, ctx.services.models[ctx.model].media)) is not None:
+        raise problem
 
 
 async def authorize(ctx: Context) -> None:
@@ -148,6 +153,8 @@ async def call(ctx: Context) -> Head:
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
         previous_response_id=ctx.previous_response_id,
+        # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
+        cache_salt=isolation.cache_salt(ctx.caller.owner) if ctx.surface.generates else None,
     )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Closed, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, Strict
 
 # The input item kinds vLLM's Responses layer renders into a chat.
 INPUT_ITEM_TYPES = (
@@ -84,7 +84,7 @@ class ResponsesReasoning(Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesBody(Strict):
+class ResponsesBody(Body):
     model: str
     input: str | list[ResponsesInputItem]
     instructions: str | None = None

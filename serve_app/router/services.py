@@ -15,7 +15,7 @@ from serve_app.auth.keys import SCOPE_INFERENCE
 from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.principal import Principal
 from serve_app.auth.ratelimit import SharedRateLimiter
-from serve_app.config import AppArgs, ModelDeploymentArgs
+from serve_app.config import AppArgs, MediaPolicy, ModelDeploymentArgs
 from serve_app.errors import APIError
 from serve_app.hot_load.tracker import ModelStates
 from serve_app.router.failover import Forwarder
@@ -28,14 +28,15 @@ from serve_app.usage.store import UsageStore
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the router needs to know of a model it serves to price a request."""
+    """What the router needs to know of a model it serves to check and price a request."""
 
     context_len: int  # prompt plus completion, in tokens
     default_max_tokens: int  # the completion limit the router sets when a request sets none
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # which media parts its requests may carry
 
     @classmethod
     def of(cls, model: ModelDeploymentArgs) -> "ModelFacts":
-        return cls(context_len=model.max_model_len, default_max_tokens=model.completion_default)
+        return cls(context_len=model.max_model_len, default_max_tokens=model.completion_default, media=model.media)
 
 
 @dataclass

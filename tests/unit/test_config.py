@@ -125,7 +125,7 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
         "num_cpus": 4,
         "num_gpus": 1,
         "accelerator_type": "B200",
-        "runtime_env": {"env_vars": {"A": "1"}},
+        "runtime_env": {"env_vars": {"A": "1", "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}},
     }
 
 

@@ -3,6 +3,7 @@ the router's state tracker. The Serve controller and the GCS KV store are replac
 fakes here; tests/integration/test_hot_load_failover.py loads and unloads a real model."""
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -49,15 +50,17 @@ def test_state_follows_wanted_state_and_replicas(wanted, replicas, status, expec
 
 
 def test_state_reports_progress_and_when_it_was_asked_for():
-    state = derive_state(LOADED_BY_API, {"STARTING": 1}, "UPDATING", "waiting for a GPU")
+    serve_says = "Deployment 'model-x' has 1 replicas that have taken more than 30s to be scheduled."
+    state = derive_state(LOADED_BY_API, {"STARTING": 1}, "UPDATING", serve_says)
     shown = state.to_json(now=112.5)
     assert shown == {
         "state": "loading",
         "replicas": {"running": 0, "starting": 1, "stopping": 0},
         "since": 100.0,
         "elapsed_s": 12.5,
-        "message": "waiting for a GPU",
+        "message": "a replica is starting: waiting for a GPU, or loading the weights",
     }
+    assert derive_state(LOADED_BY_API, {"STARTING": 1}, "UPDATING", "").to_json()["message"] is None
     # A state from the config (nobody asked through the API) has no start time.
     assert derive_state(WantedRecord("loaded", 5.0), {}).to_json()["since"] is None
 
@@ -189,11 +192,14 @@ class FakeServe:
     def __init__(self):
         self.replicas = {"model-" + MODEL: {"RUNNING": 1}, "model-" + SIBLING: {}}
         self.statuses: dict = {}  # deployment → Serve's status, HEALTHY unless set
+        self.messages: dict = {}  # deployment → Serve's message, "" unless set
         self.kv: dict = {}
 
     def status(self):
         deployments = {
-            name: SimpleNamespace(replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message="")
+            name: SimpleNamespace(
+                replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message=self.messages.get(name, "")
+            )
             for name, counts in self.replicas.items()
         }
         return SimpleNamespace(applications={"llm": SimpleNamespace(deployments=deployments)})
@@ -238,6 +244,31 @@ def test_a_replica_being_replaced_is_recovering_with_a_short_retry_not_failed():
     with pytest.raises(APIError) as failed:
         states.require_serving(MODEL, "yul-02")
     assert failed.value.code == "model_failed"
+
+
+def test_serves_own_words_about_a_failed_deployment_reach_the_log_never_a_caller(caplog):
+    """A replica constructor that failed: Serve's message carries its traceback (the image's
+    paths, the exception's text). GET /v1/models/{id} shows the state in our words."""
+    fake = FakeServe()
+    states = _states(fake)
+    deployment = "model-" + MODEL
+    fake.replicas[deployment] = {}
+    fake.statuses[deployment] = "DEPLOY_FAILED"
+    fake.messages[deployment] = (
+        "The deployment failed to start 3 times in a row. Error:\nTraceback (most recent call last):\n"
+        '  File "/opt/serve_app/.venv/lib/python3.11/site-packages/vllm/engine/arg_utils.py", line 1, in x\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 178 GiB total)"
+    )
+    caplog.set_level(logging.WARNING)
+    asyncio.run(states.refresh())
+    asyncio.run(states.refresh())
+    shown = states.get(MODEL).to_json()
+    assert shown["state"] == "failed"
+    assert shown["message"] == "replicas failed to start; the region's operators have the details in its logs"
+    for internal in ("Traceback", "/opt/", "OutOfMemoryError", "GiB"):
+        assert internal not in str(shown)
+    logged = [r.getMessage() for r in caplog.records if "OutOfMemoryError" in r.getMessage()]
+    assert len(logged) == 1 and deployment in logged[0]  # once, not every refresh
 
 
 def test_load_and_unload_write_the_wanted_state_and_update_the_view():
