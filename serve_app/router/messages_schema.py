@@ -11,12 +11,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, Closed, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, Strict
 
 # vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine.
 MAX_STOP_SEQUENCES = 4
 # Anthropic's own floor for an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
+# Anthropic's limit on metadata.user_id (its only metadata field).
+MAX_USER_ID_CHARS = 256
 
 
 class AnthropicContentBlock(Strict):
@@ -84,10 +86,10 @@ class AnthropicThinking(Closed):
 
 
 class AnthropicMetadata(Closed):
-    user_id: str | None = None
+    user_id: str | None = Field(None, max_length=MAX_USER_ID_CHARS)
 
 
-class _Prompt(Strict):
+class _Prompt(Body):
     """What both routes render: the conversation, its system prompt and tools."""
 
     model: str

@@ -1,12 +1,16 @@
 """The pydantic bases and shared limits every request schema of the router builds on
 (``request_schema``, ``messages_schema``, ``responses_schema``)."""
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 # OpenAI's own caps: tools per request, top logprobs.
 MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20  # also vLLM's default --max-logprobs
 INT64 = 2**63 - 1
+# OpenAI's limits on ``metadata`` (Responses, chat): pairs, and characters per key and per value.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class Strict(BaseModel):
@@ -19,3 +23,55 @@ class Closed(BaseModel):
     """Small objects whose every field the spec defines."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+def _refused(schema: dict[str, Any]) -> None:
+    """A property no value satisfies (no ``default`` either), for fuzzers reading the schema."""
+    schema.clear()
+    schema.update({"not": {}, "description": "refused: the server makes request ids"})
+
+
+class Body(Strict):
+    """A whole request body, on every route. ``request_id`` is refused: vLLM takes it on chat,
+    completions and Responses as the engine's request id, and a Response's id is that id, so a
+    client choosing it could collide with another owner's stored response. The router makes
+    every request id itself; one rule for every body, so no route is the exception."""
+
+    request_id: None = Field(None, json_schema_extra=_refused)
+
+    @field_validator("request_id", mode="before")
+    @classmethod
+    def _made_by_the_server(cls, value: Any) -> None:
+        raise ValueError(
+            "request ids are made by the server, never by the client; to follow a request, send a "
+            "W3C traceparent header (its trace id comes back in pg_metadata)"
+        )
+
+
+def _openai_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """OpenAI's limits, with a message naming what broke them. Keys and values must be valid
+    Unicode too: a lone surrogate cannot be encoded for the store or the response."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, not {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"key {key[:16]!r}… has {len(key)} characters; at most {MAX_METADATA_KEY_CHARS}")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"the value of {key!r} has {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS}")
+        try:
+            key.encode(), value.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"key {key!r} or its value is not valid Unicode (a lone surrogate)") from None
+    return metadata
+
+
+Metadata = Annotated[
+    dict[str, str],
+    AfterValidator(_openai_metadata),
+    WithJsonSchema({
+        "type": "object",
+        "maxProperties": MAX_METADATA_PAIRS,
+        "propertyNames": {"maxLength": MAX_METADATA_KEY_CHARS},
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS},
+    }),
+]
