@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from auth_support import MODEL, api_app, authenticator, bearer
 from serve_app.auth.config import Tier
+from serve_app.config import ResponsesArgs
 from serve_app.router import ingress
 from serve_app.hot_load.tracker import InFlight
 from serve_app.router.metering import Meter
@@ -94,7 +95,7 @@ def setup(tmp_path):
     fake = SimpleNamespace(
         auth=auth, region="local", replica="r1", models={MODEL: None}, streaming={MODEL: engine},
         states=_States(), in_flight=InFlight([SimpleNamespace(id=MODEL, max_ongoing_requests=4, max_queued_requests=4)]), max_model_len={MODEL: 8192},
-        responses=ResponsesAPI(ResponseStore(tmp_path / "responses.sqlite3", retention_s=3600, max_responses=100)),
+        responses=ResponsesAPI(ResponseStore(auth.keys.database, ResponsesArgs())),
         forwarder=SimpleNamespace(peers=[]),
         meter=Meter(UsageStore(auth.keys.database), tmp_path / "spool", region="local", writer_id="r1", cache_ttl_s=0),
     )
