@@ -98,7 +98,6 @@ class ResponseStore:
     SWEEP_INTERVAL_S = 60.0
     SWEEP_BATCH = 500  # rows per delete statement (and transaction)
     SWEEP_MAX_ROWS = 20_000  # rows one sweep deletes at most; the rest wait for the next
-    _EVICTION_PAGE = 256  # rows read at a time when choosing an owner's oldest
 
     def __init__(self, database, args: ResponsesArgs, *, clock: Callable[[], float] = time.time):
         """``database``: the key registry's (``serve_app.auth.database.open_database``)."""
@@ -208,36 +207,24 @@ class ResponseStore:
             ).rowcount
             if inserted != 1:  # rolls the transaction back: not even the lock's time is written
                 raise ResponseIdTaken(f"response id {stored.id} is stored already; it is never replaced")
-            evicted = self._evict_over_quota(db, stored.owner, stored.id)
+            evicted = self._evict_over_quota(db, stored, size)
         if evicted:
             logger.info("response %s: its owner was over quota and lost its %d oldest", stored.id, evicted)
         return size
 
-    def _evict_over_quota(self, db, owner: str, new_id: str) -> int:
-        """Delete the owner's oldest rows (never the one just stored) until it is within its quota."""
-        held = db.execute(
-            "SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS bytes FROM stored_responses WHERE owner = ?", (owner,)
-        ).fetchone()
-        # int(): PostgreSQL's SUM of a BIGINT is a NUMERIC, which psycopg reads as a Decimal.
-        rows_over, bytes_over = int(held["n"]) - self.max_rows_per_owner, int(held["bytes"]) - self.max_bytes_per_owner
-        victims: list[str] = []
-        while rows_over > 0 or bytes_over > 0:
-            page = db.execute(
-                "SELECT id, size FROM stored_responses WHERE owner = ? AND id <> ?"
-                " ORDER BY stored_at_ms, id LIMIT ? OFFSET ?",
-                (owner, new_id, self._EVICTION_PAGE, len(victims)),
-            ).fetchall()
-            if not page:  # only the new row is left: it fits alone (max_bytes <= the byte quota)
-                break
-            for victim in page:
-                if rows_over <= 0 and bytes_over <= 0:
-                    break
-                victims.append(victim["id"])
-                rows_over, bytes_over = rows_over - 1, bytes_over - int(victim["size"])
-        for start in range(0, len(victims), self.SWEEP_BATCH):
-            chunk = victims[start : start + self.SWEEP_BATCH]
-            db.execute(f"DELETE FROM stored_responses WHERE id IN ({', '.join('?' * len(chunk))})", tuple(chunk))
-        return len(victims)
+    def _evict_over_quota(self, db, stored: StoredResponse, size: int) -> int:
+        """Delete the owner's oldest rows until it is within its quota with the row just stored.
+        Its other rows are ranked newest first, and every row from the first that no longer fits
+        goes: one statement, whatever the owner holds (a round trip counts when the primary is a
+        WAN away)."""
+        return db.execute(
+            "DELETE FROM stored_responses WHERE id IN (SELECT id FROM ("
+            " SELECT id, ROW_NUMBER() OVER newest AS rows_upto, SUM(size) OVER newest AS bytes_upto"
+            " FROM stored_responses WHERE owner = ? AND id <> ?"
+            " WINDOW newest AS (ORDER BY stored_at_ms DESC, id DESC ROWS UNBOUNDED PRECEDING)"
+            ") AS ranked WHERE rows_upto > ? OR bytes_upto > ?)",
+            (stored.owner, stored.id, self.max_rows_per_owner - 1, self.max_bytes_per_owner - size),
+        ).rowcount
 
     def _get(self, response_id: str, owner: str, now_ms: int) -> StoredResponse | None:
         with self.database.connect() as db:

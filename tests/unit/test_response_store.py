@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from serve_app.auth.database import open_database
+from serve_app.auth.database import RegistryUnavailable, open_database
 from serve_app.config import ResponsesArgs
 from serve_app.router.response_store import ResponseIdTaken, ResponseStore, StoredResponse, fair_eviction
 
@@ -191,6 +191,33 @@ def test_one_sweep_runs_at_a_time_across_replicas_and_regions(database):
     assert run(peer.sweep()) is not None
 
 
+def test_a_registry_that_is_away_is_a_503_for_reads_and_the_sweep_keeps_trying(database, monkeypatch):
+    from test_usage_store import unreachable
+
+    monkeypatch.setattr(ResponseStore, "SWEEP_INTERVAL_S", 0.0)
+    store = ResponseStore(unreachable(database), args())
+    with pytest.raises(RegistryUnavailable):  # the router answers 503 with Retry-After, not 500
+        run(store.get("resp_1", "alice"))
+
+    async def scenario():
+        runs, sweep = [], store.sweep
+
+        async def counted():
+            runs.append(1)
+            return await sweep()  # raises: the loop logs it and runs again
+
+        async def three_runs():
+            while len(runs) < 3:
+                await asyncio.sleep(0.01)
+
+        store.sweep = counted
+        store.start()
+        await asyncio.wait_for(three_runs(), 30)  # a loop that died on the first error never gets there
+        await store.aclose()
+
+    run(scenario())
+
+
 def test_start_runs_the_sweep_in_the_background_and_aclose_stops_it(database):
     clock = Clock()
     store = ResponseStore(database, args(retention_hours=1), clock=clock)
@@ -246,26 +273,37 @@ def test_an_owner_over_its_byte_quota_loses_its_own_oldest(database):
     assert ids(database) == ["resp_a0", "resp_m2", "resp_m3"]  # alice's 3 MB stays
 
 
-class MeetBeforeCounting(Recording):
-    """Holds each put at its quota count until the other put gets there too (or 2 s pass): without
-    the owner's lock, both would count only their own new row and keep it."""
+_EVICTION = "DELETE FROM stored_responses WHERE id IN (SELECT id FROM ("
+
+
+class Rendezvous(Recording):
+    """Two puts meet before their quota eviction and again before they commit (or 1 s passes at
+    each meeting): without the owner's lock, both would evict while neither sees the other's new
+    row, and both rows would stay."""
 
     def __init__(self, database):
         super().__init__(database)
-        self.barrier: threading.Barrier | None = None  # set once the schema is there
+        self.meetings: tuple[threading.Barrier, threading.Barrier] | None = None  # once the schema is there
 
     @contextmanager
     def connect(self, read: bool = False):
         with super().connect(read) as db:
             execute = db.execute
 
+            def meet(barrier: threading.Barrier) -> None:
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:  # the other put waits on the owner's lock: as it should
+                    pass
+
             def meeting(sql, params=()):
-                if self.barrier is not None and sql.startswith("SELECT COUNT(*) AS n"):
-                    try:
-                        self.barrier.wait()
-                    except threading.BrokenBarrierError:  # the other put waits on the lock: as it should
-                        pass
-                return execute(sql, params)
+                if self.meetings is None or not sql.startswith(_EVICTION):
+                    return execute(sql, params)
+                before, after = self.meetings
+                meet(before)
+                result = execute(sql, params)
+                meet(after)
+                return result
 
             db.execute = meeting
             yield db
@@ -274,11 +312,11 @@ class MeetBeforeCounting(Recording):
 def test_one_owners_concurrent_puts_from_two_routers_keep_its_quota_exactly(database):
     # Two replicas (or regions) storing for one owner at the same moment: the owner's lock makes
     # the second put count the first one's row, so the owner ends at its quota, not above it.
-    meeting = MeetBeforeCounting(database)
-    here, peer = (ResponseStore(meeting, args(max_responses_per_owner=1)) for _ in range(2))
+    rendezvous = Rendezvous(database)
+    here, peer = (ResponseStore(rendezvous, args(max_responses_per_owner=1)) for _ in range(2))
     for store in (here, peer):  # the schema first: its DDL would wait for the other put's insert
         run(store.footprint("mallory"))
-    meeting.barrier = threading.Barrier(2, timeout=2)
+    rendezvous.meetings = (threading.Barrier(2, timeout=1), threading.Barrier(2, timeout=1))
 
     async def puts():
         await asyncio.gather(here.put(stored("m0", owner="mallory")), peer.put(stored("m1", owner="mallory")))
@@ -363,7 +401,7 @@ def test_concurrent_writers_in_other_processes_share_the_key_store_file(tmp_path
     script = textwrap.dedent(
         """
         import asyncio, sys
-        from serve_app.auth.database import open_database
+        from serve_app.auth.database import RegistryUnavailable, open_database
         from serve_app.config import ResponsesArgs
         from serve_app.router.response_store import ResponseStore, StoredResponse
         store = ResponseStore(open_database(sys.argv[1], create=True), ResponsesArgs())
