@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.principal import Principal
 from serve_app.engine.surfaces import ECHO_PREVIOUS_RESPONSE_ID
 from serve_app.errors import APIError
@@ -92,10 +93,10 @@ class ResponsesAPI:
                 return await self.store.put(stored)
             except ResponseIdTaken:  # the engine's ids are the server's: this is a bug, not a client
                 logger.error("response %s not stored: that id is stored already (rows are never replaced)", stored.id)
-            except ValueError as refused:  # too large, or text that cannot be encoded
+            except (ValueError, RegistryUnavailable) as refused:  # too large, not Unicode; the registry away
                 logger.warning("response %s not stored: %s", stored.id, refused)
             except Exception:
-                logger.exception("could not store response %s", stored.id)
+                logger.exception("response %s not stored", stored.id)
             return 0
 
         return keep
