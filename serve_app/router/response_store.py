@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from serve_app.auth.database import RegistryUnavailable
 from serve_app.config import MAX_STORED_RESPONSE_BYTES, ResponsesArgs
 from serve_app.telemetry.logs import module_logger
 
@@ -170,8 +171,10 @@ class ResponseStore:
                 if swept and (swept.expired or swept.evicted):
                     logger.info("response store sweep: %d expired, %d past the global bound deleted",
                                 swept.expired, sum(swept.evicted.values()))
-            except Exception:  # the database is down or busy: the next run tries again
-                logger.warning("response store sweep failed; retrying in %.0f s", self.SWEEP_INTERVAL_S, exc_info=True)
+            except RegistryUnavailable as away:  # down or busy: the next run tries again
+                logger.warning("response store sweep failed; retrying in %.0f s: %s", self.SWEEP_INTERVAL_S, away)
+            except Exception:
+                logger.exception("response store sweep failed; retrying in %.0f s", self.SWEEP_INTERVAL_S)
             # Jitter, so routers started together do not all ask for the lease at once.
             await asyncio.sleep(self.SWEEP_INTERVAL_S * random.uniform(0.9, 1.1))
 
