@@ -287,16 +287,39 @@ class RouterArgs(Settings):
     max_ongoing_requests: int = Field(1000, ge=1)
 
 
-class ResponsesArgs(Settings):
-    """The region's store of Responses API objects (``store: true``, ``previous_response_id``)."""
+# One stored response with its conversation, as JSON, at most (a bigger one is answered, not stored).
+MAX_STORED_RESPONSE_BYTES = 4 * 1024 * 1024
 
-    store_path: str | None = Field(
-        None,
-        description="SQLite file every router replica of the region can reach; default: "
-        "responses.sqlite3 beside the key store (a region's shared volume).",
-    )
+
+class ResponsesArgs(Settings):
+    """The Responses API's stored objects (``store: true``, ``previous_response_id``), kept in the
+    key registry's database with the keys and the ledger, so every router of every region sees
+    the same rows (serve_app/router/response_store.py; docs/api.md, "Responses").
+
+    Per owner, a quota its own puts keep: an owner past it loses its own oldest responses. The
+    defaults fit a busy agent's month: 10,000 responses is 330 a day for the 30-day retention,
+    and 256 MiB averages 26 KiB a row (a conversation at the 8192-token context is ~32 KiB of
+    text, so a row at the cap is 40-70 KiB with its output). ``max_responses`` bounds the whole
+    registry's table: past it, the owners holding the most lose their oldest first."""
+
     retention_hours: float = Field(720, gt=0, description="Stored responses expire after this (OpenAI keeps 30 days).")
-    max_responses: int = Field(100_000, ge=1, description="The oldest are dropped past this many.")
+    max_responses: int = Field(
+        100_000, ge=1, description="Across every owner and region; past it the owners holding the most lose their oldest."
+    )
+    max_responses_per_owner: int = Field(10_000, ge=1, description="An owner past this loses its own oldest.")
+    max_mib_per_owner: float = Field(
+        256,
+        ge=MAX_STORED_RESPONSE_BYTES / 2**20,  # one response must always fit
+        description="Stored JSON (responses and their conversations) per owner; past it the owner loses its own oldest.",
+    )
+
+    @model_validator(mode="after")
+    def _owner_within_total(self) -> "ResponsesArgs":
+        if self.max_responses_per_owner > self.max_responses:
+            raise ValueError(
+                f"max_responses_per_owner ({self.max_responses_per_owner}) exceeds max_responses ({self.max_responses})"
+            )
+        return self
 
 
 class UsageArgs(Settings):
@@ -306,7 +329,7 @@ class UsageArgs(Settings):
         None,
         description="Where records wait while the registry database is unreachable (absolute path, "
         "on a volume every router replica of the region reaches); default: usage-spool/ beside the "
-        "response store.",
+        "key store file (auth.key_store_path).",
     )
     flush_interval_s: float = Field(1.0, gt=0, le=60, description="Records are written in batches this often.")
 
@@ -357,15 +380,10 @@ class AppArgs(Settings):
     responses: ResponsesArgs = Field(default_factory=ResponsesArgs)
     usage: UsageArgs = Field(default_factory=UsageArgs)
 
-    def response_store_path(self) -> Path:
-        if self.responses.store_path:
-            return Path(self.responses.store_path)
-        return self.auth.key_store_sqlite().parent / "responses.sqlite3"
-
     def usage_spool_dir(self) -> Path:
         if self.usage.spool_dir:
             return Path(self.usage.spool_dir)
-        return self.response_store_path().parent / "usage-spool"
+        return self.auth.key_store_sqlite().parent / "usage-spool"
 
     @model_validator(mode="after")
     def _auth_fits_region(self) -> "AppArgs":

@@ -6,6 +6,7 @@ rows readable by column name. ``connect(read=True)`` is for a read that may be a
 PostgreSQL sends it to the region's nearest read replica when one is named (key lookups,
 revocation checks, reports, budget spend), every write goes to the primary. The SQL the store runs is the subset both speak (``INSERT … ON CONFLICT … DO
 UPDATE``, ``COALESCE``); only the DDL differs (``BLOB`` / ``BYTEA``, ``INTEGER`` / ``BIGINT``).
+A column a release adds to an existing table comes through ``add_columns``.
 
 PostgreSQL is reached with psycopg 3, synchronously: every call already runs off the event loop
 (the authenticator's cache answers in the loop; a miss retries the whole check in a thread), and
@@ -16,7 +17,7 @@ registry is read on cache misses only (``cache_ttl_s``), so the connect cost (~2
 
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,6 +72,19 @@ class SqliteDatabase:
         with self.connect() as db:
             db.executescript(ddl)
 
+    def add_columns(self, columns: Mapping[str, Mapping[str, str]]) -> None:
+        """``{table: {column: declaration}}``: the columns a newer release added to a table that
+        ``CREATE TABLE IF NOT EXISTS`` left as an older release made it. SQLite has no
+        ``ADD COLUMN IF NOT EXISTS``: the write lock is taken first (``BEGIN IMMEDIATE``), so two
+        processes upgrading one file cannot both add a column."""
+        with self.connect() as db:
+            db.execute("BEGIN IMMEDIATE")
+            for table, wanted in columns.items():
+                present = {row["name"] for row in db.execute(f"PRAGMA table_info({table})")}
+                for name, declaration in wanted.items():
+                    if name not in present:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
+
 
 class _PostgresConnection:
     """psycopg's connection with the store's ``?`` placeholders (psycopg's are ``%s``)."""
@@ -120,13 +134,36 @@ class PostgresDatabase:
             raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
 
     def create_schema(self, ddl: str) -> None:
-        ddl = ddl.replace(" BLOB ", " BYTEA ").replace(" INTEGER", " BIGINT")
         with self.connect() as db:
             # One statement per execute (the extended protocol takes one at a time); an advisory
             # lock so routers of several regions starting at once do not race on CREATE TABLE.
             db.execute("SELECT pg_advisory_xact_lock(7307)")
-            for statement in filter(None, (part.strip() for part in _without_comments(ddl).split(";"))):
+            for statement in filter(None, (part.strip() for part in _without_comments(_types(ddl)).split(";"))):
                 db.execute(statement)
+
+    def add_columns(self, columns: Mapping[str, Mapping[str, str]]) -> None:
+        """As ``SqliteDatabase.add_columns``. The catalog is read first: ``ALTER TABLE`` takes an
+        exclusive lock on the table even when the column exists, and every router start would
+        otherwise queue the ledger's writes behind it."""
+        with self.connect() as db:
+            db.execute("SELECT pg_advisory_xact_lock(7307)")
+            for table, wanted in columns.items():
+                present = {
+                    row["column_name"]
+                    for row in db.execute(
+                        "SELECT column_name FROM information_schema.columns"
+                        " WHERE table_schema = current_schema() AND table_name = ?",
+                        (table,),
+                    )
+                }
+                for name, declaration in wanted.items():
+                    if name not in present:
+                        db.execute(_types(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}"))
+
+
+def _types(ddl: str) -> str:
+    """SQLite's column types as PostgreSQL spells them."""
+    return ddl.replace(" BLOB ", " BYTEA ").replace(" INTEGER", " BIGINT")
 
 
 def _without_comments(ddl: str) -> str:

@@ -29,7 +29,8 @@ GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carrie
 # in the registry every region shares (PostgreSQL): the region's registry Secret holds the DSN
 # of its primary (REGISTRY_DSN_ENV, every write) and of the instance nearest the region
 # (REGISTRY_READ_DSN_ENV, reads); both name the CA bundle mounted at REGISTRY_CA_DIR as their
-# sslrootcert. The writable shared volume holds the region's stored Responses.
+# sslrootcert. The registry also holds the stored Responses; the writable shared volume holds only
+# the usage ledger's spool (usage-spool/ beside key_store_path, which the registry replaces).
 SIGNING_KEYS_DIR = "/etc/serve_app/signing"
 SIGNING_KEYS_FILE = "signing-keys.json"
 STATE_DIR = "/var/lib/serve_app"
@@ -61,7 +62,7 @@ def _tidy(value: Any) -> Any:
 def auth_args(region: Region) -> dict[str, Any]:
     """The region's ``auth:`` block: key material at the paths the Terraform module mounts."""
     return {
-        "key_store_path": f"{STATE_DIR}/{KEY_STORE_FILE}",  # the registry replaces it; Responses' dir
+        "key_store_path": f"{STATE_DIR}/{KEY_STORE_FILE}",  # the registry replaces it; the spool's dir
         "key_registry_dsn_env": REGISTRY_DSN_ENV,
         "key_registry_read_dsn_env": REGISTRY_READ_DSN_ENV,
         "signing_keys_path": f"{SIGNING_KEYS_DIR}/{SIGNING_KEYS_FILE}",

@@ -99,6 +99,7 @@ class Context:
     billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
     call: ReplicaCall | None = None
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
+    stored_bytes: int = 0  # what keeping it stored, in its owner's usage
     generated: Generated | None = None
     outcome: Outcome | None = None
     _release_slot: Any = None
@@ -155,7 +156,9 @@ class Context:
         self.release_slot()
         self.telemetry.close(outcome.status, outcome.code)
         if self.admitted and not self.billed_elsewhere and self.surface.generates:
-            record = self.services.meter.record(self.id, self.caller, self.record, self.generated, origin=self.origin)
+            record = self.services.meter.record(
+                self.id, self.caller, self.record, self.generated, origin=self.origin, stored_bytes=self.stored_bytes
+            )
             if record is not None:  # its real cost beyond its price (the prompt estimate's miss)
                 self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
         if self.reservation is not None:  # after the record: its real tokens count from now on

@@ -17,6 +17,8 @@ from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, Strict
 MAX_STOP_SEQUENCES = 4
 # Anthropic's own floor for an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
+# Anthropic's limit on metadata.user_id (its only metadata field).
+MAX_USER_ID_CHARS = 256
 
 
 class AnthropicContentBlock(Strict):
@@ -84,7 +86,7 @@ class AnthropicThinking(Closed):
 
 
 class AnthropicMetadata(Closed):
-    user_id: str | None = None
+    user_id: str | None = Field(None, max_length=MAX_USER_ID_CHARS)
 
 
 class _Prompt(Body):

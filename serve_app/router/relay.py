@@ -41,7 +41,7 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     error = body.get("error") if status >= 400 else None
     code = (error or {}).get("code") or (error or {}).get("type")
     if ctx.keep is not None and status == 200:
-        await ctx.keep(body)
+        ctx.stored_bytes = await ctx.keep(body)
     ctx.telemetry.finish(status, code)
     if status < 400:
         body["pg_metadata"] = ctx.telemetry.metadata()
@@ -79,7 +79,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         status = trailer.error_status or 200
         if ctx.keep is not None and not trailer.error_status:
-            await ctx.keep(trailer.response)
+            ctx.stored_bytes = await ctx.keep(trailer.response)
         ctx.telemetry.finish(status, trailer.error_code)
         client_wants_usage = bool((ctx.body.get("stream_options") or {}).get("include_usage"))
         yield dialect.closing(

@@ -18,8 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from serve_app.errors import APIError
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS
-from serve_app.router.strict import Body as _Body
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Metadata
 from serve_app.router.strict import Closed as _Closed
 from serve_app.router.strict import Strict as _Strict
 
@@ -116,7 +115,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields chat and completions share. ``model`` is resolved (aliases) by the router itself."""
 
     model: str
@@ -157,6 +156,7 @@ class ChatCompletionBody(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    metadata: Metadata | None = None  # OpenAI's chat takes it (vLLM ignores it): OpenAI's limits
     enable_thinking: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -175,7 +175,7 @@ _CHAT_TOKENIZE_FIELDS = (
 )
 
 
-class TokenizeBody(_Body):
+class TokenizeBody(Body):
     """``POST /tokenize``: ``prompt`` (text, as completions sees it) or ``messages`` (rendered
     with the chat template, as chat sees it), never both. vLLM's own request models."""
 
@@ -203,7 +203,7 @@ class TokenizeBody(_Body):
         return self
 
 
-class DetokenizeBody(_Body):
+class DetokenizeBody(Body):
     """``POST /detokenize``: token ids back to text."""
 
     model: str
@@ -214,7 +214,7 @@ class DetokenizeBody(_Body):
 from serve_app.router.messages_schema import CountTokensBody, MessagesBody  # noqa: E402
 from serve_app.router.responses_schema import ResponsesBody  # noqa: E402
 
-BODIES: dict[str, type[_Body]] = {
+BODIES: dict[str, type[Body]] = {
     "chat": ChatCompletionBody,
     "completions": CompletionBody,
     "tokenize": TokenizeBody,

@@ -1,59 +1,75 @@
-"""Stored OpenAI Responses objects, so a follow-up with ``previous_response_id`` can continue a
-conversation on whichever router replica of the region it reaches.
+"""Stored OpenAI Responses objects, in the key registry's database, so a follow-up with
+``previous_response_id`` continues a conversation on whichever router replica it reaches, in this
+region or, after a failover, in a peer: every region's routers use the one registry (PostgreSQL;
+locally, the key store's SQLite file) and see the same rows. Reads and writes go to the primary,
+so a response is readable, and a deletion seen, everywhere as soon as the call returns.
 
-One SQLite file is shared by every replica, and by every process that opens it (in production it
-sits on the region's ReadWriteMany volume next to the key store). WAL lets readers run while one
-writer commits. WAL relies on shared memory, so every process that opens the file must run on the
-same host, which holds while the routers all run in the head pod. Two pods on different nodes
-(for example during a rolling restart) must not open it at the same time. The interface is small
-and has no SQL in it, so the Postgres-backed registry can replace this class later.
+What keeps one owner's data its own (docs/threat-model.md, "Stored Responses"):
+  * Ids are the server's. A Response's id is the engine's request id, which no client may set
+    (``strict.Body`` refuses ``request_id``), and rows are only ever inserted: a put whose id is
+    stored already changes nothing and raises ResponseIdTaken.
+  * A row is read and deleted by (id, owner): another owner's id looks exactly like a missing one.
+  * An owner's quota (rows and bytes) is kept by the owner's own puts, in the put's transaction:
+    an owner past it loses its own oldest rows, never anyone else's.
+  * Every transaction that changes an owner's rows (a put, a sweep's batch) first locks that
+    owner's row in ``stored_response_owners`` and touches no other owner's rows. So one owner's
+    puts, from any replica or region, count each other's rows, and no two transactions can wait
+    on each other (a deadlock needs two owners' rows, or two orders, in one transaction).
+  * The global bound (``max_responses``) is a backstop the sweep keeps: past it, rows are taken
+    from the owners holding the most, oldest first, down to a common level (``fair_eviction``).
+    An owner holding at most ``max_responses / owners`` rows never loses one to anyone's traffic.
 
-Bounds:
-  * A row can be seen for ``retention_s`` seconds after it was stored. The store's own clock sets
-    that time, not ``created_at``, so a wrong ``created_at`` from a caller cannot make a row
-    immortal or dead on arrival.
-  * Each put's JSON (response + conversation) is at most ``max_bytes`` (default 4 MiB), or the put
-    raises ValueError.
-  * Expired rows, and the oldest rows beyond ``max_responses``, are deleted by a purge. Each
-    instance runs one after a put at most every ``PURGE_INTERVAL_S`` seconds, and always after
-    ``PURGE_EVERY_PUTS`` puts, so the table holds at most
-    ``max_responses + P * (PURGE_EVERY_PUTS - 1)`` rows, where P is the number of writing
-    instances. At worst the disk use is that many rows times ``max_bytes``, and the file never
-    shrinks (SQLite reuses freed pages), so size ``max_responses`` for the volume.
+The sweep (``start()`` / ``aclose()``, on the router's event loop) runs every SWEEP_INTERVAL_S:
+expired rows first, then rows past the global bound, SWEEP_BATCH rows per transaction and at most
+SWEEP_MAX_ROWS per run. One sweep runs at a time across every replica and region (a lease row in
+``stored_response_sweeps``), so two routers never evict the same excess twice. An expired row is
+invisible at once, whenever the sweep deletes it; the table may exceed ``max_responses`` by the
+puts of one interval (more if a run's SWEEP_MAX_ROWS left a backlog). Each database call runs on
+the store's own threads, never on the event loop.
 """
 
 import asyncio
+import contextlib
 import json
-import sqlite3
+import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from serve_app.auth.database import RegistryUnavailable
+from serve_app.config import MAX_STORED_RESPONSE_BYTES, ResponsesArgs
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BYTES = 4 * 1024 * 1024
-
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS responses (
-    id           TEXT PRIMARY KEY,
-    owner        TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS stored_responses (
+    id           TEXT PRIMARY KEY,  -- the server's resp_ id: a row is never replaced
+    owner        TEXT NOT NULL,     -- the API key's owner: the only one who reads it
     model        TEXT NOT NULL,
     created_at   INTEGER NOT NULL,  -- the Response's own field, returned as given
-    stored_at    REAL NOT NULL,     -- the store's clock: retention and eviction order
+    stored_at_ms INTEGER NOT NULL,  -- the store's clock: retention and eviction order
+    size         INTEGER NOT NULL,  -- UTF-8 bytes of response + conversation: the quota's unit
     response     TEXT NOT NULL,     -- JSON object
     conversation TEXT NOT NULL      -- JSON list of input items
 );
-CREATE INDEX IF NOT EXISTS responses_stored_at ON responses (stored_at);
+CREATE INDEX IF NOT EXISTS stored_responses_by_owner ON stored_responses (owner, stored_at_ms, id, size);
+CREATE INDEX IF NOT EXISTS stored_responses_by_age ON stored_responses (stored_at_ms);
+CREATE TABLE IF NOT EXISTS stored_response_owners (
+    owner        TEXT PRIMARY KEY,  -- locked by each transaction that changes this owner's rows
+    locked_at_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS stored_response_sweeps (
+    name         TEXT PRIMARY KEY,  -- one lease: the sweep that holds it runs, others skip
+    started_ms   INTEGER NOT NULL
+);
 """
+_COLUMNS = ("id", "owner", "model", "created_at", "stored_at_ms", "size", "response", "conversation")
 
 
 @dataclass(frozen=True)
@@ -66,160 +82,266 @@ class StoredResponse:
     conversation: list  # input items that produced it (full history, without instructions)
 
 
+class ResponseIdTaken(Exception):
+    """A put whose id is stored already (whoever's): nothing was stored, nothing replaced."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What one sweep deleted."""
+
+    expired: int = 0
+    evicted: dict[str, int] = field(default_factory=dict)  # owner -> rows past the global bound
+
+
 class ResponseStore:
     # Class attributes rather than arguments: they tune cost, not behaviour (tests override them).
-    PURGE_INTERVAL_S = 60.0
-    PURGE_EVERY_PUTS = 100
+    SWEEP_INTERVAL_S = 60.0
+    SWEEP_BATCH = 500  # rows per delete statement (and transaction)
+    SWEEP_MAX_ROWS = 20_000  # rows one sweep deletes at most; the rest wait for the next
 
-    def __init__(
-        self,
-        path: Path | str,
-        *,
-        retention_s: float,
-        max_responses: int,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        clock: Callable[[], float] = time.time,
-    ):
-        if retention_s <= 0 or max_responses < 1 or max_bytes < 1:
-            raise ValueError("retention_s, max_responses and max_bytes must be positive")
-        self.path = Path(path)
-        self.retention_s, self.max_responses, self.max_bytes = retention_s, max_responses, max_bytes
+    def __init__(self, database, args: ResponsesArgs, *, clock: Callable[[], float] = time.time):
+        """``database``: the key registry's (``serve_app.auth.database.open_database``)."""
+        self.database = database
+        self.retention_ms = round(args.retention_hours * 3_600_000)
+        self.max_responses = args.max_responses
+        self.max_rows_per_owner = args.max_responses_per_owner
+        self.max_bytes_per_owner = int(args.max_mib_per_owner * 2**20)
+        self.max_bytes = MAX_STORED_RESPONSE_BYTES
         self._clock = clock
-        # Our own few threads, not asyncio.to_thread's default pool. SQLite runs one writer at a
-        # time, and puts waiting out the busy timeout would otherwise hold the threads that the
-        # authenticator's to_thread calls need.
+        # Our own few threads, not asyncio.to_thread's default pool: puts waiting on a busy
+        # database would otherwise hold the threads that the authenticator's lookups need.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store")
         self._schema_lock = threading.Lock()
         self._schema_ready = False
-        self._puts_since_purge = 0
-        self._next_purge = 0.0  # the first put purges whatever an earlier process left behind
+        self._sweeper: asyncio.Task | None = None
 
     # --- the API ---------------------------------------------------------------------------
-    async def put(self, stored: StoredResponse) -> None:
-        """Store (or replace: ids are server-generated ``resp_<uuid>``, unique) a response.
-        ValueError when its JSON exceeds ``max_bytes``: the caller logs and does not store it."""
-        now = self._clock()
-        self._puts_since_purge += 1
-        purge = self._puts_since_purge >= self.PURGE_EVERY_PUTS or now >= self._next_purge
-        if purge:
-            # The schedule moves forward before the purge runs, so concurrent puts do not all
-            # purge at once. If the purge fails, it runs again after the next put.
-            self._puts_since_purge, self._next_purge = 0, now + self.PURGE_INTERVAL_S
-        try:
-            await self._run(self._put, stored, now)
-        finally:  # a refused (too large) put still runs the purge that was due
-            if purge:
-                try:
-                    await self._run(self._purge, now)
-                except sqlite3.Error:
-                    logger.warning("response store purge failed; retrying on the next put", exc_info=True)
-                    self._next_purge = 0.0
+    async def put(self, stored: StoredResponse) -> int:
+        """Store a finished response; return the bytes stored (its request's ``stored_bytes``).
+        ValueError when its JSON is over ``max_bytes`` or not valid Unicode; ResponseIdTaken when
+        its id is stored already. Either way nothing was stored or changed."""
+        return await self._run(self._put, stored, self._now_ms())
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """None when missing, expired or another owner's: the three look the same from outside, so
         nobody learns whether someone else's response id exists."""
-        return await self._run(self._get, response_id, owner, self._clock())
+        return await self._run(self._get, response_id, owner, self._now_ms())
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
-        return await self._run(self._delete, response_id, owner, self._clock())
+        return await self._run(self._delete, response_id, owner, self._now_ms())
 
     async def history(self, response_id: str, owner: str) -> list | None:
         """The input a follow-up with ``previous_response_id`` continues from: the conversation,
         then the response's output items; None like get()."""
-        return await self._run(self._history, response_id, owner, self._clock())
-
-    # --- blocking parts (executor threads only) ----------------------------------------------
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        # One connection per operation, like the key store (serve_app/auth/keys.py), so it stays
-        # correct across threads and processes. timeout= is SQLite's busy timeout. mode=rw never
-        # creates a file, so it cannot get the default (world-readable) mode: _ensure_schema does.
-        self._ensure_schema()
-        db = self._open()
-        try:
-            with db:
-                yield db
-        finally:
-            db.close()
-
-    def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
-        # NORMAL is safe with WAL: a power cut can drop the last commits but never corrupts the
-        # file. Without journal_size_limit, the WAL keeps its largest size (several 4 MiB rows).
-        db.execute("PRAGMA synchronous = NORMAL")
-        db.execute("PRAGMA journal_size_limit = 67108864")
-        return db
-
-    def _ensure_schema(self) -> None:
-        # On first use rather than in __init__, so building the router deployment does no I/O.
-        # Every statement is idempotent, so processes racing here on a new file are harmless.
-        with self._schema_lock:
-            if self._schema_ready:
-                return
-            # Conversations are user content: owner-only, like the key store.
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.path.touch(mode=0o600, exist_ok=True)
-            db = self._open()
-            try:
-                db.execute("PRAGMA journal_mode = WAL")  # persistent: stored in the file
-                db.executescript(_SCHEMA)
-            finally:
-                db.close()
-            self._schema_ready = True
-
-    def _put(self, stored: StoredResponse, now: float) -> None:
-        # Serialised here, not on the event loop: a 4 MiB dumps blocks for milliseconds.
-        response = json.dumps(stored.response, ensure_ascii=False, separators=(",", ":"))
-        conversation = json.dumps(stored.conversation, ensure_ascii=False, separators=(",", ":"))
-        size = len(response.encode()) + len(conversation.encode())
-        if size > self.max_bytes:
-            raise ValueError(f"response {stored.id} is {size} bytes stored; the limit is {self.max_bytes}")
-        with self._connect() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (stored.id, stored.owner, stored.model, stored.created_at, now, response, conversation),
-            )
-
-    def _purge(self, now: float) -> None:
-        # Two single-statement writes: each takes the write lock at its start, so it waits for the
-        # busy timeout. A read followed by a write could fail with SQLITE_BUSY at once under WAL.
-        with self._connect() as db:
-            db.execute("DELETE FROM responses WHERE stored_at < ?", (now - self.retention_s,))
-            db.execute(
-                "DELETE FROM responses WHERE rowid IN (SELECT rowid FROM responses"
-                " ORDER BY stored_at DESC, rowid DESC LIMIT -1 OFFSET ?)",
-                (self.max_responses,),
-            )
-
-    def _get(self, response_id: str, owner: str, now: float) -> StoredResponse | None:
-        with self._connect() as db:
-            row = db.execute(
-                "SELECT id, owner, model, created_at, response, conversation FROM responses"
-                " WHERE id = ? AND owner = ? AND stored_at >= ?",
-                (response_id, owner, now - self.retention_s),
-            ).fetchone()
-        if row is None:
-            return None
-        return StoredResponse(row[0], row[1], row[2], row[3], json.loads(row[4]), json.loads(row[5]))
-
-    def _delete(self, response_id: str, owner: str, now: float) -> bool:
-        with self._connect() as db:
-            cursor = db.execute(
-                "DELETE FROM responses WHERE id = ? AND owner = ? AND stored_at >= ?",
-                (response_id, owner, now - self.retention_s),
-            )
-        return cursor.rowcount > 0
-
-    def _history(self, response_id: str, owner: str, now: float) -> list | None:
-        stored = self._get(response_id, owner, now)
+        stored = await self.get(response_id, owner)
         if stored is None:
             return None
         output = stored.response.get("output") or []
         return stored.conversation + [_without_nulls(item) for item in output]
+
+    async def footprint(self, owner: str) -> tuple[int, int]:
+        """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
+        return await self._run(self._footprint, owner)
+
+    # --- the sweep --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the sweep now and every SWEEP_INTERVAL_S (called once, from the router's loop)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="response-store-sweep")
+
+    async def aclose(self) -> None:
+        """Stop the sweep; calls already running on the store's threads finish on their own."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        self._executor.shutdown(wait=False)
+
+    async def sweep(self) -> Sweep | None:
+        """One run now; None when another router's run holds the lease."""
+        return await self._run(self._sweep, self._now_ms())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                swept = await self.sweep()
+                if swept and (swept.expired or swept.evicted):
+                    logger.info("response store sweep: %d expired, %d past the global bound deleted",
+                                swept.expired, sum(swept.evicted.values()))
+            except RegistryUnavailable as away:  # down or busy: the next run tries again
+                logger.warning("response store sweep failed; retrying in %.0f s: %s", self.SWEEP_INTERVAL_S, away)
+            except Exception:
+                logger.exception("response store sweep failed; retrying in %.0f s", self.SWEEP_INTERVAL_S)
+            # Jitter, so routers started together do not all ask for the lease at once.
+            await asyncio.sleep(self.SWEEP_INTERVAL_S * random.uniform(0.9, 1.1))
+
+    # --- blocking parts (the store's threads only) --------------------------------------------
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._with_schema, fn, args)
+
+    def _with_schema(self, fn: Callable[..., T], args: tuple) -> T:
+        # On first use rather than in __init__, so building the router does no I/O; every
+        # statement is idempotent, so routers racing here are harmless.
+        with self._schema_lock:
+            if not self._schema_ready:
+                self.database.create_schema(_SCHEMA)
+                self._schema_ready = True
+        return fn(*args)
+
+    def _put(self, stored: StoredResponse, now_ms: int) -> int:
+        # Serialised here, not on the event loop: a 4 MiB dumps blocks for milliseconds.
+        response, conversation = _compact(stored.response), _compact(stored.conversation)
+        size = len(response.encode()) + len(conversation.encode())  # UnicodeEncodeError is a ValueError
+        if size > self.max_bytes:
+            raise ValueError(f"response {stored.id} is {size} bytes stored; the limit is {self.max_bytes}")
+        row = (stored.id, stored.owner, stored.model, stored.created_at, now_ms, size, response, conversation)
+        with self.database.connect() as db:
+            _lock_owner(db, stored.owner, now_ms)
+            inserted = db.execute(
+                f"INSERT INTO stored_responses ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+                " ON CONFLICT (id) DO NOTHING",
+                row,
+            ).rowcount
+            if inserted != 1:  # rolls the transaction back: not even the lock's time is written
+                raise ResponseIdTaken(f"response id {stored.id} is stored already; it is never replaced")
+            evicted = self._evict_over_quota(db, stored, size)
+        if evicted:
+            logger.info("response %s: its owner was over quota and lost its %d oldest", stored.id, evicted)
+        return size
+
+    def _evict_over_quota(self, db, stored: StoredResponse, size: int) -> int:
+        """Delete the owner's oldest rows until it is within its quota with the row just stored.
+        Its other rows are ranked newest first, and every row from the first that no longer fits
+        goes: one statement, whatever the owner holds (a round trip counts when the primary is a
+        WAN away)."""
+        return db.execute(
+            "DELETE FROM stored_responses WHERE id IN (SELECT id FROM ("
+            " SELECT id, ROW_NUMBER() OVER newest AS rows_upto, SUM(size) OVER newest AS bytes_upto"
+            " FROM stored_responses WHERE owner = ? AND id <> ?"
+            " WINDOW newest AS (ORDER BY stored_at_ms DESC, id DESC ROWS UNBOUNDED PRECEDING)"
+            ") AS ranked WHERE rows_upto > ? OR bytes_upto > ?)",
+            (stored.owner, stored.id, self.max_rows_per_owner - 1, self.max_bytes_per_owner - size),
+        ).rowcount
+
+    def _get(self, response_id: str, owner: str, now_ms: int) -> StoredResponse | None:
+        with self.database.connect() as db:
+            row = db.execute(
+                "SELECT id, owner, model, created_at, response, conversation FROM stored_responses"
+                " WHERE id = ? AND owner = ? AND stored_at_ms >= ?",
+                (response_id, owner, now_ms - self.retention_ms),
+            ).fetchone()
+        if row is None:
+            return None
+        return StoredResponse(
+            row["id"], row["owner"], row["model"], int(row["created_at"]),
+            json.loads(row["response"]), json.loads(row["conversation"]),
+        )
+
+    def _delete(self, response_id: str, owner: str, now_ms: int) -> bool:
+        with self.database.connect() as db:
+            cursor = db.execute(
+                "DELETE FROM stored_responses WHERE id = ? AND owner = ? AND stored_at_ms >= ?",
+                (response_id, owner, now_ms - self.retention_ms),
+            )
+        return cursor.rowcount > 0
+
+    def _footprint(self, owner: str) -> tuple[int, int]:
+        with self.database.connect() as db:
+            held = db.execute(
+                "SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS bytes FROM stored_responses WHERE owner = ?", (owner,)
+            ).fetchone()
+        return int(held["n"]), int(held["bytes"])
+
+    def _sweep(self, now_ms: int) -> Sweep | None:
+        if not self._claim_sweep(now_ms):
+            return None
+        budget, cutoff = self.SWEEP_MAX_ROWS, now_ms - self.retention_ms
+        expired = 0
+        for owner in sorted(self._counts(before_ms=cutoff)):
+            if expired >= budget:
+                break
+            expired += self._delete_oldest(owner, budget - expired, now_ms, before_ms=cutoff)
+        evicted: dict[str, int] = {}
+        counts = self._counts() if expired < budget else {}
+        excess = min(sum(counts.values()) - self.max_responses, budget - expired)
+        for owner, rows in sorted(fair_eviction(counts, excess).items()):
+            evicted[owner] = self._delete_oldest(owner, rows, now_ms)
+        return Sweep(expired, evicted)
+
+    def _claim_sweep(self, now_ms: int) -> bool:
+        """The lease: a run may start when the last one started over half an interval ago."""
+        with self.database.connect() as db:
+            return db.execute(
+                "INSERT INTO stored_response_sweeps (name, started_ms) VALUES ('sweep', ?)"
+                " ON CONFLICT (name) DO UPDATE SET started_ms = excluded.started_ms"
+                " WHERE stored_response_sweeps.started_ms <= ?",
+                (now_ms, now_ms - int(self.SWEEP_INTERVAL_S * 500)),
+            ).rowcount == 1
+
+    def _counts(self, before_ms: int | None = None) -> dict[str, int]:
+        """Rows per owner (stored before ``before_ms``, if given)."""
+        where, params = ("WHERE stored_at_ms < ?", (before_ms,)) if before_ms is not None else ("", ())
+        with self.database.connect() as db:
+            rows = db.execute(f"SELECT owner, COUNT(*) AS n FROM stored_responses {where} GROUP BY owner", params)
+            return {row["owner"]: int(row["n"]) for row in rows.fetchall()}
+
+    def _delete_oldest(self, owner: str, limit: int, now_ms: int, *, before_ms: int | None = None) -> int:
+        """Delete up to ``limit`` of the owner's oldest rows (stored before ``before_ms``, if
+        given), SWEEP_BATCH per transaction, each under the owner's lock."""
+        age, params = (" AND stored_at_ms < ?", (before_ms,)) if before_ms is not None else ("", ())
+        deleted = 0
+        while deleted < limit:
+            batch = min(self.SWEEP_BATCH, limit - deleted)
+            with self.database.connect() as db:
+                _lock_owner(db, owner, now_ms)
+                done = db.execute(
+                    "DELETE FROM stored_responses WHERE id IN (SELECT id FROM stored_responses"
+                    f" WHERE owner = ?{age} ORDER BY stored_at_ms, id LIMIT ?)",
+                    (owner, *params, batch),
+                ).rowcount
+            deleted += done
+            if done < batch:
+                break
+        return deleted
+
+
+def fair_eviction(counts: Mapping[str, int], excess: int) -> dict[str, int]:
+    """How many rows each owner loses so that ``excess`` rows go: taken from the owners holding the
+    most, down to a common level (max-min fairness), so one owner's traffic evicts its own rows
+    first. The level is at least ``(total - excess) / owners``: an owner holding no more than its
+    share of what stays loses nothing. Ties (who keeps the odd row) go by owner name."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    excess = min(excess, sum(counts.values()))
+    if excess <= 0:
+        return {}
+    held = 0
+    for top, (_, rows) in enumerate(ranked, start=1):
+        held += rows
+        following = ranked[top][1] if top < len(ranked) else 0
+        if held - top * following >= excess:  # levelling the top owners to the next one frees enough
+            break
+    level, odd = divmod(held - excess, top)
+    losses = {owner: rows - level - (1 if rank < odd else 0) for rank, (owner, rows) in enumerate(ranked[:top])}
+    return {owner: lost for owner, lost in losses.items() if lost > 0}
+
+
+def _lock_owner(db, owner: str, now_ms: int) -> None:
+    """Lock the owner's row until the transaction ends (SQLite: the write lock is the file's)."""
+    db.execute(
+        "INSERT INTO stored_response_owners (owner, locked_at_ms) VALUES (?, ?)"
+        " ON CONFLICT (owner) DO UPDATE SET locked_at_ms = excluded.locked_at_ms",
+        (owner, now_ms),
+    )
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _without_nulls(value: Any) -> Any:

@@ -1,9 +1,10 @@
-"""``/v1/responses`` at the router: the stored responses of the region, and conversations.
+"""``/v1/responses`` at the router: stored responses, and conversations.
 
 vLLM's Responses layer keeps stored responses in a dict inside one engine process: a follow-up
 that Serve routes to another replica, or that comes after a restart, finds nothing (the limit of
 Ray's own attempt, ray PR #65773). Here the engine is stateless and the router keeps them in the
-region's response store (``response_store.py``), which every router replica of the region reads:
+response store (``response_store.py``): the key registry's database, which every router replica
+of every region reads:
 
 - a request with ``previous_response_id`` is continued by the router: it loads that response's
   conversation (its input items and its output items), puts the new input after it, and sends
@@ -14,8 +15,9 @@ region's response store (``response_store.py``), which every router replica of t
   next ``previous_response_id``. A stream's final response comes in the replica's trailer.
 
 A response belongs to the key's owner: another owner's id is "not found", never "forbidden"
-(which would confirm it exists). Nothing runs in the background, so there is nothing to cancel:
-``cancel`` on a stored response says so.
+(which would confirm it exists). Its id is the server's (a client's ``request_id`` is refused at
+validation), and a stored row is never replaced. Nothing runs in the background, so there is
+nothing to cancel: ``cancel`` on a stored response says so.
 """
 
 import json
@@ -23,15 +25,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
-from serve_app.router.response_store import ResponseStore, StoredResponse
+from serve_app.router.response_store import ResponseIdTaken, ResponseStore, StoredResponse
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
 
 
-Keeper = Callable[[dict[str, Any] | None], Awaitable[None]]
+# Stores a finished response; returns the bytes stored (0 when nothing was), which belong in the
+# request's usage record as ``stored_bytes``.
+Keeper = Callable[[dict[str, Any] | None], Awaitable[int]]
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -66,12 +71,14 @@ class ResponsesAPI:
         return self._keeper(body, conversation, caller), added
 
     def _keeper(self, body: dict[str, Any], conversation: list[dict[str, Any]], caller: Principal) -> Keeper:
-        async def keep(response: dict[str, Any] | None) -> None:
-            """Store a finished response (a non-stream body, or a stream trailer's ``response``)."""
+        async def keep(response: dict[str, Any] | None) -> int:
+            """Store a finished response (a non-stream body, or a stream trailer's ``response``);
+            the bytes stored. Never raises: the client has its answer, and a follow-up on a
+            response that was not stored gets a clear 404."""
             if body.get("store") is False or not isinstance(response, dict) or "id" not in response:
-                return
+                return 0
             if response.get("status") not in ("completed", "incomplete"):
-                return
+                return 0
             stored = StoredResponse(
                 id=response["id"],
                 owner=caller.owner,
@@ -81,9 +88,14 @@ class ResponsesAPI:
                 conversation=conversation,
             )
             try:
-                await self.store.put(stored)
-            except Exception:  # the client has its answer; a follow-up will get a clear 404
-                logger.exception("could not store response %s", response["id"])
+                return await self.store.put(stored)
+            except ResponseIdTaken:  # the engine's ids are the server's: this is a bug, not a client
+                logger.error("response %s not stored: that id is stored already (rows are never replaced)", stored.id)
+            except (ValueError, RegistryUnavailable) as refused:  # too large, not Unicode; the registry away
+                logger.warning("response %s not stored: %s", stored.id, refused)
+            except Exception:
+                logger.exception("response %s not stored", stored.id)
+            return 0
 
         return keep
 

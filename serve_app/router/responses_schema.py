@@ -4,20 +4,20 @@ The same policy as ``request_schema``. Beyond types and ranges, the input items 
 what vLLM's Responses layer would get wrong: an item kind it cannot render (``item_reference``,
 built-in tool calls) is a 400 naming the item, and an assistant message without content (a 500
 inside vLLM) is a 400 too. ``background`` is refused: a background response outlives its
-request, and this deployment keeps no request running without its client (docs/api.md).
+request, and this deployment keeps no request running without its client (docs/api.md). Like
+every body, a client's ``request_id`` is refused (``strict.Body``): a Response's id is the server's.
 """
 
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, Metadata, Strict
 
 # The input item kinds vLLM's Responses layer renders into a chat.
 INPUT_ITEM_TYPES = (
     "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
 )
-MAX_METADATA_PAIRS = 16  # OpenAI's cap
 
 
 class ResponsesInputItem(Strict):
@@ -101,7 +101,7 @@ class ResponsesBody(Body):
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
     reasoning: ResponsesReasoning | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=MAX_METADATA_PAIRS)
+    metadata: Metadata | None = None  # stored with the response: OpenAI's limits (strict.py)
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None

@@ -74,12 +74,8 @@ class Services:
             ),
             states=ModelStates(app_name, args.models),
             in_flight=InFlight(args.models),
-            responses=ResponsesAPI(
-                ResponseStore(
-                    args.response_store_path(), retention_s=args.responses.retention_hours * 3600,
-                    max_responses=args.responses.max_responses,
-                )
-            ),
+            # Stored responses in the same registry database: every replica, pod and region sees them.
+            responses=ResponsesAPI(ResponseStore(auth.keys.database, args.responses)),
             forwarder=Forwarder(
                 args.region, failover.peers, connect_timeout_s=failover.connect_timeout_s,
                 read_timeout_s=failover.read_timeout_s, max_attempts=failover.max_attempts,
@@ -90,13 +86,16 @@ class Services:
         )
 
     def start(self) -> None:
-        """Begin the background work (the ledger's writer); inside the replica's event loop."""
+        """Begin the background work (the ledger's writer, the stored responses' retention sweep);
+        inside the replica's event loop."""
         self.meter.start()
+        self.responses.store.start()
 
     async def aclose(self) -> None:
-        """When the replica stops: end the state refresh, write the usage records still pending
-        (or spool them), close peer connections."""
+        """When the replica stops: end the state refresh and the sweep, write the usage records
+        still pending (or spool them), close peer connections."""
         self.states.stop()
+        await self.responses.store.aclose()
         await self.meter.aclose()
         await self.forwarder.aclose()
 

@@ -53,13 +53,14 @@ class Meter:
         return await self.budgets.reserve(caller.key_id, tokens)
 
     def record(self, record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,
-               *, origin: str | None) -> UsageRecord | None:
+               *, origin: str | None, stored_bytes: int = 0) -> UsageRecord | None:
         """Queue the usage record of one admitted request that is over, and return it (None: not
         recorded here). ``origin``: the region that forwarded it here, if one did."""
         if origin is not None and request.status == 503 and request.model_replica is None:
             return None  # forwarded here and not served either: the forwarding region records its 503
         try:
-            record = usage_record(record_id, caller, request, generated, region=self.region, origin=origin)
+            record = usage_record(record_id, caller, request, generated, region=self.region, origin=origin,
+                                  stored_bytes=stored_bytes)
             self.ledger.record(record)
         except Exception:  # metering must never fail the request it meters
             logger.exception("could not record usage of request %s", record_id)
@@ -68,7 +69,7 @@ class Meter:
 
 
 def usage_record(record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,
-                 *, region: str, origin: str | None) -> UsageRecord:
+                 *, region: str, origin: str | None, stored_bytes: int = 0) -> UsageRecord:
     counted = generated or Generated()
     # The engine's usage when the answer finished; the replica's count when it did not.
     finished = request.output_tokens is not None
@@ -90,4 +91,5 @@ def usage_record(record_id: str, caller: Principal, request: RequestRecord, gene
         started_at_ms=started_ms,
         ended_at_ms=started_ms + round(request.server_ms or 0),
         failover_origin=origin,
+        stored_bytes=stored_bytes,
     )

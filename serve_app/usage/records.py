@@ -34,6 +34,9 @@ class UsageRecord:
     started_at_ms: int  # epoch milliseconds
     ended_at_ms: int
     failover_origin: str | None = None  # the region that forwarded this request here, if any
+    # Bytes this request stored (a Responses object with its conversation): what it added to the
+    # owner's stored data, counted like its tokens. Records written before the field carry 0.
+    stored_bytes: int = 0
 
     @property
     def day(self) -> str:

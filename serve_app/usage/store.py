@@ -4,7 +4,9 @@
 doubly written record is a no-op. ``usage_daily`` is the rollup every report and budget check
 reads — per (key, UTC day, model, region) — so neither ever scans the per-request table; it is
 updated in the same transaction as the insert, with exactly the rows the insert added, so the two
-never disagree. ``usage_budgets`` holds the per-key token limits ``budgets.py`` enforces.
+never disagree. Besides tokens, both count ``stored_bytes``: what the requests stored (Responses
+objects), which budgets do not limit (the response store's per-owner quota does).
+``usage_budgets`` holds the per-key token limits ``budgets.py`` enforces.
 
 Writes are batched: a few statements per batch, never one per row, because a region's router
 may be a WAN round trip from the primary. The SQL is the subset SQLite (3.35+) and PostgreSQL
@@ -23,10 +25,10 @@ from typing import Any, TypeVar
 from serve_app.usage.records import COLUMNS, UsageRecord
 
 GROUPS = ("day", "month", "model", "region", "key_id")
-COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens")
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "stored_bytes")
 
 # Parameters per statement: SQLite builds before 3.32 allow 999, later ones 32766, psycopg
-# 65535. 8000 keeps a 500-record batch (15 columns) in two statements, far from every limit.
+# 65535. 8000 keeps a 500-record batch (16 columns) in two statements, far from every limit.
 MAX_PARAMS = 8000
 
 _SCHEMA = """
@@ -45,7 +47,8 @@ CREATE TABLE IF NOT EXISTS usage_records (
     started_at_ms     INTEGER NOT NULL,
     ended_at_ms       INTEGER NOT NULL,
     failover_origin   TEXT,
-    day               TEXT NOT NULL      -- UTC YYYY-MM-DD of started_at_ms
+    day               TEXT NOT NULL,     -- UTC YYYY-MM-DD of started_at_ms
+    stored_bytes      INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS usage_records_key_day ON usage_records (key_id, day);
 CREATE TABLE IF NOT EXISTS usage_daily (
@@ -58,6 +61,7 @@ CREATE TABLE IF NOT EXISTS usage_daily (
     prompt_tokens     INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
     cached_tokens     INTEGER NOT NULL,
+    stored_bytes      INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (key_id, day, model, region)
 );
 CREATE TABLE IF NOT EXISTS usage_budgets (
@@ -67,11 +71,16 @@ CREATE TABLE IF NOT EXISTS usage_budgets (
     updated_at        INTEGER NOT NULL
 );
 """
+# Columns added after the tables first shipped: existing tables get them on the next start.
+_ADDED_COLUMNS = {
+    "usage_records": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
+    "usage_daily": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
+}
 
 _RECORD_COLUMNS = (*COLUMNS, "day")
 _ROLLUP_KEY = ("key_id", "day", "model", "region")
-_ROLLUP_COLUMNS = (*_ROLLUP_KEY, "owner", "requests", "prompt_tokens", "completion_tokens", "cached_tokens")
-_SUMMED = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens")
+_SUMMED = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "stored_bytes")
+_ROLLUP_COLUMNS = (*_ROLLUP_KEY, "owner", *_SUMMED)
 _GROUP_SQL = {"day": "day", "month": "substr(day, 1, 7)", "model": "model", "region": "region", "key_id": "key_id"}
 
 T = TypeVar("T")
@@ -91,6 +100,7 @@ class UsageStore:
     def __init__(self, database):
         self.database = database
         self.database.create_schema(_SCHEMA)
+        self.database.add_columns(_ADDED_COLUMNS)
 
     # --- the ledger's writes ------------------------------------------------------------------
     def insert(self, records: Iterable[UsageRecord]) -> int:
@@ -224,11 +234,12 @@ def _rollup(records: Iterable[UsageRecord]) -> list[tuple]:
     """One row per rollup key: PostgreSQL refuses an upsert that touches one row twice."""
     rows: dict[tuple, list] = {}
     for r in records:
-        row = rows.setdefault((r.key_id, r.day, r.model, r.region), [r.owner, 0, 0, 0, 0])
+        row = rows.setdefault((r.key_id, r.day, r.model, r.region), [r.owner, 0, 0, 0, 0, 0])
         row[1] += 1
         row[2] += r.prompt_tokens
         row[3] += r.completion_tokens
         row[4] += r.cached_tokens
+        row[5] += r.stored_bytes
     return [(*key, *row) for key, row in sorted(rows.items())]
 
 

@@ -22,7 +22,7 @@ from ray import serve
 from auth_support import MODEL, OTHER_MODEL, authenticator
 from fake_engine import FakeEngine
 from serve_app.auth.authenticator import Authenticator
-from serve_app.config import ModelDeploymentArgs, Peer
+from serve_app.config import ModelDeploymentArgs, Peer, ResponsesArgs
 from serve_app.engine.deployment import ModelServer
 from serve_app.hot_load.state import WantedRecord
 from serve_app.hot_load.tracker import ModelStates
@@ -182,7 +182,7 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
                     cache_ttl_s=0),
         states=ModelStates("llm", args, serve_status=fake_serve.status, read=fake_serve.read, write=fake_serve.write),
         in_flight=InFlight(args),
-        responses=ResponsesAPI(ResponseStore(tmp_path / "responses.sqlite3", retention_s=3600, max_responses=100)),
+        responses=ResponsesAPI(ResponseStore(auth.keys.database, ResponsesArgs())),
         forwarder=Forwarder(region, list(peers), transport=transport, unreachable_hold_s=0),
         handles=handles,
         models={model.id: ModelFacts.of(model) for model in args},
@@ -238,7 +238,7 @@ class RecordingMeter:
     def __init__(self):
         self.records: list[tuple[Any, ...]] = []
 
-    def record(self, record_id, caller, request, generated, *, origin):
+    def record(self, record_id, caller, request, generated, *, origin, stored_bytes=0):
         self.records.append((record_id, caller, request, generated, origin))
 
 

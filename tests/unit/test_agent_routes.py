@@ -170,3 +170,12 @@ def test_a_forwarded_request_this_region_could_not_serve_is_left_to_the_forwardi
         assert len(_recorded(setup)) == recorded
         with setup.meter.store.database.connect() as db:
             db.execute("DELETE FROM usage_records")
+
+
+def test_a_stored_response_is_counted_in_its_owners_usage(setup):
+    kept = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=bearer(setup.key))
+    not_kept = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi", "store": False},
+                                 headers=bearer(setup.key))
+    assert kept.status_code == not_kept.status_code == 200
+    stored, unstored = _recorded(setup)
+    assert stored["stored_bytes"] > len("answer") and unstored["stored_bytes"] == 0

@@ -109,3 +109,55 @@ def test_nesting_just_past_the_limit_is_refused_and_at_it_passes():
     with pytest.raises(APIError) as caught:
         parse_json_object(nested(MAX_JSON_DEPTH + 1))
     assert caught.value.code == "invalid_json"
+
+
+# --- fields the server owns, and OpenAI's metadata limits (issue 22: stored responses) ---------------
+MINIMAL = {
+    "chat": chat(),
+    "completions": {"model": "m", "prompt": "x"},
+    "tokenize": {"model": "m", "prompt": "x"},
+    "detokenize": {"model": "m", "tokens": [1]},
+    "responses": {"model": "m", "input": "hi"},
+    "messages": {"model": "m", "max_tokens": 8, "messages": MESSAGES},
+    "count_tokens": {"model": "m", "messages": MESSAGES},
+}
+
+
+@pytest.mark.parametrize("method", sorted(MINIMAL))
+@pytest.mark.parametrize("request_id", ["resp_0123456789abcdef", None, 7])
+def test_a_client_request_id_is_refused_on_every_route(method, request_id):
+    # vLLM takes it as the engine's request id, and a stored Response's id is that id: owner B
+    # sending A's id would make B's response collide with A's.
+    validate_body(method, MINIMAL[method])
+    error = refusal(method, {**MINIMAL[method], "request_id": request_id})
+    assert error.param == "request_id" and "made by the server" in error.message
+
+
+def responses(**fields):
+    return {"model": "m", "input": "hi", **fields}
+
+
+@pytest.mark.parametrize("method, body", [("responses", responses()), ("chat", chat())])
+def test_metadata_keeps_openais_limits(method, body):
+    at_limits = {f"k{i:02d}".ljust(64, "x"): "v" * 512 for i in range(16)}
+    validate_body(method, {**body, "metadata": at_limits})
+    validate_body(method, {**body, "metadata": {"ключ": "é" * 512}})  # characters, not bytes
+    cases = [
+        ({"k": "x" * (938 * 1024)}, "at most 512"),  # the 938 KiB stored for 19 billed tokens
+        ({"k": "x" * 513}, "at most 512"),
+        ({"k" * 65: "v"}, "at most 64"),
+        ({f"k{i}": "v" for i in range(17)}, "at most 16"),
+        ({"k": "\ud800"}, "lone surrogate"),
+        ({"\udfff": "v"}, "lone surrogate"),
+        ({"k": 1}, None),
+    ]
+    for metadata, fragment in cases:
+        error = refusal(method, {**body, "metadata": metadata})
+        assert error.param == "metadata" and (fragment is None or fragment in error.message), error.message
+
+
+def test_anthropic_metadata_user_id_keeps_anthropics_limit():
+    body = MINIMAL["messages"]
+    validate_body("messages", {**body, "metadata": {"user_id": "u" * 256}})
+    assert refusal("messages", {**body, "metadata": {"user_id": "u" * 257}}).param == "metadata.user_id"
+    assert refusal("messages", {**body, "metadata": {"user_id": "u", "note": "x" * 10_000}}).param == "metadata"

@@ -1,18 +1,25 @@
-"""The response store behind ``previous_response_id`` (serve_app/router/response_store.py)."""
+"""The response store behind ``previous_response_id`` (serve_app/router/response_store.py), on both
+registry databases: the key store's SQLite file and a real PostgreSQL server. Each attack of issue
+22 ("Stored responses") is a test here: an id cannot be taken over, one owner's traffic cannot
+evict another's rows, and another owner's id is invisible."""
 
 import asyncio
+import heapq
 import json
-import sqlite3
-import stat
+import random
 import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from serve_app.router.response_store import ResponseStore, StoredResponse
+from serve_app.auth.database import RegistryUnavailable, open_database
+from serve_app.config import ResponsesArgs
+from serve_app.router.response_store import ResponseIdTaken, ResponseStore, StoredResponse, fair_eviction
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,114 +44,367 @@ def stored(i: int | str, owner: str = "alice", **response) -> StoredResponse:
     )
 
 
-def store_at(path, clock=None, **kwargs) -> ResponseStore:
-    kwargs.setdefault("retention_s", 3600)
-    kwargs.setdefault("max_responses", 1000)
-    return ResponseStore(path, clock=clock or Clock(), **kwargs)
+def args(**overrides) -> ResponsesArgs:
+    return ResponsesArgs(**{"retention_hours": 1, "max_responses": 1000, "max_responses_per_owner": 1000, **overrides})
 
 
-def rows(path) -> list[str]:
-    with sqlite3.connect(path) as db:
-        return sorted(r[0] for r in db.execute("SELECT id FROM responses"))
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request, tmp_path):
+    """The registry's database, empty: the key store's file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return open_database(tmp_path / "keys.sqlite3", create=True)
+    return open_database(request.getfixturevalue("fresh_database"))
 
 
-def test_round_trip_and_file_setup(tmp_path):
-    path = tmp_path / "state" / "nested" / "responses.sqlite3"
-    store = store_at(path)
-    assert not path.exists()  # nothing is created until first use
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def ids(database) -> list[str]:
+    with database.connect() as db:
+        return sorted(row["id"] for row in db.execute("SELECT id FROM stored_responses").fetchall())
+
+
+# --- round trip, ownership, ids ----------------------------------------------------------------------
+def test_round_trip_in_the_registrys_database(database):
+    store = ResponseStore(database, args(), clock=Clock())
+    with database.connect() as db:  # nothing is created until first use
+        assert "stored_responses" not in _tables(db, database.kind)
     original = stored(1, output=[{"type": "message", "content": [{"type": "output_text", "text": "é"}]}])
 
-    asyncio.run(store.put(original))
-
-    assert asyncio.run(store.get("resp_1", "alice")) == original
-    assert asyncio.run(store.get("resp_missing", "alice")) is None
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    # A second instance on an existing file (schema already there) works too.
-    assert asyncio.run(store_at(path).get("resp_1", "alice")) == original
+    assert run(store.put(original)) == len(json.dumps(original.response, ensure_ascii=False, separators=(",", ":")).encode()) + len(
+        json.dumps(original.conversation, separators=(",", ":")).encode()
+    )  # the bytes stored: what the request's usage record counts
+    assert run(store.get("resp_1", "alice")) == original
+    assert run(store.get("resp_missing", "alice")) is None
+    # A second instance (another replica) on the existing schema sees it.
+    assert run(ResponseStore(database, args(), clock=Clock()).get("resp_1", "alice")) == original
 
 
-def test_other_owner_sees_nothing_and_cannot_delete(tmp_path):
-    store = store_at(tmp_path / "r.sqlite3")
-    asyncio.run(store.put(stored(1, owner="alice")))
-
-    assert asyncio.run(store.get("resp_1", "mallory")) is None
-    assert asyncio.run(store.history("resp_1", "mallory")) is None
-    assert asyncio.run(store.delete("resp_1", "mallory")) is False
-    assert asyncio.run(store.get("resp_1", "alice")) is not None  # still there
-
-    assert asyncio.run(store.delete("resp_1", "alice")) is True
-    assert asyncio.run(store.get("resp_1", "alice")) is None
-    assert asyncio.run(store.delete("resp_1", "alice")) is False
+def _tables(db, kind) -> set[str]:
+    if kind == "sqlite":
+        return {row["name"] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()}
+    return {row["tablename"] for row in db.execute("SELECT tablename FROM pg_tables").fetchall()}
 
 
-def test_expired_rows_are_invisible_then_purged(tmp_path):
-    path, clock = tmp_path / "r.sqlite3", Clock()
-    store = store_at(path, clock, retention_s=10)
-    asyncio.run(store.put(stored(1)))
+def test_another_owners_id_is_invisible_to_get_history_and_delete(database):
+    store = ResponseStore(database, args())
+    run(store.put(stored(1, owner="alice")))
+
+    assert run(store.get("resp_1", "mallory")) is None
+    assert run(store.history("resp_1", "mallory")) is None
+    assert run(store.delete("resp_1", "mallory")) is False
+    assert run(store.get("resp_1", "alice")) is not None  # still there
+
+    assert run(store.delete("resp_1", "alice")) is True
+    assert run(store.get("resp_1", "alice")) is None
+    assert run(store.delete("resp_1", "alice")) is False
+
+
+def test_an_owner_posting_anothers_id_cannot_replace_the_row(database):
+    # Issue 22: the store wrote INSERT OR REPLACE, so owner B storing a response under A's id
+    # made A's response disappear (A's GET -> 404). A row is only ever inserted now.
+    store = ResponseStore(database, args())
+    original = stored(1, owner="alice", text="alice's answer")
+    run(store.put(original))
+
+    with pytest.raises(ResponseIdTaken):
+        run(store.put(stored(1, owner="bob", text="bob's answer")))
+    with pytest.raises(ResponseIdTaken):  # nor may the owner itself overwrite it
+        run(store.put(stored(1, owner="alice", text="rewritten")))
+
+    assert run(store.get("resp_1", "alice")) == original
+    assert run(store.get("resp_1", "bob")) is None
+    assert run(store.footprint("bob")) == (0, 0)  # the refused put left nothing behind
+
+
+# --- retention and the sweep -------------------------------------------------------------------------
+def test_expired_rows_are_invisible_at_once_and_deleted_by_the_sweep_not_by_puts(database):
+    clock = Clock()
+    store = ResponseStore(database, args(retention_hours=10 / 3600), clock=clock)
+    run(store.put(stored(1)))
     clock.now += 10
-    assert asyncio.run(store.get("resp_1", "alice")) is not None  # exactly at the bound: kept
+    assert run(store.get("resp_1", "alice")) is not None  # exactly at the bound: kept
 
     clock.now += 0.5
-    assert asyncio.run(store.get("resp_1", "alice")) is None
-    assert asyncio.run(store.history("resp_1", "alice")) is None
-    assert asyncio.run(store.delete("resp_1", "alice")) is False
-    assert rows(path) == ["resp_1"]  # invisible, not yet purged: purges are amortised
+    assert run(store.get("resp_1", "alice")) is None
+    assert run(store.history("resp_1", "alice")) is None
+    assert run(store.delete("resp_1", "alice")) is False
+    run(store.put(stored(2)))
+    assert ids(database) == ["resp_1", "resp_2"]  # invisible; puts do not purge
 
-    clock.now += ResponseStore.PURGE_INTERVAL_S
-    asyncio.run(store.put(stored(2)))  # the interval has passed: this put purges
-    assert rows(path) == ["resp_2"]
-
-
-def test_purge_is_amortised_by_time_and_put_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(ResponseStore, "PURGE_EVERY_PUTS", 5)
-    path, clock = tmp_path / "r.sqlite3", Clock()
-    store = store_at(path, clock, max_responses=2)
-
-    for i in range(5):  # the first put purges (an empty table), the next 4 do not
-        asyncio.run(store.put(stored(i)))
-    assert len(rows(path)) == 5
-    asyncio.run(store.put(stored(5)))  # 5th put since the last purge, no time has passed
-    assert rows(path) == ["resp_4", "resp_5"]
+    assert run(store.sweep()).expired == 1
+    assert ids(database) == ["resp_2"]
 
 
-def test_cap_evicts_oldest_and_keeps_newest(tmp_path):
-    path, clock = tmp_path / "r.sqlite3", Clock()
-    store = store_at(path, clock, max_responses=3)
+class Recording:
+    """The database, with every statement it runs written down (to check what a sweep sends)."""
+
+    def __init__(self, database):
+        self._database, self.statements = database, []
+
+    def __getattr__(self, name):
+        return getattr(self._database, name)
+
+    @contextmanager
+    def connect(self, read: bool = False):
+        with self._database.connect(read) as db:
+            statements = self.statements
+
+            class Connection:
+                def execute(self, sql, params=()):
+                    statements.append((sql, params))
+                    return db.execute(sql, params)
+
+            yield Connection()
+
+
+def test_a_sweep_is_bounded_per_statement_and_per_run(database, monkeypatch):
+    monkeypatch.setattr(ResponseStore, "SWEEP_BATCH", 4)
+    monkeypatch.setattr(ResponseStore, "SWEEP_MAX_ROWS", 10)
+    clock, recording = Clock(), Recording(database)
+    store = ResponseStore(recording, args(retention_hours=1), clock=clock)
+    for i in range(25):
+        run(store.put(stored(i, owner=f"o{i % 3}")))
+    clock.now += 3600 + 1
+    run(store.put(stored("fresh")))
+
+    recording.statements.clear()
+    assert run(store.sweep()).expired == 10  # one run deletes at most SWEEP_MAX_ROWS
+    deletes = [params for sql, params in recording.statements if sql.startswith("DELETE")]
+    assert deletes and all(params[-1] <= 4 for params in deletes)  # LIMIT: SWEEP_BATCH at most
+    assert len(ids(database)) == 16
+
+    clock.now += ResponseStore.SWEEP_INTERVAL_S
+    assert run(store.sweep()).expired == 10
+    clock.now += ResponseStore.SWEEP_INTERVAL_S
+    assert run(store.sweep()).expired == 5
+    assert ids(database) == ["resp_fresh"]
+
+
+def test_one_sweep_runs_at_a_time_across_replicas_and_regions(database):
+    clock = Clock()
+    here, peer = ResponseStore(database, args(), clock=clock), ResponseStore(database, args(), clock=clock)
+    assert run(here.sweep()) is not None
+    assert run(peer.sweep()) is None  # the lease: its run would repeat the first one's evictions
+    clock.now += ResponseStore.SWEEP_INTERVAL_S / 2
+    assert run(peer.sweep()) is not None
+
+
+def test_a_registry_that_is_away_is_a_503_for_reads_and_the_sweep_keeps_trying(database, monkeypatch):
+    from test_usage_store import unreachable
+
+    monkeypatch.setattr(ResponseStore, "SWEEP_INTERVAL_S", 0.0)
+    store = ResponseStore(unreachable(database), args())
+    with pytest.raises(RegistryUnavailable):  # the router answers 503 with Retry-After, not 500
+        run(store.get("resp_1", "alice"))
+
+    async def scenario():
+        runs, sweep = [], store.sweep
+
+        async def counted():
+            runs.append(1)
+            return await sweep()  # raises: the loop logs it and runs again
+
+        async def three_runs():
+            while len(runs) < 3:
+                await asyncio.sleep(0.01)
+
+        store.sweep = counted
+        store.start()
+        await asyncio.wait_for(three_runs(), 30)  # a loop that died on the first error never gets there
+        await store.aclose()
+
+    run(scenario())
+
+
+def test_start_runs_the_sweep_in_the_background_and_aclose_stops_it(database):
+    clock = Clock()
+    store = ResponseStore(database, args(retention_hours=1), clock=clock)
+
+    async def scenario():
+        await store.put(stored(1))
+        clock.now += 3601
+        swept = asyncio.Event()
+        sweep = store.sweep
+
+        async def watched():
+            result = await sweep()
+            swept.set()
+            return result
+
+        store.sweep = watched
+        store.start()
+        await asyncio.wait_for(swept.wait(), 30)  # the first run starts at once, no put needed
+        task = store._sweeper
+        await store.aclose()
+        return task
+
+    task = run(scenario())
+    assert task.done() and store._sweeper is None
+    assert ids(database) == []
+
+
+# --- quotas ------------------------------------------------------------------------------------------
+def test_an_owner_over_its_row_quota_loses_its_own_oldest_and_nobody_elses(database):
+    clock = Clock()
+    store = ResponseStore(database, args(max_responses_per_owner=3), clock=clock)
+    run(store.put(stored("a0", owner="alice")))
     for i in range(6):
         clock.now += 1
-        asyncio.run(store.put(stored(i)))
-    # Equal timestamps: insertion order decides.
-    for i in range(6, 8):
-        asyncio.run(store.put(stored(i)))
-    clock.now += ResponseStore.PURGE_INTERVAL_S
-    asyncio.run(store.put(stored(8)))
+        run(store.put(stored(f"m{i}", owner="mallory")))
 
-    assert rows(path) == ["resp_6", "resp_7", "resp_8"]
-    assert asyncio.run(store.get("resp_5", "alice")) is None
-    assert asyncio.run(store.get("resp_8", "alice")) is not None
+    assert ids(database) == ["resp_a0", "resp_m3", "resp_m4", "resp_m5"]
+    assert run(store.get("resp_a0", "alice")) is not None
+    assert run(store.footprint("mallory"))[0] == 3
 
 
-def test_two_instances_share_the_file(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    first, second = store_at(path), store_at(path)
+def test_an_owner_over_its_byte_quota_loses_its_own_oldest(database):
+    clock = Clock()
+    store = ResponseStore(database, args(max_mib_per_owner=4), clock=clock)  # 4 MiB: the smallest quota
+    run(store.put(stored("a0", owner="alice", pad="a" * 3_000_000)))
+    sizes = []
+    for i in range(4):
+        clock.now += 1
+        sizes.append(run(store.put(stored(f"m{i}", owner="mallory", pad="m" * 1_500_000))))
 
-    asyncio.run(first.put(stored(1)))
-    assert asyncio.run(second.get("resp_1", "alice")) == stored(1)
-    assert asyncio.run(second.delete("resp_1", "alice")) is True
-    assert asyncio.run(first.get("resp_1", "alice")) is None
+    rows, held = run(store.footprint("mallory"))
+    assert (rows, held) == (2, sum(sizes[-2:])) and held <= 4 * 2**20
+    assert ids(database) == ["resp_a0", "resp_m2", "resp_m3"]  # alice's 3 MB stays
 
 
-def test_concurrent_writers_in_other_processes(tmp_path):
-    # The property several router replicas need: separate processes racing to create and then
-    # write a new file all succeed (WAL + busy timeout), and each one sees the others' rows.
-    path = tmp_path / "r.sqlite3"
+_EVICTION = "DELETE FROM stored_responses WHERE id IN (SELECT id FROM ("
+
+
+class Rendezvous(Recording):
+    """Two puts meet before their quota eviction and again before they commit (or 1 s passes at
+    each meeting): without the owner's lock, both would evict while neither sees the other's new
+    row, and both rows would stay."""
+
+    def __init__(self, database):
+        super().__init__(database)
+        self.meetings: tuple[threading.Barrier, threading.Barrier] | None = None  # once the schema is there
+
+    @contextmanager
+    def connect(self, read: bool = False):
+        with super().connect(read) as db:
+            execute = db.execute
+
+            def meet(barrier: threading.Barrier) -> None:
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:  # the other put waits on the owner's lock: as it should
+                    pass
+
+            def meeting(sql, params=()):
+                if self.meetings is None or not sql.startswith(_EVICTION):
+                    return execute(sql, params)
+                before, after = self.meetings
+                meet(before)
+                result = execute(sql, params)
+                meet(after)
+                return result
+
+            db.execute = meeting
+            yield db
+
+
+def test_one_owners_concurrent_puts_from_two_routers_keep_its_quota_exactly(database):
+    # Two replicas (or regions) storing for one owner at the same moment: the owner's lock makes
+    # the second put count the first one's row, so the owner ends at its quota, not above it.
+    rendezvous = Rendezvous(database)
+    here, peer = (ResponseStore(rendezvous, args(max_responses_per_owner=1)) for _ in range(2))
+    for store in (here, peer):  # the schema first: its DDL would wait for the other put's insert
+        run(store.footprint("mallory"))
+    rendezvous.meetings = (threading.Barrier(2, timeout=1), threading.Barrier(2, timeout=1))
+
+    async def puts():
+        await asyncio.gather(here.put(stored("m0", owner="mallory")), peer.put(stored("m1", owner="mallory")))
+
+    run(puts())
+    assert run(here.footprint("mallory"))[0] == 1
+
+
+def test_one_busy_owner_cannot_evict_another_owners_responses(database):
+    # Issue 22: eviction past max_responses dropped the globally oldest rows, so one busy key
+    # evicted every other owner's conversations. Past the global bound now, the owners holding
+    # the most lose their oldest, down to a common level.
+    clock = Clock()
+    store = ResponseStore(database, args(max_responses=10, max_responses_per_owner=10), clock=clock)
+    for i in range(3):
+        run(store.put(stored(f"a{i}", owner="alice")))  # alice's are the oldest rows
+    for owner in ("mallory", "trudy"):
+        for i in range(10):
+            clock.now += 1
+            run(store.put(stored(f"{owner}{i}", owner=owner)))
+    clock.now += ResponseStore.SWEEP_INTERVAL_S
+
+    swept = run(store.sweep())
+
+    assert swept.evicted == {"mallory": 6, "trudy": 7}  # 23 rows, 10 allowed: 3 + 4 + 3 stay
+    assert [run(store.get(f"resp_a{i}", "alice")) is not None for i in range(3)] == [True] * 3
+    assert len(ids(database)) == 10
+    assert run(store.get("resp_mallory9", "mallory")) is not None  # the newest of each stay
+    assert run(store.get("resp_mallory5", "mallory")) is None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fair_eviction_takes_from_the_largest_down_to_a_common_level(seed):
+    rng = random.Random(seed)
+    counts = {f"o{i}": rng.choice([0, 1, 2, 5, 40, 300]) for i in range(rng.randint(1, 8))}
+    excess = rng.randint(0, sum(counts.values()) + 5)
+
+    losses = fair_eviction(counts, excess)
+
+    # The same as taking one row at a time from whoever holds the most.
+    heap = [(-n, owner) for owner, n in counts.items()]
+    heapq.heapify(heap)
+    for _ in range(min(excess, sum(counts.values()))):
+        n, owner = heapq.heappop(heap)
+        heapq.heappush(heap, (n + 1, owner))
+    assert sorted(counts[o] - losses.get(o, 0) for o in counts) == sorted(-n for n, _ in heap)
+    assert sum(losses.values()) == min(excess, sum(counts.values()))
+    assert all(0 < lost <= counts[owner] for owner, lost in losses.items())
+    # Whoever holds no more than an equal share of what stays loses nothing.
+    share = (sum(counts.values()) - excess) / len(counts)
+    assert all(owner not in losses for owner, n in counts.items() if n <= share)
+
+
+def test_quota_settings_are_checked():
+    assert ResponsesArgs().max_responses_per_owner == 10_000 and ResponsesArgs().max_mib_per_owner == 256
+    with pytest.raises(ValidationError, match="exceeds max_responses"):
+        ResponsesArgs(max_responses=100, max_responses_per_owner=101)
+    with pytest.raises(ValidationError):  # one 4 MiB response must always fit
+        ResponsesArgs(max_mib_per_owner=3)
+    with pytest.raises(ValidationError, match="store_path"):  # the store is the registry's now
+        ResponsesArgs(store_path="/var/lib/serve_app/responses.sqlite3")
+
+
+# --- regions -----------------------------------------------------------------------------------------
+def test_a_response_stored_through_one_region_is_read_and_deleted_through_another(database):
+    # Two regions' routers: one registry. A response a peer served after failover is there too.
+    origin, peer = ResponseStore(database, args()), ResponseStore(database, args())
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
+    run(peer.put(stored(1, output=[answer])))
+
+    assert run(origin.get("resp_1", "alice")) == stored(1, output=[answer])
+    assert run(origin.history("resp_1", "alice")) == [{"role": "user", "content": "question 1"}, answer]
+    assert run(origin.get("resp_1", "bob")) is None
+    assert run(origin.delete("resp_1", "alice")) is True
+    assert run(peer.get("resp_1", "alice")) is None  # deleted everywhere at once
+
+
+def test_concurrent_writers_in_other_processes_share_the_key_store_file(tmp_path):
+    # Several router replicas on one host: processes racing to create the schema in the key
+    # store's file and then write all succeed (SQLite's busy timeout), and see each other's rows.
+    path = tmp_path / "keys.sqlite3"
     script = textwrap.dedent(
         """
         import asyncio, sys
+        from serve_app.auth.database import RegistryUnavailable, open_database
+        from serve_app.config import ResponsesArgs
         from serve_app.router.response_store import ResponseStore, StoredResponse
-        store = ResponseStore(sys.argv[1], retention_s=3600, max_responses=10_000)
+        store = ResponseStore(open_database(sys.argv[1], create=True), ResponsesArgs())
         async def main():
             await asyncio.gather(*(
                 store.put(StoredResponse(f"resp_{sys.argv[2]}_{i}", "alice", "qwen", 0,
@@ -154,19 +414,18 @@ def test_concurrent_writers_in_other_processes(tmp_path):
         asyncio.run(main())
         """
     )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(path), str(n)], cwd=REPO)
-        for n in range(3)
-    ]
-    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    open_database(path, create=True)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(path), str(n)], cwd=REPO) for n in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
 
-    store = store_at(path)
-    assert len(rows(path)) == 120
-    assert asyncio.run(store.get("resp_2_39", "alice")).response["pad"] == "x" * 20_000
+    database = open_database(path)
+    assert len(ids(database)) == 120
+    assert run(ResponseStore(database, args()).get("resp_2_39", "alice")).response["pad"] == "x" * 20_000
 
 
-def test_history_is_conversation_then_output_without_nulls(tmp_path):
-    store = store_at(tmp_path / "r.sqlite3")
+# --- what a follow-up continues from -----------------------------------------------------------------
+def test_history_is_conversation_then_output_without_nulls(database):
+    store = ResponseStore(database, args())
     message = {
         "id": "msg_1",
         "type": "message",
@@ -178,10 +437,9 @@ def test_history_is_conversation_then_output_without_nulls(tmp_path):
     reasoning = {
         "type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}],
     }
-    original = stored(1, output=[reasoning, message, call])
-    asyncio.run(store.put(original))
+    run(store.put(stored(1, output=[reasoning, message, call])))
 
-    assert asyncio.run(store.history("resp_1", "alice")) == [
+    assert run(store.history("resp_1", "alice")) == [
         {"role": "user", "content": "question 1"},
         reasoning,
         {
@@ -193,87 +451,70 @@ def test_history_is_conversation_then_output_without_nulls(tmp_path):
         {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"a": null}'},
     ]
     # get() still returns the response exactly as the client saw it, nulls included.
-    assert asyncio.run(store.get("resp_1", "alice")).response["output"][1]["status"] is None
+    assert run(store.get("resp_1", "alice")).response["output"][1]["status"] is None
 
 
-def test_history_continues_a_chain(tmp_path):
-    store = store_at(tmp_path / "r.sqlite3")
+def test_history_continues_a_chain(database):
+    store = ResponseStore(database, args())
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
-    asyncio.run(store.put(stored(1, output=[answer])))
-    first_history = asyncio.run(store.history("resp_1", "alice"))
+    run(store.put(stored(1, output=[answer])))
+    first_history = run(store.history("resp_1", "alice"))
     follow_up = {"role": "user", "content": "and doubled?"}
-    second = StoredResponse("resp_2", "alice", "qwen", 0, {"output": [answer]}, first_history + [follow_up])
-    asyncio.run(store.put(second))
+    run(store.put(StoredResponse("resp_2", "alice", "qwen", 0, {"output": [answer]}, first_history + [follow_up])))
 
-    assert asyncio.run(store.history("resp_2", "alice")) == [
+    assert run(store.history("resp_2", "alice")) == [
         {"role": "user", "content": "question 1"}, answer, follow_up, answer,
     ]
-    assert asyncio.run(store.history("resp_3", "alice")) is None
+    assert run(store.history("resp_3", "alice")) is None
     # A response without output (e.g. failed) continues from its conversation alone.
-    asyncio.run(store.put(StoredResponse("resp_4", "alice", "qwen", 0, {"output": None}, [follow_up])))
-    assert asyncio.run(store.history("resp_4", "alice")) == [follow_up]
+    run(store.put(StoredResponse("resp_4", "alice", "qwen", 0, {"output": None}, [follow_up])))
+    assert run(store.history("resp_4", "alice")) == [follow_up]
 
 
-def test_max_bytes_refuses_large_responses(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    store = store_at(path, max_bytes=1000)
-    asyncio.run(store.put(stored(1, text="x" * 800)))
+# --- what is refused, and where it runs --------------------------------------------------------------
+def test_a_response_over_max_bytes_or_not_valid_unicode_is_refused_and_nothing_stored(database):
+    store = ResponseStore(database, args())
+    assert store.max_bytes == 4 * 1024 * 1024
+    store.max_bytes = 1000
+    run(store.put(stored(1, text="x" * 800)))
 
     with pytest.raises(ValueError, match="limit is 1000"):
-        asyncio.run(store.put(stored(2, text="x" * 1000)))
+        run(store.put(stored(2, text="x" * 1000)))
     with pytest.raises(ValueError):  # counted in UTF-8 bytes, not characters
-        asyncio.run(store.put(stored(3, text="é" * 500)))
-    assert rows(path) == ["resp_1"]
-    assert store_at(path).max_bytes == 4 * 1024 * 1024  # the default
+        run(store.put(stored(3, text="é" * 500)))
+    with pytest.raises(ValueError):  # a lone surrogate has no UTF-8 form to store
+        run(store.put(stored(4, metadata={"k": "\ud800"})))
+    assert ids(database) == ["resp_1"]
 
 
-def test_concurrent_puts_from_many_tasks(tmp_path):
-    path = tmp_path / "r.sqlite3"
-    first, second = store_at(path), store_at(path)
+def test_the_database_is_never_called_on_the_event_loop(database):
+    loop_thread, seen = threading.get_ident(), []
+    real_connect = database.connect
 
-    async def run():
-        await asyncio.gather(
-            *(first.put(stored(f"a{i}")) for i in range(50)),
-            *(second.put(stored(f"b{i}")) for i in range(50)),
-        )
-        return await asyncio.gather(*(second.get(f"resp_a{i}", "alice") for i in range(50)))
-
-    assert all(r is not None for r in asyncio.run(run()))
-    assert len(rows(path)) == 100
-
-
-def test_sqlite_never_runs_on_the_event_loop(tmp_path, monkeypatch):
-    loop_thread = threading.get_ident()
-    seen = []
-    real_connect = sqlite3.connect
-
-    def connect(*args, **kwargs):
+    @contextmanager
+    def connect(read: bool = False):
         seen.append(threading.get_ident())
-        return real_connect(*args, **kwargs)
+        with real_connect(read) as db:
+            yield db
 
-    monkeypatch.setattr(sqlite3, "connect", connect)
-    store = store_at(tmp_path / "r.sqlite3")
+    database.connect = connect
+    store = ResponseStore(database, args())
 
-    async def run():
+    async def scenario():
         await store.put(stored(1))
         await store.get("resp_1", "alice")
         await store.history("resp_1", "alice")
         await store.delete("resp_1", "alice")
+        await store.sweep()
 
-    asyncio.run(run())
+    run(scenario())
     assert seen and loop_thread not in seen
 
 
-def test_rejects_nonsense_limits(tmp_path):
-    for bad in ({"retention_s": 0}, {"max_responses": 0}, {"max_bytes": 0}):
-        with pytest.raises(ValueError):
-            store_at(tmp_path / "r.sqlite3", **bad)
-
-
-def test_stored_json_is_compact(tmp_path):
-    # max_bytes counts what is written, so the stored form must not carry indentation.
-    path = tmp_path / "r.sqlite3"
-    asyncio.run(store_at(path).put(stored(1)))
-    with sqlite3.connect(path) as db:
-        (raw,) = db.execute("SELECT response FROM responses").fetchone()
-    assert raw == json.dumps(stored(1).response, separators=(",", ":"))
+def test_stored_json_is_compact(database):
+    # The quotas count what is written, so the stored form must not carry indentation.
+    run(ResponseStore(database, args()).put(stored(1)))
+    with database.connect() as db:
+        row = db.execute("SELECT response, size FROM stored_responses").fetchone()
+    assert row["response"] == json.dumps(stored(1).response, separators=(",", ":"))
+    assert row["size"] == len(row["response"]) + len(json.dumps(stored(1).conversation, separators=(",", ":")))

@@ -48,16 +48,18 @@ def test_a_bad_query_is_a_400_naming_its_parameter(params, param):
 
 def test_the_report_has_its_rows_and_their_totals_and_csv_has_the_rows(tmp_path):
     store = UsageStore(open_database(tmp_path / "registry.sqlite3", create=True))
-    store.insert([usage_record(day="2026-12-01"), usage_record(day="2026-12-02", cached=10), usage_record(key_id="k2")])
+    store.insert([usage_record(day="2026-12-01"), usage_record(day="2026-12-02", cached=10, stored_bytes=900), usage_record(key_id="k2")])
     report = usage_report(store, key_id="k1", since="2026-12-01", until="2026-12-31", group_by=("day",))
     assert report["object"] == "usage.report" and report["key_id"] == "k1" and report["group_by"] == ["day"]
     assert [row["day"] for row in report["data"]] == ["2026-12-01", "2026-12-02"]
-    assert report["totals"] == {"requests": 2, "prompt_tokens": 200, "completion_tokens": 40, "cached_tokens": 10, "total_tokens": 240}
+    assert report["totals"] == {
+        "requests": 2, "prompt_tokens": 200, "completion_tokens": 40, "cached_tokens": 10, "total_tokens": 240, "stored_bytes": 900,
+    }
     everyone = usage_report(store, key_id="", since="2026-12-01", until="2026-12-01", group_by=("key_id",))
     assert everyone["key_id"] is None and [row["key_id"] for row in everyone["data"]] == ["k1", "k2"]
     rows = list(csv.reader(io.StringIO(to_csv(report))))
-    assert rows[0] == ["day", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens"]
-    assert rows[2] == ["2026-12-02", "1", "100", "20", "10", "120"] and len(rows) == 3
+    assert rows[0] == ["day", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "stored_bytes"]
+    assert rows[2] == ["2026-12-02", "1", "100", "20", "10", "120", "900"] and len(rows) == 3
 
 
 # --- the CLI ---------------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def _usage(cli):
     cli.store.insert([
         usage_record(key_id=cli.key_id, day="2026-12-01", prompt=1000, completion=200),
         usage_record(key_id=cli.key_id, day="2026-12-01", model="small", prompt=10, completion=2),
-        usage_record(key_id=cli.key_id, day="2026-12-02", prompt=5, completion=1),
+        usage_record(key_id=cli.key_id, day="2026-12-02", prompt=5, completion=1, stored_bytes=2048),
         usage_record(key_id="someone-else", day="2026-12-01"),
     ])
 
@@ -102,10 +104,12 @@ def test_report_as_a_table_is_aligned_with_a_totals_line(cli):
     table = cli("usage", "report", "--since", "2026-12-01", "--until", "2026-12-02", "--by", "key_id").stdout.splitlines()
     assert table[0] == "usage of every key, 2026-12-01 .. 2026-12-02 (UTC)"
     header, *rows, total = table[1:]
-    assert header.split() == ["KEY", "ID", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION", "TOKENS", "CACHED", "TOKENS", "TOTAL", "TOKENS"]
+    assert header.split() == [
+        "KEY", "ID", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION", "TOKENS", "CACHED", "TOKENS", "TOTAL", "TOKENS", "STORED", "BYTES",
+    ]
     assert [row.split()[0] for row in rows] == [cli.key_id, "someone-else"]
-    assert total.split() == ["total", "4", "1115", "223", "0", "1338"]
-    end = header.index("TOTAL TOKENS") + len("TOTAL TOKENS")
+    assert total.split() == ["total", "4", "1115", "223", "0", "1338", "2048"]
+    end = header.index("STORED BYTES") + len("STORED BYTES")
     assert all(len(line) == end for line in (header, *rows, total))  # right-aligned counters end together
 
 

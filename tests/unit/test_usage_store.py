@@ -92,12 +92,14 @@ def test_a_record_without_its_optional_field_is_read_with_the_default():
 
 # --- insert ----------------------------------------------------------------------------------------
 def test_insert_is_idempotent_and_the_rollup_counts_each_record_once(store):
-    batch = [usage_record(), usage_record(prompt=50, completion=5, cached=30), usage_record(model="other")]
+    batch = [usage_record(), usage_record(prompt=50, completion=5, cached=30, stored_bytes=4096), usage_record(model="other")]
     assert store.insert(batch) == 3
     before = store.totals(key_id="k1", since="2026-12-01", until="2026-12-01", group_by=("model",))
     assert before == [
-        {"model": "other", "requests": 1, "prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 0, "total_tokens": 120},
-        {"model": "qwen-3.6-35b-a3b", "requests": 2, "prompt_tokens": 150, "completion_tokens": 25, "cached_tokens": 30, "total_tokens": 175},
+        {"model": "other", "requests": 1, "prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 0,
+         "stored_bytes": 0, "total_tokens": 120},
+        {"model": "qwen-3.6-35b-a3b", "requests": 2, "prompt_tokens": 150, "completion_tokens": 25, "cached_tokens": 30,
+         "stored_bytes": 4096, "total_tokens": 175},
     ]
     assert store.insert(batch) == 0  # a replay
     assert store.insert([batch[0], batch[0]]) == 0  # a duplicate inside one batch
@@ -110,7 +112,7 @@ def test_insert_is_idempotent_and_the_rollup_counts_each_record_once(store):
 
 
 def test_a_batch_larger_than_one_statement_is_written_whole(store):
-    count = MAX_PARAMS // 15 * 2 + 7  # three INSERT statements of records
+    count = MAX_PARAMS // 16 * 2 + 7  # three INSERT statements of records
     batch = [usage_record(key_id=f"k{i % 3}", completion=1, prompt=0) for i in range(count)]
     assert store.insert(batch) == count
     rows = store.totals(key_id=None, since="2026-12-01", until="2026-12-01", group_by=("key_id",))
@@ -200,7 +202,46 @@ def test_records_are_written_to_the_primary_and_reports_read_from_the_replica(po
     here.set_budget("k1", tokens_per_day=10, tokens_per_month=None)
     assert _by_day(UsageStore(open_database(primary))) == [
         {"day": "2026-12-01", "requests": 1, "prompt_tokens": 100, "completion_tokens": 20, "cached_tokens": 0,
-         "total_tokens": 120}
+         "stored_bytes": 0, "total_tokens": 120}
     ]
     assert _by_day(here) == [] and here.budget("k1") is None  # reads: the replica, which lags behind
     assert here.budget_state("k1", day="2026-12-01", month_start="2026-12-01") == (None, 0, 0)
+
+
+# --- an upgrade ------------------------------------------------------------------------------------
+_BEFORE_STORED_BYTES = """
+CREATE TABLE usage_records (
+    id TEXT PRIMARY KEY, key_id TEXT NOT NULL, owner TEXT NOT NULL, region TEXT NOT NULL, model TEXT NOT NULL,
+    route TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL, status INTEGER NOT NULL, finish_reason TEXT, started_at_ms INTEGER NOT NULL,
+    ended_at_ms INTEGER NOT NULL, failover_origin TEXT, day TEXT NOT NULL
+);
+CREATE TABLE usage_daily (
+    key_id TEXT NOT NULL, day TEXT NOT NULL, model TEXT NOT NULL, region TEXT NOT NULL, owner TEXT NOT NULL,
+    requests INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL, PRIMARY KEY (key_id, day, model, region)
+);
+INSERT INTO usage_records VALUES ('old', 'k1', 'acme', 'yul-02', 'm', '/v1/chat/completions', 10, 2, 0, 200, 'stop',
+    1796119200000, 1796119201000, NULL, '2026-12-01');
+INSERT INTO usage_daily VALUES ('k1', '2026-12-01', 'm', 'yul-02', 'acme', 1, 10, 2, 0);
+"""
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_database(request, tmp_path):
+    return open_test_database(request, tmp_path)
+
+
+def test_tables_of_the_release_before_stored_bytes_gain_the_column_and_keep_their_rows(empty_database):
+    database = empty_database
+    database.create_schema(_BEFORE_STORED_BYTES)
+
+    store = UsageStore(database)
+    UsageStore(database)  # a second router starting on the upgraded tables changes nothing
+    assert store.insert([usage_record(model="m", stored_bytes=300)]) == 1
+
+    (row,) = store.totals(key_id="k1", since="2026-12-01", until="2026-12-01", group_by=("day",))
+    assert (row["requests"], row["total_tokens"], row["stored_bytes"]) == (2, 132, 300)
+    with database.connect() as db:
+        old = db.execute("SELECT stored_bytes FROM usage_records WHERE id = 'old'").fetchone()
+    assert old["stored_bytes"] == 0

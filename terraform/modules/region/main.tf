@@ -69,7 +69,8 @@ resource "kubernetes_config_map_v1" "registry_ca" {
   }
 }
 
-# The region's shared state (stored Responses): every router pod reads and writes it.
+# The region's shared state: the usage ledger's spool (records waiting while the registry is
+# unreachable), which any router pod replays. Keys and stored Responses live in the registry.
 resource "kubernetes_persistent_volume_claim_v1" "state" {
   metadata {
     name      = "${local.name}-state"
