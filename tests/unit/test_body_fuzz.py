@@ -168,3 +168,21 @@ def test_the_fault_suites_hostile_bodies_are_accepted_or_a_4xx_here_too(name):
         assert (refused.value.status, refused.value.code) == (400, "invalid_json")
     elif surface is not None:
         parse_and_validate(surface, raw)
+
+
+# --- found by this fuzz past the parser, in a file the lead is rewriting (serve_app/router/inference.py)
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="check_completion_budget compares any value with >: a 500")
+@pytest.mark.parametrize(
+    "surface, field",
+    [("chat", "max_output_tokens"), ("completions", "max_completion_tokens"), ("responses", "max_tokens"),
+     ("messages", "max_output_tokens")],
+)
+def test_another_surfaces_limit_field_of_a_wrong_type_is_a_4xx(surface, field):
+    from serve_app.router.inference import check_completion_budget
+
+    body = {**VALID_BODIES[surface][0], field: "8"}  # not this surface's field: it passes through validation
+    validate_body(surface, body)
+    try:
+        check_completion_budget(body, 8192)
+    except APIError as err:
+        assert_client_error(err)
