@@ -18,7 +18,7 @@ an admin's view, through ``usage_filter``.
 
 from dataclasses import dataclass
 
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, is_key_id
 from serve_app.auth.principal import Principal, forbidden
 from serve_app.errors import APIError
 
@@ -57,6 +57,8 @@ def usage_filter(caller: Principal, key_id_param: str | None) -> UsageFilter:
     id reads as an empty report, like an id nobody holds."""
     if key_id_param is None:
         return UsageFilter(key_id=caller.key_id, owner=None)
-    if not key_id_param:  # "" would otherwise read as "every key"
+    # "" would otherwise read as "every key"; anything but an id's shape (a NUL, say) never reaches
+    # the database, which would refuse it with an error of its own.
+    if key_id_param != ALL and not is_key_id(key_id_param):
         raise APIError(400, "key_id must be a key id or *", param="key_id", code="invalid_usage_query")
     return UsageFilter(key_id=None if key_id_param == ALL else key_id_param, owner=managed_owner(caller))

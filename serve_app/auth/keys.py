@@ -71,6 +71,14 @@ def parse_key(raw: str) -> tuple[str, str] | None:
     return (match.group(1), match.group(2)) if match else None
 
 
+_KEY_ID_RE = re.compile(r"[0-9a-f]{12}")
+
+
+def is_key_id(raw: str) -> bool:
+    """Whether ``raw`` has a key id's shape (what a ``pgk_`` key carries after its prefix)."""
+    return _KEY_ID_RE.fullmatch(raw) is not None
+
+
 def looks_like_key(raw: str) -> bool:
     return raw.startswith(PREFIX + "_")
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve_app import catalog
 from serve_app.auth import admin
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, is_key_id
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
@@ -125,7 +125,8 @@ async def list_keys(services: Services, request: Request) -> dict[str, Any]:
 async def revoke_key(services: Services, key_id: str, request: Request) -> dict[str, Any]:
     """Another owner's key is, to an owner admin, a key that does not exist (404)."""
     caller = await metered_caller(services, request, SCOPE_ADMIN)
-    if not await asyncio.to_thread(services.auth.revoke_key, caller, key_id):
+    # A path that is no key id (a NUL, say) is no key: never a query the database would refuse.
+    if not is_key_id(key_id) or not await asyncio.to_thread(services.auth.revoke_key, caller, key_id):
         raise APIError(404, f"no API key {key_id!r}", param="key_id", code="key_not_found")
     return {"key_id": key_id, "revoked": True}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
+from serve_app.surfaces import BY_NAME
 
 CHARS_PER_TOKEN = 4
 # /v1/completions without max_tokens: OpenAI's documented default, and vLLM's
@@ -129,7 +130,7 @@ def _limit(route: _Route, method: str, body: dict[str, Any], context_len: int) -
         if body.get(field) is not None:
             raise APIError(
                 400,
-                f"{field} is not a limit on {_ROUTE_NAMES[method]}, which would ignore it and generate up to "
+                f"{field} is not a limit on {BY_NAME[method].route}, which would ignore it and generate up to "
                 f"its own limit; set {route.field} instead",
                 param=field,
                 code="unsupported_limit_field",
@@ -191,11 +192,3 @@ def _refuse_beam_search(body: dict[str, Any]) -> None:
             param="use_beam_search",
             code="unsupported_parameter",
         )
-
-
-_ROUTE_NAMES = {
-    "chat": "/v1/chat/completions",
-    "completions": "/v1/completions",
-    "responses": "/v1/responses",
-    "messages": "/v1/messages",
-}

@@ -9,24 +9,22 @@ extras, and refusing them would break clients that use them.
 
 The models only validate; the body the router forwards is the dict it parsed (no re-encode). The
 same models are published as the request bodies of ``/openapi.json``, so contract fuzzers test
-what the router enforces.
+what the router enforces. The parse itself (``parse_json_object``, re-exported here for the
+routes) is ``json_body``'s.
 """
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from serve_app.errors import APIError
+from serve_app.router.json_body import MAX_JSON_DEPTH, parse_json_object  # noqa: F401 (the routes' import)
 from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Metadata
 from serve_app.router.strict import Closed as _Closed
 from serve_app.router.strict import Strict as _Strict
 
 # OpenAI's cap on choices per request.
 MAX_N = 128
-# Deeper than any real request (a JSON schema for tools nests maybe 10 levels); a deeper body is
-# refused before validation walks it, and far deeper ones (json's recursion limit) at parse time.
-MAX_JSON_DEPTH = 64
 _INT64 = INT64
 
 
@@ -225,21 +223,6 @@ BODIES: dict[str, type[Body]] = {
 }
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or 400 ``invalid_json`` (deep nesting included)."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # the C parser stops at the interpreter's recursion limit, early
-        raise _too_deep() from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise APIError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    if _depth_exceeds(body, MAX_JSON_DEPTH):
-        raise _too_deep()
-    return body
-
-
 def validate_body(method: str, body: dict[str, Any]) -> None:
     """400 with ``param`` naming the first failing field (every problem listed, up to five)."""
     try:
@@ -268,25 +251,6 @@ def _without_branch_noise(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     kept = [e for e, param in zip(errors, params) if not noise(e, param)]
     return kept or errors
-
-
-def _too_deep() -> APIError:
-    return APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Iterative (a recursive walk is what the limit protects against); visits containers only."""
-    level = [value]
-    for _ in range(limit):
-        level = [
-            child
-            for container in level
-            for child in (container.values() if isinstance(container, dict) else container)
-            if isinstance(child, (dict, list))
-        ]
-        if not level:
-            return False
-    return True
 
 
 def _field_names() -> frozenset[str]:

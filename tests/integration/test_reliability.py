@@ -86,6 +86,11 @@ def test_hostile_bodies_get_our_4xx_and_never_a_5xx(base_url, dev_key):
     assert result["answers"]["nested 10,000 deep"] == "400"
     assert result["answers"]["n 1000"] == "400"
     assert result["answers"]["max_tokens 2^70"] == "400"
+    # The parser's refusals (400 invalid_json), on every route that reads a body.
+    for name in ("max_tokens of 5,000 digits", "a lone surrogate in content", "model twice", "a UTF-8 BOM",
+                 "token: a lone surrogate as api_key", "messages: max_tokens of 5,000 digits",
+                 "responses: a lone surrogate in metadata"):
+        assert result["answers"][name] == "400", name
 
 
 def test_schemathesis_over_the_published_schema_finds_no_5xx(base_url, dev_key):

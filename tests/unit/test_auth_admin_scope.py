@@ -126,3 +126,20 @@ def test_an_empty_key_id_is_a_400_not_every_key(auth, keys):
     with pytest.raises(APIError) as refused:
         admin.usage_filter(_caller(auth, keys, "operator"), "")
     assert (refused.value.status, refused.value.param) == (400, "key_id")
+
+
+def test_a_key_id_that_is_no_key_id_never_reaches_the_registry(tmp_path):
+    """A NUL (or any shape but an id's) in the revoke path or the usage query: 404 and 400, never
+    the database's own refusal (psycopg's DataError on PostgreSQL was a 500)."""
+    from auth_support import authenticator, bearer
+    from router_app import router_client
+    from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+
+    auth = authenticator(tmp_path)
+    admin_key, _ = auth.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    client = router_client(auth)
+    revoked = client.post("/v1/admin/keys/%00/revoke", headers=bearer(admin_key))
+    assert (revoked.status_code, revoked.json()["error"]["code"]) == (404, "key_not_found")
+    for key_id in ("%00", "", "0123456789AB"):
+        report = client.get(f"/v1/usage?key_id={key_id}", headers=bearer(admin_key))
+        assert (report.status_code, report.json()["error"]["param"]) == (400, "key_id")

@@ -41,7 +41,7 @@ def test_metadata_past_openais_limits_is_refused_before_anything_is_stored(setup
         refused = setup.client.post(
             "/v1/responses", content=body, headers={**bearer(setup.key), "content-type": "application/json"}
         )
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "metadata"
+        assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("metadata")
     assert setup.engine.count == calls
 
 
