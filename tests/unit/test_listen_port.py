@@ -89,7 +89,7 @@ def test_a_full_range_is_an_address_in_use_error_naming_the_range():
 
 def test_a_host_that_is_not_this_machines_is_not_mistaken_for_a_full_range():
     with pytest.raises(OSError) as raised:
-        bind_in_range("192.0.2.1", PortRange(20000, 20001))  # TEST-NET-1: never a local address
+        bind_in_range("203.0.113.1", PortRange(20000, 20001))  # RFC 5737 documentation range: not this host
     assert raised.value.errno == errno.EADDRNOTAVAIL
 
 
