@@ -10,7 +10,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from serve_app import catalog
+from serve_app import catalog, haproxy
 from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.engine.deployment import ModelServer
 from serve_app.hot_load.autoscaling import POLICY_PATH
@@ -22,8 +22,10 @@ logger = module_logger(__name__)
 # The environment the Ray cluster itself must start with (the Makefile, the test session and
 # terraform/modules/region set it): HAProxy, which Ray 2.60 bundles, listens on the HTTP port in
 # place of Serve's Python proxy and forwards each connection to a router replica's own port
-# (direct ingress), so no response crosses a Ray hop between the router and the client.
-RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# (direct ingress), so no response crosses a Ray hop between the router and the client. Ray runs
+# it through serve_app's launcher, which keeps its stats page and metrics exporter on loopback
+# (Ray binds them to every interface; serve_app/haproxy/).
+RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env()}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams).
 LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
@@ -102,13 +104,25 @@ def resolve_model_path(model: ModelDeploymentArgs) -> str:
     return source
 
 
-def build(args: AppArgs) -> Application:
-    missing = [f"{name}={value}" for name, value in RAY_ENV.items() if os.environ.get(name) != value]
-    if missing:
-        logger.warning(
-            "Ray was started without %s: responses take Serve's Python proxy, one Ray hop per "
-            "relayed read (docs/architecture.md, 'The token path')", " ".join(missing)
+def ray_env_warnings(environ=os.environ) -> list[str]:
+    """What the running Ray lacks of ``RAY_ENV``, and what that costs (it reads it when it starts)."""
+    warnings = []
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+        warnings.append(
+            "Ray was started without RAY_SERVE_ENABLE_HA_PROXY=1: responses take Serve's Python proxy, "
+            "one Ray hop per relayed read (docs/architecture.md, 'The token path')"
         )
+    elif not haproxy.is_launcher(environ.get(haproxy.BINARY_PATH_ENV)):
+        warnings.append(
+            f"Ray was started without {haproxy.BINARY_PATH_ENV} naming {haproxy.LAUNCHER}: HAProxy's "
+            "stats page and metrics exporter listen on every interface (docs/operations.md, 'Ports')"
+        )
+    return warnings
+
+
+def build(args: AppArgs) -> Application:
+    for warning in ray_env_warnings():
+        logger.warning(warning)
     models = {
         model.id: ModelServer.options(**model_deployment_options(model)).bind(model, resolve_model_path(model))
         for model in args.models

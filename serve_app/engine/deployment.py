@@ -61,7 +61,9 @@ class _ModelServer:
         self.replica = _replica_id()
         self.engine = make_engine(args, model_path)
         await self.engine.start()
+        # Listening from the start: a replica with no free port in its range fails now, not per request.
         self._listener = Listener(stream_host())
+        await self._listener.start()
 
     async def _answer(self, surface: Surface, call: Call) -> AsyncIterator[Item]:
         """The call's items for one request of ``surface`` (see the module's docstring).
@@ -85,25 +87,21 @@ class _ModelServer:
         if isinstance(outcome, Answer):
             yield self._finished(outcome, count, started)
             return
-        listener, connection, ticket = self._listener, None, None
-        complete, failure, failed_answer, opened = False, None, _INTERNAL_ERROR, False
+        listener, connection = self._listener, None
+        ticket, connected = listener.expect()
+        complete, failure = False, None
         try:  # from here on the engine request is under way: every way out closes it
-            await listener.start()
-            ticket, connected = listener.expect()
-            opened = True  # Serve may cancel this call at the yield: the finally still runs
+            # Serve may cancel this call at the yield: the finally still runs.
             yield StreamOpen(listener.address, ticket, _ms_since(started))
             connection = await listener.accept(ticket, connected)
             complete = await wire_socket.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
             logger.warning("%s stream to the router broke off: %r", self.model_id, err)
         except Exception:
-            failed_answer, failure = self._failed()
+            _, failure = self._failed()
         finally:
             await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
             _close(listener, connection, ticket)
-        if not opened:  # the listener could not start: an error answer, as before a stream
-            yield failed_answer
-            return
         trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
         if not failure:
             trailer = dataclasses.replace(trailer, complete=complete)
@@ -113,15 +111,10 @@ class _ModelServer:
         """A non-stream request that generates: ``Accepted`` first, so that the router can hang up
         while the engine works (its client left), then the answer — or, after a hang-up, an
         incomplete answer with the tokens generated so far."""
-        listener, connection, ticket = self._listener, None, None
-        try:
-            await listener.start()
-        except Exception:
-            yield self._failed()[0]
-            return
+        listener, connection = self._listener, None
+        ticket, connected = listener.expect()
         work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count
         try:
-            ticket, connected = listener.expect()
             yield Accepted(listener.address, ticket, _ms_since(started))
             connection = await listener.accept(ticket, connected)
             finished = await wire_socket.first_of(work, connection)
@@ -191,10 +184,10 @@ for _surface in SURFACES:  # one replica method per surface, named as the surfac
 ModelServer = serve.deployment(_ModelServer, name="ModelServer")
 
 
-def _close(listener: Listener, connection, ticket: str | None) -> None:
+def _close(listener: Listener, connection, ticket: str) -> None:
     if connection is not None:
         connection.close()
-    elif ticket is not None:
+    else:
         listener.forget(ticket)
 
 

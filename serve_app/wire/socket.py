@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.wire.listen_port import stream_listen_socket
 from serve_app.wire.messages import Address
 
 TICKET_BYTES = 16  # 32 hex characters on the wire
@@ -154,9 +155,11 @@ class Listener:
         self._expected: dict[str, asyncio.Future] = {}
 
     async def start(self) -> None:
-        """Listen on an ephemeral port; call in the event loop the requests are served on."""
+        """Listen, on the first free port of ``SERVE_APP_STREAM_PORTS`` (the range a region's
+        NetworkPolicy opens to router pods only, ``listen_port.py``) or else any port; call in the
+        event loop the requests are served on. OSError when no port of the range is free."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._accept, self.host, 0)
+            self._server = await asyncio.start_server(self._accept, sock=stream_listen_socket(self.host))
             self.port = self._server.sockets[0].getsockname()[1]
 
     @property

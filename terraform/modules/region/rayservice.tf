@@ -5,13 +5,26 @@
 # first (`terraform apply -target=module.region.helm_release.kuberay_operator`), then the rest.
 
 locals {
+  # The launcher's fixed path in var.image (terraform/image/Dockerfile links it).
+  haproxy_launcher = "/opt/serve_app/bin/serve-app-haproxy"
+  stream_ports     = "${var.stream_listener_ports.first}-${var.stream_listener_ports.last}"
+  # The worker group every model replica runs in (one GPU per pod); KubeRay labels its pods
+  # ray.io/group with this name (network_policy.tf selects them by it).
+  gpu_worker_group = "blackwell"
+
   env = [
     { name = "OTEL_EXPORTER_OTLP_ENDPOINT", value = var.region.otlp_endpoint },
     { name = "OTEL_SERVICE_NAME", value = local.name },
     { name = "OTEL_RESOURCE_ATTRIBUTES", value = "cloud.region=${var.region.id}" },
     { name = "HF_HOME", value = "/models/hf" },
-    # HAProxy in place of Serve's Python proxy (serve_app.app.RAY_ENV; docs/architecture.md).
+    # HAProxy in place of Serve's Python proxy (serve_app.app.RAY_ENV; docs/architecture.md), run
+    # through serve_app's launcher: its stats (8404) and metrics (9101) ports on the pod's
+    # loopback, not its IP (serve_app/haproxy/; the image links the launcher there).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
+    { name = "RAY_SERVE_HAPROXY_BINARY_PATH", value = local.haproxy_launcher },
+    # The model replicas' stream listeners take their port from this range, the one the
+    # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
+    { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
     # The shared key registry (main.tf): its primary and the instance to read from; Ray's
     # workers inherit the pod's env.
     {
@@ -106,7 +119,7 @@ resource "kubernetes_manifest" "rayservice" {
         # One pod per Blackwell GPU, only on the tainted GPU pool. Ray sees the GPU's model as
         # accelerator_type (RTX-PRO-6000, B200), which the Serve config pins each replica to.
         workerGroupSpecs = [{
-          groupName      = "blackwell"
+          groupName      = local.gpu_worker_group
           replicas       = var.region.gpu_workers.min
           minReplicas    = var.region.gpu_workers.min
           maxReplicas    = var.region.gpu_workers.max

