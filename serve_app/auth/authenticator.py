@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from serve_app.auth import admin, tokens
-from serve_app.auth.config import LOCAL_REGION, AuthArgs
+from serve_app.auth.config import LOCAL_REGION, AuthArgs, Tier
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import (
     ALL,
@@ -71,6 +71,9 @@ def region_audience(audience: str, region: str) -> str:
 
 class Limiter(Protocol):
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None: ...
+
+    def refuses(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        """A refusal of a request costing ``tokens`` known without asking anyone, or None."""
 
     async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> object: ...
 
@@ -237,33 +240,39 @@ class Authenticator:
         floor = self.args.tiers[principal.tier].priority
         return max(floor, requested) if isinstance(requested, int) and not isinstance(requested, bool) else floor
 
+    def refuse_early(self, principal: Principal, min_tokens: int) -> None:
+        """Before the body is read, what ``admit`` would refuse for certain, so that it costs no
+        parse: a tier this region does not offer (403), a request whose prompt alone, estimated
+        from its declared size (``min_tokens``), is over the tier's minute (400), and a key that
+        the limiter knows has no request, or fewer than ``min_tokens``, left now (429)."""
+        tier = self._tier(principal)
+        if min_tokens > tier.tokens_per_minute:
+            raise _exceeds_tier(principal, tier, min_tokens)
+        refusal = self.limiter.refuses(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, min_tokens)
+        if refusal is not None:
+            raise _rate_limited(principal, tier, refusal.retry_after_s, refusal.headers())
+
+    def body_limit(self, principal: Principal, chars_per_token: int) -> int:
+        """The most bytes a body of ``principal``'s may have: its tier's minute of prompt tokens."""
+        return self._tier(principal).tokens_per_minute * chars_per_token
+
     async def admit(self, principal: Principal, tokens_estimate: int) -> dict[str, str]:
         """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429."""
-        tier = self.args.tiers.get(principal.tier)
-        if tier is None:  # fail closed: a tier missing from this region's config is not "unlimited"
-            raise forbidden(f"rate-limit tier {principal.tier!r} is not offered in region {self.region}", "unknown_tier")
+        tier = self._tier(principal)
         if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
-            raise APIError(
-                400,
-                f"this request may cost up to {tokens_estimate} tokens (its prompt plus n × max_tokens), "
-                f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); "
-                "lower max_tokens or n, or shorten the prompt",
-                param="max_tokens",
-                code="request_exceeds_tier_limit",
-            )
+            raise _exceeds_tier(principal, tier, tokens_estimate)
         decision = _decided(
             await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate)
         )
         if not decision.allowed:
-            raise APIError(
-                429,
-                f"Rate limit reached for key {principal.key_id} (tier {principal.tier}: "
-                f"{tier.requests_per_minute} requests/min, {tier.tokens_per_minute} tokens/min); "
-                f"retry in {decision.retry_after_s:.1f}s",
-                code="rate_limit_exceeded",
-                headers=decision.headers(),
-            )
+            raise _rate_limited(principal, tier, decision.retry_after_s, decision.headers())
         return decision.headers()
+
+    def _tier(self, principal: Principal) -> Tier:
+        tier = self.args.tiers.get(principal.tier)
+        if tier is None:  # fail closed: a tier missing from this region's config is not "unlimited"
+            raise forbidden(f"rate-limit tier {principal.tier!r} is not offered in region {self.region}", "unknown_tier")
+        return tier
 
     def charge(self, principal: Principal, tokens: int) -> None:
         """Charge ``tokens`` more against the key's tokens/min, never refused: what a request
@@ -367,6 +376,28 @@ def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_
         "expires_in": payload["exp"] - payload["iat"],
         "scope": payload["scope"],
     }
+
+
+def _exceeds_tier(principal: Principal, tier: Tier, tokens: int) -> APIError:
+    return APIError(
+        400,
+        f"this request may cost up to {tokens} tokens (its prompt plus n × max_tokens), "
+        f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); "
+        "lower max_tokens or n, or shorten the prompt",
+        param="max_tokens",
+        code="request_exceeds_tier_limit",
+    )
+
+
+def _rate_limited(principal: Principal, tier: Tier, retry_after_s: float, headers: dict[str, str]) -> APIError:
+    return APIError(
+        429,
+        f"Rate limit reached for key {principal.key_id} (tier {principal.tier}: "
+        f"{tier.requests_per_minute} requests/min, {tier.tokens_per_minute} tokens/min); "
+        f"retry in {retry_after_s:.1f}s",
+        code="rate_limit_exceeded",
+        headers=headers,
+    )
 
 
 def _bearer(authorization: str | None) -> str:

@@ -113,6 +113,31 @@ class LeasedRateLimiter:
             self._leases[key_id] = _Lease(requests, granted_tokens, self.clock() + LEASE_TTL_S, decision)
         return _with_lease(decision, requests, granted_tokens)
 
+    def refuses(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        """The refusal, when what this replica knows says a request costing at least ``tokens``
+        cannot be admitted now; None when it may be (``acquire`` decides): no lease here covers
+        it, and the actor's last word about the key, refilled at the tier's rate since, leaves
+        less than one request or fewer tokens. Costs no actor call: the router asks before it
+        reads the body, so a key already over its limit costs no parse."""
+        now, cost = self.clock(), min(tokens, tpm)
+        if (lease := self._leases.get(key_id)) is not None and lease.expires >= now:
+            if lease.requests >= 1 and lease.tokens >= cost:
+                return None
+        if self._outage is not None and self._outage.knows(key_id):  # deciding alone: its buckets know
+            decision = self._outage.peek(key_id, rpm, tpm, tokens)
+            return None if decision.allowed else decision
+        known = self._known.get(key_id)
+        if known is None:
+            return None
+        elapsed = now - known.at
+        requests, budget = min(rpm, known.requests + elapsed * rpm / 60), min(tpm, known.tokens + elapsed * tpm / 60)
+        wait = max((1 - requests) * 60 / rpm, (cost - budget) * 60 / tpm, 0.0)
+        if wait == 0:
+            return None
+        reset_requests, reset_tokens = (rpm - requests) * 60 / rpm, (tpm - budget) * 60 / tpm
+        windows = Window(rpm, max(0, int(requests)), reset_requests), Window(tpm, max(0, int(budget)), reset_tokens)
+        return Decision(False, *windows, retry_after_s=wait)
+
     async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> None:
         """Charge ``tokens`` more to ``key_id``, never refused: from its live lease here first,
         the rest in the actor (or, while it is away, in this replica's buckets)."""

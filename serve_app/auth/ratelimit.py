@@ -106,6 +106,15 @@ class RateLimiter:
             retry_after_s=retry_after,
         )
 
+    def peek(self, key_id: str, requests_per_minute: int, tokens_per_minute: int, tokens: int) -> Decision:
+        """What ``acquire`` would decide for a request costing ``tokens``, charging nothing."""
+        now = self.clock()
+        requests = self._bucket(key_id, "requests", requests_per_minute, now)
+        token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
+        cost = min(tokens, tokens_per_minute)
+        wait = max(requests.seconds_until(1), token_bucket.seconds_until(cost))
+        return Decision(wait == 0, self._window(requests), self._window(token_bucket), retry_after_s=wait)
+
     def lease(
         self, key_id: str, requests_per_minute: int, tokens_per_minute: int, tokens: int,
         want_requests: int, want_tokens: int, returned_requests: int = 0, returned_tokens: int = 0,
@@ -181,6 +190,10 @@ class LocalRateLimiter:
     async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Window | None:
         return self.limiter.charge(key_id, tpm, tokens)
 
+    def refuses(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        decision = self.limiter.peek(key_id, rpm, tpm, tokens)
+        return None if decision.allowed else decision
+
 
 class SharedRateLimiter:
     """The router replicas' client of the region's one limiter actor.
@@ -211,6 +224,10 @@ class SharedRateLimiter:
                 .remote()
             )
         return self._actor
+
+    def refuses(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
+        """Nothing is known here without an actor call (the router's ``LeasedRateLimiter`` knows)."""
+        return None
 
     async def acquire(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
         return await self._call("acquire", key_id, rpm, tpm, tokens)

@@ -9,9 +9,14 @@ from serve_app.errors import APIError
 MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 
 
-async def read_body(request: Request, limit: int = MAX_REQUEST_BODY_BYTES) -> bytes:
-    """The body, refusing (413) before buffering more than ``limit`` bytes."""
-    too_large = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+async def read_body(request: Request, *, refuse_past: tuple[int, APIError] | None = None) -> bytes:
+    """The body, refusing (413) before buffering more than ``MAX_REQUEST_BODY_BYTES`` — or, with
+    ``refuse_past`` (a size and its error), before buffering more than that size."""
+    limit, too_large = MAX_REQUEST_BODY_BYTES, APIError(
+        413, f"request body exceeds {MAX_REQUEST_BODY_BYTES} bytes", code="request_too_large"
+    )
+    if refuse_past is not None and refuse_past[0] < limit:
+        limit, too_large = refuse_past
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large

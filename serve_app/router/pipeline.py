@@ -59,10 +59,17 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
 async def authenticate(ctx: Context) -> None:
     with ctx.record.measure_auth():
         ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
+    # What the limiter refuses for certain is refused before a byte of the body is read (a key
+    # over its limit, a body its tier could never admit), so that it costs no parse.
+    declared = ctx.request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
 
 
 async def parse(ctx: Context) -> None:
-    ctx.raw = await read_body(ctx.request)
+    # A chunked body declares no size: its reading stops where its tier's minute of prompt ends.
+    tier_bytes = ctx.services.auth.body_limit(ctx.caller, pricing.CHARS_PER_TOKEN)
+    ctx.raw = await read_body(ctx.request, refuse_past=(tier_bytes, _over_tier(ctx)))
     ctx.body = parse_json_object(ctx.raw)
     ctx.record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text
 
@@ -119,6 +126,14 @@ async def admit(ctx: Context) -> None:
 
 
 STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
+
+
+def _over_tier(ctx: Context) -> APIError:
+    return APIError(
+        400,
+        f"the request body is larger than tier {ctx.caller.tier} could admit in a minute of tokens",
+        param="max_tokens", code="request_exceeds_tier_limit",
+    )
 
 
 # --- the model, here or in a peer region ------------------------------------------------------

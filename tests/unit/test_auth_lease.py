@@ -155,3 +155,21 @@ def test_during_an_outage_the_replicas_own_buckets_take_the_charge():
     asyncio.run(limiter.charge("k", 600, 1_000, 500))
     assert limiter._outage._buckets[("k", "tokens")].level == pytest.approx(-500)
     asyncio.run(limiter.charge("unseen", 600, 1_000, 500))  # a key it holds nothing for: logged, not counted
+
+
+def test_what_the_actor_last_said_refuses_a_key_before_its_body_is_read_and_refills_at_the_tiers_rate():
+    clock = Clock()
+    source = CountingSource(RateLimiter(clock))
+    limiter = LeasedRateLimiter(source, clock)
+    assert limiter.refuses("k", 2, 1_000, 10) is None  # nothing known yet: admission decides
+    assert _admit(limiter, 3, rpm=2, tpm=1_000, tokens=10) == [True, True, False]
+    calls = source.calls
+    refused = limiter.refuses("k", 2, 1_000, 10)
+    assert refused is not None and not refused.allowed and 0 < refused.retry_after_s <= 30
+    assert refused.headers()["x-ratelimit-remaining-requests"] == "0"
+    assert source.calls == calls  # decided without an actor call
+    clock.now += 30  # 2 requests/min: one has come back
+    assert limiter.refuses("k", 2, 1_000, 10) is None
+    # A request whose prompt alone is more than the key has left of its tokens is refused too.
+    assert asyncio.run(limiter.acquire("t", 600, 100, 90)).allowed
+    assert limiter.refuses("t", 600, 100, 50) is not None and limiter.refuses("t", 600, 100, 5) is None

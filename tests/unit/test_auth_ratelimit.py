@@ -7,7 +7,7 @@ import pytest
 
 from serve_app.auth.keys import SCOPE_INFERENCE
 from serve_app.auth.ratelimit import RateLimiter
-from tests.unit.auth_support import authenticator, chat
+from tests.unit.auth_support import authenticator, bearer, chat
 from router_app import router_client
 
 
@@ -204,3 +204,41 @@ def test_the_authenticator_charges_in_the_background_and_never_refuses(tmp_path)
 
     asyncio.run(run())
     assert limiter._buckets[(caller.key_id, "tokens")].level == pytest.approx(100 - 5000, abs=1)
+
+
+# --- the limiter before the body, and on every route (issue 22, item 3) ---------------------------
+def test_a_key_over_its_limit_is_refused_before_its_body_is_read(tmp_path):
+    auth = authenticator(tmp_path)
+    client = router_client(auth)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min
+    assert chat(client, key).status_code == chat(client, key).status_code == 200
+    # Not JSON at all: a 429, not the body's 400, so the router never parsed it.
+    refused = client.post("/v1/chat/completions", content=b"{not json" + b" " * 400, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+    assert int(refused.headers["Retry-After"]) >= 1 and refused.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_body_its_tier_could_never_admit_is_refused_unread_declared_or_chunked(tmp_path):
+    auth = authenticator(tmp_path)
+    client = router_client(auth)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 1,000 tokens/min: 4,000 bytes of prompt
+    declared = client.post("/v1/chat/completions", content=b"{not json" + b" " * 5000, headers=bearer(key))
+    assert (declared.status_code, declared.json()["error"]["code"]) == (400, "request_exceeds_tier_limit")
+
+    def chunks():
+        yield b"{not json"
+        for _ in range(10):
+            yield b" " * 1000
+
+    chunked = client.post("/v1/chat/completions", content=chunks(), headers=bearer(key))
+    assert (chunked.status_code, chunked.json()["error"]["code"]) == (400, "request_exceeds_tier_limit")
+    assert chat(client, key).status_code == 200  # neither was charged: the key's 2 requests are left
+
+
+@pytest.mark.parametrize("path", ["/v1/usage", "/v1/responses/resp_x", "/v1/models"])
+def test_every_authenticated_route_costs_a_request_of_the_keys_limit(tmp_path, path):
+    auth = authenticator(tmp_path)
+    client = router_client(auth)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min
+    answered = [client.get(path, headers=bearer(key)).status_code for _ in range(3)]
+    assert answered[:2] != [429, 429] and answered[2] == 429
