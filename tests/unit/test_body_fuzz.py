@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from serve_app import surfaces
 from serve_app.engine import anthropic_shape
 from serve_app.errors import APIError
 from serve_app.faults import fuzz
@@ -24,6 +25,7 @@ from tests.unit.hostile_json import (
     fuzz_settings,
     hostile_bodies,
     offender_in_body,
+    valid_bodies,
 )
 
 
@@ -176,3 +178,36 @@ def test_another_surfaces_limit_field_of_a_wrong_type_is_a_4xx(surface, field):
         price(surface, body, 100, context_len=8192, default_max_tokens=4096)
     assert_client_error(refused.value)
     assert refused.value.param == field
+
+
+# --- the whole pipeline: every surface, hostile bodies, on the real router ------------------------
+@pytest.fixture(scope="module")
+def dev_router(tmp_path_factory):
+    """The real router and pipeline on a fake engine, its dev key valid (``router_app.py``)."""
+    patch = pytest.MonkeyPatch()
+    app = build_router_app(tmp_path_factory.mktemp("pipeline-fuzz"), patch)
+    yield app
+    close_router_app(app)
+    patch.undo()
+
+
+_ROUTES = {surface.name: surface.route for surface in surfaces.SURFACES}
+
+
+@pytest.mark.parametrize("surface", sorted(set(SURFACES) & set(_ROUTES)))
+def test_no_hostile_body_is_a_5xx_anywhere_on_the_pipeline(dev_router, surface):
+    """Past the parser too: validation, pricing, media, the replica call and the relay. Whatever
+    the body, the answer is a success or a 4xx in the surface's own error shape, never a 500."""
+    anthropic = surfaces.BY_NAME[surface].dialect.api_key_header
+    headers = {"Authorization": f"Bearer {DEV_KEY}", "content-type": "application/json"}
+
+    @fuzz_settings(max_examples=40)
+    @given(raw=st.one_of(hostile_bodies(surface), valid_bodies(surface).map(encode)))
+    def answers(raw):
+        response = dev_router.client.post(_ROUTES[surface], content=raw, headers=headers)
+        assert response.status_code < 500, response.text
+        if response.status_code >= 400:
+            body = response.json()
+            assert set(body["error"]) == ({"type", "message"} if anthropic else {"message", "type", "param", "code"})
+
+    answers()
