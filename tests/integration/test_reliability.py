@@ -55,7 +55,7 @@ def test_overload_sheds_at_once_and_health_stays_200_busy(serve_app, base_url, d
     # its routers count their queues at that moment (docs/reliability.md); every one it sheds is a
     # 503 with Retry-After, and the abandoned streams are aborted in the engine.
     held = result["held_full"]
-    assert set(held["by_outcome"]) <= {"503 json overloaded"}, result
+    assert set(held["by_outcome"]) <= {"503 json overloaded"}, held
     assert held["shed_with_retry_after"] == held["shed"]
     assert result["abandoned_unfinished_after"]["+10s"] == 0, result
     health = result["health"]["by_answer"]
