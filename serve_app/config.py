@@ -281,6 +281,9 @@ class ModelDeploymentArgs(Settings):
 
 class RouterArgs(Settings):
     num_replicas: int = Field(1, ge=1)
+    # A stream's client that reads nothing for this long (its socket open: a half-open client) is
+    # cut, and its engine request stopped and billed what it generated (router/client_socket.py).
+    stall_timeout_s: float = Field(30, gt=0, le=600)
     # The router does little CPU work; a whole CPU would starve the model replica on small hosts
     # (on a 2-CPU machine Ray could never place both).
     num_cpus: float = Field(0.1, ge=0)

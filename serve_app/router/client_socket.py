@@ -13,6 +13,7 @@ Where the chain does not end in uvicorn (a test client, Serve's Python proxy whe
 in front), it falls back to plain ASGI sends: same bytes, slower.
 """
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -40,17 +41,31 @@ def find_uvicorn_cycle(send: Callable) -> Any | None:
     return None
 
 
+# A client that stops reading (a half-open connection: ``requests`` after its read timeout) but
+# keeps its socket open fills the buffers back to the engine, which then holds its slot and KV
+# cache without generating. Past this long with a write not drained, the stream ends as if the
+# client had left: the replica stops the engine, the request is billed what it generated.
+DEFAULT_STALL_TIMEOUT_S = 30.0
+
+
+class ClientStalled(Exception):
+    """The client did not drain a write within the stall timeout."""
+
+
 class RelayedStream(StreamingResponse):
     """A ``StreamingResponse`` whose body chunks skip the ASGI send chain when they can.
 
     ``on_end``: called once the response is over however it ended — also when the client left
     before the body's first chunk was asked for, when the body generator never started and so
-    never ran its own ``finally`` (the relay's cleanup).
+    never ran its own ``finally`` (the relay's cleanup). ``stall_timeout_s``: how long one write
+    may wait for a client that does not read before the stream ends (``DEFAULT_STALL_TIMEOUT_S``).
     """
 
-    def __init__(self, *args, on_end: Callable[[], None] | None = None, **kwargs):
+    def __init__(self, *args, on_end: Callable[[], None] | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_end = on_end
+        self._stall_timeout_s = stall_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -63,16 +78,28 @@ class RelayedStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         cycle = find_uvicorn_cycle(send)
         direct = cycle is not None and getattr(cycle, "chunked_encoding", False) and hasattr(cycle, "flow")
-        async for chunk in self.body_iterator:
-            if not chunk:
-                continue  # an empty chunk would read as the end of the body
+        try:
+            async for chunk in self.body_iterator:
+                if not chunk:
+                    continue  # an empty chunk would read as the end of the body
+                if not direct:
+                    await self._unstalled(send({"type": "http.response.body", "body": chunk, "more_body": True}))
+                elif cycle.disconnected:
+                    await self.body_iterator.aclose()  # the client left: its finally aborts the request
+                    break
+                else:
+                    if cycle.flow.write_paused:  # uvicorn's own back-pressure: the client is slow
+                        await self._unstalled(cycle.flow.drain())
+                    cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        except ClientStalled:
+            await self.body_iterator.aclose()  # its finally ends the request as abandoned
             if not direct:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            elif cycle.disconnected:
-                await self.body_iterator.aclose()  # the client left: its finally aborts the request
-                break
-            else:
-                if cycle.flow.write_paused:  # uvicorn's own back-pressure: the client is slow
-                    await cycle.flow.drain()
-                cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                return  # the server's send itself is stuck: it ends the connection
+            cycle.transport.close()  # cut: the client will not read an end of the body anyway
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _unstalled(self, waiting) -> None:
+        try:
+            await asyncio.wait_for(waiting, self._stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise ClientStalled from None

@@ -53,7 +53,8 @@ def stream(ctx: Context) -> RelayedStream:
     """The client's streaming response; however it ends, the request settles (a client gone before
     the first byte included)."""
     return RelayedStream(
-        events(ctx), media_type="text/event-stream", headers=ctx.headers, on_end=lambda: ctx.settle(abandoned())
+        events(ctx), media_type="text/event-stream", headers=ctx.headers, on_end=lambda: ctx.settle(abandoned()),
+        stall_timeout_s=ctx.services.stall_timeout_s,
     )
 
 

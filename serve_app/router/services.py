@@ -18,6 +18,7 @@ from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs, MediaPolicy, ModelDeploymentArgs
 from serve_app.errors import APIError
 from serve_app.hot_load.tracker import ModelStates
+from serve_app.router.client_socket import DEFAULT_STALL_TIMEOUT_S
 from serve_app.router.failover import Forwarder
 from serve_app.router.in_flight import InFlight
 from serve_app.router.response_store import ResponseStore
@@ -51,6 +52,7 @@ class Services:
     forwarder: Forwarder
     handles: Mapping[str, Any]  # model id → its deployment's handle, options(stream=True)
     models: Mapping[str, ModelFacts]
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -83,6 +85,7 @@ class Services:
             ),
             handles={model_id: handle.options(stream=True) for model_id, handle in handles.items()},
             models={model.id: ModelFacts.of(model) for model in args.models},
+            stall_timeout_s=args.router.stall_timeout_s,
         )
 
     def start(self) -> None:

@@ -101,3 +101,90 @@ def test_without_uvicorn_behind_it_the_same_bytes_go_through_asgi():
 
     response = TestClient(app).get("/s")
     assert response.status_code == 200 and response.content == b"data: a\n\ndata: [DONE]\n\n"
+
+
+class StalledFlow:
+    """uvicorn's flow control with a client that stopped reading: paused, never drained."""
+
+    write_paused = True
+
+    async def drain(self):
+        await asyncio.Event().wait()
+
+
+def test_a_client_that_stops_reading_ends_the_stream_after_the_stall_timeout_and_is_cut():
+    cycle = RequestResponseCycle()
+    cycle.flow = StalledFlow()
+    closed = []
+    cycle.transport.close = lambda: closed.append("transport")
+
+    async def source():
+        try:
+            while True:
+                yield b"data: token\n\n"
+        finally:
+            closed.append("source")  # the relay's finally: hang-up, the engine stops, billed
+
+    response = RelayedStream(source(), stall_timeout_s=0.05)
+    asyncio.run(asyncio.wait_for(response.stream_response(_wrapped(cycle.send)), 5))
+    assert closed == ["source", "transport"]
+    assert cycle.transport.written == []  # the first write waited for a drain that never came
+    assert cycle.messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def test_with_real_uvicorn_a_client_that_stops_reading_is_cut_and_its_stream_ended():
+    """A half-open client (its socket open, nothing read: ``requests`` after a read timeout)
+    against a real uvicorn: the stall bound ends the stream (its source's finally: for the relay,
+    the hang-up that stops the engine) and cuts the connection."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.conftest import free_port
+
+    ended = threading.Event()
+
+    async def source():
+        try:
+            while True:
+                yield b"data: " + b"x" * 1000 + b"\n\n"
+                await asyncio.sleep(0)
+        finally:
+            ended.set()
+
+    app = FastAPI()
+
+    @app.get("/s")
+    async def stream():
+        return RelayedStream(source(), media_type="text/event-stream", stall_timeout_s=0.5)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.05)
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"GET /s HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert client.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        assert ended.wait(10), "the stream went on for a client that stopped reading"
+        client.settimeout(5)
+        cut = False
+        try:
+            while client.recv(1 << 16):  # what was buffered, then the cut connection's end
+                pass
+            cut = True
+        except ConnectionResetError:
+            cut = True
+        assert cut
+        client.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
