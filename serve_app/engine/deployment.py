@@ -103,8 +103,10 @@ class _ModelServer:
             await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
             _close(listener, connection, ticket)
         trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
-        if not failure:
-            trailer = dataclasses.replace(trailer, complete=complete)
+        trailer = dataclasses.replace(trailer, complete=trailer.complete and complete and not failure)
+        if not trailer.complete and count.token_ids is not None:  # where another replica may resume it
+            before = call.resume.token_ids if call.resume else ()
+            trailer = dataclasses.replace(trailer, token_ids=(*before, *count.token_ids))
         yield dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
 
     async def _answer_under_way(self, surface: Surface, call: Call, count, started: float) -> AsyncIterator[Item]:

@@ -44,8 +44,10 @@ class ChatOutput:
         if self._shape is not None:
             self._shape(response, body)
 
-    def watcher(self, body: Body) -> trailer.StreamTrailer:
-        return trailer.StreamTrailer(trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")))
+    def watcher(self, body: Body, resumed: trailer.Resumed | None = None) -> trailer.StreamTrailer:
+        return trailer.StreamTrailer(
+            trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")), resumed=resumed
+        )
 
 
 CHAT = ChatOutput(openai_shape.chat)

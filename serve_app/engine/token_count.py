@@ -26,12 +26,15 @@ class TokenCount:
     """Tokens of one request: prompt (per generate call), completion, and prompt tokens served
     from the prefix cache."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids")
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        # The completion's token ids in order, for a stream of one choice (what a resume of it
+        # continues from); None when there is more than one choice.
+        self.token_ids: list[int] | None = []
 
     def snapshot(self) -> Generated:
         """The count so far, as the trailer carries it."""
@@ -82,6 +85,13 @@ async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bo
                 else:
                     count.completion_tokens += tokens - seen.get(choice.index, 0)
                     seen[choice.index] = tokens
+                if count.token_ids is not None:
+                    if choice.index:  # a second choice: nothing to resume from
+                        count.token_ids = None
+                    elif deltas:
+                        count.token_ids.extend(choice.token_ids)
+                    else:
+                        count.token_ids[:] = choice.token_ids
             yield output
     finally:
         # Closed early (the client left, the stream broke): close vLLM's generator now, which

@@ -13,9 +13,10 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 """
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from serve_app.errors import engine_failed_mid_stream, error_body
+from serve_app.errors import error_body
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Trailer
 from serve_app.wire.sse import data_event
@@ -95,10 +96,22 @@ def _without_vllm_nulls(event: str) -> str:
     return event
 
 
-class StreamTrailer:
-    """Watches a vLLM SSE stream on its way out and collects the trailer."""
+@dataclass(frozen=True)
+class Resumed:
+    """This replica continues a stream another engine began (``wire.Resume``)."""
 
-    def __init__(self, client_wants_usage: bool, *, token_ids_asked: bool = False):
+    tokens: int  # generated before the seam: in the prompt now, but the client's completion
+    pending_text: str = ""  # text of those tokens the client never got (a detokenizer's hold-back)
+
+
+class StreamTrailer:
+    """Watches a vLLM SSE stream on its way out and collects the trailer.
+
+    ``resumed``: the stream continues another that broke off; its opening (the role chunk) is
+    the first stream's, so it is dropped (carrying the text that stream still owed the client),
+    and its usage counts the tokens before the seam as completion, not prompt."""
+
+    def __init__(self, client_wants_usage: bool, *, token_ids_asked: bool = False, resumed: Resumed | None = None):
         self.client_wants_usage = client_wants_usage
         self.token_ids_asked = token_ids_asked
         self.usage: dict[str, Any] | None = None
@@ -106,6 +119,9 @@ class StreamTrailer:
         self.finish_reasons: list[str] = []
         self.error_code: str | None = None  # the stream broke off with an error event...
         self.error_status: int | None = None  # ...whose status the router records
+        self.engine_failed = False  # vLLM's own 5xx error event: the router ends (or resumes) it
+        self._resumed = resumed
+        self._opening = resumed is not None  # a resumed stream's first chunk is not passed as it is
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""
@@ -113,31 +129,63 @@ class StreamTrailer:
             return None
         if event.startswith(ERROR_PREFIX):
             return self._our_error(event)
+        if self._opening:
+            self._opening = False
+            return self._seam(event)
         # Cheap substring tests first: most events are plain token deltas, parsed by nobody.
         if '"finish_reason":"' in event:
             self.finish_reasons += _finish_reasons(json.loads(event[5:]).get("choices") or [])
         if '"choices":[]' in event and '"usage":' in event:
             payload = json.loads(event[5:])
-            self.usage = payload.get("usage")
+            self.usage = self._as_one_request(payload.get("usage"))
+            if self.usage is not None:
+                payload["usage"] = self.usage
             self.timing = engine_timing(payload.pop("metrics", None))
             return data_event(payload) if self.client_wants_usage else None
         if not self.token_ids_asked and _PROMPT_TOKEN_IDS in event:
             event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
         return _without_vllm_nulls(event)
 
-    def _our_error(self, event: str) -> str:
-        """vLLM's mid-stream error, in our documented shape. A server-side failure (vLLM's
-        ``EngineCore encountered an issue. See stack trace (above)…``) says only that the engine
-        failed and to retry; a client's mistake keeps vLLM's message and status."""
+    def _seam(self, event: str) -> str | None:
+        """A resumed stream's first chunk: chat's role chunk is the first stream's (dropped);
+        the text the first stream still owed goes out here, in this chunk's shape."""
+        payload = json.loads(event[5:])
+        choices = payload.get("choices") or []
+        if not choices:
+            return self.pass_on(event)
+        choice, pending = choices[0], self._resumed.pending_text
+        if "delta" in choice:  # chat
+            delta = {key: value for key, value in (choice.get("delta") or {}).items() if key != "role"}
+            delta["content"] = pending + (delta.get("content") or "")
+            if not delta["content"] and len(delta) == 1 and not choice.get("finish_reason"):
+                return None  # the role chunk alone: nothing for the client
+            choice["delta"] = delta
+        else:  # completions: the first chunk already carries text
+            choice["text"] = pending + (choice.get("text") or "")
+        return self.pass_on(data_event(payload))
+
+    def _as_one_request(self, usage: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A resumed stream's usage as the client's one request: the tokens before the seam
+        were generated for it, not sent by it."""
+        if usage is None or self._resumed is None:
+            return usage
+        before = self._resumed.tokens
+        return {**usage, "prompt_tokens": usage.get("prompt_tokens", 0) - before,
+                "completion_tokens": usage.get("completion_tokens", 0) + before}
+
+    def _our_error(self, event: str) -> str | None:
+        """vLLM's mid-stream error. A server-side failure (vLLM's ``EngineCore encountered an
+        issue. See stack trace (above)…``) is not passed on: the trailer says the engine failed,
+        and the router either resumes the stream elsewhere or ends it with its own error event.
+        A client's mistake keeps vLLM's message and status."""
         status, error = vllm_stream_error(event)
         if status >= 500:
             # vLLM's words go to this replica's log (Serve stamps it with the request id), not the client.
             logger.error("vLLM's stream failed (%s): %s", status, error.get("message"))
-            self.error_code, self.error_status = ENGINE_UNAVAILABLE, 503
-            body = engine_failed_mid_stream()
-        else:
-            self.error_code, self.error_status = "invalid_request", status
-            body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
+            self.error_code, self.engine_failed = ENGINE_UNAVAILABLE, True
+            return None
+        self.error_code, self.error_status = "invalid_request", status
+        body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
         return data_event(body)
 
     def trailer(self) -> Trailer:
@@ -145,6 +193,7 @@ class StreamTrailer:
             timing=self.timing,
             usage=self.usage,
             finish_reasons=tuple(self.finish_reasons),
+            complete=not self.engine_failed,
             error_code=self.error_code,
             error_status=self.error_status,
         )

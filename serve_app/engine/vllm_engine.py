@@ -5,7 +5,7 @@ parser for the engine flags, ``build_async_engine_client``, ``init_app_state``),
 request through vLLM's own serving layer — prompt rendering, tool parsing, guided decoding,
 reasoning, sampling, SSE framing, Responses and Anthropic Messages — as an ``Answer`` or a
 ``Stream`` (``protocol.py``). What it adds is our glue: the context cap at render time
-(``context_cap.py``), the engine's token count for billing (``token_count.py``), tier priority
+(``rendered.py``, with a resumed stream's tail), the engine's token count for billing (``token_count.py``), tier priority
 on Messages, opt-in reasoning, and each surface's schema-exact shape (``outputs.py``). Each
 surface's vLLM call is one handler in ``HANDLERS``; a surface the table lists and no handler
 serves fails at import (``tests/unit/test_layout.py``).
@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import context_cap, outputs, token_count, tokenization
+from serve_app.engine import outputs, rendered, token_count, tokenization, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
@@ -73,9 +73,9 @@ class VLLMEngine:
         # vLLM builds its Anthropic object without the per-request metrics the chat object has
         # (--enable-per-request-metrics); the trailer's engine timing needs them.
         self._messages_serving.enable_per_request_metrics = self._chat_serving.enable_per_request_metrics
-        context_cap.install(self._chat_serving, "render_chat_request", prompt_param="messages")
-        context_cap.install(self._messages_serving, "render_chat_request", prompt_param="messages")
-        context_cap.install(self._completion, "render_completion_request", prompt_param="prompt")
+        rendered.install(self._chat_serving, "render_chat_request", prompt_param="messages")
+        rendered.install(self._messages_serving, "render_chat_request", prompt_param="messages")
+        rendered.install(self._completion, "render_completion_request", prompt_param="prompt")
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -88,7 +88,9 @@ class VLLMEngine:
             self.engine.shutdown()
 
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
-        context_cap.clamp_this_request(call.limit_set_by_router)
+        rendered.for_this_request(
+            clamp_limit=call.limit_set_by_router, continue_with=call.resume.token_ids if call.resume else ()
+        )
         return await HANDLERS[surface](self, call)
 
     # --- one per surface (HANDLERS) ---------------------------------------------------------------
@@ -97,13 +99,32 @@ class VLLMEngine:
 
         body = _engine_body(call)
         _apply_enable_thinking(body)
-        return await self._run(ChatCompletionRequest, self._chat_serving.create_chat_completion, body, outputs.CHAT)
+        create = self._chat_serving.create_chat_completion
+        return await self._run(ChatCompletionRequest, create, body, outputs.CHAT, watcher=self._watcher(outputs.CHAT, body, call))
 
     async def _completions(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        create = self._completion.create_completion
-        return await self._run(CompletionRequest, create, _engine_body(call), outputs.COMPLETIONS)
+        body, create = _engine_body(call), self._completion.create_completion
+        return await self._run(CompletionRequest, create, body, outputs.COMPLETIONS,
+                               watcher=self._watcher(outputs.COMPLETIONS, body, call))
+
+    def _watcher(self, output: outputs.ChatOutput, body: Body, call: Call):
+        """A chat or completions stream's watcher; a resumed one knows where its seam is."""
+        if not body.get("stream"):
+            return None
+        if call.resume is None:
+            return output.watcher(body)
+        return output.watcher(body, trailer.Resumed(len(call.resume.token_ids), self._owed_text(call.resume)))
+
+    def _owed_text(self, resume) -> str:
+        """The text of the resumed tokens that the client never received: the first engine's
+        detokenizer holds back a token whose text is not whole yet (part of a UTF-8 sequence)."""
+        text = self._tokenization.renderer.get_tokenizer().decode(list(resume.token_ids))
+        if text.startswith(resume.text):
+            return text[len(resume.text):]
+        logger.warning("a resumed stream's text and tokens disagree at the seam; continuing from the tokens")
+        return ""
 
     async def _responses(self, call: Call) -> Answer | Stream:
         """``POST /v1/responses``, stateless here: the router has already replaced a
@@ -270,7 +291,7 @@ def _error(response, exc: BaseException | None = None) -> Answer:
         logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
         message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
         return Answer(error.code, error_body(error.code, message, code=code))
-    code = context_cap.CONTEXT_LENGTH_EXCEEDED if context_cap.is_context_overflow(error) else None
+    code = rendered.CONTEXT_LENGTH_EXCEEDED if rendered.is_context_overflow(error) else None
     return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
 
 

@@ -98,6 +98,8 @@ class Context:
     admitted: bool = False  # passed the budget and the rate limit: its usage is recorded
     billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
     call: ReplicaCall | None = None
+    cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
+    resumer: Any = None  # a stream's resumes (``resume.Resumer``), once its first call is open
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
     generated: Generated | None = None
@@ -124,9 +126,21 @@ class Context:
             release()
 
     def note_trailer(self, trailer: Trailer | None) -> None:
-        if trailer is not None:
-            self.telemetry.note_trailer(trailer)
+        """A call's report. A resumed stream's continuations add what they generated; the
+        customer's prompt is the first call's (a continuation's is recorded apart)."""
+        if trailer is None:
+            return
+        self.telemetry.note_trailer(trailer)
+        if self.resumer is not None:
+            self.resumer.note_attempt(trailer)
+        if self.generated is None or self.resumer is None or not self.resumer.done:
             self.generated = trailer.generated
+        else:
+            self.generated = Generated(
+                self.generated.prompt_tokens,
+                self.generated.completion_tokens + trailer.generated.completion_tokens,
+                self.generated.cached_tokens,
+            )
 
     # --- the one exit --------------------------------------------------------------------------
     def settle(self, outcome: Outcome) -> None:
@@ -156,8 +170,10 @@ class Context:
         self.release_slot()
         self.telemetry.close(outcome.status, outcome.code)
         if self.admitted and not self.billed_elsewhere and self.surface.generates:
+            resumer = self.resumer
             record = self.services.meter.record(
-                self.id, self.caller, self.record, self.generated, origin=self.origin, stored_bytes=self.stored_bytes
+                self.id, self.caller, self.record, self.generated, origin=self.origin, stored_bytes=self.stored_bytes,
+                resumes=resumer.done if resumer else 0, resume_prompt_tokens=resumer.prompt_tokens if resumer else 0,
             )
             if record is not None:  # its real cost beyond its price (the prompt estimate's miss)
                 self.services.auth.charge(self.caller, record.total_tokens - self.price.total)

@@ -32,6 +32,7 @@ from serve_app.router.context import Context, abandoned, failed, forwarded, refu
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
+from serve_app.router.resume import Resumer
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
@@ -165,11 +166,11 @@ async def call(ctx: Context) -> Head:
     """The replica's answer: a whole body, or a stream's open socket. A non-stream request that
     generates is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
     services = ctx.services
+    # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
+    ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.generates else None
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
-        previous_response_id=ctx.previous_response_id,
-        # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
-        cache_salt=isolation.cache_salt(ctx.caller.owner) if ctx.surface.generates else None,
+        previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt,
     )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()
@@ -177,6 +178,8 @@ async def call(ctx: Context) -> Head:
     ctx.record.note_router_queue(ctx.call.waited_ms - (head.replica_ms or 0.0))
     if isinstance(head, Accepted):
         return await ctx.call.answer()
+    if isinstance(head, StreamOpen):  # should its engine fail mid-stream, another replica resumes it
+        ctx.resumer = Resumer(ctx, max_resumes=services.max_resumes, window_s=services.resume_window_s)
     return head
 
 

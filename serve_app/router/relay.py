@@ -60,23 +60,31 @@ def stream(ctx: Context) -> RelayedStream:
 
 async def events(ctx: Context) -> AsyncIterator[bytes]:
     """The stream's bytes as the client gets them: the replica's, then the closing (or an error
-    event); the request settles when they end, or when the client stops reading them."""
-    call, dialect = ctx.call, ctx.surface.dialect
-    reader, writer = call.socket
+    event); the request settles when they end, or when the client stops reading them. A stream
+    whose engine fails mid-answer goes on from another replica where it can (``resume.py``): the
+    client sees one stream."""
+    dialect = ctx.surface.dialect
     opening = bytearray()  # the stream's bytes until its first event is whole
     first: dict | None = None  # the first event: the timing chunk reuses its id
+    relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
     try:
-        while data := await reader.read(READ_BYTES):
-            if first is None:
-                if not opening:
-                    ctx.record.mark_first_chunk()
-                opening += data
-                first = first_event(bytes(opening))
-            yield data
-        trailer = await call.trailer()  # the handle's last item: the engine is done
-        ctx.note_trailer(trailer)
-        if not trailer.complete:
-            raise StreamBrokeOff(trailer.error_code)
+        while True:
+            reader = ctx.call.socket[0]
+            while data := await reader.read(READ_BYTES):
+                if first is None:
+                    if not opening:
+                        ctx.record.mark_first_chunk()
+                    opening += data
+                    first = first_event(bytes(opening))
+                if relayed is not None:
+                    relayed += data  # read again only if the stream is resumed
+                yield data
+            trailer = await ctx.call.trailer()  # the handle's last item: the engine is done
+            ctx.note_trailer(trailer)
+            if trailer.complete:
+                break
+            if ctx.resumer is None or not await ctx.resumer.resume(trailer, bytes(relayed or b"")):
+                raise StreamBrokeOff(trailer.error_code)
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         status = trailer.error_status or 200
         if ctx.keep is not None and not trailer.error_status:
@@ -99,5 +107,5 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
         ctx.settle(failed(status, error["error"]["code"]))
         yield dialect.error_event(status, error)
     finally:
-        writer.close()  # for a client that left, the replica's cue to stop
+        ctx.call.socket[1].close()  # for a client that left, the replica's cue to stop
         ctx.settle(abandoned())  # a client gone mid-stream; after any other ending, nothing

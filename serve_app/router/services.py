@@ -53,6 +53,8 @@ class Services:
     handles: Mapping[str, Any]  # model id → its deployment's handle, options(stream=True)
     models: Mapping[str, ModelFacts]
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
+    max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
+    resume_window_s: float = 30.0  # ...each within this long of the failure
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -86,6 +88,8 @@ class Services:
             handles={model_id: handle.options(stream=True) for model_id, handle in handles.items()},
             models={model.id: ModelFacts.of(model) for model in args.models},
             stall_timeout_s=args.router.stall_timeout_s,
+            max_resumes=args.router.max_resumes,
+            resume_window_s=args.router.resume_window_s,
         )
 
     def start(self) -> None:

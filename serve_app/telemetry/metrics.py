@@ -19,6 +19,8 @@ Exported series (Prometheus names):
 - ``ray_serve_app_errors_total`` (counter, + ``status``, ``code``): responses with status ≥ 400
 - ``ray_serve_app_failovers_total`` (counter, + ``reason``, ``served_by``): requests this region
   forwarded to a peer region (``served_by`` is ``none`` when no peer took them)
+- ``ray_serve_app_resumes_total`` (counter, + ``cause``, ``outcome``): streams whose engine failed
+  mid-stream, resumed on another replica (``resumed``) or not (``gave_up``)
 
 The instruments are created lazily, on the first observation in the replica, so nothing is built
 when the deployment class is pickled, and importing this module needs no running Ray.
@@ -52,6 +54,8 @@ REQUESTS = "serve_app_requests_total"
 ERRORS = "serve_app_errors_total"
 FAILOVERS = "serve_app_failovers_total"
 FAILOVER_LABELS = (*LABELS, "reason", "served_by")
+RESUMES = "serve_app_resumes_total"
+RESUME_LABELS = (*LABELS, "cause", "outcome")
 
 # Seconds. Wide enough for a GPU region (tens of ms) and the CPU default (seconds).
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600]
@@ -74,6 +78,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     REQUESTS: ("Inference requests answered, by HTTP status.", LABELS_WITH_STATUS),
     ERRORS: ("Inference requests answered with status >= 400, by status and error code.", ERROR_LABELS),
     FAILOVERS: ("Inference requests forwarded to a peer region, by reason and serving region.", FAILOVER_LABELS),
+    RESUMES: ("Streams whose engine failed mid-stream, by cause and whether another replica resumed them.",
+              RESUME_LABELS),
 }
 
 _CODE = re.compile(r"[^a-z0-9_]")
@@ -139,6 +145,9 @@ class RequestMetrics:
             m[NETWORK].observe(split.network_ms / 1000, tags=tags)
         if record.status >= 400:
             m[ERRORS].inc(1, tags={**with_status, "code": _code(record.error_type or "none")})
+        for outcome, n in (("resumed", record.resumes), ("gave_up", record.resumes_given_up)):
+            if n:
+                m[RESUMES].inc(n, tags={**tags, "cause": "engine_unavailable", "outcome": outcome})
         if split.engine:
             m[QUEUE].observe(split.queue_ms / 1000, tags=tags)
             m[INFERENCE].observe(split.inference_ms / 1000, tags=tags)

@@ -58,6 +58,18 @@ class RequestTelemetry:
         self.record.failover_region = region
         tracing.note_failover_attempts(self._failover_span, attempts, region)
 
+    # --- resume --------------------------------------------------------------------------------
+    def start_resume(self, cause: str, tokens: int):
+        """The ``resume`` span of one seam: the engine failed after ``tokens`` tokens."""
+        return tracing.start_resume_span(self.trace, cause, tokens)
+
+    def end_resume(self, span, resumed: bool) -> None:
+        if resumed:
+            self.record.resumes += 1
+        else:
+            self.record.resumes_given_up += 1
+        tracing.end_resume_span(span, resumed)
+
     # --- the end -------------------------------------------------------------------------------
     def close(self, status: int, error_type: str | None = None) -> None:
         """End every span and record the metrics; only the first call does anything."""

@@ -82,6 +82,8 @@ class RequestRecord:
     model_replica: str | None = None  # the model replica (Serve replica tag) that ran inference
     failover_reason: str | None = None  # why the request was forwarded to a peer region
     failover_region: str | None = None  # the peer region that answered it (None: none did)
+    resumes: int = 0  # times its stream was resumed on another replica after its engine failed
+    resumes_given_up: int = 0  # engine failures mid-stream it could not be resumed from
     server_ms: float | None = None  # set once, by finish()
 
     @classmethod
@@ -248,7 +250,7 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     ``replica`` is the model replica that ran the request (None if it never reached one),
     ``router_replica`` the router replica that answered.
     """
-    return {
+    metadata = {
         "inference_ttft_ms": _ms(split.prefill_ms),
         "inference_total_ms": _ms(split.inference_ms) if split.engine else None,
         "queue_ms": _ms(split.queue_ms) if split.engine else None,
@@ -261,6 +263,9 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
         "alias": record.alias,
         "trace_id": trace_id,
     }
+    if record.resumes:  # the stream went on from another replica after its engine failed
+        metadata["resumes"] = record.resumes
+    return metadata
 
 
 def server_timing_header(split: Split) -> str:

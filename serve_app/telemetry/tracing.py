@@ -43,6 +43,7 @@ logger = module_logger(__name__)
 INSTRUMENTATION_NAME = "serve_app"
 SPAN_AUTH, SPAN_NETWORK, SPAN_QUEUE, SPAN_INFERENCE = "auth", "network", "queue", "inference"
 SPAN_FAILOVER = "failover"
+SPAN_RESUME = "resume"
 EVENT_FIRST_TOKEN = "first_token"
 
 
@@ -293,6 +294,24 @@ def start_failover_span(request: RequestTrace, reason: str) -> Span:
         kind=SpanKind.CLIENT,
         attributes={"serve_app.region": request.record.region, "serve_app.failover.reason": reason},
     )
+
+
+def start_resume_span(request: RequestTrace, cause: str, tokens: int) -> Span:
+    """An INTERNAL span, child of the SERVER span, from a stream's engine failure to the first
+    byte of its continuation on another replica (started live: its end is the seam)."""
+    return _tracer().start_span(
+        SPAN_RESUME,
+        context=request.context,
+        attributes={"serve_app.region": request.record.region, "serve_app.resume.cause": cause,
+                    "serve_app.resume.generated_tokens": tokens},
+    )
+
+
+def end_resume_span(span: Span, resumed: bool) -> None:
+    span.set_attribute("serve_app.resume.resumed", resumed)
+    if not resumed:
+        span.set_status(Status(StatusCode.ERROR, "no replica resumed the stream"))
+    span.end()
 
 
 def propagation_headers(span: Span) -> dict[str, str]:

@@ -53,14 +53,16 @@ class Meter:
         return await self.budgets.reserve(caller.key_id, tokens)
 
     def record(self, record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,
-               *, origin: str | None, stored_bytes: int = 0) -> UsageRecord | None:
+               *, origin: str | None, stored_bytes: int = 0, resumes: int = 0,
+               resume_prompt_tokens: int = 0) -> UsageRecord | None:
         """Queue the usage record of one admitted request that is over, and return it (None: not
         recorded here). ``origin``: the region that forwarded it here, if one did."""
         if origin is not None and request.status == 503 and request.model_replica is None:
             return None  # forwarded here and not served either: the forwarding region records its 503
         try:
             record = usage_record(record_id, caller, request, generated, region=self.region, origin=origin,
-                                  stored_bytes=stored_bytes)
+                                  stored_bytes=stored_bytes, resumes=resumes,
+                                  resume_prompt_tokens=resume_prompt_tokens)
             self.ledger.record(record)
         except Exception:  # metering must never fail the request it meters
             logger.exception("could not record usage of request %s", record_id)
@@ -69,7 +71,8 @@ class Meter:
 
 
 def usage_record(record_id: str, caller: Principal, request: RequestRecord, generated: Generated | None,
-                 *, region: str, origin: str | None, stored_bytes: int = 0) -> UsageRecord:
+                 *, region: str, origin: str | None, stored_bytes: int = 0, resumes: int = 0,
+                 resume_prompt_tokens: int = 0) -> UsageRecord:
     counted = generated or Generated()
     # The engine's usage when the answer finished; the replica's count when it did not.
     finished = request.output_tokens is not None
@@ -92,4 +95,6 @@ def usage_record(record_id: str, caller: Principal, request: RequestRecord, gene
         ended_at_ms=started_ms + round(request.server_ms or 0),
         failover_origin=origin,
         stored_bytes=stored_bytes,
+        resumes=resumes,
+        resume_prompt_tokens=resume_prompt_tokens,
     )

@@ -37,6 +37,11 @@ class UsageRecord:
     # Bytes this request stored (a Responses object with its conversation): what it added to the
     # owner's stored data, counted like its tokens. Records written before the field carry 0.
     stored_bytes: int = 0
+    # A stream resumed on another replica after its engine failed: how many times, and the
+    # prompt tokens those continuations prefilled (the prompt again plus what was generated before
+    # each seam) — engine work, not the customer's prompt, so apart from prompt_tokens.
+    resumes: int = 0
+    resume_prompt_tokens: int = 0
 
     @property
     def day(self) -> str:

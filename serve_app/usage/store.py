@@ -48,7 +48,9 @@ CREATE TABLE IF NOT EXISTS usage_records (
     ended_at_ms       INTEGER NOT NULL,
     failover_origin   TEXT,
     day               TEXT NOT NULL,     -- UTC YYYY-MM-DD of started_at_ms
-    stored_bytes      INTEGER NOT NULL DEFAULT 0
+    stored_bytes      INTEGER NOT NULL DEFAULT 0,
+    resumes           INTEGER NOT NULL DEFAULT 0,
+    resume_prompt_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS usage_records_key_day ON usage_records (key_id, day);
 CREATE TABLE IF NOT EXISTS usage_daily (
@@ -73,7 +75,11 @@ CREATE TABLE IF NOT EXISTS usage_budgets (
 """
 # Columns added after the tables first shipped: existing tables get them on the next start.
 _ADDED_COLUMNS = {
-    "usage_records": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
+    "usage_records": {
+        "stored_bytes": "INTEGER NOT NULL DEFAULT 0",
+        "resumes": "INTEGER NOT NULL DEFAULT 0",
+        "resume_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
+    },
     "usage_daily": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
 }
 

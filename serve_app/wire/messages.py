@@ -24,6 +24,14 @@ Address = tuple[str, int]
 
 
 @dataclass(frozen=True, slots=True)
+class Resume:
+    """Where a stream whose engine failed continues from: what its client already has."""
+
+    token_ids: tuple[int, ...]  # the tokens generated so far, in order: the new prompt's tail
+    text: str  # the text the client received of them (the seam's check: nothing twice, nothing lost)
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     """One request of one surface, as the router sends it to a replica."""
 
@@ -38,6 +46,9 @@ class Call:
     # The prefix-cache partition of the caller's owner (vLLM's ``cache_salt``): one tenant can
     # never hit, and so never time, another tenant's cached prompt.
     cache_salt: str | None = None
+    # A stream resumed on this replica after its engine failed elsewhere: the engine continues
+    # the rendered prompt plus these tokens, and the stream starts where the client's stopped.
+    resume: Resume | None = None
 
     @property
     def stream(self) -> bool:
@@ -80,6 +91,9 @@ class Trailer:
     # Responses and Messages: the stream's terminal event, held back by the replica so that the
     # router can complete it with the request's timing and send it last (the protocols' rule).
     terminal: Body | None = None
+    # A stream cut short (``complete`` False) with one choice: the tokens its engine generated,
+    # in order, so that another replica can resume it from exactly there.
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,8 @@ class FakeEngine:
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
         self.calls.append((surface, call))
         body = call.body
+        if self.dead:  # as vLLM's, once its engine core died: every request fails
+            raise EngineFailed("the engine is dead")
         if self.fail_before:
             self.dead = self.dies
             raise EngineFailed("before the answer")
@@ -82,11 +84,14 @@ class FakeEngine:
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
             return Answer(200, dict(answer), Trailer())
         limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
-        wanted = min(limit or self.tokens, self.tokens)
-        outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        before = len(call.resume.token_ids) if call.resume else 0  # a resumed stream's tokens so far
+        wanted = min(limit or self.tokens, self.tokens - before)
+        prompt = [1] * (self.prompt_tokens + before)  # as vLLM's: the prompt, then what was generated
+        outputs = self.generate(prompt, DELTA, call.request_id, max_tokens=wanted, first=before + 1)
         if body.get("stream"):
-            watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
-            return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
+            resumed = trailer.Resumed(before) if call.resume else None
+            watcher = trailer.StreamTrailer(trailer.ask_for_usage(body), resumed=resumed)
+            return Stream(Prefetched(self._events(outputs, body, len(prompt))), watcher)  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": wanted,
                  "total_tokens": self.prompt_tokens + wanted}
@@ -111,7 +116,8 @@ class FakeEngine:
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
                 "usage": usage}
 
-    async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int):
+    async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int, first: int = 1):
+        """Tokens ``first``, ``first + 1``… (``t<id>`` their text), ``max_tokens`` of them."""
         produced = 0
         try:
             while produced < max_tokens:
@@ -122,13 +128,14 @@ class FakeEngine:
                     await asyncio.sleep(self.latency_s)
                 produced += 1
                 self.generated += 1
-                choice = SimpleNamespace(index=0, token_ids=[produced], text=f"t{produced} ")
+                token = first + produced - 1
+                choice = SimpleNamespace(index=0, token_ids=[token], text=f"t{token} ")
                 yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=self.cached_tokens, outputs=[choice])
         finally:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
 
-    async def _events(self, outputs, body: dict[str, Any]):
+    async def _events(self, outputs, body: dict[str, Any], prompt_tokens: int):
         """vLLM's chat SSE strings for ``outputs``."""
         chunk = {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
 
@@ -147,6 +154,6 @@ class FakeEngine:
         finally:
             await outputs.aclose()  # closing the stream aborts the generation
         yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"

@@ -70,18 +70,25 @@ class InProcessCall:
 
 
 class InProcessHandle:
-    """A model deployment's handle (``options(stream=True)``) on one in-process ``ModelServer``."""
+    """A model deployment's handle (``options(stream=True)``) on in-process ``ModelServer``s: a
+    call goes to the first whose engine is alive (as Serve routes once a dead replica's health
+    check failed), else to the first."""
 
-    def __init__(self, server):
-        self.server = server
+    def __init__(self, server, *more):
+        self.servers = (server, *more)
         self.calls: list[InProcessCall] = []
+
+    @property
+    def server(self):
+        return self.servers[0]
 
     def __getattr__(self, method):
         handle = self
 
         class Method:
             def remote(self, call):
-                handle.calls.append(made := InProcessCall(getattr(handle.server, method)(call)))
+                server = next((s for s in handle.servers if not s.engine.dead), handle.servers[0])
+                handle.calls.append(made := InProcessCall(getattr(server, method)(call)))
                 return made
 
         return Method()
@@ -163,7 +170,8 @@ def _replica_context():
 
 def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None = None,
                      engine: FakeEngine | None = None, region: str = "local", peers: tuple[Peer, ...] = (),
-                     transport=None, models: tuple[str, ...] = (MODEL, OTHER_MODEL), **auth_overrides) -> RouterApp:
+                     transport=None, models: tuple[str, ...] = (MODEL, OTHER_MODEL),
+                     replicas: tuple[FakeEngine, ...] = (), **auth_overrides) -> RouterApp:
     auth = auth or authenticator(tmp_path, region=region, **auth_overrides)
     engine = engine or FakeEngine()
     monkeypatch.setattr(serve, "get_replica_context", _replica_context)
@@ -172,8 +180,8 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
     client.__enter__()  # one event loop for the test's whole life: the replica's listener lives on it
     fake_serve = FakeServe(models)
     args = [ModelDeploymentArgs(id=model) for model in models]
-    server = client.portal.call(model_server, engine)
-    handles = {model: InProcessHandle(server) for model in models}
+    servers = [client.portal.call(model_server, one) for one in (engine, *replicas)]
+    handles = {model: InProcessHandle(*servers) for model in models}
     services = Services(
         region=region,
         replica="router-1",
@@ -197,7 +205,8 @@ def close_router_app(app: RouterApp) -> None:
 
     async def stop() -> None:
         await wait_settled()
-        next(iter(app.handles.values())).server.__del__()
+        for server in next(iter(app.handles.values())).servers:
+            server.__del__()
         await app.services.aclose()
 
     try:
@@ -238,7 +247,7 @@ class RecordingMeter:
     def __init__(self):
         self.records: list[tuple[Any, ...]] = []
 
-    def record(self, record_id, caller, request, generated, *, origin, stored_bytes=0):
+    def record(self, record_id, caller, request, generated, *, origin, stored_bytes=0, **_):
         self.records.append((record_id, caller, request, generated, origin))
 
 

@@ -4,7 +4,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
-from serve_app.engine.context_cap import overflow_message
+from serve_app.engine.rendered import overflow_message
 from serve_app.errors import APIError
 from serve_app.router import body as router_body
 from serve_app.router.request_schema import parse_json_object

@@ -1,25 +1,40 @@
-"""Reject requests whose prompt plus requested completion exceeds the served context cap.
+"""What the replica does to the prompt vLLM has rendered and tokenized, before the engine runs it.
 
-vLLM silently lowers ``max_tokens`` to whatever fits after the prompt. This product answers
-400 ``context_length_exceeded`` instead (OpenAI's behaviour), so a client learns that its request
-cannot be served as asked rather than receiving a completion cut short. The check runs on the
-prompt vLLM has already rendered and tokenized, so nothing is tokenized twice.
+- **The context cap.** vLLM silently lowers ``max_tokens`` to whatever fits after the prompt.
+  This product answers 400 ``context_length_exceeded`` instead (OpenAI's behaviour), so a client
+  learns that its request cannot be served as asked rather than receiving a completion cut short.
+  The check runs on the rendered prompt, so nothing is tokenized twice.
+- **The router's limit.** A limit the *router* set (the request set none, and was priced with the
+  router's default) is not the client's to be refused for: it is lowered to what the real prompt
+  leaves, which is never more than the router charged.
+- **A resumed stream.** A stream whose engine failed elsewhere continues here from exactly where
+  it stopped: the same request renders to the same prompt, and the tokens it had generated are
+  appended to it (``wire.Resume``), so the engine's next token is the one the first engine would
+  have generated next — no re-tokenized text at the seam.
 
-A limit the *router* set (the request set none, and was priced with the router's default) is not
-the client's to be refused for: it is lowered to what the real prompt leaves, which is never more
-than the router charged (``clamp_this_request``).
+Which of these apply is the request's own (``for_this_request``), kept in a context variable of
+the task that serves it.
 """
 
 import contextvars
+from dataclasses import dataclass
 from typing import Any
 
-# Whether the request this task serves has a router-set limit (``wire.Call.limit_set_by_router``).
-_CLAMP: contextvars.ContextVar[bool] = contextvars.ContextVar("serve_app_clamp_limit", default=False)
+
+@dataclass(frozen=True)
+class _Rules:
+    clamp_limit: bool = False  # the limit is the router's: lower it, never refuse
+    continue_with: tuple[int, ...] = ()  # a resumed stream's generated tokens: the prompt's tail
 
 
-def clamp_this_request(clamp: bool) -> None:
-    """For the request this task serves: lower a limit over the context instead of refusing it."""
-    _CLAMP.set(clamp)
+_RULES: contextvars.ContextVar[_Rules] = contextvars.ContextVar("serve_app_render_rules", default=_Rules())
+
+
+def for_this_request(*, clamp_limit: bool = False, continue_with: tuple[int, ...] = ()) -> None:
+    """The rules of the request this task serves (``wire.Call``'s ``limit_set_by_router`` and
+    ``resume``)."""
+    _RULES.set(_Rules(clamp_limit, tuple(continue_with)))
+
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # The parameters vLLM names when the prompt alone is over the cap.
@@ -47,12 +62,16 @@ def install(serving: Any, render_method: str, prompt_param: str) -> None:
         if isinstance(result, ErrorResponse):
             return result
         engine_inputs = result[-1] if isinstance(result, tuple) else result
+        rules = _RULES.get()
+        if rules.continue_with:
+            for engine_input in engine_inputs:
+                engine_input["prompt_token_ids"] = [*engine_input["prompt_token_ids"], *rules.continue_with]
         requested = getattr(request, "max_completion_tokens", None) or request.max_tokens
         if requested is None:
             return result
         for engine_input in engine_inputs:
             prompt_tokens = serving._extract_prompt_len(engine_input)
-            if prompt_tokens + requested > max_model_len and _CLAMP.get() and prompt_tokens < max_model_len:
+            if prompt_tokens + requested > max_model_len and rules.clamp_limit and prompt_tokens < max_model_len:
                 _lower_limit(request, max_model_len - prompt_tokens)
                 requested = max_model_len - prompt_tokens
             elif prompt_tokens + requested > max_model_len:

@@ -1,0 +1,141 @@
+"""Resuming a stream whose engine failed after some output, on another replica of the region, so
+that the client sees one uninterrupted answer.
+
+When a stream's trailer says its engine failed (``engine_unavailable``, the replica alive to say
+so) and carries the tokens the engine had generated, the router calls the model again with the
+same request and a ``wire.Resume``: the new replica renders the same prompt, appends those tokens
+(``engine/rendered.py``), and the engine continues exactly where the first one stopped — its next
+token is the one the first engine would have generated next. The new stream's opening (the role
+chunk) is dropped, the text the first stream still owed the client goes first, its usage counts
+the tokens before the seam as completion, and its limit is what was left of the request's. The
+chunks keep the stream's id (the router's request id names both engine requests).
+
+Bounded: ``resume.max_resumes`` per stream (1 by default), each within ``resume.window_s`` of the
+failure (replicas that answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing
+to a dead replica once its health check fails, within a few seconds).
+
+Not resumed (the stream ends with the engine-failure event, as before, and is billed what was
+generated): a replica that vanished with no trailer (no tokens to continue from), more than one
+choice or prompt, tool calls or a tool list, guided decoding (``response_format``, vLLM's
+structured outputs), logprobs, reasoning, completions' ``echo``, and the Responses and Messages
+surfaces — where the continuation cannot be made to read as the same stream (docs/reliability.md).
+"""
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from serve_app.errors import APIError
+from serve_app.router import pricing
+from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
+from serve_app.telemetry.logs import module_logger
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Call, Resume, StreamOpen, Trailer
+from serve_app.wire.sse import EVENT_END, data_of
+
+logger = module_logger(__name__)
+
+# Surfaces whose continuation reads as the same stream (their chunks carry no per-stream state
+# but the id, which the router's request id keeps).
+RESUMABLE_SURFACES = frozenset({"chat", "completions"})
+# Fields that make a continuation unfaithful: its parser, grammar or per-token extras restart.
+_UNRESUMABLE_FIELDS = (
+    "tools", "tool_choice", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of",
+)
+RETRY_S = 0.2  # between tries of a replica that answered engine_unavailable
+
+
+def resumable(surface: str, body: dict[str, Any]) -> bool:
+    """Whether a stream of ``body`` can be resumed faithfully (the module's docstring says why not)."""
+    if surface not in RESUMABLE_SURFACES or body.get("stream") is not True:
+        return False
+    if (body.get("n") or 1) != 1 or (surface == "completions" and pricing.prompt_count(body) != 1):
+        return False
+    if any(body.get(field) not in (None, False, [], 0) for field in _UNRESUMABLE_FIELDS):
+        return False
+    thinking = body.get("enable_thinking") or (body.get("chat_template_kwargs") or {}).get("enable_thinking")
+    return not thinking
+
+
+def text_received(relayed: bytes) -> str:
+    """The completion text a chat or completions stream's bytes carried to the client."""
+    text = []
+    for event in relayed.split(EVENT_END):
+        payload = data_of(event.decode("utf-8", "replace"))
+        for choice in (payload or {}).get("choices") or ():
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+class Resumer:
+    """One stream's resumes: how many are left, and the tokens generated before each seam."""
+
+    def __init__(self, ctx, *, max_resumes: int, window_s: float):
+        self.ctx = ctx
+        self.left = max_resumes if resumable(ctx.surface.name, ctx.body) else 0
+        self.window_s = window_s
+        self.done = 0  # resumes that took
+        self.prompt_tokens = 0  # what the continuations prefilled (recorded apart from the prompt)
+        self.pause_ms: list[float] = []  # failure seen → the continuation's first byte, per seam
+
+    @property
+    def keeps_bytes(self) -> bool:
+        """Whether the relay keeps what it relayed (a resume reads the client's text from it)."""
+        return self.left > 0
+
+    async def resume(self, broken: Trailer, relayed: bytes) -> bool:
+        """Continue the stream on a replica of the region: True when the new call's stream is open
+        (``ctx.call`` is it), False when this stream cannot or could not be resumed."""
+        ctx = self.ctx
+        if self.left <= 0 or broken.error_code != ENGINE_UNAVAILABLE or not broken.token_ids:
+            return False
+        field = pricing.ROUTES[ctx.surface.name].field
+        remaining = ctx.body[field] - len(broken.token_ids)
+        if remaining < 1:
+            return False
+        self.left -= 1
+        started = time.perf_counter()
+        resume = Resume(tuple(broken.token_ids), text_received(relayed))
+        body = {**ctx.body, field: remaining}
+        span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
+        call = None
+        try:
+            call = await self._open(Call(
+                body, ctx.id, limit_set_by_router=False, cache_salt=ctx.cache_salt, resume=resume,
+            ), deadline=started + self.window_s)
+        finally:
+            ctx.telemetry.end_resume(span, call is not None)
+        if call is None:
+            return False
+        ctx.call, self.done = call, self.done + 1
+        self.pause_ms.append((time.perf_counter() - started) * 1000)
+        logger.info("stream %s resumed after %d tokens", ctx.telemetry.trace_id, len(resume.token_ids))
+        return True
+
+    def note_attempt(self, trailer: Trailer) -> None:
+        """A continuation's trailer: its prefill was the resumed prompt."""
+        if self.done:
+            self.prompt_tokens += trailer.generated.prompt_tokens
+
+    async def _open(self, call: Call, *, deadline: float) -> ReplicaCall | None:
+        """A replica's open stream for ``call``, trying again while replicas answer that their
+        engine died, until ``deadline``; None if none took it."""
+        ctx = self.ctx
+        services = ctx.services
+        while time.perf_counter() < deadline:
+            replica_call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, call, ctx.model, services.region)
+            try:
+                head = await replica_call.first()
+            except APIError as unavailable:
+                if unavailable.code in REPLICA_FAILURES:
+                    services.states.suspect()
+                if unavailable.status != 503:
+                    return None
+                await asyncio.sleep(RETRY_S)
+                continue
+            if isinstance(head, StreamOpen):
+                return replica_call
+            logger.warning("a resumed stream was answered %s: %s", head.status, json.dumps(head.body)[:200])
+            return None
+        return None
