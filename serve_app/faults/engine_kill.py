@@ -1,10 +1,16 @@
-"""Kill the model replica's vLLM engine core during streams, and time the way back.
+"""Kill a model replica's vLLM engine core during streams, and time the way back.
 
-What must hold: every in-flight stream ends with our ``engine_unavailable`` error event and
-``[DONE]`` (none hangs, none gets vLLM's own words); new requests get a 503 with a short
-``Retry-After`` (``engine_unavailable`` from the dead replica, then ``model_recovering``, or a
-wait in Serve's queue) until the replacement replica serves; ``/health`` says ``recovering``,
-not ``failed``; the routers never import vLLM.
+``engine_kill`` (one replica): every in-flight stream ends with our ``engine_unavailable`` error
+event and ``[DONE]`` (none hangs, none gets vLLM's own words; with no other replica to resume on,
+the resume window ends first); new requests get a 503 with a short ``Retry-After``
+(``engine_unavailable`` from the dead replica, then ``model_recovering``, or a wait in Serve's
+queue) until the replacement replica serves; ``/health`` says ``recovering``, not ``failed``; the
+routers never import vLLM.
+
+``engine_kill_resumed`` (two replicas or more): the streams on the killed replica go on from
+another one (``router/resume.py``): every stream ends normally with its full length, its text the
+same as an uninterrupted greedy run's (no gap, no repeat at the seam), and the pause at the seam
+is measured (the longest wait between two chunks of each resumed stream).
 """
 
 import asyncio
@@ -61,3 +67,46 @@ async def engine_kill(
         "health_timeline": probe.changes(),
         "routers_imported_vllm": any(r.imported_vllm() for r in routers),
     }
+
+
+def greedy_body(max_tokens: int) -> dict[str, Any]:
+    """A stream whose text is the same every run (greedy decoding, its full length)."""
+    return {**chat_body(max_tokens), "temperature": 0, "seed": 7}
+
+
+async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 300) -> dict[str, Any]:
+    running_replicas = cluster.model_replicas(app, MODEL_DEPLOYMENT)
+    if len(running_replicas) < 2:
+        raise RuntimeError(f"engine_kill_resumed needs two replicas of {MODEL_DEPLOYMENT}, not {len(running_replicas)}")
+    body = greedy_body(max_tokens)
+    async with _client(key, streams + 4) as client:
+        reference = await stream_chat(client, url, body, idle_timeout_s=120)  # uninterrupted
+        started = asyncio.Event()
+        running = [
+            asyncio.create_task(stream_chat(client, url, body, first_chunk=started, idle_timeout_s=120))
+            for _ in range(streams)
+        ]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(0.5)  # every stream is decoding
+        killed_pid = cluster.kill_engine_core(running_replicas[0])
+        outcomes = await asyncio.gather(*running)
+    resumed = [o for o in outcomes if o.resumes]
+    pauses = sorted(o.max_gap_s * 1000 for o in resumed)
+    return {
+        "engine_core_pid": killed_pid,
+        "replicas": len(running_replicas),
+        "streams": streams,
+        "streams_by_outcome": count(list(outcomes)),
+        "resumed": len(resumed),
+        "full_length": sum(o.chunks >= max_tokens for o in outcomes),
+        "reference_chunks": reference.chunks,
+        "same_text_as_uninterrupted": sum(o.text == reference.text for o in outcomes),
+        "resumed_same_text": sum(o.text == reference.text for o in resumed),
+        "seam_pause_ms": {"p50": _rank(pauses, 50), "p95": _rank(pauses, 95), "max": pauses[-1] if pauses else None},
+    }
+
+
+def _rank(values: list[float], q: float) -> float | None:
+    from serve_app.bench.stats import percentile
+
+    return round(percentile(values, q), 1) if values else None

@@ -30,6 +30,9 @@ class Outcome:
     error_code: str | None = None  # from the error body or the stream's error event
     retry_after: str | None = None
     chunks: int = 0  # content chunks received
+    text: str = ""  # their content, joined (the seam check of a resumed stream)
+    max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
+    resumes: int = 0  # pg_metadata.resumes: the stream went on from another replica
 
     @property
     def label(self) -> str:
@@ -63,6 +66,7 @@ async def stream_chat(
                 outcome.ended, outcome.error_code = "json", _error_code(await response.aread())
                 return outcome
             outcome.ended = "cut"
+            text, last = [], None
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -72,7 +76,15 @@ async def stream_chat(
                 payload = json.loads(line[6:])
                 if "error" in payload:
                     outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
+                elif "pg_metadata" in payload:
+                    outcome.resumes = payload["pg_metadata"].get("resumes", 0)
                 elif payload.get("choices"):
+                    now = time.perf_counter()
+                    if last is not None:
+                        outcome.max_gap_s = max(outcome.max_gap_s, now - last)
+                    last = now
+                    text.append((payload["choices"][0].get("delta") or {}).get("content") or "")
+                    outcome.text = "".join(text)
                     outcome.chunks += 1
                     if first_chunk is not None:
                         first_chunk.set()
