@@ -43,6 +43,8 @@ OutDir = Annotated[Path, typer.Option(help="Root of the results: <out-dir>/<regi
 BENCHMARKS_DIR = REPO_ROOT / "docs" / "benchmarks"
 # Without a meter (``--no-cpu``, or no process found) the only pause before a batch is a sleep.
 FIXED_QUIET_S = 2.0
+# An idle floor above this is no idle service: a spinning engine, a start-up still going on.
+BUSY_FLOOR_CORES = 0.5
 
 
 def process_table() -> ProcessTable:
@@ -172,6 +174,8 @@ def stream(
                                                  "measured at the start + this (% of one core).")] = 5.0,
     quiet_window_s: Annotated[float, typer.Option(min=0.05, help="Window the quiet CPU is measured over.")] = 0.5,
     quiet_timeout_s: Annotated[float, typer.Option(min=0, help="Start the batch anyway after this wait.")] = 15.0,
+    quiet_floor_pct: Annotated[float | None, typer.Option(min=0, help="The idle floor (% of one core) instead of "
+                                                          "measuring it at the start; 0: an absolute threshold.")] = None,
     gate: Annotated[bool, typer.Option(help="Exit 1 when a tok/s ratio (median over rounds) is below its floor.")
                     ] = False,
     gate_floors: Annotated[str, typer.Option(help="Floors per concurrency for --gate.")] = DEFAULT_FLOORS,
@@ -192,7 +196,11 @@ def stream(
         pause = quiet_s if quiet_s is not None else (0.0 if meter else FIXED_QUIET_S)
         document["sleep_s"] = pause
         if meter:
-            floor = await meter.measure_floor()
+            floor = await meter.measure_floor() if quiet_floor_pct is None else quiet_floor_pct / 100
+            meter.floor_cores = floor
+            if floor > BUSY_FLOOR_CORES:
+                typer.echo(f"warning: the idle floor is {100 * floor:.0f} % of a core: something on the servers is "
+                           "busy, so the quiet wait hardly waits (see --quiet-floor-pct)", err=True)
             document["quiet"] = {"floor_cores": floor, "margin_cores": meter.margin_cores, "window_s": meter.window_s,
                                  "threshold_cores": meter.threshold_cores, "timeout_s": meter.timeout_s}
             _engine_check(meter)

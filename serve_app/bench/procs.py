@@ -5,16 +5,17 @@ in ``PsutilTable``, a dict in the unit tests) and recognises Ray's processes by 
 puts on their command lines (``ray/_private/services.py`` for 2.60):
 
 - a cluster's **session**: ``gcs_server``, ``raylet``, the dashboard, the log monitor and the
-  autoscaler monitor carry ``--session-name=`` / ``--session_name=`` / ``--session-dir=`` /
-  ``--session_dir=``; every other process of the cluster (the dashboard's and runtime env's
-  agents, every ``ray::`` worker, the Serve actors, HAProxy, vLLM's engine core) is a descendant
-  of one of them (the raylet starts the agents and workers; setproctitle has replaced their
-  command lines, so the tree is what ties them to the session);
-- **HAProxy** is also matched by the node id in its config path (``-f
-  /tmp/haproxy-serve/<node id>/haproxy.cfg``; serve_app/haproxy/state_dirs.py): a HAProxy that
-  outlived its manager and was reparented still counts;
+  autoscaler monitor name it in a flag (``--session-name=``, ``--session-dir=``, ``--logs-dir=``
+  …); every other process of the cluster (the dashboard's and runtime env's agents, every
+  ``ray::`` worker, the Serve actors, HAProxy, vLLM's engine core) is a descendant of one of them
+  (the raylet starts the agents and workers; setproctitle has replaced their command lines, so
+  the tree is what ties them to the session);
+- a process that names one of the session's **node ids** exactly (``--node-id=<id>``: Ray's
+  client server) and **HAProxy** by the node id in its config path (``-f
+  /tmp/haproxy-serve/<node id>/haproxy.cfg``; serve_app/haproxy/state_dirs.py), so a HAProxy
+  that outlived its manager and was reparented still counts;
 - the **driver** (``serve run``'s Python process, which ``ray.init`` makes the parent of
-  ``gcs_server``) when there is one.
+  ``gcs_server``) and its children (the autoscaler monitor, the reaper) when there is one.
 
 Which session is ours is decided by the target's port: the cluster whose processes include the
 one listening on it (HAProxy, or Serve's proxy actor). Bare vLLM is the process listening on the
@@ -31,7 +32,9 @@ from serve_app.haproxy.state_dirs import NODE_ID
 
 OURS, BASELINE, CLIENT = "ours", "baseline", "client"
 SESSION = re.compile(r"session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
-SESSION_FLAGS = ("--session-name=", "--session_name=", "--session-dir=", "--session_dir=")
+# Flags whose value names the session (its name, or a directory inside /tmp/ray/<session>/).
+SESSION_FLAGS = ("--session-name=", "--session_name=", "--session-dir=", "--session_dir=", "--logs-dir=",
+                 "--log-dir=", "--log_dir=")
 NODE_FLAGS = ("--node_id=", "--node-id=")
 _METHOD = re.compile(r"\.[A-Za-z_]\w*(\(\))?$")
 # Ray's own programs: a session flag on anything else (``tail -f .../session_x/...``) is not Ray.
@@ -171,21 +174,23 @@ def ray_sessions(procs: Sequence[Proc], exclude: set[int] = frozenset()) -> dict
             if (node := node_id_of(proc)) is not None:
                 session.node_ids.add(node)
     for session in sessions.values():
-        members = descendants(session.procs, children) - exclude
-        session.procs = {pid: by_pid[pid] for pid in members}
-        for proc in procs:  # a HAProxy whose manager is gone, reparented: its config names the node
-            if _is_haproxy(proc) and proc.pid not in exclude and any(
-                node in arg for node in session.node_ids for arg in proc.cmdline
-            ):
-                session.procs.update({pid: by_pid[pid] for pid in descendants([proc.pid], children) - exclude})
-        gcs = [p for p in session.procs.values() if p.cmdline and _basename(p.cmdline[0]) == "gcs_server"]
+        roots = set(session.procs)
+        for proc in procs:
+            # A process that names one of the session's nodes exactly (Ray's client server,
+            # --node-id=<id>), or a HAProxy whose config is that node's (reparented when its
+            # manager died): node ids are random 28-byte values, nothing else names them.
+            node_flag = node_id_of(proc) in session.node_ids
+            if node_flag or (_is_haproxy(proc) and any(n in arg for n in session.node_ids for arg in proc.cmdline)):
+                roots.add(proc.pid)
+        gcs = [by_pid[pid] for pid in roots if by_pid[pid].cmdline and _basename(by_pid[pid].cmdline[0]) == "gcs_server"]
         parent = by_pid.get(gcs[0].ppid) if gcs else None
-        # ray.init() makes the driver (serve run) gcs_server's parent; `ray start` leaves it to init
-        # (or a subreaper such as systemd --user, which is not the service's: only a Python driver is).
-        if (parent and parent.pid > 1 and parent.pid not in exclude and parent.pid not in session.procs
-                and _is_python_driver(parent)):
+        # ray.init() makes the driver (serve run) gcs_server's parent, and of the autoscaler
+        # monitor and the reaper beside it; `ray start` leaves them to init (or a subreaper such
+        # as systemd --user, which is not the service's: only a Python driver counts).
+        if parent and parent.pid > 1 and parent.pid not in exclude and _is_python_driver(parent):
             session.driver = parent.pid
-            session.procs[parent.pid] = parent
+            roots.add(parent.pid)
+        session.procs = {pid: by_pid[pid] for pid in descendants(roots, children) - exclude}
     return sessions
 
 
@@ -238,8 +243,8 @@ def group_of(proc: Proc, driver: int | None = None) -> tuple[str, str]:
         return ("model replica actor" if deployment.startswith("model-") else "other Ray"), actor
     if title.startswith("ray-dashboard-") or label.endswith(" dashboard.py"):
         return "dashboard", label
-    if title.startswith("ray::") or _is_ray_program(proc):
-        return "other Ray", label
+    if title.startswith("ray::") or any((a.endswith(".py") and "/ray/" in a) or a.startswith("ray.") for a in argv[1:4]):
+        return "other Ray", label  # a worker, or a Python program of Ray's (monitor, reaper, client server)
     return "other", label
 
 

@@ -46,7 +46,15 @@ def _ray(session: str, node: str, base: int, driver: bool = True) -> list[Proc]:
         Proc(base + 29, base + 25, (PY, "-c", "from multiprocessing.resource_tracker import main;main(7)")),
     ]
     if driver:
-        procs.append(Proc(base, 100, (PY, "/venv/bin/serve", "run", "configs/local.yaml")))
+        procs += [
+            Proc(base, 100, (PY, "/venv/bin/serve", "run", "configs/local.yaml")),
+            # the driver's other children: the autoscaler monitor (its flags name only the logs
+            # directory) and the reaper (no flag at all)
+            Proc(base + 6, base, (PY, "-u", f"{RAY}/autoscaler/_private/monitor.py", f"--logs-dir=/tmp/ray/{session}/logs")),
+            Proc(base + 7, base, (PY, "-u", f"{RAY}/_private/ray_process_reaper.py")),
+        ]
+    # Ray's client server, started beside the raylet, tied to the node by its flag only
+    procs.append(Proc(base + 8, parent, (PY, "-m", "ray.util.client.server", "--port=10001", f"--node-id={node}")))
     return procs
 
 

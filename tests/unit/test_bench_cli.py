@@ -256,7 +256,8 @@ def test_stream_bench_counts_cpu_per_token_per_process_and_the_spread_over_round
 def test_gate_fails_with_one_line_per_concurrency_and_writes_the_results(served, tmp_path):
     _, ours, base = served
     args = ["bench", "--target", ours, "--baseline", base, *CPU_ARGS, "--out-dir", str(tmp_path), "--gate",
-            "--gate-floors", "1=10,2=10,4=0.9"]  # no 10× gap between two identical fake servers
+            "--gate-floors", "1=10,2=10,4=0.9",  # no 10× gap between two identical fake servers
+            "--quiet-floor-pct", "2"]
     result = CliRunner().invoke(_cli(), args)
     assert result.exit_code == 1
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("gate: ")]
@@ -264,6 +265,29 @@ def test_gate_fails_with_one_line_per_concurrency_and_writes_the_results(served,
     assert "is below the floor 10.00×" in lines[0] and lines[2].endswith("not measured (floor 0.90×); add it to --concurrency")
     document = json.loads(next(tmp_path.glob("here-*/qwen-3.6-35b-a3b/llm_bench.json")).read_text())
     assert len(document["gate"]["failures"]) == 3
+    assert document["meta"]["quiet"]["floor_cores"] == 0.02 and document["meta"]["quiet"]["threshold_cores"] == 0.07
+
+
+class RealTimeClock(Clock):
+    @property
+    def now(self):
+        return time.monotonic()
+
+    @now.setter
+    def now(self, _):
+        pass
+
+
+def test_a_busy_idle_floor_is_said(fake, tmp_path, monkeypatch):
+    _, ours, _ = fake
+    table = FakeTable(RealTimeClock(), procs=[*host_procs(), Proc(os.getpid(), 100, ("pytest",))],
+                      listening={int(ours.split(":")[2].split("/")[0]): {222}}, rates={226: 0.8})
+    monkeypatch.setattr(bench_cli, "process_table", lambda: table)
+    args = ["bench", "--target", ours, "--concurrency", "1", "--rounds", "1", "--requests-per-worker", "1",
+            "--quiet-window-s", "0.05", "--out-dir", str(tmp_path), "--region", "here"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    assert "warning: the idle floor is 80 % of a core" in result.stderr
 
 
 def test_gate_needs_a_baseline_and_valid_floors(tmp_path):

@@ -23,9 +23,10 @@ def test_ours_is_every_process_of_the_cluster_on_the_target_port_and_nothing_els
     table = FakeTable(Clock())
     found = by_pid(discover(table, ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID))
     ours = {pid for pid, t in found.items() if t.side == OURS}
-    # the driver, GCS, raylet, dashboard (+ module), log monitor, agents, Serve actors, HAProxy, the
-    # replicas and their children, the idle worker, and the reparented HAProxy naming our node
-    assert ours == {200, 201, 202, 203, 204, 205, 210, 211, *range(220, 231)}
+    # the driver and its monitor and reaper, GCS, raylet, dashboard (+ module), log monitor, the
+    # client server, agents, Serve actors, HAProxy, the replicas and their children, the idle
+    # worker, and the reparented HAProxy naming our node
+    assert ours == {*range(200, 209), 210, 211, *range(220, 231)}
     assert not ours & set(range(500, 530))  # the other cluster on this host
     assert 240 not in found  # names our session but is no Ray program
     assert {pid for pid, t in found.items() if t.side == BASELINE} == {300, 301, 302}
@@ -38,7 +39,9 @@ def test_the_groups_and_labels_a_reader_sees():
     assert groups[200] == ("driver", "python3.11 serve")
     assert groups[201][0] == "GCS" and groups[202][0] == "raylet"
     assert groups[203] == ("dashboard", "python3.11 dashboard.py") and groups[204] == ("dashboard", "ray-dashboard-ServeHead-0")
-    assert groups[205] == ("other Ray", "python3.11 log_monitor.py")
+    assert groups[205] == ("other Ray", "python3.11 log_monitor.py") and groups[206] == ("other Ray", "python3.11 monitor.py")
+    assert groups[207] == ("other Ray", "python3.11 ray_process_reaper.py")
+    assert groups[208] == ("other Ray", "python3.11 -m ray.util.client.server")
     assert groups[210][0] == "dashboard agent" and groups[211][0] == "runtime env agent"
     assert groups[220] == ("controller", "ray::ServeController")
     assert groups[221][0] == "HAProxy manager" and groups[222] == groups[230] == ("HAProxy", "haproxy")
@@ -90,8 +93,17 @@ def test_quiet_waits_until_the_spinning_engine_stops_and_measures_the_idle_floor
     table.set_rate(220, 0.06)  # the controller's idle loop
     table.set_rate(224, 0.04)
     m = meter(table, window_s=0.5, margin_cores=0.05, timeout_s=10)
+    windows = []
+
+    async def spike_in_the_second_window(seconds):  # the dashboard's periodic work, once
+        windows.append(seconds)
+        table.set_rate(203, 0.4 if len(windows) == 2 else 0.0)
+        table.clock.now += seconds
+
+    m.sleep = spike_in_the_second_window
     floor = asyncio.run(m.measure_floor())
-    assert floor == pytest.approx(0.10) and m.threshold_cores == pytest.approx(0.15)
+    assert floor == pytest.approx(0.10) and m.threshold_cores == pytest.approx(0.15)  # the spike is not the floor
+    assert windows == [0.5] * 4
 
     table.set_rate(301, 1.0)  # bare vLLM's engine core still busy-polling after its batch
     clock, spin_ends = table.clock, table.clock.now + 1.5
