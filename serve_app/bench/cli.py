@@ -34,7 +34,8 @@ Baseline = Annotated[str | None, typer.Option(help="Base URL of an already runni
 BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with this Serve config's first model's engine flags.")]
 BaselineModel = Annotated[str | None, typer.Option(help="Model id for --baseline (default: --model).")]
 BaselineKey = Annotated[str | None, typer.Option(help="Bearer key for --baseline, if it wants one.")]
-RoundSize = Annotated[int | None, typer.Option(help="Requests per side per round (default: depends on concurrency).")]
+RoundSize = Annotated[int | None, typer.Option(help="Requests per side per batch (default: bench, --requests-per-worker "
+                                                    "× concurrency; bench-capacity, max(4 × concurrency, 20)).")]
 Warmup = Annotated[int, typer.Option(help="Uncounted warm-up requests per worker, per side and level.")]
 QuietS = Annotated[float, typer.Option(help="Seconds of idle before every batch.")]
 Region = Annotated[str | None, typer.Option(help="Output folder's region (default: the target's /health region, else local).")]
