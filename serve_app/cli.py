@@ -43,6 +43,7 @@ app.add_typer(regions_app, name="regions", help="Render and check configs/ and t
 app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
+app.command("idle")(bench_cli.idle)
 app.command("faults")(faults_cli.command)
 app.command("gpu-smoke")(gpu_smoke.command)
 app.command("image-lock")(image_lock.command)

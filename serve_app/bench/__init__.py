@@ -1,8 +1,9 @@
 """Benchmarks after the model card's published method: ``serve-app bench`` (streams) and
-``serve-app bench-capacity`` (router requests/s), ours against a baseline on the same machine.
+``serve-app bench-capacity`` (router requests/s), ours against a baseline on the same machine;
+``serve-app idle`` (``serve_app.bench.idle``), the running service's CPU with no traffic.
 
-Streams (``serve_app.bench.streams``). N streaming chat completions (``--runs``, default 100) per
-side and per concurrency (``--concurrency 1,16,32``), the card's prompt, ``max_tokens``
+Streams (``serve_app.bench.streams``). Streaming chat completions per side and per concurrency
+(``--concurrency 1,16,32``), the card's prompt, ``max_tokens``
 (``--max-tokens``), optionally ``ignore_eos`` so a random-weight model always writes max_tokens.
 Each request carries a fresh W3C ``traceparent``; its trace id is kept with the run. Per stream,
 on the client's clock (``time.perf_counter``):
@@ -20,7 +21,10 @@ on the client's clock (``time.perf_counter``):
 - **throughput per stream**: decode tokens/s = (completion tokens − 1) / (last token − first
   token), TTFT excluded; completion tokens from the final usage chunk (``stream_options.
   include_usage``), or the number of token chunks if the server sends no usage;
-- **aggregate tokens/s**: a side's completion tokens / the summed wall time of its counted batches.
+- **aggregate tokens/s**: a side's completion tokens / the summed wall time of its counted batches;
+- **sustained tokens/s**: the tokens that arrive between the moment the last worker of a batch
+  gets its first token and the moment the first worker ends its last request, over that time
+  (``serve_app.bench.stats.sustained``: ramp-up and tail left out).
 
 Percentiles are nearest rank (sorted values, index ceil(q/100 · n) − 1): always a measured value.
 Errors (non-200, a broken stream, no token) are counted by reason and never stop the run.
@@ -32,16 +36,27 @@ Fairness on a small machine (2 cores here, shared by client, router, proxy and e
   engine) at nice 15, and stops it afterwards. ``--baseline URL`` uses a server already running.
 - The same workload runs against both sides **interleaved**, never both at once: per
   concurrency, one uncounted warm-up batch per side (``--warmup`` requests per worker), then
-  rounds of ``--round-size`` requests (default max(2 × concurrency, 10)) alternating ours,
-  baseline, then baseline, ours… (the order flips each round to cancel order effects), with
-  ``--quiet-s`` seconds of sleep before every batch so the engine that just worked goes idle.
-- Ratios per concurrency: ours / baseline for aggregate and per-stream tok/s p50; TTFT overhead
-  = ours − baseline at p50 and p95, in ms and in % of the baseline.
+  ``--rounds`` rounds (default 5) of one batch per side, the order flipping each round (A,B
+  then B,A…) to cancel order effects. In a batch every worker sends ``--requests-per-worker``
+  (default 5) requests back to back (or ``--batch-s`` seconds of them; ``--round-size`` /
+  ``--runs`` set the sizes directly, as before).
+- Before every batch, ``--quiet-s`` of sleep, then the **measured quiet**: both servers' CPU
+  sampled until it is at most the idle floor measured at the start plus ``--quiet-cpu-pct``
+  (``serve_app.bench.cpu``), with a timeout the record keeps.
+- **CPU**: every process of each side (``serve_app.bench.procs``) is sampled before and after
+  each counted batch: CPU-seconds per 1,000 completion tokens per process group and side, and
+  ours / baseline (``serve_app.bench.cpu.per_1k_tokens``). Both engines' niceness and thread
+  settings are compared (``serve_app.bench.engine_env``).
+- Ratios per concurrency: ours / baseline for aggregate, sustained and per-stream tok/s p50;
+  TTFT overhead = ours − baseline at p50 and p95, in ms and in % of the baseline. Per round:
+  sustained tok/s and CPU per token ours / baseline, with median and range over rounds
+  (``stats.round_ratios``), which ``--gate`` compares with its floors (``serve_app.bench.gate``).
 
 Targets must be 127.0.0.1 / localhost. Results go to ``docs/benchmarks/<region>-<UTC date>/<model>/``
 (region: ``--region``, else the target's ``/health`` ``region``, else ``local``):
-``llm_bench.json`` (meta, raw runs, summaries, ratios), ``llm_bench.md`` (the card's table per
-side and concurrency, summary and ratio tables), ``llm_bench.png``; ``bench-capacity`` writes
+``llm_bench.json`` (meta, raw runs, summaries, batch records, ratios and their spread, CPU per
+1,000 tokens, the engine environment, the gate), ``llm_bench.md`` (the card's table per side and
+concurrency, summary, ratio, round, CPU, quiet and engine tables, ``cpu_report``), ``llm_bench.png``; ``bench-capacity`` writes
 ``router_capacity.json`` (``serve_app.bench.capacity`` defines its figures).
 """
 

@@ -1,19 +1,28 @@
-"""``serve-app bench`` and ``serve-app bench-capacity`` (wired into ``serve_app.cli``)."""
+"""``serve-app bench``, ``serve-app bench-capacity`` and ``serve-app idle`` (wired into ``serve_app.cli``)."""
 
 import asyncio
+import json
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 
 from serve_app.bench.capacity import CAPACITY_HEADERS, bench_capacity, capacity_table
 from serve_app.bench.client import DEFAULT_MODEL, Side, check_local
+from serve_app.bench.cpu import Meter
+from serve_app.bench.cpu_report import SPREAD_HEADERS, spread_rows
+from serve_app.bench.engine_env import engine_envs, mismatches, warning_block
+from serve_app.bench.gate import DEFAULT_FLOORS, gate_failures, parse_floors
+from serve_app.bench.idle import DEFAULT_TARGET_PCT, idle_text, measure_idle
 from serve_app.bench.plot import plot
+from serve_app.bench.host import PsutilTable
+from serve_app.bench.procs import DiscoveryError, ProcessTable, discover
 from serve_app.bench.report import detect_region, md_table, output_dir, run_meta, stream_markdown, stream_tables, write_json
 from serve_app.bench.schedule import BASELINE, OURS
-from serve_app.bench.streams import bench_streams
+from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
 from serve_app.paths import REPO_ROOT
 
@@ -25,13 +34,23 @@ Baseline = Annotated[str | None, typer.Option(help="Base URL of an already runni
 BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with this Serve config's first model's engine flags.")]
 BaselineModel = Annotated[str | None, typer.Option(help="Model id for --baseline (default: --model).")]
 BaselineKey = Annotated[str | None, typer.Option(help="Bearer key for --baseline, if it wants one.")]
-RoundSize = Annotated[int | None, typer.Option(help="Requests per side per round (default: depends on concurrency).")]
+RoundSize = Annotated[int | None, typer.Option(help="Requests per side per batch (default: bench, --requests-per-worker "
+                                                    "× concurrency; bench-capacity, max(4 × concurrency, 20)).")]
 Warmup = Annotated[int, typer.Option(help="Uncounted warm-up requests per worker, per side and level.")]
 QuietS = Annotated[float, typer.Option(help="Seconds of idle before every batch.")]
 Region = Annotated[str | None, typer.Option(help="Output folder's region (default: the target's /health region, else local).")]
 OutDir = Annotated[Path, typer.Option(help="Root of the results: <out-dir>/<region>-<date>/<model>/.")]
 # Results are evidence kept with the docs that quote them (the repository's top level is fixed).
 BENCHMARKS_DIR = REPO_ROOT / "docs" / "benchmarks"
+# Without a meter (``--no-cpu``, or no process found) the only pause before a batch is a sleep.
+FIXED_QUIET_S = 2.0
+# An idle floor above this is no idle service: a spinning engine, a start-up still going on.
+BUSY_FLOOR_CORES = 0.5
+
+
+def process_table() -> ProcessTable:
+    """The host's process table (the unit tests replace it with a fake one)."""
+    return PsutilTable()
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -90,6 +109,42 @@ def _measure(flags: dict[str, Any], bench: Callable[[list[Side], Any], Coroutine
     return sides, meta, results
 
 
+def _port(url: str) -> int:
+    parsed = httpx.URL(url)
+    return parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def _meter(sides: list[Side], flags: dict[str, Any]) -> tuple[Meter | None, dict[str, Any]]:
+    """The CPU meter over every process of both sides, or None (said on stderr and in the meta)."""
+    if not flags["cpu"]:
+        return None, {"cpu": "off (--no-cpu)"}
+    table = process_table()
+    ports = {side.name: _port(side.url) for side in sides}
+
+    def find():
+        return discover(table, ours_port=ports.get(OURS), baseline_port=ports.get(BASELINE))
+
+    try:
+        meter = Meter(table, find, window_s=flags["quiet_window_s"], margin_cores=flags["quiet_cpu_pct"] / 100,
+                      timeout_s=flags["quiet_timeout_s"])
+    except DiscoveryError as err:
+        typer.echo(f"warning: CPU not counted, batches start after a fixed {FIXED_QUIET_S} s: {err}", err=True)
+        return None, {"cpu": f"not counted: {err}"}
+    return meter, {}
+
+
+def _engine_check(meter: Meter | None) -> dict[str, Any] | None:
+    """Both sides' engine processes as they run now; warns loudly when they differ."""
+    if meter is None:
+        return None
+    meter.refresh()
+    envs = engine_envs(meter.table, meter.tracked.values())
+    problems = mismatches(envs)
+    if problems:
+        typer.echo(warning_block(problems), err=True)
+    return {"processes": envs, "mismatches": problems}
+
+
 def _sides_meta(sides: list[Side]) -> dict[str, Any]:
     return {side.name: {"url": side.url, "model": side.model} for side in sides}
 
@@ -98,7 +153,8 @@ def stream(
     target: Target = "http://127.0.0.1:8000",
     api_key: ApiKey = None,
     model: Model = DEFAULT_MODEL,
-    runs: Annotated[int, typer.Option(min=1, help="Counted streams per side per concurrency.")] = 100,
+    runs: Annotated[int | None, typer.Option(min=1, help="Counted streams per side per concurrency "
+                                             "(default: --rounds rounds of full batches).")] = None,
     concurrency: Annotated[str, typer.Option(help="Concurrency levels, comma separated.")] = "1,16,32",
     max_tokens: Annotated[int, typer.Option(min=1)] = 64,
     ignore_eos: Annotated[bool, typer.Option(help="Send vLLM's ignore_eos: always generate max_tokens.")] = False,
@@ -108,26 +164,85 @@ def stream(
     baseline_api_key: BaselineKey = None,
     round_size: RoundSize = None,
     warmup: Warmup = 1,
-    quiet_s: QuietS = 2.0,
+    quiet_s: Annotated[float | None, typer.Option(help="Seconds of sleep before every batch, before the measured "
+                                                  f"quiet (default 0; {FIXED_QUIET_S} without CPU counting).")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per concurrency (one batch per side each).")] = ROUNDS,
+    requests_per_worker: Annotated[int, typer.Option(min=1, help="Requests each worker sends back to back per batch."
+                                                     )] = REQUESTS_PER_WORKER,
+    batch_s: Annotated[float | None, typer.Option(min=0.1, help="Instead: every batch lasts this many seconds.")] = None,
+    cpu: Annotated[bool, typer.Option(help="Count every process's CPU and wait for measured quiet.")] = True,
+    quiet_cpu_pct: Annotated[float, typer.Option(min=0, help="Quiet = both servers' CPU at most the idle floor "
+                                                 "measured at the start + this (% of one core).")] = 5.0,
+    quiet_window_s: Annotated[float, typer.Option(min=0.05, help="Window the quiet CPU is measured over.")] = 0.5,
+    quiet_timeout_s: Annotated[float, typer.Option(min=0, help="Start the batch anyway after this wait.")] = 15.0,
+    quiet_floor_pct: Annotated[float | None, typer.Option(min=0, help="The idle floor (% of one core) instead of "
+                                                          "measuring it at the start; 0: an absolute threshold.")] = None,
+    gate: Annotated[bool, typer.Option(help="Exit 1 when a tok/s ratio (median over rounds) is below its floor.")
+                    ] = False,
+    gate_floors: Annotated[str, typer.Option(help="Floors per concurrency for --gate.")] = DEFAULT_FLOORS,
     region: Region = None,
     out_dir: OutDir = BENCHMARKS_DIR,
 ) -> None:
-    """Streaming TTFT and tokens/s, ours vs a baseline, interleaved (the model card's method)."""
+    """Streaming TTFT, tokens/s and CPU per token, ours vs a baseline, interleaved (the model card's method)."""
     levels = _concurrency_list(concurrency)
-    sides, meta, results = _measure(dict(locals()), lambda sides, progress: bench_streams(
-        sides, levels, runs=runs, max_tokens=max_tokens, ignore_eos=ignore_eos, round_size=round_size,
-        warmup=warmup, quiet_s=quiet_s, progress=progress,
-    ))
-    document = {"meta": meta, "sides": _sides_meta(sides), "results": results}
+    floors = _floors(gate_floors) if gate else None
+    if gate and not (baseline or baseline_vllm):
+        raise typer.BadParameter("--gate compares against a baseline: give --baseline-vllm CONFIG or --baseline URL")
+    flags = dict(locals())
+    document: dict[str, Any] = {}
+
+    async def run(sides: list[Side], progress) -> dict:
+        meter, why = _meter(sides, flags)
+        document.update(why)
+        pause = quiet_s if quiet_s is not None else (0.0 if meter else FIXED_QUIET_S)
+        document["sleep_s"] = pause
+        if meter:
+            floor = await meter.measure_floor() if quiet_floor_pct is None else quiet_floor_pct / 100
+            meter.floor_cores = floor
+            if floor > BUSY_FLOOR_CORES:
+                typer.echo(f"warning: the idle floor is {100 * floor:.0f} % of a core: something on the servers is "
+                           "busy, so the quiet wait hardly waits (see --quiet-floor-pct)", err=True)
+            document["quiet"] = {"floor_cores": floor, "margin_cores": meter.margin_cores, "window_s": meter.window_s,
+                                 "threshold_cores": meter.threshold_cores, "timeout_s": meter.timeout_s}
+            _engine_check(meter)
+        results = await bench_streams(
+            sides, levels, runs=runs, max_tokens=max_tokens, ignore_eos=ignore_eos, round_size=round_size,
+            warmup=warmup, quiet_s=pause, rounds=rounds, requests_per_worker=requests_per_worker, batch_s=batch_s,
+            meter=meter, progress=progress,
+        )
+        document["engine_env"] = _engine_check(meter)
+        return results
+
+    sides, meta, results = _measure(flags, run)
+    meta.update({k: document.pop(k) for k in ("cpu", "quiet", "sleep_s") if k in document})
+    document = {"meta": meta, "sides": _sides_meta(sides), "results": results, **document}
+    failures = gate_failures(results, floors) if floors else []
+    if floors:
+        document["gate"] = {"floors": {str(k): v for k, v in floors.items()}, "failures": failures}
     out = output_dir(out_dir, meta["region"], model)
     write_json(out / "llm_bench.json", document)
     (out / "llm_bench.md").write_text(stream_markdown(document))
     plot(document, out / "llm_bench.png")
     typer.echo(stream_tables(results))
+    if rows := spread_rows(results):
+        typer.echo("\n" + md_table(SPREAD_HEADERS, rows))
     typer.echo(f"wrote {out}/llm_bench.json, llm_bench.md, llm_bench.png")
     if any(entry[s.name]["summary"]["ok"] == 0 for entry in results.values() for s in sides):
         typer.echo("error: a side had no successful stream at some concurrency (see error_reasons)", err=True)
         raise typer.Exit(1)
+    for failure in failures:
+        typer.echo(f"gate: {failure}", err=True)
+    if failures:
+        raise typer.Exit(1)
+    if floors:
+        typer.echo(f"gate: passed ({gate_floors})")
+
+
+def _floors(text: str) -> dict[int, float]:
+    try:
+        return parse_floors(text)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--gate-floors") from None
 
 
 def capacity(
@@ -157,3 +272,21 @@ def capacity(
                      {"meta": meta, "sides": _sides_meta(sides), "results": results})
     typer.echo(md_table(CAPACITY_HEADERS, capacity_table(results)))
     typer.echo(f"wrote {out}")
+
+
+def idle(
+    target: Target = "http://127.0.0.1:8000",
+    seconds: Annotated[float, typer.Option(min=0.1, help="How long to sample (no request is sent).")] = 30.0,
+    target_pct: Annotated[float, typer.Option(help="The whole service's budget, % of one core.")] = DEFAULT_TARGET_PCT,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of the table.")] = False,
+) -> None:
+    """The running local service's idle CPU, per process (% of one core); exit 1 over the target."""
+    url = _local(target)
+    try:
+        result = measure_idle(process_table(), _port(url), seconds, target_pct=target_pct)
+    except DiscoveryError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(result, indent=2) if as_json else idle_text(result))
+    if not result["within_target"]:
+        raise typer.Exit(1)

@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -38,6 +38,18 @@ class Run:
     server: dict[str, Any] = field(default_factory=dict)  # the pg_metadata event, if any
     error: str | None = None  # short reason, the key errors are counted by
     detail: str | None = None  # the start of an error body, for the raw runs
+    # For the sustained window (``serve_app.bench.stats.sustained``): which worker of the batch
+    # sent it, when it started and ended, and when each token chunk came (perf_counter).
+    worker: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    token_times: list[float] = field(default_factory=list, repr=False)
+
+    def record(self) -> dict[str, Any]:
+        """The raw run as the JSON keeps it (the token times stay out: 64 floats a stream)."""
+        out = asdict(self)
+        del out["token_times"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class StreamState:
         self._lines: list[str] = []
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.token_times: list[float] = []
         self.token_chunks = 0
         self.usage_tokens: int | None = None
         self.server: dict[str, Any] = {}
@@ -156,12 +169,14 @@ class StreamState:
             self.usage_tokens = usage["completion_tokens"]
         if any(_has_token(c) for c in (payload.get("choices") or []) if isinstance(c, dict)):
             self.token_chunks += 1
+            self.token_times.append(now)
             self.last_token_at = now
             if self.first_token_at is None:
                 self.first_token_at = now
 
     def run(self, trace_id: str, started: float, ended: float) -> Run:
-        base = Run(ok=False, trace_id=trace_id, status=200, total_ms=(ended - started) * 1000, server=self.server)
+        base = Run(ok=False, trace_id=trace_id, status=200, total_ms=(ended - started) * 1000, server=self.server,
+                   started_at=started, ended_at=ended, token_times=self.token_times)
         if self.error or self.first_token_at is None or not self.done:
             base.error = self.error or ("no token" if self.first_token_at is None else "broken stream: no [DONE]")
             return base
@@ -185,11 +200,13 @@ async def stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any])
             if response.status_code != 200:
                 detail = (await response.aread())[:200].decode(errors="replace")
                 return Run(ok=False, trace_id=trace_id, status=response.status_code,
-                           error=f"HTTP {response.status_code}", detail=detail)
+                           error=f"HTTP {response.status_code}", detail=detail,
+                           started_at=started, ended_at=time.perf_counter())
             async for line in response.aiter_lines():
                 state.feed(line, time.perf_counter())
     except httpx.HTTPError as err:
-        return Run(ok=False, trace_id=trace_id, error=f"broken stream: {type(err).__name__}", detail=str(err)[:200])
+        return Run(ok=False, trace_id=trace_id, error=f"broken stream: {type(err).__name__}", detail=str(err)[:200],
+                   started_at=started, ended_at=time.perf_counter())
     state.flush(time.perf_counter())
     return state.run(trace_id, started, time.perf_counter())
 

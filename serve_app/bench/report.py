@@ -19,10 +19,11 @@ from serve_app.paths import REPO_ROOT
 
 SECRET_FLAGS = ("--api-key", "--baseline-api-key")
 SUMMARY_HEADERS = ["concurrency", "side", "runs", "errors", "TTFT p50", "TTFT p95", "server-only TTFT p50",
-                   "server-only TTFT p95", "network overhead p50", "tok/s per stream p50", "aggregate tok/s"]
+                   "server-only TTFT p95", "network overhead p50", "tok/s per stream p50", "aggregate tok/s",
+                   "sustained tok/s"]
 # Ratio = ours / baseline; overhead = ours − baseline, in ms and in % of the baseline.
-RATIO_HEADERS = ["concurrency", "aggregate tok/s ratio", "tok/s per stream p50 ratio", "TTFT overhead p50",
-                 "TTFT overhead p95"]
+RATIO_HEADERS = ["concurrency", "aggregate tok/s ratio", "sustained tok/s ratio", "tok/s per stream p50 ratio",
+                 "TTFT overhead p50", "TTFT overhead p95"]
 RATIO_CAPTION = "Ours vs baseline: ratio = ours / baseline; overhead = ours − baseline (% of baseline)."
 
 
@@ -127,12 +128,14 @@ def card_table(s: Mapping[str, Any]) -> str:
 def summary_row(concurrency: str, side: str, s: Mapping[str, Any]) -> list[str]:
     return [concurrency, side, str(s["runs"]), errors_cell(s), fmt(s["ttft_ms_p50"], " ms"), fmt(s["ttft_ms_p95"], " ms"),
             fmt(s["server_ttft_ms_p50"], " ms"), fmt(s["server_ttft_ms_p95"], " ms"),
-            fmt(s["network_overhead_ms_p50"], " ms"), fmt(s["decode_tokens_per_s_p50"]), fmt(s["aggregate_tokens_per_s"])]
+            fmt(s["network_overhead_ms_p50"], " ms"), fmt(s["decode_tokens_per_s_p50"]), fmt(s["aggregate_tokens_per_s"]),
+            fmt(s.get("sustained_tokens_per_s"))]
 
 
 def ratio_row(concurrency: str, r: Mapping[str, Any]) -> list[str]:
-    return [concurrency, fmt(r["aggregate_tokens_per_s"], "×", 2), fmt(r["decode_tokens_per_s_p50"], "×", 2),
-            fmt_overhead(r["ttft_overhead_p50"]), fmt_overhead(r["ttft_overhead_p95"])]
+    return [concurrency, fmt(r["aggregate_tokens_per_s"], "×", 2), fmt(r.get("sustained_tokens_per_s"), "×", 2),
+            fmt(r["decode_tokens_per_s_p50"], "×", 2), fmt_overhead(r["ttft_overhead_p50"]),
+            fmt_overhead(r["ttft_overhead_p95"])]
 
 
 def stream_tables(results: Mapping[str, Any]) -> str:
@@ -144,24 +147,49 @@ def stream_tables(results: Mapping[str, Any]) -> str:
     return text + (f"\n\n{RATIO_CAPTION}\n\n" + md_table(RATIO_HEADERS, ratios) if ratios else "")
 
 
+def _rounds_line(flags: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+    if flags.get("batch_s"):
+        batch = f"{flags['batch_s']} s per batch (every worker back to back)"
+    elif flags.get("round_size"):
+        batch = f"{flags['round_size']} requests per batch"
+    else:
+        batch = f"{flags.get('requests_per_worker')} requests back to back per worker per batch"
+    count = f"{flags['runs']} counted streams per side" if flags.get("runs") and not flags.get("batch_s") else \
+        f"{flags.get('rounds')} rounds"
+    quiet = meta.get("quiet") or {}
+    measured = (f", then until both servers' CPU over {quiet['window_s']} s windows is at most "
+                f"{100 * quiet['threshold_cores']:.1f} % of a core (idle floor {100 * quiet['floor_cores']:.1f} % + "
+                f"{100 * quiet['margin_cores']:.1f} %; timeout {quiet['timeout_s']} s)") if quiet else ""
+    return (f"- interleaved rounds, order flipped every round: {batch}, {count} per concurrency; "
+            f"{meta.get('sleep_s', flags['quiet_s'])} s of sleep before each batch{measured}; {flags['warmup']} uncounted warm-up "
+            "request(s) per worker")
+
+
 def stream_markdown(document: Mapping[str, Any]) -> str:
-    """``llm_bench.md``: how it was measured, the card's table per side and concurrency, summary, ratios."""
+    """``llm_bench.md``: how it was measured, the card's table per side and concurrency, summary,
+    ratios, then the rounds, CPU, quiet and engine sections (``serve_app.bench.cpu_report``)."""
+    from serve_app.bench.cpu_report import markdown_sections  # it formats with this module's helpers
+
     meta, sides = document["meta"], document["sides"]
     flags = meta["flags"]
+    warning = (document.get("engine_env") or {}).get("mismatches") or []
     lines = [
         f"# Streaming benchmark: {flags['model']} ({meta['captured']})", "",
+        *([f"> **WARNING: the engine does not run the same way on both sides** ({'; '.join(warning)})", ""]
+          if warning else []),
         *(f"- {name}: {side['url']} (model `{side['model']}`)" for name, side in sides.items()),
-        f"- {flags['runs']} streaming chat completions per side per concurrency ({flags['concurrency']}), "
+        f"- streaming chat completions at concurrency {flags['concurrency']}, "
         f"max_tokens {flags['max_tokens']}, ignore_eos {flags['ignore_eos']}, prompt \"{meta['prompt']}\"",
-        f"- interleaved rounds of {flags['round_size'] or 'max(2 × concurrency, 10)'} requests, order flipped every "
-        f"round, {flags['quiet_s']} s quiet before each batch, {flags['warmup']} uncounted warm-up request(s) per worker",
+        _rounds_line(flags, meta),
         f"- machine: {meta['machine']['nproc']} CPUs, {meta['machine']['platform']}; "
         f"commit {(meta['git'] or {}).get('commit', 'unknown')}{' (dirty)' if (meta['git'] or {}).get('dirty') else ''}",
         f"- command: `{' '.join(meta['command'])}`", "",
         "End-to-end = client clock. Server-only TTFT = pg_metadata queue_ms + inference_ttft_ms. "
         "Network overhead = p50 of per-request (end-to-end − server-only). Throughput = per-stream decode "
         "tok/s, (completion tokens − 1) / (last − first token). Aggregate = the side's completion tokens / "
-        "its summed batch wall time. Percentiles are nearest-rank.", "",
+        "its summed batch wall time. Sustained = tokens / seconds from the moment every worker has its first "
+        "token to the moment the first worker ends its last request (ramp-up and tail left out). "
+        "Percentiles are nearest-rank.", "",
         "## Summary", "", stream_tables(document["results"]), "",
     ]
     for concurrency, entry in document["results"].items():
@@ -172,7 +200,7 @@ def stream_markdown(document: Mapping[str, Any]) -> str:
                 lines += [f"### {side}", "", card_table(s), "",
                           f"Aggregate {fmt(s['aggregate_tokens_per_s'], ' tok/s')} "
                           f"({s['completion_tokens']} tokens in {s['wall_s']:.1f} s); errors: {errors_cell(s)}", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + markdown_sections(document))
 
 
 def report(results: dict[str, Any], meta: dict[str, Any], out: Path) -> None:

@@ -1,18 +1,24 @@
 """Interleaved rounds: the same workload against each side in turn, never both at once.
 
 ``plan_batches`` decides the order (pure, tested on its own); ``run_plan`` carries it out with a
-pool of ``concurrency`` workers per batch and a quiet pause before every batch.
+pool of ``concurrency`` workers per batch and a quiet pause before every batch: ``quiet_s`` of
+sleep, then, with a ``Meter`` (``serve_app.bench.cpu``), the measured wait until both servers are
+idle, and the batch's CPU-seconds per process.
 """
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import Any
 
 from serve_app.bench.client import Run
+from serve_app.bench.cpu import Meter, measured
+from serve_app.bench.procs import BASELINE, OURS
+from serve_app.bench.stats import sustained
 
 Request = Callable[[], Awaitable[Run]]
-OURS, BASELINE = "ours", "baseline"  # the side names every table and file uses
+__all__ = ["BASELINE", "OURS", "Batch", "SideRuns", "collect", "plan_batches", "run_batch", "run_plan"]
 
 
 @dataclass(frozen=True)
@@ -27,12 +33,8 @@ class SideRuns:
     runs: list[Run] = field(default_factory=list)
     wall_s: float = 0.0  # summed wall time of the side's counted batches
     batches: int = 0
-
-
-def auto_round_size(concurrency: int) -> int:
-    """Two requests per worker, at least 10: long enough to reach steady state, short enough that
-    drift on the machine (another job, thermal) lands on both sides alike."""
-    return max(concurrency * 2, 10)
+    # One per counted batch: round, requests, tokens, wall and sustained window, quiet, CPU.
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 def plan_batches(sides: Sequence[str], runs: int, round_size: int, warmup: int) -> list[Batch]:
@@ -71,16 +73,18 @@ async def run_batch(
     results: list[Run] = []
     remaining = size
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
         nonlocal remaining
         while remaining > 0 and (deadline is None or time.perf_counter() < deadline):
             remaining -= 1
-            results.append(await _safe(request))
+            run = await _safe(request)
+            run.worker = index
+            results.append(run)
             if on_done:
                 on_done()
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, size))))
+    await asyncio.gather(*(worker(i) for i in range(min(concurrency, size))))
     return results, time.perf_counter() - started
 
 
@@ -93,9 +97,14 @@ async def run_plan(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     on_done: Callable[[str], None] | None = None,
     budget_s: float | None = None,
+    meter: Meter | None = None,
+    batch_s: float | None = None,
 ) -> dict[str, SideRuns]:
-    """Run the batches in order; ``budget_s`` caps each side's counted wall time."""
+    """Run the batches in order; ``budget_s`` caps each side's counted wall time; ``batch_s``
+    makes each counted batch last that long (workers start no request after it) instead of
+    ``batch.size`` requests. Counted batch i belongs to round i // (number of sides)."""
     results = {side: SideRuns() for side in requests}
+    counted = 0
     for batch in plan:
         side = results[batch.side]
         left = None if budget_s is None or not batch.counted else budget_s - side.wall_s
@@ -104,13 +113,29 @@ async def run_plan(
         # A just-busy engine keeps spinning (busy-polling, finishing its step) for a while; the
         # pause lets it go idle so this batch does not share the cores with the last one's tail.
         await sleep(quiet_s)
-        deadline = None if left is None else time.perf_counter() + left
+        quiet = await meter.wait_quiet() if meter else None
+        limits = [x for x in (left, batch_s if batch.counted else None) if x is not None]
+        size = batch.size if not (batch_s and batch.counted) else 2**31
         tick = (lambda name=batch.side: on_done(name)) if on_done else None
-        runs, wall_s = await run_batch(requests[batch.side], batch.size, concurrency, tick, deadline)
+
+        def one_batch(size=size, tick=tick, limits=limits):
+            deadline = time.perf_counter() + min(limits) if limits else None
+            return run_batch(requests[batch.side], size, concurrency, tick, deadline)
+
+        if meter:
+            (runs, wall_s), cpu = await measured(meter, one_batch)
+        else:
+            (runs, wall_s), cpu = await one_batch(), None
         if batch.counted:
             side.runs += runs
             side.wall_s += wall_s
             side.batches += 1
+            side.records.append({
+                "round": counted // len(requests), "side": batch.side, "requests": len(runs),
+                "ok": sum(r.ok for r in runs), "completion_tokens": sum(r.completion_tokens for r in runs if r.ok),
+                "wall_s": wall_s, "sustained": sustained(runs), "quiet": quiet, "cpu": cpu,
+            })
+            counted += 1
     return results
 
 
@@ -121,7 +146,7 @@ def collect(
 ) -> dict:
     """Per side: summary, batch count and raw runs; plus ours-vs-baseline ratios when both ran."""
     entry: dict = {
-        name: {"summary": summarize(r.runs, r.wall_s), "batches": r.batches, "runs": [asdict(x) for x in r.runs]}
+        name: {"summary": summarize(r.runs, r.wall_s), "batches": r.batches, "runs": [x.record() for x in r.runs]}
         for name, r in done.items()
     }
     if OURS in entry and BASELINE in entry:

@@ -1,11 +1,13 @@
 """Percentiles, per-side summaries and ours-vs-baseline ratios (definitions: ``serve_app.bench``)."""
 
 import math
+import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from serve_app.bench.client import Run
+from serve_app.bench.procs import BASELINE, OURS
 
 
 def percentile(values: Iterable[float | None], q: float) -> float | None:
@@ -92,3 +94,96 @@ def capacity_ratios(ours: Mapping[str, Any], baseline: Mapping[str, Any]) -> dic
         "latency_overhead_p50": _overhead(ours, baseline, "latency_ms_p50"),
         "latency_overhead_p95": _overhead(ours, baseline, "latency_ms_p95"),
     }
+
+
+# --- sustained load and the spread over rounds --------------------------------------------------
+def sustained(runs: Sequence[Run]) -> dict[str, float] | None:
+    """The batch's steady state: tokens and seconds from the moment the *last* worker got its
+    first token (every worker is streaming: ramp-up over) to the moment the *first* worker ended
+    its last request (from then on fewer than ``concurrency`` streams are in flight: the tail).
+
+    Each worker sends its next request as its last one ends, so in between exactly
+    ``concurrency`` requests are in flight, prefills of the next requests included, as a server
+    under steady load sees them. Tokens are the successful streams' chunks that arrived inside
+    the window, each counted as completion_tokens / chunks of its stream (1 with vLLM's one
+    token per chunk). None when there is no such window (a worker that never streamed, or the
+    first one done before the last one started).
+    """
+    workers: dict[int, list[Run]] = {}
+    for run in runs:
+        if run.worker is not None:
+            workers.setdefault(run.worker, []).append(run)
+    if not workers:
+        return None
+    firsts, lasts = [], []
+    for own in workers.values():
+        first = [r.token_times[0] for r in own if r.ok and r.token_times]
+        ended = [r.ended_at for r in own if r.ended_at is not None]
+        if not first or not ended:
+            return None
+        firsts.append(min(first))
+        lasts.append(max(ended))
+    start, end = max(firsts), min(lasts)
+    if end <= start:
+        return None
+    tokens = 0.0
+    for run in runs:
+        if run.ok and run.token_times:
+            inside = sum(start <= t <= end for t in run.token_times)
+            tokens += inside * run.completion_tokens / len(run.token_times)
+    return {"seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)}
+
+
+def spread(values: Iterable[float | None]) -> dict[str, Any]:
+    """Median (the usual one: the mean of the middle two for an even count) and range."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return {"n": 0, "median": None, "min": None, "max": None}
+    return {"n": len(present), "median": statistics.median(present), "min": min(present), "max": max(present)}
+
+
+def batch_rate(batch: Mapping[str, Any]) -> tuple[float | None, str]:
+    """A counted batch's tokens/s: the sustained window's, else the whole batch's (said which)."""
+    window = batch.get("sustained")
+    if window and window.get("tokens_per_s"):
+        return window["tokens_per_s"], "sustained"
+    wall = batch.get("wall_s") or 0
+    return (batch["completion_tokens"] / wall if wall > 0 else None), "batch"
+
+
+def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per round (one batch of each side, run back to back): ours / baseline tokens/s and
+    CPU-seconds per 1,000 tokens; then their median and range over the rounds."""
+    by_round: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for batch in batches:
+        by_round.setdefault(batch["round"], {})[batch["side"]] = batch
+    rounds = []
+    for number in sorted(by_round):
+        pair = by_round[number]
+        if OURS not in pair or BASELINE not in pair:
+            continue
+        (ours, basis_o), (base, basis_b) = batch_rate(pair[OURS]), batch_rate(pair[BASELINE])
+        cpu = {side: _own_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
+        rounds.append({
+            "round": number, "ours_tokens_per_s": ours, "baseline_tokens_per_s": base,
+            "tokens_per_s_ratio": _ratio(ours, base),
+            "basis": "sustained" if basis_o == basis_b == "sustained" else "batch",
+            "ours_cpu_per_1k": cpu[OURS], "baseline_cpu_per_1k": cpu[BASELINE],
+            "cpu_ratio": _ratio(cpu[OURS], cpu[BASELINE]),
+        })
+    return {"rounds": rounds, "tokens_per_s_ratio": spread(r["tokens_per_s_ratio"] for r in rounds),
+            "cpu_ratio": spread(r["cpu_ratio"] for r in rounds)}
+
+
+def _own_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
+    cpu, tokens = batch.get("cpu"), batch["completion_tokens"]
+    if not cpu or not tokens:
+        return None
+    return 1000 * cpu["sides"].get(batch["side"], {}).get("total", 0.0) / tokens
+
+
+def sustained_tokens_per_s(batches: Sequence[Mapping[str, Any]]) -> float | None:
+    """A side's sustained tokens/s over all its counted batches (summed tokens / summed seconds)."""
+    windows = [b["sustained"] for b in batches if b.get("sustained")]
+    seconds = sum(w["seconds"] for w in windows)
+    return sum(w["tokens"] for w in windows) / seconds if seconds > 0 else None

@@ -7,6 +7,7 @@ metadata). It records every request and whether the other side had one in flight
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -21,8 +22,10 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from serve_app.bench import cli as bench_cli
+from serve_app.bench.procs import Proc
 from serve_app.surfaces import CHAT
 from serve_app.surfaces.dialects import pg_metadata_event
+from tests.unit.fake_processes import Clock, FakeTable, host_procs
 
 ROUTE_CHAT = CHAT.route
 
@@ -74,6 +77,12 @@ class FakeSides:
 
     async def health(self, request: Request):
         return JSONResponse({"status": "ok", **({"region": "test-region"} if request.path_params["side"] == "ours" else {})})
+
+
+@pytest.fixture(autouse=True)
+def no_processes(monkeypatch):
+    """The host's real process table stays out of these tests: by default an empty one (no Ray)."""
+    monkeypatch.setattr(bench_cli, "process_table", lambda: FakeTable(Clock(), procs=[], listening={}))
 
 
 @pytest.fixture()
@@ -177,3 +186,150 @@ def test_sequential_bench_target_and_report_for_bench_failover(fake, tmp_path, c
     report(results, {"model": "m", "runs": 2}, tmp_path / "failover.json")
     assert "failover / local" in capsys.readouterr().out
     assert set(json.loads((tmp_path / "failover.json").read_text())["targets"]) == {"local", "failover"}
+
+
+# --- CPU per token, rounds, the engine check and the gate, on a fake process table ------------
+WEIGHTS = {224: 0.003, 226: 0.006, 300: 0.0015, 301: 0.006}  # CPU-seconds per request served
+OURS_PIDS = {224, 226}
+
+
+class ServedTable(FakeTable):
+    """Our fake cluster and bare vLLM, each process charged per request its side has served."""
+
+    def __init__(self, sides: "FakeSides", port: int):
+        procs = [*host_procs(), Proc(os.getpid(), 100, ("pytest",))]
+        super().__init__(Clock(), procs=procs, listening={port: {222, 300}})
+        self.sides = sides
+        self.envs[301] = {**self.engine_env(0, ["OMP_NUM_THREADS"]), "nice": 0}  # bare vLLM at nice 0
+
+    def cpu_seconds(self, pid, create_time):
+        side = "ours" if pid in OURS_PIDS else "base"
+        served = sum(1 for r in self.sides.requests if r["side"] == side and r["path"].endswith(ROUTE_CHAT))
+        return served * WEIGHTS.get(pid, 0.0)
+
+
+@pytest.fixture()
+def served(fake, monkeypatch):
+    sides, ours, _ = fake
+    table = ServedTable(sides, int(ours.split(":")[2].split("/")[0]))
+    monkeypatch.setattr(bench_cli, "process_table", lambda: table)
+    return fake
+
+
+CPU_ARGS = ["--concurrency", "1,2", "--rounds", "2", "--requests-per-worker", "2", "--max-tokens", "3",
+            "--quiet-window-s", "0.05", "--region", "here"]
+
+
+def test_stream_bench_counts_cpu_per_token_per_process_and_the_spread_over_rounds(served, tmp_path):
+    sides, ours, base = served
+    result = CliRunner().invoke(_cli(), ["bench", "--target", ours, "--baseline", base, *CPU_ARGS,
+                                         "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = next(tmp_path.glob("here-*/qwen-3.6-35b-a3b"))
+    document = json.loads((out / "llm_bench.json").read_text())
+    level = document["results"]["2"]
+    # rounds of 2 requests per worker × 2 workers; every round of both sides measured
+    assert [r["requests"] for r in level["ours"]["rounds"]] == [4, 4] and level["spread"]["tokens_per_s_ratio"]["n"] == 2
+    cpu = level["cpu"]
+    assert cpu["ours"]["tokens"] == cpu["baseline"]["tokens"] == 24
+    # every process of the side is in the table, the idle ones at 0
+    assert {g for g, v in cpu["ours"]["groups"].items() if v} == {"router replica", "EngineCore"}
+    assert cpu["ours"]["groups"]["router replica"] == pytest.approx(1.0) and cpu["ours"]["groups"]["GCS"] == 0
+    assert cpu["baseline"]["groups"] == {"API server": pytest.approx(0.5), "EngineCore": pytest.approx(2.0),
+                                         "other": 0.0}
+    assert cpu["ours"]["total"] == pytest.approx(3.0) and cpu["ratio_total"] == pytest.approx(1.2)
+    assert level["spread"]["cpu_ratio"]["median"] == pytest.approx(1.2)
+    assert all(r["quiet"]["timed_out"] is False for r in level["ours"]["rounds"])
+    assert document["meta"]["quiet"]["floor_cores"] == 0.0
+    assert document["engine_env"]["mismatches"] == ["EngineCore: nice is 15 in ours, 0 in the baseline"]
+    assert "WARNING: the engine does not run the same way on both sides" in result.stderr
+    markdown = (out / "llm_bench.md").read_text()
+    assert "> **WARNING: the engine does not run the same way on both sides**" in markdown
+    for heading in ("## Ratios over rounds", "### Rounds at concurrency 2", "## CPU-seconds per 1,000 completion tokens",
+                    "## Quiet before each batch (measured)", "## The engine's environment, both sides", "## On a GPU host"):
+        assert heading in markdown
+    assert "| router replica | 1.000 | — |" in markdown and "| ratio ours / baseline | 1.200× |  |" in markdown
+    assert "2 requests back to back per worker per batch, 2 rounds per concurrency" in markdown
+    assert "sustained tok/s ratio, median" in result.output
+
+
+def test_gate_fails_with_one_line_per_concurrency_and_writes_the_results(served, tmp_path):
+    _, ours, base = served
+    args = ["bench", "--target", ours, "--baseline", base, *CPU_ARGS, "--out-dir", str(tmp_path), "--gate",
+            "--gate-floors", "1=10,2=10,4=0.9",  # no 10× gap between two identical fake servers
+            "--quiet-floor-pct", "2"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 1
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("gate: ")]
+    assert [ln.split(":")[1].strip() for ln in lines] == ["c=1", "c=2", "c=4"]
+    assert "is below the floor 10.00×" in lines[0] and lines[2].endswith("not measured (floor 0.90×); add it to --concurrency")
+    document = json.loads(next(tmp_path.glob("here-*/qwen-3.6-35b-a3b/llm_bench.json")).read_text())
+    assert len(document["gate"]["failures"]) == 3
+    assert document["meta"]["quiet"]["floor_cores"] == 0.02 and document["meta"]["quiet"]["threshold_cores"] == 0.07
+
+
+class RealTimeClock(Clock):
+    @property
+    def now(self):
+        return time.monotonic()
+
+    @now.setter
+    def now(self, _):
+        pass
+
+
+def test_a_busy_idle_floor_is_said(fake, tmp_path, monkeypatch):
+    _, ours, _ = fake
+    table = FakeTable(RealTimeClock(), procs=[*host_procs(), Proc(os.getpid(), 100, ("pytest",))],
+                      listening={int(ours.split(":")[2].split("/")[0]): {222}}, rates={226: 0.8})
+    monkeypatch.setattr(bench_cli, "process_table", lambda: table)
+    args = ["bench", "--target", ours, "--concurrency", "1", "--rounds", "1", "--requests-per-worker", "1",
+            "--quiet-window-s", "0.05", "--out-dir", str(tmp_path), "--region", "here"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    assert "warning: the idle floor is 80 % of a core" in result.stderr
+
+
+def test_gate_needs_a_baseline_and_valid_floors(tmp_path):
+    alone = CliRunner().invoke(_cli(), ["bench", "--gate", "--out-dir", str(tmp_path)])
+    assert alone.exit_code == 2 and "--gate compares against a baseline" in " ".join(alone.output.split())
+    bad = CliRunner().invoke(_cli(), ["bench", "--gate", "--gate-floors", "16", "--baseline", "http://127.0.0.1:1",
+                                      "--out-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "concurrency=floor pairs" in " ".join(bad.output.replace("│", " ").split())
+    assert not any(tmp_path.iterdir())
+
+
+def test_without_ray_the_bench_still_runs_and_says_cpu_was_not_counted(fake, tmp_path):
+    _, ours, base = fake  # no Ray cluster on the (fake) host
+    args = ["bench", "--target", ours, "--baseline", base, "--concurrency", "1", "--rounds", "1", "--requests-per-worker",
+            "1", "--quiet-s", "0", "--out-dir", str(tmp_path), "--region", "here"]
+    result = CliRunner().invoke(_cli(), args)
+    assert result.exit_code == 0, result.output
+    assert "warning: CPU not counted" in result.stderr
+    document = json.loads(next(tmp_path.glob("here-*/qwen-3.6-35b-a3b/llm_bench.json")).read_text())
+    assert document["meta"]["cpu"].startswith("not counted: ") and "cpu" not in document["results"]["1"]
+
+
+def test_idle_command_prints_every_process_and_fails_over_the_target(monkeypatch):
+    from serve_app.cli import app
+
+    assert "idle" in {c.name for c in app.registered_commands}
+    import types
+
+    from serve_app.bench import idle
+
+    clock = Clock()
+    monkeypatch.setattr(idle, "time", types.SimpleNamespace(monotonic=clock, sleep=clock.sleep_sync))
+    table = FakeTable(clock, procs=[*host_procs(), Proc(os.getpid(), 100, ("pytest",))])
+    table.set_rate(220, 0.06)  # the Serve controller's loop: 6 % of a core
+    monkeypatch.setattr(bench_cli, "process_table", lambda: table)
+    cli = typer.Typer()
+    cli.command("idle")(bench_cli.idle)
+    cli.command("other")(lambda: None)
+    over = CliRunner().invoke(cli, ["idle", "--seconds", "0.2"])
+    assert over.exit_code == 1, over.output
+    assert "| controller | ray::ServeController | 220 | 6.00 % |" in over.output and "OVER the target of 5.0 %" in over.output
+    within = CliRunner().invoke(cli, ["idle", "--seconds", "0.2", "--target-pct", "7", "--json"])
+    assert within.exit_code == 0 and json.loads(within.output)["total_pct"] == pytest.approx(6.0)
+    lost = CliRunner().invoke(cli, ["idle", "--seconds", "0.1", "--target", "http://127.0.0.1:9"])
+    assert lost.exit_code == 2 and "no Ray cluster on this host listens on port 9" in lost.stderr

@@ -1,0 +1,184 @@
+"""CPU-seconds per process around every batch, and the measured quiet before it.
+
+``Meter`` holds the processes ``serve_app.bench.procs`` found for each side and reads their
+utime + stime (``/proc/<pid>/stat`` through psutil):
+
+- **quiet** (``Meter.wait_quiet``): before a batch, sample both servers' summed CPU over
+  ``window_s`` windows until one is at most ``threshold_cores`` (the idle floor measured when the
+  run starts, ``Meter.measure_floor``, plus ``margin_cores``), or ``timeout_s`` passed (the
+  batch then starts anyway and the record says so). The floor is there because our service is
+  not idle when idle (issue #24: ≈ 27 % of a core on the 2-core host): an absolute few % would
+  never be reached; once the idle tax is gone the floor is ≈ 0 and the threshold is the margin.
+- **the batch's CPU** (``Meter.snapshot`` before, and after the batch *and* the quiet after it,
+  ``cpu_between``): what the load caused, the engine's post-batch spin and deferred work (the
+  ledger's writes) included. A process that appeared meanwhile counts whole (it was born in the
+  window); one that exited is listed, its last seconds lost (``exited``).
+
+``per_1k_tokens`` turns the batches of one concurrency into CPU-seconds per 1,000 completion
+tokens per side and group: the gateway's cost as a ratio independent of the host's speed.
+"""
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve_app.bench.procs import BASELINE, CLIENT, GROUPS, OURS, DiscoveryError, ProcessTable, Tracked
+
+SERVERS = (OURS, BASELINE)
+
+
+@dataclass
+class Snapshot:
+    at: float  # the meter's clock (monotonic)
+    wall: float  # time.time(), to compare with processes' create_time
+    cpu: dict[int, tuple[float, float]] = field(default_factory=dict)  # pid → (create_time, cpu s)
+    host_busy_s: float | None = None
+
+
+@dataclass
+class Meter:
+    table: ProcessTable
+    find: Callable[[], list[Tracked]]  # discovery (``procs.discover`` with the run's ports)
+    window_s: float = 0.5
+    margin_cores: float = 0.05
+    timeout_s: float = 15.0
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    floor_cores: float = 0.0
+    tracked: dict[int, Tracked] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.tracked = {t.pid: t for t in self.find()}
+
+    @property
+    def threshold_cores(self) -> float:
+        return self.floor_cores + self.margin_cores
+
+    def refresh(self) -> None:
+        """Add processes born since (a new Ray worker, a reloaded HAProxy); keep the gone ones' labels."""
+        try:
+            found = self.find()
+        except DiscoveryError:  # e.g. the port between two HAProxy processes: keep what we know
+            return
+        for t in found:
+            known = self.tracked.get(t.pid)
+            if known is None or known.create_time != t.create_time:
+                self.tracked[t.pid] = t
+
+    def _servers_cpu(self) -> float:
+        total = 0.0
+        for t in self.tracked.values():
+            if t.side in SERVERS and (value := self.table.cpu_seconds(t.pid, t.create_time)) is not None:
+                total += value
+        return total
+
+    async def _window(self) -> float:
+        """Both servers' CPU over one window, in cores (1.0 = one core busy)."""
+        cpu, at = self._servers_cpu(), self.clock()
+        await self.sleep(self.window_s)
+        elapsed = self.clock() - at
+        return (self._servers_cpu() - cpu) / elapsed if elapsed > 0 else 0.0
+
+    async def measure_floor(self, windows: int = 4) -> float:
+        """The servers' idle CPU (cores): the least of ``windows`` windows, so one spike does not count."""
+        self.floor_cores = min([await self._window() for _ in range(max(windows, 1))])
+        return self.floor_cores
+
+    async def wait_quiet(self) -> dict[str, Any]:
+        """Wait until both servers are idle (see the module doc); how long it took, and the last rate."""
+        started = self.clock()
+        while True:
+            cores = await self._window()
+            waited = self.clock() - started
+            if cores <= self.threshold_cores or waited >= self.timeout_s:
+                return {"waited_s": waited, "cores": cores, "threshold_cores": self.threshold_cores,
+                        "timed_out": cores > self.threshold_cores}
+
+    def snapshot(self) -> Snapshot:
+        self.refresh()
+        snap = Snapshot(self.clock(), self.wall(), host_busy_s=self.table.host_busy_s())
+        for t in self.tracked.values():
+            if (value := self.table.cpu_seconds(t.pid, t.create_time)) is not None:
+                snap.cpu[t.pid] = (t.create_time, value)
+        return snap
+
+    def cpu_between(self, before: Snapshot, after: Snapshot) -> dict[str, Any]:
+        """``{"window_s", "sides": {side: {"total", "groups", "processes"}}, "host_other_s", "exited", "missed"}``."""
+        sides: dict[str, dict[str, Any]] = {}
+        exited, missed = [], []
+        for pid, t in self.tracked.items():
+            start, end = before.cpu.get(pid), after.cpu.get(pid)
+            if end is None:
+                if start is not None:
+                    exited.append(f"{t.label} [{pid}]")
+                continue
+            if start is not None and start[0] == end[0]:
+                used = end[1] - start[1]
+            elif end[0] >= before.wall - 0.5:  # born in the window: all its CPU is the window's
+                used = end[1]
+            else:  # older than the window but not seen at its start: its share is unknown
+                missed.append(f"{t.label} [{pid}]")
+                continue
+            side = sides.setdefault(t.side, {"total": 0.0, "groups": {}, "processes": {}})
+            side["total"] += used
+            side["groups"][t.group] = side["groups"].get(t.group, 0.0) + used
+            key = f"{t.label} [{pid}]"
+            side["processes"][key] = side["processes"].get(key, 0.0) + used
+        busy = None
+        if before.host_busy_s is not None and after.host_busy_s is not None:
+            counted = sum(side["total"] for side in sides.values())
+            busy = max(after.host_busy_s - before.host_busy_s - counted, 0.0)
+        return {"window_s": after.at - before.at, "sides": sides, "host_other_s": busy,
+                "exited": exited, "missed": missed}
+
+
+async def measured(meter: Meter, run: Callable[[], Awaitable[Any]]) -> tuple[Any, dict[str, Any]]:
+    """``run()`` between two snapshots; the second after the servers are quiet again."""
+    before = meter.snapshot()
+    result = await run()
+    settle = await meter.wait_quiet()
+    cpu = meter.cpu_between(before, meter.snapshot())
+    cpu["settle"] = settle
+    return result, cpu
+
+
+def _per_1k(cpu_s: float, tokens: int) -> float | None:
+    return 1000 * cpu_s / tokens if tokens else None
+
+
+def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The counted batches of one concurrency (``{"side", "completion_tokens", "cpu"}`` each) →
+    per loaded side: CPU-s per 1,000 completion tokens of its own processes (by group and in
+    total), of the client, and the other server's CPU-seconds meanwhile (its idle tax); plus
+    ``ratio_total`` = ours / baseline."""
+    out: dict[str, Any] = {}
+    for batch in batches:
+        cpu = batch.get("cpu")
+        if not cpu:
+            continue
+        loaded = batch["side"]
+        entry = out.setdefault(loaded, {"tokens": 0, "cpu_s": 0.0, "groups_cpu_s": {}, "processes_cpu_s": {},
+                                        "client_cpu_s": 0.0, "other_server_cpu_s": 0.0, "window_s": 0.0})
+        entry["tokens"] += batch["completion_tokens"]
+        entry["window_s"] += cpu["window_s"]
+        own = cpu["sides"].get(loaded, {})
+        entry["cpu_s"] += own.get("total", 0.0)
+        for name, key in (("groups", "groups_cpu_s"), ("processes", "processes_cpu_s")):
+            for item, value in own.get(name, {}).items():
+                entry[key][item] = entry[key].get(item, 0.0) + value
+        entry["client_cpu_s"] += cpu["sides"].get(CLIENT, {}).get("total", 0.0)
+        entry["other_server_cpu_s"] += sum(cpu["sides"].get(s, {}).get("total", 0.0) for s in SERVERS if s != loaded)
+    for entry in out.values():
+        tokens = entry["tokens"]
+        entry["total"] = _per_1k(entry["cpu_s"], tokens)
+        entry["client"] = _per_1k(entry["client_cpu_s"], tokens)
+        order = {g: i for i, g in enumerate(GROUPS)}
+        entry["groups"] = {g: _per_1k(v, tokens) for g, v in
+                           sorted(entry["groups_cpu_s"].items(), key=lambda kv: order.get(kv[0], len(order)))}
+        entry["processes"] = {p: _per_1k(v, tokens) for p, v in sorted(entry["processes_cpu_s"].items())}
+    if OURS in out and BASELINE in out and out[OURS]["total"] and out[BASELINE]["total"]:
+        out["ratio_total"] = out[OURS]["total"] / out[BASELINE]["total"]
+    return out

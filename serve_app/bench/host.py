@@ -1,0 +1,107 @@
+"""The real host's ``ProcessTable`` (Linux): psutil for processes, sockets and CPU times,
+``/proc/<pid>/task`` for the CPU lists each thread is pinned to."""
+
+import os
+from collections.abc import Sequence
+
+from serve_app.bench.procs import Proc
+
+
+class PsutilTable:
+    """``serve_app.bench.procs.ProcessTable`` over this host."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._handles: dict[int, object] = {}
+
+    def processes(self) -> list[Proc]:
+        rows = []
+        for p in self._psutil.process_iter(["pid", "ppid", "cmdline", "name", "create_time"]):
+            info = p.info
+            cmdline = tuple(info.get("cmdline") or ()) or ((info.get("name") or "?"),)
+            rows.append(Proc(info["pid"], info.get("ppid") or 0, cmdline, info.get("create_time") or 0.0))
+        return rows
+
+    def listeners(self, port: int) -> set[int]:
+        psutil = self._psutil
+
+        def listening(connection) -> bool:
+            return connection.status == psutil.CONN_LISTEN and connection.laddr.port == port
+
+        try:
+            return {c.pid for c in psutil.net_connections(kind="tcp") if c.pid and listening(c)}
+        except psutil.AccessDenied:  # some systems: only per process, for the processes we may read
+            pids = set()
+            for p in psutil.process_iter():
+                try:
+                    if any(listening(c) for c in p.net_connections(kind="tcp")):
+                        pids.add(p.pid)
+                except (psutil.AccessDenied, psutil.NoSuchProcess):
+                    continue
+            return pids
+
+    def _process(self, pid: int, create_time: float):
+        """psutil's handle for that very process; None if the pid now belongs to another one
+        (psutil's ``cpu_times`` would read whichever process has the pid)."""
+        handle = self._handles.get(pid)
+        if handle is None or handle.create_time() != create_time:
+            handle = self._handles[pid] = self._psutil.Process(pid)
+        return handle if not create_time or abs(handle.create_time() - create_time) < 0.01 else None
+
+    def cpu_seconds(self, pid: int, create_time: float) -> float | None:
+        try:
+            handle = self._process(pid, create_time)
+            if handle is None:
+                return None
+            times = handle.cpu_times()
+            return times.user + times.system
+        except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
+            self._handles.pop(pid, None)
+            return None
+
+    def host_busy_s(self) -> float | None:
+        times = self._psutil.cpu_times()
+        idle = times.idle + getattr(times, "iowait", 0.0)
+        # guest time is already inside user on Linux; counting it twice would invent load
+        return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+
+    def engine_env(self, pid: int, names: Sequence[str]) -> dict:
+        psutil = self._psutil
+        out: dict = {}
+        try:
+            p = psutil.Process(pid)
+            out["nice"] = p.nice()
+            out["affinity"] = sorted(p.cpu_affinity())
+            out["threads"] = p.num_threads()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError) as err:
+            out["error"] = type(err).__name__
+            return out
+        try:
+            environ = p.environ()
+            out["env"] = {name: environ.get(name) for name in names}
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            out["env"] = None
+        out["thread_affinities"] = _thread_affinities(pid)
+        return out
+
+
+def _thread_affinities(pid: int) -> dict[str, int] | None:
+    """How many threads run on each CPU list: vLLM's CPU backend pins its OpenMP threads one by
+    one (``VLLM_CPU_OMP_THREADS_BIND``), so the process's own affinity does not show it."""
+    counts: dict[str, int] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as status:
+                line = next((ln for ln in status if ln.startswith("Cpus_allowed_list:")), "")
+        except OSError:
+            continue
+        if line:
+            cpus = line.split(":", 1)[1].strip()
+            counts[cpus] = counts.get(cpus, 0) + 1
+    return counts

@@ -1,0 +1,237 @@
+"""Counting every CPU-second: which processes are each side's, what each is, the quiet wait,
+the batch's CPU and CPU per 1,000 tokens, the idle command. Fake process tables and a fake clock
+(tests/unit/fake_processes.py); no Ray, no vLLM."""
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from serve_app.bench.cpu import Meter, measured, per_1k_tokens
+from serve_app.bench.idle import idle_text, measure_idle
+from serve_app.bench.procs import BASELINE, CLIENT, OURS, DiscoveryError, Proc, discover, group_of
+from tests.unit.fake_processes import CLIENT as CLIENT_PID
+from tests.unit.fake_processes import OTHER_TENANT, Clock, FakeTable
+
+
+def by_pid(found):
+    return {t.pid: t for t in found}
+
+
+# --- who is whose -------------------------------------------------------------------------------
+def test_ours_is_every_process_of_the_cluster_on_the_target_port_and_nothing_else():
+    table = FakeTable(Clock())
+    found = by_pid(discover(table, ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID))
+    ours = {pid for pid, t in found.items() if t.side == OURS}
+    # the driver and its monitor and reaper, GCS, raylet, dashboard (+ module), log monitor, the
+    # client server, agents, Serve actors, HAProxy, the replicas and their children, the idle
+    # worker, and the reparented HAProxy naming our node
+    assert ours == {*range(200, 209), 210, 211, *range(220, 231)}
+    assert not ours & set(range(500, 530))  # the other cluster on this host
+    assert 240 not in found  # names our session but is no Ray program
+    assert {pid for pid, t in found.items() if t.side == BASELINE} == {300, 301, 302}
+    assert [pid for pid, t in found.items() if t.side == CLIENT] == [CLIENT_PID]
+
+
+def test_the_groups_and_labels_a_reader_sees():
+    found = by_pid(discover(FakeTable(Clock()), ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID))
+    groups = {pid: (t.group, t.label) for pid, t in found.items()}
+    assert groups[200] == ("driver", "python3.11 serve")
+    assert groups[201][0] == "GCS" and groups[202][0] == "raylet"
+    assert groups[203] == ("dashboard", "python3.11 dashboard.py") and groups[204] == ("dashboard", "ray-dashboard-ServeHead-0")
+    assert groups[205] == ("other Ray", "python3.11 log_monitor.py") and groups[206] == ("other Ray", "python3.11 monitor.py")
+    assert groups[207] == ("other Ray", "python3.11 ray_process_reaper.py")
+    assert groups[208] == ("other Ray", "python3.11 -m ray.util.client.server")
+    assert groups[210][0] == "dashboard agent" and groups[211][0] == "runtime env agent"
+    assert groups[220] == ("controller", "ray::ServeController")
+    assert groups[221][0] == "HAProxy manager" and groups[222] == groups[230] == ("HAProxy", "haproxy")
+    assert groups[223][0] == "Serve proxy"
+    assert groups[224] == ("router replica", "ray::ServeReplica:serve_app:Router")  # the task suffix is dropped
+    assert groups[225] == ("model replica actor", "ray::ServeReplica:serve_app:model-qwen-3.6-35b-a3b")
+    assert groups[226] == groups[301] == ("EngineCore", "VLLM::EngineCore")
+    assert groups[227][0] == "rate-limit actor" and groups[228] == ("other Ray", "ray::IDLE")
+    assert groups[229] == ("other", "python3.11 -c")
+    assert groups[300] == ("API server", "python3.11 -m vllm.entrypoints.openai.api_server")
+    assert group_of(Proc(9, 1, ("VLLM::Worker_TP0",)))[0] == "engine worker"
+    assert group_of(Proc(9, 1, ("ray::ServeReplica:app:Other",)))[0] == "other Ray"
+
+
+def test_ray_start_without_a_driver_and_a_listener_we_cannot_see():
+    table = FakeTable(Clock())
+    # the other cluster (no driver: `ray start` leaves gcs_server to init) is found by its port
+    other = discover(table, ours_port=8001, client_pid=CLIENT_PID)
+    assert {t.group for t in other} >= {"GCS", "HAProxy", "router replica"} and "driver" not in {t.group for t in other}
+    # the listener belongs to another user: with one cluster on the host, that one is it
+    alone = FakeTable(Clock(), procs=[p for p in table.procs if not 500 <= p.pid < 530], listening={})
+    assert 222 in by_pid(discover(alone, ours_port=8000, client_pid=CLIENT_PID))
+    with pytest.raises(DiscoveryError, match="no Ray cluster on this host listens on port 8000"):
+        discover(replace(table, listening={}), ours_port=8000, client_pid=CLIENT_PID)
+
+
+def test_discovery_refuses_what_is_not_there():
+    table = FakeTable(Clock())
+    with pytest.raises(DiscoveryError, match="listens on port 9999"):
+        discover(table, ours_port=9999, client_pid=CLIENT_PID)
+    no_ray = FakeTable(Clock(), procs=[p for p in table.procs if p.pid in (1, 100, CLIENT_PID, 300, 301)])
+    with pytest.raises(DiscoveryError, match="no local Ray cluster"):
+        discover(no_ray, ours_port=8000, client_pid=CLIENT_PID)
+    # the benchmark itself answering on the baseline's port (a test server) is no baseline
+    with pytest.raises(DiscoveryError, match="8100"):
+        discover(replace(table, listening={8100: {CLIENT_PID}}), ours_port=None, baseline_port=8100,
+                 client_pid=CLIENT_PID)
+
+
+# --- the quiet wait -----------------------------------------------------------------------------
+def meter(table: FakeTable, **kwargs) -> Meter:
+    clock = table.clock
+    return Meter(table, lambda: discover(table, ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID),
+                 clock=clock, wall=clock, sleep=clock.sleep, **kwargs)
+
+
+def test_quiet_waits_until_the_spinning_engine_stops_and_measures_the_idle_floor():
+    table = FakeTable(Clock())
+    table.set_rate(220, 0.06)  # the controller's idle loop
+    table.set_rate(224, 0.04)
+    m = meter(table, window_s=0.5, margin_cores=0.05, timeout_s=10)
+    windows = []
+
+    async def spike_in_the_second_window(seconds):  # the dashboard's periodic work, once
+        windows.append(seconds)
+        table.set_rate(203, 0.4 if len(windows) == 2 else 0.0)
+        table.clock.now += seconds
+
+    m.sleep = spike_in_the_second_window
+    floor = asyncio.run(m.measure_floor())
+    assert floor == pytest.approx(0.10) and m.threshold_cores == pytest.approx(0.15)  # the spike is not the floor
+    assert windows == [0.5] * 4
+
+    table.set_rate(301, 1.0)  # bare vLLM's engine core still busy-polling after its batch
+    clock, spin_ends = table.clock, table.clock.now + 1.5
+
+    async def sleep(seconds):
+        clock.now += seconds
+        if clock.now >= spin_ends:
+            table.set_rate(301, 0.0)
+
+    m.sleep = sleep
+    quiet = asyncio.run(m.wait_quiet())
+    assert not quiet["timed_out"] and quiet["cores"] == pytest.approx(0.10)
+    assert quiet["waited_s"] == pytest.approx(2.0)  # three busy windows, then a quiet one
+
+
+def test_quiet_gives_up_at_the_timeout_and_says_so():
+    table = FakeTable(Clock())
+    table.set_rate(226, 1.5)  # an engine that never stops
+    m = meter(table, window_s=0.5, timeout_s=3)
+    quiet = asyncio.run(m.wait_quiet())
+    assert quiet["timed_out"] and quiet["waited_s"] == pytest.approx(3.0) and quiet["cores"] == pytest.approx(1.5)
+
+
+# --- the batch's CPU ----------------------------------------------------------------------------
+def test_a_batch_is_charged_every_process_of_each_side_born_and_exited_ones_too():
+    table = FakeTable(Clock())
+    m = meter(table, window_s=0.5, timeout_s=5)
+
+    async def batch():
+        table.set_rate(222, 0.2)  # HAProxy
+        table.set_rate(224, 0.5)  # router
+        table.set_rate(225, 0.8)  # model replica actor
+        table.set_rate(226, 1.0)  # EngineCore
+        table.set_rate(CLIENT_PID, 0.3)
+        table.set_rate(301, 0.1)  # bare vLLM's engine, idle-ish
+        table.set_rate(OTHER_TENANT, 0.25)  # someone else's job on the host
+        # a new Ray worker is born 1 s in, with 0.4 s of CPU by the end
+        table.procs.append(Proc(250, 202, ("ray::IDLE",), create_time=table.clock.now + 1))
+        table.base[250] = 0.4
+        table.gone.add(228)  # the idle worker exits
+        table.clock.now += 10
+        for pid in (222, 224, 225, 226, CLIENT_PID, 301):
+            table.set_rate(pid, 0.0)
+        table.set_rate(OTHER_TENANT, 0.0)
+        return "done"
+
+    result, cpu = asyncio.run(measured(m, batch))
+    assert result == "done" and not cpu["settle"]["timed_out"]
+    ours = cpu["sides"][OURS]
+    assert ours["groups"]["HAProxy"] == pytest.approx(2.0) and ours["groups"]["router replica"] == pytest.approx(5.0)
+    assert ours["groups"]["model replica actor"] == pytest.approx(8.0) and ours["groups"]["EngineCore"] == pytest.approx(10.0)
+    assert ours["groups"]["other Ray"] == pytest.approx(0.4)  # the worker born in the window, whole
+    assert ours["total"] == pytest.approx(25.4)
+    assert cpu["sides"][BASELINE]["total"] == pytest.approx(1.0) and cpu["sides"][CLIENT]["total"] == pytest.approx(3.0)
+    assert cpu["exited"] == ["ray::IDLE [228]"]
+    # host busy − everything counted = the other tenant (plus what the exited worker used: nothing here)
+    assert cpu["host_other_s"] == pytest.approx(2.5)
+    assert cpu["window_s"] == pytest.approx(10.5)  # the batch and the one quiet window after it
+
+
+def test_a_process_older_than_the_window_but_unseen_at_its_start_is_not_charged_whole():
+    table = FakeTable(Clock())
+    m = meter(table)
+    before = m.snapshot()
+    table.procs.append(Proc(260, 202, ("ray::IDLE",), create_time=table.clock.now - 100))  # missed by discovery
+    table.base[260] = 50.0
+    table.clock.now += 5
+    cpu = m.cpu_between(before, m.snapshot())
+    assert cpu["missed"] == ["ray::IDLE [260]"] and "ray::IDLE [260]" not in cpu["sides"][OURS]["processes"]
+
+
+def test_cpu_per_thousand_tokens_per_group_side_and_ratio():
+    def batch(side, tokens, own, client, other):
+        return {"side": side, "completion_tokens": tokens, "cpu": {"window_s": 10.0, "sides": {
+            side: {"total": sum(own.values()), "groups": own, "processes": {f"{g} [1]": v for g, v in own.items()}},
+            CLIENT: {"total": client}, (BASELINE if side == OURS else OURS): {"total": other}}}}
+
+    batches = [batch(OURS, 1000, {"EngineCore": 4.0, "router replica": 1.0}, 0.5, 0.0),
+               batch(OURS, 3000, {"EngineCore": 12.0, "router replica": 2.0, "HAProxy": 1.0}, 1.5, 0.1),
+               batch(BASELINE, 4000, {"EngineCore": 14.0, "API server": 2.0}, 2.0, 1.2),
+               {"side": OURS, "completion_tokens": 50, "cpu": None}]  # a batch without CPU is left out
+    cpu = per_1k_tokens(batches)
+    assert cpu[OURS]["tokens"] == 4000 and cpu[OURS]["total"] == pytest.approx(5.0)
+    assert list(cpu[OURS]["groups"]) == ["HAProxy", "router replica", "EngineCore"]  # report order
+    assert cpu[OURS]["groups"]["router replica"] == pytest.approx(0.75) and cpu[OURS]["client"] == pytest.approx(0.5)
+    assert cpu[BASELINE]["total"] == pytest.approx(4.0) and cpu["ratio_total"] == pytest.approx(1.25)
+    assert cpu[BASELINE]["other_server_cpu_s"] == pytest.approx(1.2)  # ours' idle tax during bare vLLM's batch
+
+
+# --- serve-app idle -----------------------------------------------------------------------------
+def test_idle_reports_every_process_in_percent_of_a_core_against_the_target():
+    clock = Clock()
+    table = FakeTable(clock)
+    for pid, cores in {220: 0.058, 201: 0.024, 224: 0.022, 203: 0.03, 204: 0.02, 223: 0.017, 225: 0.016,
+                       221: 0.012, 227: 0.011, 202: 0.01, 301: 0.5, CLIENT_PID: 0.9}.items():
+        table.set_rate(pid, cores)
+    result = measure_idle(table, 8000, 30, sleep=clock.sleep_sync, clock=clock, client_pid=CLIENT_PID)
+    assert result["seconds"] == pytest.approx(30)
+    assert result["total_pct"] == pytest.approx(22.0)  # bare vLLM and the command itself are not the service
+    assert result["processes"][0] == {"group": "controller", "process": "ray::ServeController", "pid": 220,
+                                      "pct_core": pytest.approx(5.8)}
+    assert result["groups"]["dashboard"] == pytest.approx(5.0) and not result["within_target"]
+    text = idle_text(result)
+    assert "| controller | ray::ServeController | 220 | 5.80 % |" in text
+    assert "total 22.00 % of one core: OVER the target of 5.0 %" in text
+    quiet = FakeTable(clock)
+    quiet.set_rate(220, 0.01)
+    calm = measure_idle(quiet, 8000, 10, sleep=clock.sleep_sync, clock=clock, client_pid=CLIENT_PID)
+    assert calm["within_target"] and calm["total_pct"] == pytest.approx(1.0)
+
+
+# --- the real table, on this very process -------------------------------------------------------
+def test_the_host_table_reads_this_process_its_socket_and_its_cpu():
+    import os
+    import socket
+
+    from serve_app.bench.host import PsutilTable
+
+    table = PsutilTable()
+    me = next(p for p in table.processes() if p.pid == os.getpid())
+    assert me.ppid == os.getppid() and "pytest" in " ".join(me.cmdline)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert table.listeners(sock.getsockname()[1]) == {os.getpid()}
+    used = table.cpu_seconds(me.pid, me.create_time)
+    assert used is not None and used > 0 and table.host_busy_s() >= used
+    assert table.cpu_seconds(me.pid, me.create_time + 5) is None  # the pid, but not this process
+    env = table.engine_env(me.pid, ["OMP_NUM_THREADS", "PATH"])
+    assert env["nice"] == os.nice(0) and set(env["affinity"]) == os.sched_getaffinity(0)
+    assert env["env"]["PATH"] == os.environ["PATH"] and sum(env["thread_affinities"].values()) == env["threads"]
