@@ -285,9 +285,12 @@ class RouterArgs(Settings):
     # cut, and its engine request stopped and billed what it generated (router/client_socket.py).
     stall_timeout_s: float = Field(30, gt=0, le=600)
     # A stream whose engine fails mid-answer is resumed on another replica of the region this
-    # many times at most, each within resume_window_s of the failure (router/resume.py).
+    # many times at most, each within resume_window_s of the failure (router/resume.py). The
+    # region's replicas are tried for resume_here_s (longer than a model's health check period,
+    # so that Serve has stopped routing to the dead one), then a peer region's.
     max_resumes: int = Field(1, ge=0, le=3)
     resume_window_s: float = Field(30, gt=0, le=300)
+    resume_here_s: float = Field(5, gt=0, le=300)
     # The router does little CPU work; a whole CPU would starve the model replica on small hosts
     # (on a 2-CPU machine Ray could never place both).
     num_cpus: float = Field(0.1, ge=0)

@@ -186,6 +186,8 @@ class Authenticator:
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
+        if claims["aud"] == self._audiences[1]:  # minted by a peer's router, for this region only
+            principal = replace(principal, peer_bound=True)
         if self.keys.is_jti_revoked(claims["jti"], offline):
             raise unauthorized("token has been revoked", "token_revoked")
         # Where the registry holds the token's key, the row is the truth, whichever region signed:

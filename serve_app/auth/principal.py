@@ -27,6 +27,10 @@ class Principal:
     # A token signed by another region's (imported) key: that region's name, or "" when its JWKS
     # did not say. None: this region vouches for the caller (its own key, store or dev key).
     signed_in: str | None = None
+    # A token whose audience is this region alone: a peer region's router minted it to fail a
+    # request over here (clients are never given one). Only such a caller may hand over a stream
+    # to resume (``router/resume.py``), which the forwarding region bills.
+    peer_bound: bool = False
 
     def allows_model(self, model_id: str) -> bool:
         return ALL in self.models or model_id in self.models

@@ -86,6 +86,11 @@ class ReplicaCall:
         return trailer
 
     @property
+    def reader(self) -> asyncio.StreamReader:
+        """A stream's bytes, from the replica's byte socket."""
+        return self.socket[0]
+
+    @property
     def under_way(self) -> bool:
         """The replica has started on the request and its last item is still to come."""
         return self.head is not None and not self.ended

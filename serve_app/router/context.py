@@ -32,7 +32,7 @@ from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.request import RequestTelemetry
-from serve_app.wire.messages import Generated, Trailer
+from serve_app.wire.messages import Generated, Resume, Trailer
 
 logger = module_logger(__name__)
 
@@ -100,6 +100,7 @@ class Context:
     call: ReplicaCall | None = None
     cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
     resumer: Any = None  # a stream's resumes (``resume.Resumer``), once its first call is open
+    taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
     generated: Generated | None = None

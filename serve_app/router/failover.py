@@ -132,6 +132,18 @@ class Forwarder:
         peer; it replaces any the headers carry (a token bound to one peer must not reach another).
         ``dialect``: the request's (``surfaces/dialects.py``), in which a peer's stream that breaks
         off ends; OpenAI's chat chunks by default."""
+        peer, upstream, attempts = await self.open(route, body, headers, allowed=allowed, authorization=authorization)
+        if upstream is None:
+            return Forwarded(None, None, None, attempts)
+        return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None),
+                                 dialect or dialects.OPENAI)
+
+    async def open(self, route: str, body: dict, headers: Mapping[str, str], *,
+                   allowed: Callable[[str], bool] = lambda region: True,
+                   authorization: Callable[[str], str] | None = None,
+                   ) -> tuple[Peer | None, httpx.Response | None, list[Attempt]]:
+        """The first peer that answers other than 503, and its response with the body still to
+        read (the caller closes it), or ``(None, None, attempts)``."""
         dropped = _NOT_FORWARDED | ({"authorization"} if authorization else set())
         out = {k: v for k, v in headers.items() if k.lower() not in dropped}
         out |= {"content-type": "application/json", HOP_HEADER: self.region, "accept-encoding": "identity",
@@ -166,12 +178,11 @@ class Forwarder:
             if outcome in ("connect_error", "timeout"):
                 self._unreachable_until[peer.region] = self._clock() + self.unreachable_hold_s
             if outcome == "served":
-                return await self._relay(peer, upstream, reason, attempts, on_done or (lambda s, e: None),
-                                         dialect or dialects.OPENAI)
+                return peer, upstream, attempts
             logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)
             if upstream is not None:
                 await upstream.aclose()
-        return Forwarded(None, None, None, attempts)
+        return None, None, attempts
 
     async def _relay(self, peer: Peer, upstream: httpx.Response, reason: str, attempts: list[Attempt],
                      on_done: OnDone, dialect: Any) -> Forwarded:

@@ -32,7 +32,7 @@ from serve_app.router.context import Context, abandoned, failed, forwarded, refu
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
-from serve_app.router.resume import Resumer
+from serve_app.router.resume import Resumer, taken_over
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
@@ -72,6 +72,7 @@ async def parse(ctx: Context) -> None:
     tier_bytes = ctx.services.auth.body_limit(ctx.caller, pricing.CHARS_PER_TOKEN)
     ctx.raw = await read_body(ctx.request, refuse_past=(tier_bytes, _over_tier(ctx)))
     ctx.body = parse_json_object(ctx.raw)
+    ctx.taken_over = taken_over(ctx)  # a peer region's stream to continue (its router only)
     ctx.record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text
 
 
@@ -117,6 +118,10 @@ async def admit(ctx: Context) -> None:
     """Its worst case held against the key's token budget (nothing held for a surface that
     generates nothing, but a spent budget refuses it too), then charged to its rate limit."""
     services, caller = ctx.services, ctx.caller
+    if ctx.taken_over is not None:  # the region that sent it admitted it, and bills it
+        ctx.headers = {REGION_HEADER: services.region}
+        ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))
+        return
     held = ctx.price.total if ctx.surface.generates else 0
     ctx.reservation = await services.meter.reserve(caller, held)  # 429 budget_exceeded
     limits = await services.auth.admit(caller, ctx.price.total)  # 429 + Retry-After
@@ -170,7 +175,7 @@ async def call(ctx: Context) -> Head:
     ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.generates else None
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
-        previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt,
+        previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,
     )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()
@@ -179,7 +184,8 @@ async def call(ctx: Context) -> Head:
     if isinstance(head, Accepted):
         return await ctx.call.answer()
     if isinstance(head, StreamOpen):  # should its engine fail mid-stream, another replica resumes it
-        ctx.resumer = Resumer(ctx, max_resumes=services.max_resumes, window_s=services.resume_window_s)
+        ctx.resumer = Resumer(ctx, max_resumes=services.max_resumes, window_s=services.resume_window_s,
+                              here_s=services.resume_here_s)
     return head
 
 

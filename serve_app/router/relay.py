@@ -69,7 +69,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
     relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
     try:
         while True:
-            reader = ctx.call.socket[0]
+            reader = ctx.call.reader
             while data := await reader.read(READ_BYTES):
                 if first is None:
                     if not opening:
@@ -107,5 +107,5 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
         ctx.settle(failed(status, error["error"]["code"]))
         yield dialect.error_event(status, error)
     finally:
-        ctx.call.socket[1].close()  # for a client that left, the replica's cue to stop
+        ctx.call.hang_up()  # for a client that left, the replica's cue to stop
         ctx.settle(abandoned())  # a client gone mid-stream; after any other ending, nothing

@@ -10,9 +10,13 @@ chunk) is dropped, the text the first stream still owed the client goes first, i
 the tokens before the seam as completion, and its limit is what was left of the request's. The
 chunks keep the stream's id (the router's request id names both engine requests).
 
-Bounded: ``resume.max_resumes`` per stream (1 by default), each within ``resume.window_s`` of the
-failure (replicas that answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing
-to a dead replica once its health check fails, within a few seconds).
+Bounded: ``router.max_resumes`` per stream (1 by default), each within ``router.resume_window_s``
+of the failure. The region's replicas are tried first, for ``router.resume_here_s`` (replicas that
+answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing to a dead replica once
+its health check fails, within a few seconds); then a peer region's router, as failover does: the
+request goes with a token for that peer alone and the tokens generated so far (``RESUME_FIELD``);
+the peer runs it as a resume on one of its replicas, does not bill it, and sends the stream back
+with its usage in its closing (``peer_call.py``). This router bills the one request, both attempts.
 
 Not resumed (the stream ends with the engine-failure event, as before, and is billed what was
 generated): a replica that vanished with no trailer (no tokens to continue from), more than one
@@ -29,6 +33,7 @@ from typing import Any
 from serve_app.errors import APIError
 from serve_app.router import pricing
 from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
+from serve_app.router.peer_call import PeerCall
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Call, Resume, StreamOpen, Trailer
 from serve_app.wire.sse import EVENT_END, data_of
@@ -44,6 +49,8 @@ _UNRESUMABLE_FIELDS = (
     "guided_choice", "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of",
 )
 RETRY_S = 0.2  # between tries of a replica that answered engine_unavailable
+# The body field in which a router hands a peer region's router the stream it continues.
+RESUME_FIELD = "pg_resume"
 
 
 def resumable(surface: str, body: dict[str, Any]) -> bool:
@@ -68,13 +75,35 @@ def text_received(relayed: bytes) -> str:
     return "".join(text)
 
 
+def taken_over(ctx) -> Resume | None:
+    """The resume a peer region's router sent with the request (``RESUME_FIELD``), taken out of
+    the body: this region continues a stream whose engine failed there, and that region bills it.
+    Only a peer's router can send one (its failover token, for this region alone, and the hop
+    header); from anyone else the field is a 400."""
+    sent = ctx.body.pop(RESUME_FIELD, None)
+    if sent is None:
+        return None
+    if ctx.origin is None or not ctx.caller.peer_bound:
+        raise APIError(400, f"{RESUME_FIELD} is set by a peer region's router only", param=RESUME_FIELD,
+                       code="unknown_parameter")
+    sent = sent if isinstance(sent, dict) else {}
+    ids, text, request_id = sent.get("token_ids"), sent.get("text"), sent.get("request_id")
+    if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**31 for i in ids)
+            and isinstance(text, str) and isinstance(request_id, str) and 0 < len(request_id) <= 64):
+        raise APIError(400, f"{RESUME_FIELD} needs token_ids, text and request_id", param=RESUME_FIELD)
+    ctx.id = request_id  # the engine request's: the chunks keep the stream's id
+    return Resume(tuple(ids), text)
+
+
 class Resumer:
     """One stream's resumes: how many are left, and the tokens generated before each seam."""
 
-    def __init__(self, ctx, *, max_resumes: int, window_s: float):
+    def __init__(self, ctx, *, max_resumes: int, window_s: float, here_s: float):
         self.ctx = ctx
-        self.left = max_resumes if resumable(ctx.surface.name, ctx.body) else 0
+        # A continuation a peer sent is not resumed again: the region that sent it holds the bill.
+        self.left = max_resumes if resumable(ctx.surface.name, ctx.body) and ctx.taken_over is None else 0
         self.window_s = window_s
+        self.here_s = here_s
         self.done = 0  # resumes that took
         self.prompt_tokens = 0  # what the continuations prefilled (recorded apart from the prompt)
         self.pause_ms: list[float] = []  # failure seen → the continuation's first byte, per seam
@@ -85,8 +114,9 @@ class Resumer:
         return self.left > 0
 
     async def resume(self, broken: Trailer, relayed: bytes) -> bool:
-        """Continue the stream on a replica of the region: True when the new call's stream is open
-        (``ctx.call`` is it), False when this stream cannot or could not be resumed."""
+        """Continue the stream on a replica of the region, or else of a peer region: True when the
+        new call's stream is open (``ctx.call`` is it), False when this stream cannot or could not
+        be resumed."""
         ctx = self.ctx
         if self.left <= 0 or broken.error_code != ENGINE_UNAVAILABLE or not broken.token_ids:
             return False
@@ -99,18 +129,22 @@ class Resumer:
         resume = Resume(tuple(broken.token_ids), text_received(relayed))
         body = {**ctx.body, field: remaining}
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
-        call = None
+        call = peer = None
         try:
-            call = await self._open(Call(
+            call = await self._open_here(Call(
                 body, ctx.id, limit_set_by_router=False, cache_salt=ctx.cache_salt, resume=resume,
-            ), deadline=started + self.window_s)
+            ), deadline=started + min(self.window_s, self.here_s))
+            if call is None:
+                call = await self._open_in_peer(body, resume, span)
+                peer = call.region if call is not None else None
         finally:
-            ctx.telemetry.end_resume(span, call is not None)
+            ctx.telemetry.end_resume(span, call is not None, peer)
         if call is None:
             return False
         ctx.call, self.done = call, self.done + 1
         self.pause_ms.append((time.perf_counter() - started) * 1000)
-        logger.info("stream %s resumed after %d tokens", ctx.telemetry.trace_id, len(resume.token_ids))
+        logger.info("stream %s resumed after %d tokens%s", ctx.telemetry.trace_id, len(resume.token_ids),
+                    f" in {peer}" if peer else "")
         return True
 
     def note_attempt(self, trailer: Trailer) -> None:
@@ -118,24 +152,63 @@ class Resumer:
         if self.done:
             self.prompt_tokens += trailer.generated.prompt_tokens
 
-    async def _open(self, call: Call, *, deadline: float) -> ReplicaCall | None:
+    async def _open_here(self, call: Call, *, deadline: float) -> ReplicaCall | None:
         """A replica's open stream for ``call``, trying again while replicas answer that their
-        engine died, until ``deadline``; None if none took it."""
+        engine died, until ``deadline``; None if none took it (or the model has no replica left
+        here: Serve then queues a call until one is back, which may be minutes)."""
         ctx = self.ctx
         services = ctx.services
-        while time.perf_counter() < deadline:
+        while (left := deadline - time.perf_counter()) > 0:
+            await services.states.ensure_fresh()
+            try:
+                services.states.require_serving(ctx.model, services.region)
+            except APIError:
+                return None
             replica_call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, call, ctx.model, services.region)
             try:
-                head = await replica_call.first()
+                head = await asyncio.wait_for(replica_call.first(), left)
+            except asyncio.TimeoutError:
+                return None
             except APIError as unavailable:
                 if unavailable.code in REPLICA_FAILURES:
                     services.states.suspect()
                 if unavailable.status != 503:
                     return None
-                await asyncio.sleep(RETRY_S)
+                await asyncio.sleep(min(RETRY_S, max(0.0, deadline - time.perf_counter())))
                 continue
             if isinstance(head, StreamOpen):
                 return replica_call
             logger.warning("a resumed stream was answered %s: %s", head.status, json.dumps(head.body)[:200])
             return None
         return None
+
+    async def _open_in_peer(self, body: dict[str, Any], resume: Resume, span) -> PeerCall | None:
+        """The continuation's stream from the first peer region whose router takes it (one hop:
+        never for a request a peer forwarded here), or None."""
+        ctx = self.ctx
+        services, caller = ctx.services, ctx.caller
+        peers = [p.region for p in services.forwarder.peers
+                 if p.region != services.region and caller.allows_region(p.region)]
+        if ctx.origin is not None or not peers:
+            return None
+        # The peer reports the usage in its closing (it is billed here, with the first attempt's).
+        sent = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True},
+                RESUME_FIELD: {"token_ids": list(resume.token_ids), "text": resume.text, "request_id": ctx.id}}
+        bound = await asyncio.to_thread(
+            lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
+        )
+        peer, upstream, attempts = await services.forwarder.open(
+            ctx.surface.route, sent, ctx.telemetry.resume_propagation(span),
+            allowed=caller.allows_region, authorization=bound.__getitem__,
+        )
+        if upstream is None:
+            logger.warning("no peer region resumed stream %s: %s", ctx.telemetry.trace_id,
+                           [(a.region, a.outcome, a.status) for a in attempts])
+            return None
+        if upstream.status_code != 200:
+            detail = (await upstream.aread())[:200]
+            await upstream.aclose()
+            logger.warning("%s refused to resume stream %s: %s %s", peer.region, ctx.telemetry.trace_id,
+                           upstream.status_code, detail)
+            return None
+        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids))

@@ -55,6 +55,7 @@ class Services:
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
     resume_window_s: float = 30.0  # ...each within this long of the failure
+    resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -90,6 +91,7 @@ class Services:
             stall_timeout_s=args.router.stall_timeout_s,
             max_resumes=args.router.max_resumes,
             resume_window_s=args.router.resume_window_s,
+            resume_here_s=args.router.resume_here_s,
         )
 
     def start(self) -> None:

@@ -63,12 +63,18 @@ class RequestTelemetry:
         """The ``resume`` span of one seam: the engine failed after ``tokens`` tokens."""
         return tracing.start_resume_span(self.trace, cause, tokens)
 
-    def end_resume(self, span, resumed: bool) -> None:
+    def resume_propagation(self, span) -> dict[str, str]:
+        """The headers that make a peer region's continuation a child of the ``resume`` span."""
+        return tracing.propagation_headers(span)
+
+    def end_resume(self, span, resumed: bool, region: str | None = None) -> None:
+        """``region``: the peer region whose replica continued the stream (None: this region)."""
         if resumed:
             self.record.resumes += 1
+            self.record.resumed_in = region or self.record.resumed_in
         else:
             self.record.resumes_given_up += 1
-        tracing.end_resume_span(span, resumed)
+        tracing.end_resume_span(span, resumed, region)
 
     # --- the end -------------------------------------------------------------------------------
     def close(self, status: int, error_type: str | None = None) -> None:

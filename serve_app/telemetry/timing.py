@@ -84,6 +84,7 @@ class RequestRecord:
     failover_region: str | None = None  # the peer region that answered it (None: none did)
     resumes: int = 0  # times its stream was resumed on another replica after its engine failed
     resumes_given_up: int = 0  # engine failures mid-stream it could not be resumed from
+    resumed_in: str | None = None  # the peer region that continued its stream, if one did
     server_ms: float | None = None  # set once, by finish()
 
     @classmethod
@@ -265,6 +266,8 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     }
     if record.resumes:  # the stream went on from another replica after its engine failed
         metadata["resumes"] = record.resumes
+        if record.resumed_in is not None:  # in a peer region
+            metadata["resumed_in"] = record.resumed_in
     return metadata
 
 

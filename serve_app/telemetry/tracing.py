@@ -307,8 +307,10 @@ def start_resume_span(request: RequestTrace, cause: str, tokens: int) -> Span:
     )
 
 
-def end_resume_span(span: Span, resumed: bool) -> None:
+def end_resume_span(span: Span, resumed: bool, region: str | None = None) -> None:
     span.set_attribute("serve_app.resume.resumed", resumed)
+    if region is not None:  # a peer region's replica continued it
+        span.set_attribute("serve_app.resume.region", region)
     if not resumed:
         span.set_status(Status(StatusCode.ERROR, "no replica resumed the stream"))
     span.end()

@@ -97,4 +97,5 @@ def usage_record(record_id: str, caller: Principal, request: RequestRecord, gene
         stored_bytes=stored_bytes,
         resumes=resumes,
         resume_prompt_tokens=resume_prompt_tokens,
+        resumed_in=request.resumed_in,
     )

@@ -42,6 +42,7 @@ class UsageRecord:
     # each seam) — engine work, not the customer's prompt, so apart from prompt_tokens.
     resumes: int = 0
     resume_prompt_tokens: int = 0
+    resumed_in: str | None = None  # the peer region whose replica continued the stream, if one did
 
     @property
     def day(self) -> str:

@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS usage_records (
     day               TEXT NOT NULL,     -- UTC YYYY-MM-DD of started_at_ms
     stored_bytes      INTEGER NOT NULL DEFAULT 0,
     resumes           INTEGER NOT NULL DEFAULT 0,
-    resume_prompt_tokens INTEGER NOT NULL DEFAULT 0
+    resume_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    resumed_in        TEXT
 );
 CREATE INDEX IF NOT EXISTS usage_records_key_day ON usage_records (key_id, day);
 CREATE TABLE IF NOT EXISTS usage_daily (
@@ -79,6 +80,7 @@ _ADDED_COLUMNS = {
         "stored_bytes": "INTEGER NOT NULL DEFAULT 0",
         "resumes": "INTEGER NOT NULL DEFAULT 0",
         "resume_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
+        "resumed_in": "TEXT",
     },
     "usage_daily": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
 }

@@ -60,6 +60,22 @@ def authenticator(tmp_path: Path, region: str = "local", limiter: RateLimiter | 
     )
 
 
+def federated_regions(tmp_path: Path, *names: str) -> dict[str, Authenticator]:
+    """Regions that import each other's JWKS, as `serve-app signing import-jwks` does (from the
+    JWKS the router serves, which names each key's region)."""
+    from serve_app.auth import tokens
+
+    auths = {name: authenticator(tmp_path / name, region=name, dev_api_key_env=None) for name in names}
+    for auth in auths.values():
+        keyset = tokens.load_keyset(auth.keyset.path)
+        for other in auths.values():
+            if other is not auth:
+                keyset = keyset.with_imported(other.jwks())
+        tokens.save_keyset(auth.keyset.path, keyset)
+        auth.keyset = tokens.KeysetFile(auth.keyset.path, check_interval_s=0)
+    return auths
+
+
 def api_app() -> FastAPI:
     """An app that answers ``APIError`` as the router does (OpenAI-shaped body, its headers)."""
     app = FastAPI()

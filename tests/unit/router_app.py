@@ -159,6 +159,24 @@ class RouterApp:
             return [dict(row) for row in db.execute("SELECT * FROM usage_records ORDER BY started_at_ms").fetchall()]
 
 
+def to_router(peer: RouterApp):
+    """An ``httpx.MockTransport`` handler that sends a request to ``peer`` (another region's
+    router, on its own event loop), as a peer region's URL would. The peer's whole response comes
+    back at once (Starlette's TestClient reads it to the end)."""
+    import anyio
+    import httpx
+
+    async def send(request: httpx.Request) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        answer = await anyio.to_thread.run_sync(
+            lambda: peer.client.post(request.url.path, content=request.content, headers=headers)
+        )
+        return httpx.Response(answer.status_code, headers=answer.headers.multi_items(),
+                              stream=httpx.ByteStream(answer.content))
+
+    return send
+
+
 _SERVICES_BY_LOOP: dict[int, Services] = {}
 
 

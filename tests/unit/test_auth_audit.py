@@ -33,10 +33,10 @@ from tests.unit.auth_support import (
     chat,
     claims,
     current_key,
+    federated_regions,
     sign,
 )
 from router_app import router_client
-
 
 
 def _claims_of(token: str) -> dict:
@@ -53,20 +53,6 @@ def _error(response) -> tuple[int, str, str | None]:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return response.status_code, error["code"], error["param"]
-
-
-def _regions(tmp_path, *names: str) -> dict[str, Authenticator]:
-    """Regions that import each other's JWKS, as `serve-app signing import-jwks` does (from the
-    JWKS the router serves, which names each key's region)."""
-    auths = {name: authenticator(tmp_path / name, region=name, dev_api_key_env=None) for name in names}
-    for name, auth in auths.items():
-        keyset = tokens.load_keyset(auth.keyset.path)
-        for other in auths.values():
-            if other is not auth:
-                keyset = keyset.with_imported(other.jwks())
-        tokens.save_keyset(auth.keyset.path, keyset)
-        auth.keyset = tokens.KeysetFile(auth.keyset.path, check_interval_s=0)
-    return auths
 
 
 # --- 1. keys are matched in full ---------------------------------------------------------------
@@ -141,7 +127,7 @@ def test_the_cap_is_on_by_default_for_every_verifier(tmp_path):
 
 
 def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_path):
-    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01")
     yul, yvr = regions["yul-02"], regions["yvr-01"]
     admin_key, _ = yul.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
     token = _mint(router_client(yul), admin_key)
@@ -193,7 +179,7 @@ def _fail_over(router_app, yul: Authenticator, credential: str, peers: list[Peer
 
 @pytest.mark.parametrize("via", ["token", "api_key"])
 def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_path, router_app, via):
-    regions = _regions(tmp_path, "yul-02", "yvr-01", "yyz-01")
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01", "yyz-01")
     yul = regions["yul-02"]
     key, record = yul.keys.create_key(owner="alice", tier="standard")
     client_token = _mint(router_client(yul), key)
@@ -224,7 +210,7 @@ def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_pat
 
 @pytest.mark.parametrize("peer_status, billed_here", [(200, False), (400, False), (503, True)])
 def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path, router_app, peer_status, billed_here):
-    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01")
     yul = regions["yul-02"]
     key, _ = yul.keys.create_key(owner="alice", tier="standard")
     peers = [Peer(region="yvr-01", endpoint="https://yvr.test")]
@@ -234,7 +220,7 @@ def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path
 
 
 def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):
-    regions = _regions(tmp_path, "yul-02", "yvr-01")
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01")
     yul = regions["yul-02"]
     now = int(time.time())
     short = sign(yul.keyset.current().signing_key(), claims(yul, iat=now - 100, nbf=now - 100, exp=now + 5))

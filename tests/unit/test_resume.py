@@ -4,10 +4,13 @@ the second continues from exactly its last token."""
 
 import json
 
+import httpx
 import pytest
 
-from auth_support import MODEL, bearer
+from auth_support import MODEL, bearer, federated_regions
 from fake_engine import FakeEngine
+from router_app import to_router
+from serve_app.config import Peer
 
 ASK = [{"role": "user", "content": "count"}]
 
@@ -89,3 +92,77 @@ def test_with_no_other_replica_the_stream_ends_with_the_engine_failure_event_aft
     _, events = _stream(app, key)
     assert json.loads(events[-2][6:])["error"]["code"] == "engine_unavailable"
     assert _text(events) == "".join(f"t{i} " for i in range(1, 6))
+
+
+# --- in a peer region -----------------------------------------------------------------------------
+@pytest.fixture
+def two_regions(tmp_path, router_app):
+    """yul-02's only engine dies after 5 tokens; yvr-01 (its peer) is healthy."""
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    healthy = FakeEngine(tokens=12)
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=healthy)
+    dying = FakeEngine(tokens=12, fail_after=5, dies=True)
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=dying,
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    home.services.resume_here_s = 0.3  # its only replica answers engine_unavailable meanwhile
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    return home, peer, key, healthy
+
+
+def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once_here(two_regions):
+    home, peer, key, healthy = two_regions
+    response, events = _stream(home, key, stream_options={"include_usage": True})
+    assert response.status_code == 200
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    assert not any('"error"' in e for e in events) and events[-1] == "data: [DONE]"
+    assert events.count("data: [DONE]") == 1 and sum("event: pg_metadata" in e for e in events) == 1
+    assert len({json.loads(e[6:])["id"] for e in events if e.startswith("data: {")}) == 1
+    # The closing is this region's, with the resume in it; the usage counts the whole answer.
+    closing = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
+    assert closing["pg_metadata"]["region"] == "yul-02"
+    assert (closing["pg_metadata"]["resumes"], closing["pg_metadata"]["resumed_in"]) == (1, "yvr-01")
+    assert closing["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    # The peer's replica continued from the first engine's last token, with what was left.
+    ((_, resumed),) = healthy.calls
+    assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_completion_tokens"] == 7
+    assert resumed.request_id == home_request_id(home)
+    # One usage record, here; none in the peer region.
+    (row,) = home.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
+    assert (row["resumes"], row["resume_prompt_tokens"], row["resumed_in"]) == (1, 10, "yvr-01")
+    assert peer.recorded() == []
+
+
+def home_request_id(home):
+    (row,) = home.recorded()
+    return row["id"]
+
+
+def test_a_peer_continuation_that_breaks_ends_with_the_error_event_and_is_billed(two_regions):
+    home, peer, key, healthy = two_regions
+    healthy.fail_after, healthy.dies = 3, True  # the peer's engine dies too, 3 tokens in
+    _, events = _stream(home, key)
+    assert json.loads(events[-2][6:])["error"]["code"] == "engine_unavailable" and events[-1] == "data: [DONE]"
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 9))  # 5 here, 3 there, no error there
+    (row,) = home.recorded()
+    assert row["status"] == 503 and row["completion_tokens"] >= 8 and peer.recorded() == []
+
+
+def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
+    home, peer, home_key, healthy = two_regions
+    key, _ = peer.auth.keys.create_key(owner="alice", tier="standard")
+    peer_bound = home.auth.forwarding_token(home.auth.authenticate(f"Bearer {home_key}", scope="inference"), "yvr-01")
+    resume = {"token_ids": [1, 2], "text": "t1 t2 ", "request_id": "x" * 32}
+    hop = {"x-pg-forwarded-from": "yul-02"}
+    for headers in (bearer(key), {**bearer(key), **hop}, bearer(peer_bound)):
+        refused = peer.client.post("/v1/chat/completions", headers=headers, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "pg_resume": resume,
+        })
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "pg_resume")
+    malformed = {**resume, "token_ids": ["1"]}
+    refused = peer.client.post("/v1/chat/completions", headers={**bearer(peer_bound), **hop}, json={
+        "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "pg_resume": malformed,
+    })
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "pg_resume")
+    assert healthy.calls == []

@@ -1,0 +1,137 @@
+"""A resumed stream's continuation in a peer region, read as the relay reads a replica's call.
+
+When no replica of this region can continue a stream whose engine failed (``resume.py``), a peer
+region's router does: it gets the request with the tokens generated so far (``pg_resume``), runs
+it on one of its replicas as a resume, and streams the continuation back. This router relays
+that stream's chunks to the client, but not its ending: the peer's timing event and ``[DONE]``
+(or its error event) become this call's trailer — the usage the peer counted (for the whole
+answer, as the client's one request), its finish reasons, its region — and this router ends the
+stream itself, with its own timing, as for any stream.
+
+Chat and completions only (the surfaces a stream resumes on): their chunks are ``data:`` events,
+the peer's ending is its ``pg_metadata`` event and ``data: [DONE]``.
+"""
+
+import asyncio
+import json
+
+import anyio
+import httpx
+
+from serve_app.telemetry.logs import module_logger
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
+from serve_app.wire.sse import EVENT_END
+
+logger = module_logger(__name__)
+
+PEER_STREAM_FAILED = "peer_stream_failed"
+_DONE = b"data: [DONE]"
+_ERROR = b'data: {"error"'
+_METADATA = b"event: pg_metadata"
+
+
+class PeerCall:
+    """The peer router's response to a resume (status 200, SSE), until its ending."""
+
+    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int):
+        self.region = region
+        self.replica = None  # the peer's model replica, from its timing event
+        self._upstream = upstream
+        self._chunks = upstream.aiter_raw()
+        self._before = tokens_before  # generated before the seam (the peer's usage counts them)
+        self._pending = b""
+        self._usage: dict | None = None
+        self._metadata: dict | None = None
+        self._finish_reasons: list[str] = []
+        self._error: str | None = None
+        self._done = False  # the peer's [DONE]: its stream ended as it should
+        self._relayed = 0  # token chunks relayed: the count billed if the stream ends unfinished
+        self.ended = False
+        self._closing: asyncio.Future | None = None
+
+    # --- what the relay reads ------------------------------------------------------------------
+    @property
+    def reader(self) -> "PeerCall":
+        return self
+
+    async def read(self, _size: int) -> bytes:
+        """The next whole events to relay; b"" when the peer's stream is over."""
+        while not self.ended:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self.ended = True
+                break
+            except httpx.HTTPError as err:
+                logger.warning("the resumed stream from %s broke (%s)", self.region, type(err).__name__)
+                self._error, self.ended = PEER_STREAM_FAILED, True
+                break
+            *events, self._pending = (self._pending + chunk).split(EVENT_END)
+            relayed = b"".join(event + EVENT_END for event in events if self._passes(event))
+            if relayed:
+                return relayed
+        return b""
+
+    async def trailer(self) -> Trailer:
+        """How the peer's stream ended, once ``read`` returned b""."""
+        await self._close()
+        return self._trailer()
+
+    # --- what the request's one exit uses (``context.Context.settle``) --------------------------
+    @property
+    def under_way(self) -> bool:
+        return not self.ended
+
+    def hang_up(self) -> None:
+        """The client left (or the relay is done): closing the connection stops the peer's engine."""
+        if not self.ended:
+            self._closing = asyncio.ensure_future(self._close())
+
+    async def last(self) -> Trailer:
+        """After ``hang_up``: the peer's stream closed before its ending, so its usage is not
+        known here; what it generated is billed as the token chunks relayed."""
+        await self._close()
+        return self._trailer()
+
+    # --- the peer's events ----------------------------------------------------------------------
+    def _passes(self, event: bytes) -> bool:
+        if event.startswith(_DONE):
+            self._done = True
+            return False
+        if event.startswith(_METADATA):
+            payload = json.loads(event.split(b"data: ", 1)[1])
+            self._usage, self._metadata = payload.get("usage"), payload.get("pg_metadata") or {}
+            return False
+        if event.startswith(_ERROR):
+            error = json.loads(event[6:]).get("error") or {}
+            self._error = error.get("code") or ENGINE_UNAVAILABLE
+            logger.warning("the resumed stream from %s ended with %s", self.region, self._error)
+            return False
+        if b'"finish_reason":"' in event:
+            for choice in json.loads(event[6:]).get("choices") or ():
+                if choice.get("finish_reason"):
+                    self._finish_reasons.append(choice["finish_reason"])
+        self._relayed += 1
+        return True
+
+    def _trailer(self) -> Trailer:
+        complete = self._done and self._usage is not None and self._error is None
+        if not complete:
+            return Trailer(complete=False, error_code=self._error or PEER_STREAM_FAILED,
+                           finish_reasons=tuple(self._finish_reasons), generated=Generated(0, self._relayed))
+        usage, metadata = self._usage, self._metadata or {}
+        self.replica = metadata.get("replica")
+        # The peer counts the whole answer as the client's request; its engine prefilled the
+        # prompt and the tokens before the seam, and generated the rest.
+        generated = Generated(usage.get("prompt_tokens", 0) + self._before,
+                              usage.get("completion_tokens", 0) - self._before)
+        prefill, total = metadata.get("inference_ttft_ms"), metadata.get("inference_total_ms")
+        timing = EngineTiming(queue_ms=metadata.get("queue_ms"), prefill_ms=prefill,
+                              decode_ms=total - prefill if None not in (prefill, total) else None)
+        return Trailer(timing=timing, usage=usage, finish_reasons=tuple(self._finish_reasons),
+                       replica=self.replica, generated=generated)
+
+    async def _close(self) -> None:
+        self.ended = True
+        with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
+            await self._upstream.aclose()
