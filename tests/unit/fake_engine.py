@@ -4,9 +4,11 @@ tokens, configurable latency, failures before or during a stream, a dead engine 
 It answers chat like vLLM's serving layer does (the same SSE chunks, the usage chunk with
 ``metrics`` when usage is asked for, ``[DONE]``), through the real chat watcher
 (``trailer.StreamTrailer``), and its ``generate`` is wrapped by the real token counter
-(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's. The other surfaces get small bodies
-of their own shape (a Responses response, an Anthropic message, a tokenization), with the same
-counted generation behind the ones that generate.
+(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's. Responses and Messages streams are
+vLLM's own events made from that generation (``fake_vllm.py``), through the real
+watchers (``outputs.ResponsesStream``, ``outputs.MessagesStream``). Non-stream, the other surfaces
+get small bodies of their own shape (a Responses response, an Anthropic message, a tokenization),
+with the same counted generation behind the ones that generate.
 """
 
 import asyncio
@@ -14,6 +16,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import fake_vllm
+from serve_app.engine import outputs as engine_outputs
 from serve_app.engine import token_count, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
@@ -83,30 +87,45 @@ class FakeEngine:
             return Answer(200, dict(answer), Trailer())
         limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
         wanted = min(limit or self.tokens, self.tokens)
+        if surface == "responses":
+            return await self._responses(call, wanted)
         outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        if body.get("stream") and surface == "messages":
+            watcher = engine_outputs.MessagesOutput().watcher(body)
+            events = fake_vllm.messages_events(self._events(outputs, body), watcher)
+            return Stream(Prefetched(events), watcher)
         if body.get("stream"):
             watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
             return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
+        if surface == "messages":
+            return fake_vllm.messages_answer(body, text, prompt_tokens=self.prompt_tokens, completion_tokens=wanted,
+                                             finish_reason="length", metrics=TIMING)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": wanted,
                  "total_tokens": self.prompt_tokens + wanted}
         summary = Trailer(timing=trailer.engine_timing(TIMING), usage=usage, finish_reasons=("length",))
-        return Answer(200, self._body(surface, call, text, usage), summary)
+        return Answer(200, self._body(call, text, usage), summary)
 
-    def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
+    async def _responses(self, call: Call, wanted: int) -> Answer | Stream:
+        """As ``VLLMEngine._responses``: vLLM validates the body, the answer is shaped against the
+        client's body with the id it continued from."""
+        request = fake_vllm.validated_responses_request(
+            {**call.body, "request_id": f"resp_{call.request_id}", "store": False}
+        )
+        if isinstance(request, Answer):
+            return request
+        shape_body = {**call.body, "previous_response_id": call.previous_response_id}
+        outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        counts = dict(wanted=wanted, total=self.tokens, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens,
+                      metrics=TIMING)
+        if not call.stream:
+            _ = [o async for o in outputs]  # the generation the text stands for
+            return fake_vllm.responses_answer(request, shape_body, f"answer {self.count}", **counts)
+        events = fake_vllm.responses_events(request, outputs, **counts)
+        return Stream(Prefetched(events), engine_outputs.ResponsesOutput().watcher(shape_body))
+
+    def _body(self, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
         model = call.body.get("model")
-        if surface == "responses":
-            return {
-                "id": f"resp_{call.request_id}", "object": "response", "status": "completed", "model": model,
-                "created_at": 1, "previous_response_id": call.previous_response_id,
-                "output": [{"type": "message", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": f"answer {self.count}"}]}],
-                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
-            }
-        if surface == "messages":
-            return {"id": "msg_1", "type": "message", "role": "assistant", "model": model,
-                    "content": [{"type": "text", "text": text}],
-                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
         return {"id": "chatcmpl-f", "object": "chat.completion", "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
                 "usage": usage}
