@@ -84,7 +84,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
         client_wants_usage = bool((ctx.body.get("stream_options") or {}).get("include_usage"))
         yield dialect.closing(
             ctx.telemetry.metadata(), chunk_object=ctx.surface.chunk_object, first=first or {}, model=ctx.model,
-            usage=trailer.usage if client_wants_usage else None,
+            usage=trailer.usage if client_wants_usage else None, terminal=trailer.terminal,
         )
         ctx.settle(served(status, trailer.error_code))
     except Exception as err:

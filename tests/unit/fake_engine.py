@@ -76,7 +76,7 @@ class FakeEngine:
 
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
         self.calls.append((surface, call))
-        body = call.body
+        body = dict(call.body)  # the real engine hands vLLM a copy: the router's body stays as sent
         if self.fail_before:
             self.dead = self.dies
             raise EngineFailed("before the answer")
@@ -96,15 +96,18 @@ class FakeEngine:
             return Stream(Prefetched(events), watcher)
         if body.get("stream"):
             watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
-            return Stream(Prefetched(self._events(outputs, body)), watcher)  # under way, as vLLM's
+            return Stream(Prefetched(self._events(outputs, body, surface)), watcher)  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
         if surface == "messages":
             return fake_vllm.messages_answer(body, text, prompt_tokens=self.prompt_tokens, completion_tokens=wanted,
                                              finish_reason="length", metrics=TIMING)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": wanted,
                  "total_tokens": self.prompt_tokens + wanted}
-        summary = Trailer(timing=trailer.engine_timing(TIMING), usage=usage, finish_reasons=("length",))
-        return Answer(200, self._body(call, text, usage), summary)
+        output = engine_outputs.COMPLETIONS if surface == "completions" else engine_outputs.CHAT
+        response = self._body(surface, call, text, usage)
+        summary = output.summarize(response)  # takes `metrics` off, as the replica does
+        output.shape(response, body)
+        return Answer(200, response, summary)
 
     async def _responses(self, call: Call, wanted: int) -> Answer | Stream:
         """As ``VLLMEngine._responses``: vLLM validates the body, the answer is shaped against the
@@ -124,11 +127,21 @@ class FakeEngine:
         events = fake_vllm.responses_events(request, outputs, **counts)
         return Stream(Prefetched(events), engine_outputs.ResponsesOutput().watcher(shape_body))
 
-    def _body(self, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
-        model = call.body.get("model")
-        return {"id": "chatcmpl-f", "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-                "usage": usage}
+    def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
+        """A chat or completions body as vLLM dumps it (every field, nulls and extras included)."""
+        if surface == "completions":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+        else:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": [], "reasoning": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None, "token_ids": None}
+        return {"id": "cmpl-f" if surface == "completions" else "chatcmpl-f",
+                "object": "text_completion" if surface == "completions" else "chat.completion",
+                "created": 1, "model": call.body.get("model"), "choices": [choice], "service_tier": None,
+                "system_fingerprint": None, "usage": {**usage, "prompt_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None, "metrics": dict(TIMING)}
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int):
         produced = 0
@@ -147,25 +160,33 @@ class FakeEngine:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
 
-    async def _events(self, outputs, body: dict[str, Any]):
-        """vLLM's chat SSE strings for ``outputs``."""
-        chunk = {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
+    async def _events(self, outputs, body: dict[str, Any], surface: str = "chat"):
+        """vLLM's chat (or completions) SSE strings for ``outputs``, each choice with the
+        ``logprobs: null`` vLLM sets."""
+        completions = surface == "completions"
+        kind = "text_completion" if completions else "chat.completion.chunk"
+        chunk = {"id": "cmpl-f" if completions else "chatcmpl-f", "object": kind, "created": 1, "model": body.get("model")}
 
         def event(payload):
             return f"data: {json.dumps({**chunk, **payload}, separators=(',', ':'))}\n\n"
 
+        def choice(text=None, finish=None, role=None):
+            if completions:
+                return {"choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            delta = {} if text is None else {"content": text}
+            return {"choices": [{"index": 0, "delta": {"role": role, **delta} if role else delta,
+                                 "logprobs": None, "finish_reason": finish}]}
+
         n = 0
         try:
             async for output in outputs:
-                if n == 0:  # as vLLM: the role chunk comes with the engine's first output
-                    yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None}]})
+                if n == 0 and not completions:  # as vLLM: the role chunk comes with the engine's first output
+                    yield event(choice("", role="assistant"))
                 n += 1
-                yield event({"choices": [{"index": 0, "delta": {"content": output.outputs[0].text},
-                                          "finish_reason": None}]})
+                yield event(choice(output.outputs[0].text))
         finally:
             await outputs.aclose()  # closing the stream aborts the generation
-        yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        yield event(choice(finish="length"))
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"
