@@ -240,3 +240,38 @@ def test_a_dead_engines_responses_error_event_continues_the_numbering(router_app
     numbers = [data["sequence_number"] for _, data in events]
     assert numbers == list(range(len(events)))
     validate_responses(events[-1][1], event=True)
+
+
+# --- the official SDKs' stream helpers, to their final objects -----------------------------------
+
+
+def test_the_openai_sdk_reads_a_responses_stream_to_its_final_response_with_the_timing(app):
+    import openai
+
+    client = openai.OpenAI(api_key=DEV_KEY, base_url="http://testserver/v1", http_client=app.client, max_retries=0)
+    with client.responses.stream(model=MODEL, input="hi", max_output_tokens=4) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and "pg_metadata" not in kinds
+    assert final.output_text == "t1 t2 t3 t4 " and final.usage.output_tokens == 4
+    assert final.safety_identifier is None and final.prompt_cache_key is None
+    assert final.model_extra["pg_metadata"]["inference_total_ms"] == 5.0  # the timing, inside the protocol
+    created = client.responses.create(model=MODEL, input="hi", max_output_tokens=4, safety_identifier="u-1")
+    assert created.safety_identifier == "u-1" and created.model_extra["pg_metadata"]["server_ms"] > 0
+
+
+def test_the_anthropic_sdk_reads_a_messages_stream_to_its_final_message_and_its_raw_events_the_timing(app):
+    import anthropic
+
+    client = anthropic.Anthropic(api_key=DEV_KEY, base_url="http://testserver", http_client=app.client, max_retries=0)
+    with client.messages.stream(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[-1] == "message_stop" and "pg_metadata" not in kinds
+    assert final.content[0].text == "t1 t2 t3 " and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 3
+    # The helper rebuilds message_stop (its own event, without extra fields); the raw events keep
+    # the timing (docs/api.md, "Server timing").
+    raw = list(client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+                                      stream=True))
+    assert raw[-1].type == "message_stop" and raw[-1].model_extra["pg_metadata"]["inference_total_ms"] == 5.0
