@@ -300,6 +300,18 @@ def serving(*regions: FakeRegion) -> Iterator[list[str]]:
             thread.join(timeout=10)
 
 
+def run_client(region: FakeRegion, scenario, *, regions=(), **options):
+    """Serve ``region`` (and ``regions``), create a client against all of them, run ``scenario``."""
+    from serve_app.client import AsyncClient
+
+    with serving(region, *regions) as urls:
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_urls=urls, **options) as client:
+                return await scenario(client)
+
+        return asyncio.run(go())
+
+
 def dead_url() -> str:
     """A 127.0.0.1 URL nothing listens on: connecting is refused at once."""
     return f"http://127.0.0.1:{free_port()}"

@@ -4,8 +4,6 @@ typed answers and events, the server's timing from where each protocol carries i
 errors raised typed, a stream cut short never looking complete, failover shared with chat, and the
 sync twin."""
 
-import asyncio
-
 import httpx
 import pytest
 
@@ -26,18 +24,12 @@ from serve_app.client import (
 )
 from serve_app.router import ingress
 from tests.unit.client_fake_server import FakeRegion, error, serving, sse, streaming, unavailable
+from tests.unit.client_fake_server import run_client as run
 
 ASK = {"model": "qwen-3.6-a3b", "input": "Say hi.", "max_output_tokens": 16}
 MESSAGE = {"model": "qwen-3.6-a3b", "max_tokens": 16, "messages": [{"role": "user", "content": "Say hi."}]}
 
 
-def run(region: FakeRegion, scenario, *, regions=(), **options):
-    with serving(region, *regions) as urls:
-        async def go():
-            async with await AsyncClient.create(region.api_key, base_urls=urls, **options) as client:
-                return await scenario(client)
-
-        return asyncio.run(go())
 
 
 def assert_timed(timing, seen, region="yul-02"):

@@ -33,7 +33,7 @@ from vllm.entrypoints.openai.responses.protocol import (
 )
 
 from serve_app.engine import responses_shape, trailer
-from tests.schema_validation import errors, validate, validate_responses
+from tests.schema_validation import errors, validate_responses
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 PLAIN = {"model": "m", "input": "hi"}
