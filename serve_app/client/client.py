@@ -10,8 +10,9 @@ Each call takes the request as a dict (as in the model card), as keyword argumen
 ``timeout`` (this call's httpx timeout), ``traceparent`` (join the caller's own trace) and
 ``extra_headers``.
 
-Served surfaces: chat completions, completions, models. The Responses and Messages APIs are not
-served by this server's router yet, so there are no methods for them (docs/client.md).
+Served surfaces: chat completions, completions, models; OpenAI's Responses API as
+``client.responses`` (create, stream, retrieve, delete) and Anthropic's Messages API as
+``client.messages`` (create, stream, count_tokens), in ``resources.py`` (docs/client.md).
 """
 
 import os
@@ -21,9 +22,10 @@ from urllib.parse import quote
 
 import httpx
 
+from serve_app.client import resources
 from serve_app.client.auth import DEFAULT_REFRESH_MARGIN_S, Auth
 from serve_app.client.errors import ServeAppError
-from serve_app.client.streams import AsyncStream
+from serve_app.client.streams import CHAT, AsyncStream, Protocol
 from serve_app.client.timing import new_traceparent, server_timing, trace_id_of
 from serve_app.client.transport import DEFAULT_TIMEOUT, RetryPolicy, Sent, Transport, json_object
 from serve_app.client import types
@@ -85,6 +87,8 @@ class AsyncClient:
             http_transport=http_transport,
         )
         self._streams: "weakref.WeakSet[AsyncStream[Any]]" = weakref.WeakSet()
+        self.responses = resources.Responses(self)
+        self.messages = resources.Messages(self)
 
     @classmethod
     async def create(cls, api_key: str | None = None, **options: Any) -> "AsyncClient":
@@ -163,22 +167,35 @@ class AsyncClient:
     async def _create(self, path: str, result_type, request, params):
         options = _options(params, self._transport.trace_sample_ratio)
         sent: Sent = await self._send(path, _body(request, params, stream=False), options, stream=False)
-        payload = json_object(sent.response)
-        try:
-            result = result_type.model_validate(payload)
-        except ValueError as err:
-            raise ServeAppError(f"{path} answered with an unexpected body: {err}") from None
-        result._timing = server_timing(sent.response.headers, payload.get("pg_metadata"), trace_id=sent.trace_id)
-        return result
+        return _timed(path, result_type, sent)
 
-    def _stream(self, path: str, chunk_type, request, params) -> AsyncStream[Any]:
+    async def _get(self, method: str, path: str, result_type, *, timeout: httpx.Timeout | float | None = None):
+        """A bodiless call (``GET``, ``DELETE``), retried and failed over like the others."""
+        sent = await self._transport.send(method, path, timeout=timeout)
+        return _timed(path, result_type, sent)
+
+    def _stream(self, path: str, chunk_type, request, params, protocol: Protocol = CHAT) -> AsyncStream[Any]:
         options = _options(params, self._transport.trace_sample_ratio)
         body = _body(request, params, stream=True)
         stream: AsyncStream[Any] = AsyncStream(
-            lambda: self._send(path, body, options, stream=True), chunk_type, trace_id_of(options["traceparent"])
+            lambda: self._send(path, body, options, stream=True), chunk_type, trace_id_of(options["traceparent"]),
+            protocol,
         )
         self._streams.add(stream)
         return stream
+
+
+def _timed(path: str, result_type, sent: Sent):
+    """The typed body of a JSON answer, with the server's timing (``pg_metadata`` and
+    ``Server-Timing``) as ``.timing`` where the type has one."""
+    payload = json_object(sent.response)
+    try:
+        result = result_type.model_validate(payload)
+    except ValueError as err:
+        raise ServeAppError(f"{path} answered with an unexpected body: {err}") from None
+    if isinstance(result, types.Timed):
+        result._timing = server_timing(sent.response.headers, payload.get("pg_metadata"), trace_id=sent.trace_id)
+    return result
 
 
 def _options(params: dict[str, Any], sample_ratio: float) -> dict[str, Any]:

@@ -26,6 +26,12 @@ _STATUS_BY_TYPE = {
     "rate_limit_error": 429,
     "service_unavailable": 503,
     "server_error": 500,
+    # Anthropic's error types (on /v1/messages), where they differ from OpenAI's.
+    "billing_error": 402,
+    "not_found_error": 404,
+    "overloaded_error": 503,
+    "timeout_error": 504,
+    "api_error": 500,
 }
 
 
@@ -135,8 +141,12 @@ def retry_after_s(headers: Mapping[str, str]) -> float | None:
 
 
 def _error_fields(body: Any) -> dict[str, Any]:
+    """The error object of an error body or event: ``{"error": {...}}`` (OpenAI's, Anthropic's, and a
+    Responses error event's), or a Responses error event's own top-level fields."""
     error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else {}
+    if isinstance(error, dict):
+        return error
+    return body if isinstance(body, dict) and body.get("type") == "error" else {}
 
 
 def from_response(response: httpx.Response, *, region: str | None, trace_id: str | None) -> APIStatusError:
@@ -159,7 +169,8 @@ def from_response(response: httpx.Response, *, region: str | None, trace_id: str
 
 
 def from_stream_event(payload: dict[str, Any], *, region: str | None, trace_id: str | None) -> APIStatusError:
-    """The exception for a stream's ``data: {"error": {...}}`` event (docs/api.md, "Errors")."""
+    """The exception for a stream's error event (docs/api.md, "Errors"): chat's
+    ``data: {"error": {...}}``, Responses' and Anthropic's ``event: error``."""
     fields = _error_fields(payload)
     code = fields.get("code") if isinstance(fields.get("code"), str) else None
     status = _STATUS_BY_CODE.get(code or "") or _STATUS_BY_TYPE.get(fields.get("type") or "", 500)

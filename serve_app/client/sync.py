@@ -11,9 +11,23 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Generic, TypeVar
 
+from serve_app.client import resources
 from serve_app.client.client import AsyncClient
 from serve_app.client.streams import AsyncStream
-from serve_app.client.types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Model, ModelList
+from serve_app.client.types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Message,
+    MessageStreamEvent,
+    MessageTokensCount,
+    Model,
+    ModelList,
+    Response,
+    ResponseDeleted,
+    ResponseStreamEvent,
+)
 
 T = TypeVar("T")
 _END = object()
@@ -77,6 +91,49 @@ class Stream(Generic[T]):
         self.close()
 
 
+class _SyncGroup:
+    """The sync view of one of ``AsyncClient``'s API groups (``resources.py``)."""
+
+    def __init__(self, group: Any, loop: _Loop):
+        self._group, self._loop = group, loop
+
+    def _stream(self, method: Any, request: dict[str, Any] | None, params: dict[str, Any]) -> "Stream[Any]":
+        return Stream(self._loop.run(_on_loop(method, request, **params)), self._loop)
+
+
+class Responses(_SyncGroup):
+    """``client.responses`` of ``Client``: ``resources.Responses`` without ``await``."""
+
+    _group: resources.Responses
+
+    def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> Response:
+        return self._loop.run(self._group.create(request, **params))
+
+    def stream(self, request: dict[str, Any] | None = None, /, **params: Any) -> Stream[ResponseStreamEvent]:
+        return self._stream(self._group.stream, request, params)
+
+    def retrieve(self, response_id: str, *, timeout: resources.Timeout = None) -> Response:
+        return self._loop.run(self._group.retrieve(response_id, timeout=timeout))
+
+    def delete(self, response_id: str, *, timeout: resources.Timeout = None) -> ResponseDeleted:
+        return self._loop.run(self._group.delete(response_id, timeout=timeout))
+
+
+class Messages(_SyncGroup):
+    """``client.messages`` of ``Client``: ``resources.Messages`` without ``await``."""
+
+    _group: resources.Messages
+
+    def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> Message:
+        return self._loop.run(self._group.create(request, **params))
+
+    def stream(self, request: dict[str, Any] | None = None, /, **params: Any) -> Stream[MessageStreamEvent]:
+        return self._stream(self._group.stream, request, params)
+
+    def count_tokens(self, request: dict[str, Any] | None = None, /, **params: Any) -> MessageTokensCount:
+        return self._loop.run(self._group.count_tokens(request, **params))
+
+
 async def _next_or_end(stream: AsyncStream[Any]) -> Any:
     # StopAsyncIteration must not cross the thread boundary as an exception of a Future.
     try:
@@ -106,6 +163,8 @@ class Client:
         except BaseException:
             self._loop.stop()
             raise
+        self.responses = Responses(self._client.responses, self._loop)
+        self.messages = Messages(self._client.messages, self._loop)
 
     def __repr__(self) -> str:
         return repr(self._client).replace("AsyncClient", "Client", 1)

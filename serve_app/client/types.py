@@ -1,11 +1,13 @@
-"""Response and chunk types, shaped like the openai SDK's so code reads the same with either.
+"""Response and chunk types, shaped like the openai SDK's (and, for Messages, the anthropic SDK's)
+so code reads the same with either.
 
 Every model allows extra fields: vLLM and this server add some (``reasoning_content``,
 ``stop_reason``, a model card's ``state``/``region``), and a newer server must not break an older
 client. Fields the server may omit default to None or empty, never a validation error.
 
-Non-stream answers carry the server's timing as ``.timing`` (a ``ServerTiming``), kept in a
-private attribute so ``model_dump()`` returns the server's body as it came.
+Non-stream answers (and a Responses stream's final response) carry the server's timing as
+``.timing`` (a ``ServerTiming``), kept in a private attribute so ``model_dump()`` returns the
+server's body as it came.
 """
 
 from typing import Any
@@ -75,6 +77,17 @@ class CompletionChoice(_Choice):
     text: str = ""
 
 
+class Timed(_Open):
+    """An answer with the server's timing (``.timing``), set by the client once it has the headers."""
+
+    _timing: ServerTiming | None = PrivateAttr(default=None)
+
+    @property
+    def timing(self) -> ServerTiming | None:
+        """The server's timing, region and trace id for this response (docs/client.md)."""
+        return self._timing
+
+
 class _Answer(_Open):
     """The envelope every answer and chunk has; ``object`` and ``choices`` differ per kind."""
 
@@ -84,13 +97,8 @@ class _Answer(_Open):
     usage: CompletionUsage | None = None
 
 
-class _TimedAnswer(_Answer):
-    _timing: ServerTiming | None = PrivateAttr(default=None)
-
-    @property
-    def timing(self) -> ServerTiming | None:
-        """The server's timing, region and trace id for this response (docs/client.md)."""
-        return self._timing
+class _TimedAnswer(_Answer, Timed):
+    pass
 
 
 class ChatCompletionChunk(_Answer):
@@ -126,3 +134,117 @@ class Model(_Open):
 class ModelList(_Open):
     object: str = "list"
     data: list[Model] = []
+
+
+# --- Responses (``POST /v1/responses``) -----------------------------------------------------------
+
+
+class ResponseUsage(_Open):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class ResponseContent(_Open):
+    """A part of an output item (``output_text``, ``reasoning_text``, ``refusal``…)."""
+
+    type: str | None = None
+    text: str | None = None
+
+
+class ResponseOutputItem(_Open):
+    """An output item: a ``message`` (its ``content``), a ``function_call``, ``reasoning``…"""
+
+    type: str | None = None
+    id: str | None = None
+    role: str | None = None
+    status: str | None = None
+    content: list[ResponseContent] | None = None
+    name: str | None = None
+    call_id: str | None = None
+    arguments: str | None = None
+
+
+class Response(Timed):
+    id: str | None = None
+    object: str = "response"
+    status: str | None = None
+    model: str | None = None
+    created_at: int | None = None
+    output: list[ResponseOutputItem] = []
+    usage: ResponseUsage | None = None
+    previous_response_id: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """The text of every ``output_text`` part of the message items, joined (as the openai SDK's)."""
+        return "".join(
+            part.text or "" for item in self.output if item.type == "message"
+            for part in item.content or () if part.type == "output_text"
+        )
+
+
+class ResponseStreamEvent(_Open):
+    """One Responses stream event; the fields its ``type`` has are set (``delta`` on the deltas,
+    ``response`` on created / in_progress / the terminal one, ``item`` on output_item events)."""
+
+    type: str
+    sequence_number: int | None = None
+    response: Response | None = None
+    delta: str | None = None
+    item: ResponseOutputItem | None = None
+    item_id: str | None = None
+    output_index: int | None = None
+    content_index: int | None = None
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+# --- Messages (``POST /v1/messages``) -------------------------------------------------------------
+
+
+class MessageUsage(_Open):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+class ContentBlock(_Open):
+    """A content block: ``text`` (its ``text``), ``tool_use`` (``id``, ``name``, ``input``), ``thinking``…"""
+
+    type: str | None = None
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    thinking: str | None = None
+
+
+class Message(Timed):
+    id: str | None = None
+    type: str = "message"
+    role: str | None = "assistant"
+    model: str | None = None
+    content: list[ContentBlock] = []
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    usage: MessageUsage | None = None
+
+
+class MessageStreamEvent(_Open):
+    """One Messages stream event (``message_start``, ``content_block_delta``, ``message_stop``…);
+    ``delta`` is as sent (a dict: ``text_delta``'s ``text``, ``message_delta``'s ``stop_reason``)."""
+
+    type: str
+    index: int | None = None
+    message: Message | None = None
+    content_block: ContentBlock | None = None
+    delta: dict[str, Any] | None = None
+    usage: MessageUsage | None = None
+
+
+class MessageTokensCount(Timed):
+    input_tokens: int

@@ -10,7 +10,9 @@ call vLLM's serving object, answer a whole body or a stream of events (``protoco
   tokens, finish reasons), popping vLLM's ``metrics`` so the client never sees them;
 - ``shape``: the body made schema-exact (``openai_shape``, ``responses_shape``, ``anthropic_shape``);
 - ``watcher``: what peels the trailer off a stream on its way out, and turns each vLLM event into
-  the bytes the client gets (chat's are SSE strings already; Responses' are pydantic events).
+  the bytes the client gets (chat's are SSE strings already; Responses' are pydantic events). A
+  Responses or Messages watcher holds the stream's terminal event back (``Trailer.terminal``): the
+  router sends it last, with the request's timing inside it (``surfaces/dialects.py``).
 
 vLLM is imported inside the methods only: the router imports nothing from here.
 """
@@ -91,17 +93,19 @@ def _responses_finish(response: Body) -> str:
 
 
 class ResponsesStream:
-    """Frames each event as ``event: <type>``; keeps the final response for the trailer (the
-    router stores it, and ``previous_response_id`` continues from it)."""
+    """Frames each event as ``event: <type>``, shaped against ``body`` (the client's, with the id it
+    continued from). The terminal event is held back for the trailer: its response is the one the
+    router stores (``previous_response_id`` continues from it), and the router sends the event
+    last with the timing in its response."""
 
     TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
     def __init__(self, output: ResponsesOutput, body: Body):
         self._output, self._body = output, body
-        self.final: Body | None = None
+        self.terminal: Body | None = None
         self._summary = Trailer()
 
-    def pass_on(self, event) -> str:
+    def pass_on(self, event) -> str | None:
         if event.type in responses_shape.DELTA_TYPES:
             return responses_shape.delta_sse(event)
         payload = event.model_dump(mode="json", by_alias=True)
@@ -110,11 +114,14 @@ class ResponsesStream:
             self._summary = self._output.summarize(payload["response"])
         payload = responses_shape.stream_event(payload, self._body)
         if payload.get("type") in self.TERMINAL:
-            self.final = payload.get("response")
+            self.terminal = payload
+            return None
         return responses_shape.sse(payload)
 
     def trailer(self) -> Trailer:
-        return dataclasses.replace(self._summary, response=self.final)
+        # One dict for both: the handle pickles it once.
+        final = self.terminal.get("response") if self.terminal else None
+        return dataclasses.replace(self._summary, response=final, terminal=self.terminal)
 
 
 class ConvertedMessage(NamedTuple):
@@ -151,11 +158,13 @@ class MessagesOutput:
 
 
 _FAILED_MID_STREAM = "the model failed during this stream; retry the request"
+_MESSAGE_STOP = "event: message_stop\n"
 
 
 class MessagesStream:
     """Reads usage and the stop reason off ``message_start``/``message_delta``; engine timing
-    comes from the chat stream underneath (``peek_chat_metrics``)."""
+    comes from the chat stream underneath (``peek_chat_metrics``). ``message_stop`` is held back
+    for the trailer: the router sends it last, with the timing in it."""
 
     def __init__(self, body: Body):
         self._body = body
@@ -167,10 +176,14 @@ class MessagesStream:
         # vLLM's own error under the stream (``peek_chat_metrics``): its converter loses the
         # message and sends a pydantic complaint as ``internal_error`` instead.
         self.chat_error: tuple[int, str] | None = None
+        self.terminal: Body | None = None
 
-    def pass_on(self, event: str) -> str:
+    def pass_on(self, event: str) -> str | None:
         if event.startswith("event: content_block_delta"):
             return event  # per token: untouched, unparsed
+        if event.startswith(_MESSAGE_STOP):
+            self.terminal = json.loads(event[event.find("data: ") + 6:])
+            return None
         name = event[len("event: "):event.find("\n")]
         if name in ("message_start", "message_delta"):
             data = json.loads(event[event.find("data: ") + 6:])
@@ -193,6 +206,7 @@ class MessagesStream:
             finish_reasons=tuple(self._stop),
             error_code=code,
             error_status=status,
+            terminal=self.terminal,
         )
 
 

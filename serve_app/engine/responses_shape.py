@@ -1,20 +1,28 @@
-"""OpenAI Responses bodies and stream events as the OpenAI schema has them, from vLLM's dumps.
+"""OpenAI Responses bodies and stream events as the specifications have them, from vLLM's dumps.
+
+Two specifications (tests/data/schemas): OpenAI's and Open Responses. Where they disagree, Open
+Responses' stricter rule is the one kept (the fields it requires, ``null`` when unknown, are what
+OpenAI's own API sends and its SDK types ``Optional``); data/schemas/README.md lists each case.
 
 vLLM's ``ResponsesResponse`` (``model_dump(mode="json", by_alias=True)``) is not the object OpenAI
-sends. It lacks fields the spec requires (``error``) or every client reads (``completed_at``,
-``store``), echoes what vLLM did to the request instead of what the client asked for (``tool_choice``
-becomes ``"none"`` without tools, ``service_tier`` stays ``"auto"``), dumps ``null`` for unset
-objects (``text``, ``reasoning``, ``metadata``, ``top_logprobs``, ``user``, ``usage`` in
-``response.created``), carries fields of a newer SDK as ``null`` inside items and tools
-(``phase``, ``namespace``, ``async``, ``caller``, ``defer_loading``…), leaves an ``output_text``
-part's ``logprobs`` ``null`` where the spec requires an array, and adds its own extras
-(``kv_transfer_params``, ``input_messages``, usage ``*_per_turn``…). Here:
+sends. It lacks fields the specs require (``error``; ``safety_identifier`` and
+``prompt_cache_key``, required by Open Responses) or every client reads (``completed_at``,
+``store``), echoes what vLLM did to the request instead of what the client asked for
+(``tool_choice`` becomes ``"none"`` without tools, ``service_tier`` stays ``"auto"``), dumps ``null``
+for unset objects (``text``, ``reasoning``, ``metadata``, ``top_logprobs``, ``user``), carries fields
+of a newer SDK as ``null`` inside items and tools (``phase``, ``namespace``, ``async``, ``caller``,
+``defer_loading``…), leaves an ``output_text`` part's ``logprobs`` ``null`` where the spec requires
+an array, and adds its own extras (``kv_transfer_params``, ``input_messages``, usage
+``*_per_turn``…). Here:
 
-- top level: a ``null`` stays where the spec allows it (OpenAI sends every top-level field, set or
-  not), the missing fields are added with what the request asked for or the spec's default, and a
-  ``null`` the spec forbids is dropped;
-- inside output items, content parts and tools, a ``null`` is dropped unless the spec requires the
-  field (a function tool's ``strict``/``parameters``), as ``openai_shape`` does for chat;
+- top level: a ``null`` stays where the specs allow it (OpenAI sends every top-level field, set or
+  not; ``usage`` is ``null`` in ``response.created`` and ``.in_progress``, until it is known), the
+  missing fields are added with what the request asked for or the spec's default
+  (``safety_identifier`` and ``prompt_cache_key`` echo the request's, else ``null``), and a ``null``
+  the specs forbid is dropped;
+- inside output items, content parts and tools, a ``null`` is dropped unless a spec requires the
+  field (a function tool's ``strict``/``parameters``/``description``), as ``openai_shape`` does
+  for chat;
 - a vLLM extra is kept only when the request asked for it (``kv_transfer_params``,
   ``ec_transfer_params``; ``enable_response_messages`` → ``input_messages``/``output_messages``).
   ``metrics`` is the replica's to pop first (engine timing for the trailer); a leftover is dropped.
@@ -22,8 +30,10 @@ part's ``logprobs`` ``null`` where the spec requires an array, and adds its own 
 Stream events are shaped one at a time on their way out, so the per-token deltas cost a dict
 lookup or two; only the few events that carry a response, an item or a part are walked. vLLM ends
 every stream with ``response.completed``, whatever the status; OpenAI sends
-``response.incomplete``/``response.failed`` then, and so do we. Per-token ``logprobs`` entries are
-left as vLLM builds them (walking them would cost per token).
+``response.incomplete``/``response.failed`` then, and so do we. An ``error`` event carries both
+specs' shapes: OpenAI's ``code``/``message``/``param`` at the top, Open Responses' ``error``
+object. Per-token ``logprobs`` entries are left as vLLM builds them (walking them would cost per
+token).
 """
 
 import time
@@ -39,7 +49,7 @@ _TOP_NULLABLE = frozenset(
         "error", "completed_at", "incomplete_details", "instructions", "output_text", "conversation",
         "max_output_tokens", "previous_response_id", "reasoning", "background", "max_tool_calls",
         "prompt", "truncation", "metadata", "top_logprobs", "temperature", "top_p", "service_tier",
-        "prompt_cache_retention",
+        "prompt_cache_retention", "usage", "safety_identifier", "prompt_cache_key",
     }
 )  # fmt: skip
 
@@ -48,7 +58,7 @@ _ITEM_REQUIRED_NULLABLE = {
     "code_interpreter_call": frozenset({"code", "outputs"}),  # the Harmony path emits these
     "image_generation_call": frozenset({"result"}),
 }
-_TOOL_REQUIRED_NULLABLE = {"function": frozenset({"strict", "parameters"})}
+_TOOL_REQUIRED_NULLABLE = {"function": frozenset({"strict", "parameters", "description"})}
 _NOTHING: frozenset[str] = frozenset()
 
 # What the usage details hold. vLLM adds tool_output_tokens and per-turn lists (its multi-turn
@@ -108,7 +118,10 @@ def _item(item: Any) -> None:
 
 def _tool(tool: Any) -> None:
     if isinstance(tool, dict):
-        _drop_nulls(tool, _TOOL_REQUIRED_NULLABLE.get(tool.get("type"), _NOTHING))
+        required = _TOOL_REQUIRED_NULLABLE.get(tool.get("type"), _NOTHING)
+        for key in required:
+            tool.setdefault(key, None)
+        _drop_nulls(tool, required)
 
 
 def _usage(usage: Body) -> None:
@@ -123,7 +136,12 @@ def _text(text: Any) -> Body:
         return {"format": {"type": "text"}}
     _drop_nulls(text)
     if isinstance(fmt := text.get("format"), dict):
-        _drop_nulls(fmt)  # json_schema `description` is a string or absent, never null
+        _drop_nulls(fmt)
+        if fmt.get("type") == "json_schema":
+            # Open Responses requires both: `description` nullable, `strict` a boolean (OpenAI's
+            # default is false).
+            fmt.setdefault("description", None)
+            fmt.setdefault("strict", False)
     else:
         text["format"] = {"type": "text"}
     return text
@@ -167,6 +185,11 @@ def response(body: Body, request: Body) -> Body:
     tool_choice = request.get("tool_choice")
     body["tool_choice"] = "auto" if tool_choice is None else tool_choice
     body["service_tier"] = _service_tier(request)
+    # Open Responses requires both, null when not sent. Echoed only: the prefix-cache partition is
+    # the owner's (router/isolation.py), never a key a client picks.
+    body["safety_identifier"] = request.get("safety_identifier")
+    body["prompt_cache_key"] = request.get("prompt_cache_key")
+    body.setdefault("usage", None)
     body["text"] = _text(body.get("text"))
     body["reasoning"] = _reasoning(body.get("reasoning"))
     if body.get("metadata") is None:
@@ -182,7 +205,7 @@ def response(body: Body, request: Body) -> Body:
         _item(item)
     for tool in body.get("tools") or ():
         _tool(tool)
-    # user, usage (null before the end), safety_identifier…: absent rather than null.
+    # Any other null (`user`, …): absent rather than null, which the specs forbid.
     _drop_nulls(body, _TOP_NULLABLE)
     return body
 
@@ -218,6 +241,12 @@ def _with_logprobs(event: Body, request: Body) -> None:
 def _error(event: Body, request: Body) -> None:
     event.setdefault("code", None)  # required, nullable
     event.setdefault("param", None)
+    event.setdefault("error", error_object(event))
+
+
+def error_object(event: Body, kind: str = "server_error") -> Body:
+    """Open Responses' ``error`` object of an error event (OpenAI's fields, and a ``type``)."""
+    return {"type": kind, "code": event.get("code"), "message": event.get("message") or "", "param": event.get("param")}
 
 
 _EVENT_FIXES = {

@@ -137,7 +137,11 @@ class VLLMEngine:
         _reasoning_opt_in(engine_body, asked=(body.get("reasoning") or {}).get("effort") not in (None, "none"))
         create = self._responses_serving.create_responses
         shape_body = {**body, "previous_response_id": call.previous_response_id}
-        return await self._run(ResponsesRequest, create, engine_body, outputs.ResponsesOutput(), shape_body=shape_body)
+        output = outputs.ResponsesOutput()
+        # The stream too is shaped against the client's body: the engine's says `store: false`
+        # and has no previous_response_id, which the response objects must not echo.
+        watcher = output.watcher(shape_body) if call.stream else None
+        return await self._run(ResponsesRequest, create, engine_body, output, shape_body=shape_body, watcher=watcher)
 
     async def _messages(self, call: Call) -> Answer | Stream:
         """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority and the

@@ -217,15 +217,17 @@ async def _peer_events(peer: Peer, upstream: httpx.Response, on_done: OnDone, di
     """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event in
     the request's own dialect."""
     result: tuple[int, str | None] = (499, "client_closed")  # unless we reach the end below
+    sequence = dialect.sequence_watch()  # a Responses error event continues the peer's numbering
     try:
         async for chunk in upstream.aiter_raw():
+            sequence.saw(chunk)
             yield chunk
         result = (upstream.status_code, None)
     except httpx.HTTPError as err:
         # The status line is sent: end the stream properly so the client never hangs.
         logger.warning("failover to %s: stream broke (%s)", peer.region, type(err).__name__)
         result = (502, _PEER_BROKE)
-        yield dialect.error_event(502, _broke_body(peer))
+        yield dialect.error_event(502, _broke_body(peer), sequence_number=sequence.next)
     finally:
         _call(on_done, *result)
         with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer

@@ -3,12 +3,14 @@
 A stream's SSE bytes come on the byte socket (``wire/socket.py``) and go to the client as each
 read returns them — several tokens in one write when the client or the router is behind, never
 held for a timer. When the replica closes the socket the engine is done, and the handle's last
-item, the trailer, says how it ended; the router then sends the surface's closing (the timing
-event, and ``[DONE]`` where the API has one, ``surfaces/dialects.py``) or, when the stream broke,
-an error event in the surface's dialect. A JSON answer is one body with ``pg_metadata`` added and
-its timing in ``Server-Timing``.
+item, the trailer, says how it ended; the router then sends the surface's closing
+(``surfaces/dialects.py``: chat and completions' timing chunk and ``[DONE]``, or the terminal
+event the replica held back, with the timing inside) or, when the stream broke, an error event in
+the surface's dialect. A JSON answer is one body with ``pg_metadata`` added and its timing in
+``Server-Timing``.
 
-The relay reads nothing of what it relays but the first event (its id names the timing chunk).
+The relay reads nothing of what it relays but the first event (its id names the timing chunk) and,
+for Responses, the last ``sequence_number`` (an error event continues the numbering).
 """
 
 from collections.abc import AsyncIterator
@@ -67,6 +69,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
     opening = bytearray()  # the stream's bytes until its first event is whole
     first: dict | None = None  # the first event: the timing chunk reuses its id
     relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
+    sequence = dialect.sequence_watch()  # Responses: an error event goes on with the numbering
     try:
         while True:
             reader = ctx.call.reader
@@ -78,6 +81,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
                     first = first_event(bytes(opening))
                 if relayed is not None:
                     relayed += data  # read again only if the stream is resumed
+                sequence.saw(data)
                 yield data
             trailer = await ctx.call.trailer()  # the handle's last item: the engine is done
             ctx.note_trailer(trailer)
@@ -93,7 +97,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
         client_wants_usage = bool((ctx.body.get("stream_options") or {}).get("include_usage"))
         yield dialect.closing(
             ctx.telemetry.metadata(), chunk_object=ctx.surface.chunk_object, first=first or {}, model=ctx.model,
-            usage=trailer.usage if client_wants_usage else None,
+            usage=trailer.usage if client_wants_usage else None, terminal=trailer.terminal,
         )
         ctx.settle(served(status, trailer.error_code))
     except Exception as err:
@@ -105,7 +109,7 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
             logger.exception("stream %s from the model replica failed", ctx.telemetry.trace_id)
             status, error = 500, error_body(500, "the model replica failed mid-stream", code="stream_failed")
         ctx.settle(failed(status, error["error"]["code"]))
-        yield dialect.error_event(status, error)
+        yield dialect.error_event(status, error, sequence_number=sequence.next)
     finally:
         ctx.call.hang_up()  # for a client that left, the replica's cue to stop
         ctx.settle(abandoned())  # a client gone mid-stream; after any other ending, nothing

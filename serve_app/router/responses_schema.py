@@ -14,6 +14,10 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, Metadata, Strict
 
+# OpenAI's limit on a safety identifier; a prompt cache key's is ours (OpenAI states none): both
+# are echoed in every response object and stored with it.
+MAX_SAFETY_IDENTIFIER_CHARS, MAX_PROMPT_CACHE_KEY_CHARS = 64, 1024
+
 # The input item kinds vLLM's Responses layer renders into a chat.
 INPUT_ITEM_TYPES = (
     "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
@@ -103,6 +107,10 @@ class ResponsesBody(Body):
     reasoning: ResponsesReasoning | None = None
     metadata: Metadata | None = None  # stored with the response: OpenAI's limits (strict.py)
     user: str | None = None
+    # Echoed in the response (Open Responses requires both fields there). The prompt cache key is
+    # no cache partition here: every owner's prompts are cached apart (router/isolation.py).
+    safety_identifier: str | None = Field(None, max_length=MAX_SAFETY_IDENTIFIER_CHARS)
+    prompt_cache_key: str | None = Field(None, max_length=MAX_PROMPT_CACHE_KEY_CHARS)
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     # Lower runs first; the router clamps it to the key's tier (docs/api.md, "Priority").

@@ -5,30 +5,78 @@ headers carry a credential.
 - OpenAI chat and completions (``OPENAI``): a stream ends with ``event: pg_metadata`` shaped like
   a chunk of that stream, then ``data: [DONE]``; an error event is ``data: {"error": {...}}`` then
   ``[DONE]``;
-- OpenAI Responses (``RESPONSES``): ``event: pg_metadata`` with ``{"type": "pg_metadata",
-  "pg_metadata": …}`` after the terminal event, and no ``[DONE]`` (OpenAI sends none); an error is
-  OpenAI's ``event: error`` (``{"type": "error", "code", "message", "param"}``);
-- Anthropic Messages (``ANTHROPIC``): the same timing event after ``message_stop``; an error is
-  Anthropic's ``event: error`` (``{"type": "error", "error": {"type", "message"}}``), every error
-  body on its routes is in that shape too, and ``x-api-key`` is a credential beside
+- OpenAI Responses (``RESPONSES``): the terminal event (``response.completed``, ``.incomplete``
+  or ``.failed``) is the last one, with the timing as ``response.pg_metadata`` (an extra field of
+  the response object, which OpenAI's spec and Open Responses both allow), and no ``[DONE]``
+  (OpenAI sends none); an error is OpenAI's ``event: error`` (``{"type": "error", "code",
+  "message", "param", "sequence_number"}``) with Open Responses' ``error`` object inside it too;
+- Anthropic Messages (``ANTHROPIC``): ``message_stop`` is the last event, with the timing as its
+  ``pg_metadata`` field (the spec allows extra fields; an unknown event type it does not); an
+  error is Anthropic's ``event: error`` (``{"type": "error", "error": {"type", "message"}}``),
+  every error body on its routes is in that shape too, and ``x-api-key`` is a credential beside
   ``Authorization``.
 
 The relay (``router/relay.py``) passes the replica's SSE bytes through unread; the router adds only
-the closing, or an error event when the stream breaks — whoever breaks it, a peer region included.
+the closing — for Responses and Messages the terminal event the replica held back
+(``Trailer.terminal``), now with the timing in it — or an error event when the stream breaks,
+whoever breaks it, a peer region included. A Responses error event needs the next
+``sequence_number``, which a ``sequence_watch`` finds in the bytes as they pass.
 """
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from serve_app.engine import anthropic_shape
+from serve_app.engine import anthropic_shape, responses_shape
 from serve_app.errors import APIError
 from serve_app.wire.sse import DONE_BYTES, data_event, named_event
 
 PG_METADATA_EVENT = "pg_metadata"
+_SEQUENCE_KEY = b'"sequence_number":'
+_SEQUENCE_DIGITS = re.compile(rb"\s*(\d+)")
+# Enough of one read kept for the next: a key and its number split between two reads.
+_SEQUENCE_TAIL = len(_SEQUENCE_KEY) + 24
+
+
+class SequenceWatch:
+    """The next ``sequence_number`` of a Responses stream, read off its bytes as they pass: one
+    search per read, nothing parsed. (A quote inside a JSON string is escaped, so the key found
+    is always a key.)"""
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+        self._tail = b""
+
+    def saw(self, data: bytes) -> None:
+        text = self._tail + data
+        end = len(text)
+        while (at := text.rfind(_SEQUENCE_KEY, 0, end)) >= 0:
+            digits = _SEQUENCE_DIGITS.match(text, at + len(_SEQUENCE_KEY))
+            if digits and digits.end() < len(text):  # a number that may go on in the next read is not read yet
+                self._last = int(digits.group(1))
+                break
+            end = at
+        self._tail = text[-_SEQUENCE_TAIL:]
+
+    @property
+    def next(self) -> int | None:
+        return 0 if self._last is None else self._last + 1
+
+
+class _NoSequence:
+    """For the APIs whose events carry no sequence number."""
+
+    next = None
+
+    def saw(self, data: bytes) -> None:
+        pass
+
+
+_NO_SEQUENCE = _NoSequence()
 
 
 class OpenAIDialect:
@@ -37,15 +85,18 @@ class OpenAIDialect:
     api_key_header = False
 
     def closing(self, metadata: Mapping[str, Any], *, chunk_object: str, first: Mapping[str, Any],
-                model: str | None, usage: Mapping[str, Any] | None) -> bytes:
+                model: str | None, usage: Mapping[str, Any] | None, **_: Any) -> bytes:
         event = pg_metadata_event(
             metadata, chunk_object=chunk_object, chunk_id=first.get("id"), created=first.get("created"),
             model=model, usage=usage,
         )
         return event.encode() + DONE_BYTES
 
-    def error_event(self, status: int, error: dict[str, Any]) -> bytes:
+    def error_event(self, status: int, error: dict[str, Any], *, sequence_number: int | None = None) -> bytes:
         return data_event(error).encode() + DONE_BYTES
+
+    def sequence_watch(self) -> "SequenceWatch | _NoSequence":
+        return _NO_SEQUENCE
 
     def error_response(self, err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -56,22 +107,38 @@ class OpenAIDialect:
 
 
 class TypedEventDialect:
-    """Responses and Messages: every event names its ``type``; the timing event is one more."""
+    """Responses and Messages: every event names its ``type``, and the terminal one, last, carries
+    the timing."""
 
     def __init__(self, anthropic: bool):
         self.anthropic = anthropic
         self.api_key_header = anthropic
 
-    def closing(self, metadata: Mapping[str, Any], **_: Any) -> bytes:
-        payload = {"type": PG_METADATA_EVENT, "pg_metadata": dict(metadata)}
-        return named_event(PG_METADATA_EVENT, payload).encode()
+    def closing(self, metadata: Mapping[str, Any], *, terminal: Mapping[str, Any] | None = None, **_: Any) -> bytes:
+        """The terminal event the replica held back, with ``metadata`` inside it; nothing when the
+        stream had none (it ended with an error event, which stays the last)."""
+        if terminal is None:
+            return b""
+        if self.anthropic:
+            event = {**terminal, PG_METADATA_EVENT: dict(metadata)}
+        else:  # a copy: the response itself is the one stored, without timing
+            event = {**terminal, "response": {**terminal["response"], PG_METADATA_EVENT: dict(metadata)}}
+        return named_event(event["type"], event).encode()
 
-    def error_event(self, status: int, error: dict[str, Any]) -> bytes:
+    def error_event(self, status: int, error: dict[str, Any], *, sequence_number: int | None = None) -> bytes:
+        """``sequence_number``: the stream's next (``sequence_watch``), for Responses."""
         inner = error["error"]
         if self.anthropic:
             return anthropic_shape.error_event(status, inner["message"]).encode()
-        payload = {"type": "error", "code": inner.get("code"), "message": inner["message"], "param": inner.get("param")}
+        payload: dict[str, Any] = {"type": "error", "code": inner.get("code"), "message": inner["message"],
+                                   "param": inner.get("param")}
+        payload["error"] = responses_shape.error_object(payload, inner.get("type") or "server_error")
+        if sequence_number is not None:
+            payload["sequence_number"] = sequence_number
         return named_event("error", payload).encode()
+
+    def sequence_watch(self) -> "SequenceWatch | _NoSequence":
+        return _NO_SEQUENCE if self.anthropic else SequenceWatch()
 
     def error_response(self, err: APIError) -> JSONResponse:
         if not self.anthropic:

@@ -129,3 +129,38 @@ def test_the_sync_client_fails_over_from_a_dead_url_and_reports_the_region(base_
         assert MODEL in [m.id for m in models.data]
         completion = client.completion(model=MODEL, prompt="Hello", max_tokens=4)
         assert completion.choices and completion.timing.trace_id
+
+
+def _assert_split(timing, stream) -> None:
+    assert timing is not None and timing.region == "local" and timing.trace_id == stream.trace_id
+    assert timing.inference_ttft_ms > 0 and timing.inference_total_ms >= timing.inference_ttft_ms
+    assert abs(timing.network_ms + timing.queue_ms + timing.inference_total_ms - timing.server_ms) < 0.01
+
+
+@pytest.mark.anyio
+async def test_the_responses_and_messages_snippets_stream_with_their_timing(base_url, api_key):
+    """docs/client.md's two snippets: each stream ends at its terminal event with the timing read
+    from inside it; a conversation continues; a stored response is retrieved and deleted."""
+    async with await PolarGrid.create(api_key=api_key, base_url=base_url) as client:
+        stream = client.responses.stream({"model": MODEL, "input": "Say hi in one short sentence.",
+                                          "max_output_tokens": 32})
+        kinds = [event.type async for event in stream]
+        assert kinds[-1] in ("response.completed", "response.incomplete") and stream.ended
+        _assert_split(stream.timing, stream)
+        first = stream.response
+        assert first.output_text and first.timing is stream.timing
+        second = await client.responses.create(model=MODEL, input="And in French?", previous_response_id=first.id,
+                                               max_output_tokens=16)
+        assert second.previous_response_id == first.id and second.timing.server_ms > 0
+        assert (await client.responses.retrieve(second.id)).output_text == second.output_text
+        assert (await client.responses.delete(first.id)).deleted
+
+        request = {"model": MODEL, "max_tokens": 32, "messages": [{"role": "user", "content": "Say hi."}]}
+        counted = await client.messages.count_tokens(model=MODEL, messages=request["messages"])
+        messages = client.messages.stream(request)
+        events = [event async for event in messages]
+        assert events[0].type == "message_start" and events[-1].type == "message_stop"
+        _assert_split(messages.timing, messages)
+        message = await client.messages.create(request)
+        assert message.content[0].text and message.usage.input_tokens == counted.input_tokens > 0
+        assert message.timing.inference_total_ms is not None

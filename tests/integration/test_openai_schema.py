@@ -1,6 +1,7 @@
 """Chat and completions bodies, non-stream and every stream chunk, against the published OpenAI
 schema (tests/data/schemas): no ``null`` where the spec wants an object, array or enum, and none
-of vLLM's own fields unless asked for. Our one extension, ``pg_metadata``, is checked apart."""
+of vLLM's own fields unless asked for; every stream ends with exactly one ``[DONE]``, after the
+timing chunk. Our one extension, ``pg_metadata``, is checked apart."""
 
 import httpx
 import pytest
@@ -35,6 +36,15 @@ def _without_extension(body: dict) -> dict:
     return body
 
 
+def _stream(url: str, body: dict, headers: dict) -> list[tuple[str | None, dict]]:
+    """The stream's events; it must end with exactly one ``[DONE]``, its last line."""
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+        assert response.status_code == 200
+        text = "".join(response.iter_text())
+    assert text.count("data: [DONE]") == 1 and text.endswith("data: [DONE]\n\n")
+    return named_events(httpx.Response(200, text=text))
+
+
 def _no_vllm_fields(body: dict) -> None:
     for level in (body, *(body.get("choices") or [])):
         assert not set(VLLM_ONLY) & set(level), level
@@ -49,8 +59,7 @@ def test_chat_bodies_and_chunks_validate(base_url, auth_headers, kind):
     validate("openai", "CreateChatCompletionResponse", body)
     _no_vllm_fields(body)
     stream = {**request, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=stream, headers=auth_headers, timeout=120) as r:
-        events = named_events(r)
+    events = _stream(f"{base_url}/v1/chat/completions", stream, auth_headers)
     assert events[-1][0] == "pg_metadata"
     for _, chunk in events[:-1] + [(None, _without_extension(events[-1][1]))]:
         validate("openai", "CreateChatCompletionStreamResponse", chunk)
@@ -65,8 +74,8 @@ def test_completions_bodies_and_chunks_validate(base_url, auth_headers, extra):
     body = _without_extension(reply.json())
     validate("openai", "CreateCompletionResponse", body)
     _no_vllm_fields(body)
-    with httpx.stream("POST", f"{base_url}/v1/completions", json={**request, "stream": True}, headers=auth_headers, timeout=120) as r:
-        events = named_events(r)
+    events = _stream(f"{base_url}/v1/completions", {**request, "stream": True}, auth_headers)
+    assert events[-1][0] == "pg_metadata"
     # The spec has no schema of its own for a completions chunk: it is a CreateCompletionResponse
     # (object "text_completion") whose finish_reason is null until the last one, as OpenAI sends it.
     for _, chunk in events[:-1] + [(None, _without_extension(events[-1][1]))]:

@@ -1,6 +1,8 @@
 """OpenAI's Responses API end to end, through the official openai SDK: stream and non-stream,
 tools, JSON output, conversations continued with ``previous_response_id`` (the router's region
-store), retrieve / delete / cancel; every body checked against the published OpenAI schema."""
+store), retrieve / delete / cancel; every body and event checked against the published OpenAI
+schema and the Open Responses specification (``validate_responses``), every stream against the
+order rules (terminal event last, ``sequence_number`` 0, 1, 2…, no ``[DONE]``)."""
 
 import json
 
@@ -8,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.schema_validation import validate
+from tests.schema_validation import validate_responses
 from tests.sse import named_events
 
 pytestmark = pytest.mark.integration
@@ -32,7 +34,8 @@ def _spec_body(body: dict) -> dict:
 def test_non_stream_response_is_schema_exact_under_an_alias(client):
     raw = client.responses.with_raw_response.create(model=ALIAS, input="Say hi in one short sentence.", max_output_tokens=16)
     body = raw.http_response.json()
-    validate("openai", "Response", _spec_body(body))
+    validate_responses(_spec_body(body))
+    assert body["safety_identifier"] is None and body["prompt_cache_key"] is None  # required, null: not sent
     response = raw.parse()
     assert response.model == MODEL and response.object == "response"
     assert response.status in ("completed", "incomplete")
@@ -41,20 +44,37 @@ def test_non_stream_response_is_schema_exact_under_an_alias(client):
     assert raw.http_response.headers["server-timing"]
 
 
-def test_stream_events_follow_openai_order_and_schema(base_url, auth_headers):
+def test_stream_events_follow_the_order_and_both_schemas(base_url, auth_headers):
     body = {"model": MODEL, "input": "Say hi in one short sentence.", "max_output_tokens": 12, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/responses", json=body, headers=auth_headers, timeout=120) as response:
         assert response.status_code == 200
-        events = named_events(response)
+        text = "".join(response.iter_text())
+    assert "[DONE]" not in text  # the Responses API has none
+    events = named_events(httpx.Response(200, text=text))
     names = [name for name, _ in events]
     assert names[:2] == ["response.created", "response.in_progress"]
-    assert names[-1] == "pg_metadata" and names[-2] in ("response.completed", "response.incomplete")
+    assert names[-1] in ("response.completed", "response.incomplete") and "pg_metadata" not in names
     assert "response.output_text.delta" in names
-    for name, data in events[:-1]:
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    for name, data in events:
         assert data["type"] == name
-        validate("openai", "ResponseStreamEvent", data)
-    timing = events[-1][1]["pg_metadata"]
+        validate_responses(data, event=True)
+    for _, data in events[:2]:
+        assert data["response"]["usage"] is None  # required; null until known
+    timing = events[-1][1]["response"]["pg_metadata"]  # inside the protocol: the terminal event's response
     assert timing["server_ms"] > 0 and timing["inference_total_ms"] is not None
+
+
+def test_the_sdk_stream_helper_reads_to_the_final_response_and_its_timing(client):
+    with client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=12,
+                                 safety_identifier="user-1234", prompt_cache_key="greeting") as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert deltas and final.output_text == "".join(deltas)
+    assert final.safety_identifier == "user-1234" and final.prompt_cache_key == "greeting"
+    assert final.model_extra["pg_metadata"]["server_ms"] > 0
+    kept = client.responses.retrieve(final.id)
+    assert kept.output_text == final.output_text and "pg_metadata" not in (kept.model_extra or {})
 
 
 def test_sdk_stream_yields_text_and_a_final_response(client):

@@ -6,8 +6,10 @@ and a connection cut mid-stream only behave as they do against the real router o
 Each ``FakeRegion`` answers like the router (docs/api.md, docs/auth.md): ``POST /v1/auth/token``
 mints opaque tokens that it expires on its own clock; inference routes check the Bearer value
 (401 ``token_expired`` / ``invalid_api_key``), then play the next scripted answer or a default
-success (JSON with ``pg_metadata`` + ``Server-Timing``, or an SSE stream ending with the
-``pg_metadata`` event and ``[DONE]``), always with ``x-pg-region``.
+success (JSON with ``pg_metadata`` + ``Server-Timing``, or an SSE stream ending as the router ends
+it: chat's ``pg_metadata`` event and ``[DONE]``; Responses' terminal event with
+``response.pg_metadata``; Messages' ``message_stop`` with ``pg_metadata``), always with
+``x-pg-region``. Responses it answered are kept for ``GET``/``DELETE /v1/responses/{id}``.
 """
 
 import asyncio
@@ -76,6 +78,7 @@ class FakeRegion:
     seen: list[Seen] = field(default_factory=list)
     tokens: dict[str, float] = field(default_factory=dict)  # token -> expiry (server clock)
     statuses: list[int] = field(default_factory=list)  # every status it answered inference with
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # responses by id, as stored
 
     def expire_tokens(self) -> None:
         """Expire every token minted so far, on the server's side only (the client is not told)."""
@@ -120,6 +123,10 @@ class FakeRegion:
         return error(401, "Incorrect API key provided", type_="authentication_error", code="invalid_api_key")
 
     def _success(self, seen: Seen) -> Response:
+        if seen.path == "/v1/responses":
+            return self._responses_success(seen)
+        if seen.path.startswith("/v1/messages"):
+            return self._messages_success(seen)
         chat = seen.path == "/v1/chat/completions"
         if (seen.body or {}).get("stream"):
             return StreamingResponse(_iterate(self.stream_events(seen)), media_type="text/event-stream")
@@ -131,6 +138,75 @@ class FakeRegion:
                 "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
                 "pg_metadata": self.metadata(seen)}
         return JSONResponse(body, headers={"Server-Timing": SERVER_TIMING})
+
+    def _responses_success(self, seen: Seen) -> Response:
+        if (seen.body or {}).get("stream"):
+            return StreamingResponse(_iterate(self.responses_events(seen)), media_type="text/event-stream")
+        body = self.response_object(seen, "completed")
+        self.stored[body["id"]] = dict(body)
+        return JSONResponse({**body, "pg_metadata": self.metadata(seen)}, headers={"Server-Timing": SERVER_TIMING})
+
+    def _messages_success(self, seen: Seen) -> Response:
+        if seen.path == "/v1/messages/count_tokens":
+            return JSONResponse({"input_tokens": 9, "pg_metadata": self.metadata(seen)},
+                                headers={"Server-Timing": SERVER_TIMING})
+        if (seen.body or {}).get("stream"):
+            return StreamingResponse(_iterate(self.messages_events(seen)), media_type="text/event-stream")
+        body = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+                "content": [{"type": "text", "text": "Hi there.", "citations": None}], "stop_reason": "end_turn",
+                "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 3},
+                "pg_metadata": self.metadata(seen)}
+        return JSONResponse(body, headers={"Server-Timing": SERVER_TIMING})
+
+    def response_object(self, seen: Seen, status: str, text: str = "Hi there.") -> dict[str, Any]:
+        done = status != "in_progress"
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+        return {"id": f"resp_{len(self.stored) + 1}", "object": "response", "status": status, "model": MODEL,
+                "created_at": 1, "output": [message] if done else [],
+                "usage": {"input_tokens": 5, "output_tokens": 3, "total_tokens": 8} if done else None,
+                "previous_response_id": (seen.body or {}).get("previous_response_id"),
+                "safety_identifier": None, "prompt_cache_key": None}
+
+    def responses_events(self, seen: Seen, *, pieces=("Hi", " there", "."), status="completed") -> list[bytes]:
+        """A Responses stream as the router sends it: created, in_progress, the deltas, then the
+        terminal event with the timing in its response; numbered from 0."""
+        started = self.response_object(seen, "in_progress")
+        events = [{"type": "response.created", "response": started}, {"type": "response.in_progress", "response": started}]
+        events += [{"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0,
+                    "delta": piece, "logprobs": []} for piece in pieces]
+        final = self.response_object(seen, status, "".join(pieces))
+        self.stored[final["id"]] = dict(final)
+        events.append({"type": f"response.{status}", "response": {**final, "pg_metadata": self.metadata(seen)}})
+        return [sse({**event, "sequence_number": n}, event=event["type"]) for n, event in enumerate(events)]
+
+    def messages_events(self, seen: Seen, *, pieces=("Hi", " there", ".")) -> list[bytes]:
+        """A Messages stream as the router sends it, ``message_stop`` last with the timing."""
+        start = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 0}}
+        events = [{"type": "message_start", "message": start},
+                  {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                  {"type": "ping"}]
+        events += [{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}}
+                   for piece in pieces]
+        events += [{"type": "content_block_stop", "index": 0},
+                   {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": 3}},
+                   {"type": "message_stop", "pg_metadata": self.metadata(seen)}]
+        return [sse(event, event=event["type"]) for event in events]
+
+    async def _stored(self, request: Request) -> Response:
+        seen = await self._record(request)
+        refusal = self._refusal(seen.bearer)
+        if refusal is not None:
+            return refusal
+        response_id = request.path_params["response_id"]
+        if response_id not in self.stored:
+            return error(404, f"no response {response_id}", type_="invalid_request_error", param="response_id")
+        if request.method == "DELETE":
+            del self.stored[response_id]
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(self.stored[response_id])
 
     def metadata(self, seen: Seen) -> dict[str, Any]:
         return {"inference_ttft_ms": 12.5, "inference_total_ms": 20.0, "queue_ms": 0.25, "network_ms": 1.5,
@@ -168,6 +244,10 @@ class FakeRegion:
             Route("/v1/auth/token", self._token, methods=["POST"]),
             Route("/v1/chat/completions", self._inference, methods=["POST"]),
             Route("/v1/completions", self._inference, methods=["POST"]),
+            Route("/v1/responses", self._inference, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self._stored, methods=["GET", "DELETE"]),
+            Route("/v1/messages", self._inference, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self._inference, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: _not_found})
@@ -218,6 +298,18 @@ def serving(*regions: FakeRegion) -> Iterator[list[str]]:
             server.should_exit = True
         for thread in threads:
             thread.join(timeout=10)
+
+
+def run_client(region: FakeRegion, scenario, *, regions=(), **options):
+    """Serve ``region`` (and ``regions``), create a client against all of them, run ``scenario``."""
+    from serve_app.client import AsyncClient
+
+    with serving(region, *regions) as urls:
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_urls=urls, **options) as client:
+                return await scenario(client)
+
+        return asyncio.run(go())
 
 
 def dead_url() -> str:

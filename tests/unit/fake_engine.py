@@ -4,9 +4,11 @@ tokens, configurable latency, failures before or during a stream, a dead engine 
 It answers chat like vLLM's serving layer does (the same SSE chunks, the usage chunk with
 ``metrics`` when usage is asked for, ``[DONE]``), through the real chat watcher
 (``trailer.StreamTrailer``), and its ``generate`` is wrapped by the real token counter
-(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's. The other surfaces get small bodies
-of their own shape (a Responses response, an Anthropic message, a tokenization), with the same
-counted generation behind the ones that generate.
+(``token_count.counting``), as ``VLLMEngine`` wraps vLLM's. Responses and Messages streams are
+vLLM's own events made from that generation (``fake_vllm.py``), through the real
+watchers (``outputs.ResponsesStream``, ``outputs.MessagesStream``). Non-stream, the other surfaces
+get small bodies of their own shape (a Responses response, an Anthropic message, a tokenization),
+with the same counted generation behind the ones that generate.
 """
 
 import asyncio
@@ -14,6 +16,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import fake_vllm
+from serve_app.engine import outputs as engine_outputs
 from serve_app.engine import token_count, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
@@ -72,7 +76,7 @@ class FakeEngine:
 
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
         self.calls.append((surface, call))
-        body = call.body
+        body = dict(call.body)  # the real engine hands vLLM a copy: the router's body stays as sent
         if self.dead:  # as vLLM's, once its engine core died: every request fails
             raise EngineFailed("the engine is dead")
         if self.fail_before:
@@ -86,35 +90,64 @@ class FakeEngine:
         limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
         before = len(call.resume.token_ids) if call.resume else 0  # a resumed stream's tokens so far
         wanted = min(limit or self.tokens, self.tokens - before)
+        if surface == "responses":
+            return await self._responses(call, wanted)
         prompt = [1] * (self.prompt_tokens + before)  # as vLLM's: the prompt, then what was generated
         outputs = self.generate(prompt, DELTA, call.request_id, max_tokens=wanted, first=before + 1)
+        if body.get("stream") and surface == "messages":
+            watcher = engine_outputs.MessagesOutput().watcher(body)
+            events = fake_vllm.messages_events(self._events(outputs, body), watcher)
+            return Stream(Prefetched(events), watcher)
         if body.get("stream"):
             resumed = trailer.Resumed(before) if call.resume else None
             watcher = trailer.StreamTrailer(trailer.ask_for_usage(body), resumed=resumed)
-            return Stream(Prefetched(self._events(outputs, body, len(prompt))), watcher)  # under way, as vLLM's
+            events = self._events(outputs, body, surface, len(prompt))
+            return Stream(Prefetched(events), watcher)  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
+        if surface == "messages":
+            return fake_vllm.messages_answer(body, text, prompt_tokens=self.prompt_tokens, completion_tokens=wanted,
+                                             finish_reason="length", metrics=TIMING)
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": wanted,
                  "total_tokens": self.prompt_tokens + wanted}
-        summary = Trailer(timing=trailer.engine_timing(TIMING), usage=usage, finish_reasons=("length",))
-        return Answer(200, self._body(surface, call, text, usage), summary)
+        output = engine_outputs.COMPLETIONS if surface == "completions" else engine_outputs.CHAT
+        response = self._body(surface, call, text, usage)
+        summary = output.summarize(response)  # takes `metrics` off, as the replica does
+        output.shape(response, body)
+        return Answer(200, response, summary)
+
+    async def _responses(self, call: Call, wanted: int) -> Answer | Stream:
+        """As ``VLLMEngine._responses``: vLLM validates the body, the answer is shaped against the
+        client's body with the id it continued from."""
+        request = fake_vllm.validated_responses_request(
+            {**call.body, "request_id": f"resp_{call.request_id}", "store": False}
+        )
+        if isinstance(request, Answer):
+            return request
+        shape_body = {**call.body, "previous_response_id": call.previous_response_id}
+        outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        counts = dict(wanted=wanted, total=self.tokens, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens,
+                      metrics=TIMING)
+        if not call.stream:
+            _ = [o async for o in outputs]  # the generation the text stands for
+            return fake_vllm.responses_answer(request, shape_body, f"answer {self.count}", **counts)
+        events = fake_vllm.responses_events(request, outputs, **counts)
+        return Stream(Prefetched(events), engine_outputs.ResponsesOutput().watcher(shape_body))
 
     def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
-        model = call.body.get("model")
-        if surface == "responses":
-            return {
-                "id": f"resp_{call.request_id}", "object": "response", "status": "completed", "model": model,
-                "created_at": 1, "previous_response_id": call.previous_response_id,
-                "output": [{"type": "message", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": f"answer {self.count}"}]}],
-                "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
-            }
-        if surface == "messages":
-            return {"id": "msg_1", "type": "message", "role": "assistant", "model": model,
-                    "content": [{"type": "text", "text": text}],
-                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
-        return {"id": "chatcmpl-f", "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-                "usage": usage}
+        """A chat or completions body as vLLM dumps it (every field, nulls and extras included)."""
+        if surface == "completions":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
+        else:
+            message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
+                       "function_call": None, "tool_calls": [], "reasoning": None}
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None, "token_ids": None}
+        return {"id": "cmpl-f" if surface == "completions" else "chatcmpl-f",
+                "object": "text_completion" if surface == "completions" else "chat.completion",
+                "created": 1, "model": call.body.get("model"), "choices": [choice], "service_tier": None,
+                "system_fingerprint": None, "usage": {**usage, "prompt_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None, "metrics": dict(TIMING)}
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int, first: int = 1):
         """Tokens ``first``, ``first + 1``… (``t<id>`` their text), ``max_tokens`` of them."""
@@ -135,25 +168,34 @@ class FakeEngine:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
 
-    async def _events(self, outputs, body: dict[str, Any], prompt_tokens: int):
-        """vLLM's chat SSE strings for ``outputs``."""
-        chunk = {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 1, "model": body.get("model")}
+    async def _events(self, outputs, body: dict[str, Any], surface: str = "chat", prompt_tokens: int | None = None):
+        """vLLM's chat (or completions) SSE strings for ``outputs``, each choice with the
+        ``logprobs: null`` vLLM sets; ``prompt_tokens``: the engine's prompt (a resume's is longer)."""
+        prompt_tokens = self.prompt_tokens if prompt_tokens is None else prompt_tokens
+        completions = surface == "completions"
+        kind = "text_completion" if completions else "chat.completion.chunk"
+        chunk = {"id": "cmpl-f" if completions else "chatcmpl-f", "object": kind, "created": 1, "model": body.get("model")}
 
         def event(payload):
             return f"data: {json.dumps({**chunk, **payload}, separators=(',', ':'))}\n\n"
 
+        def choice(text=None, finish=None, role=None):
+            if completions:
+                return {"choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+            delta = {} if text is None else {"content": text}
+            return {"choices": [{"index": 0, "delta": {"role": role, **delta} if role else delta,
+                                 "logprobs": None, "finish_reason": finish}]}
+
         n = 0
         try:
             async for output in outputs:
-                if n == 0:  # as vLLM: the role chunk comes with the engine's first output
-                    yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None}]})
+                if n == 0 and not completions:  # as vLLM: the role chunk comes with the engine's first output
+                    yield event(choice("", role="assistant"))
                 n += 1
-                yield event({"choices": [{"index": 0, "delta": {"content": output.outputs[0].text},
-                                          "finish_reason": None}]})
+                yield event(choice(output.outputs[0].text))
         finally:
             await outputs.aclose()  # closing the stream aborts the generation
-        yield event({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        yield event(choice(finish="length"))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"

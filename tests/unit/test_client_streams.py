@@ -2,34 +2,24 @@
 server's timing once a stream ends, a mid-stream error event raised as a typed error, no retry
 after a stream has started, and the same timing on JSON responses."""
 
-import asyncio
-
 import pytest
 from starlette.responses import JSONResponse
 
 from serve_app.client import (
     APIConnectionError,
     APITimeoutError,
-    AsyncClient,
     BadRequestError,
     ChatCompletionChunk,
     InternalServerError,
     ServiceUnavailableError,
 )
-from tests.unit.client_fake_server import MODEL, SERVER_TIMING, FakeRegion, error, serving, sse, streaming
+from tests.unit.client_fake_server import MODEL, SERVER_TIMING, FakeRegion, error, sse, streaming
+from tests.unit.client_fake_server import run_client as run
 
 MESSAGES = [{"role": "user", "content": "Say hi in one short sentence."}]
 REQUEST = {"model": "qwen-3.6-a3b", "messages": MESSAGES, "max_tokens": 32}
 
 
-def run(region: FakeRegion, scenario, *, regions=(), **options):
-    """Serve ``region`` (and ``regions``), create a client against all of them, run ``scenario``."""
-    with serving(region, *regions) as urls:
-        async def go():
-            async with await AsyncClient.create(region.api_key, base_urls=urls, **options) as client:
-                return await scenario(client)
-
-        return asyncio.run(go())
 
 
 def test_the_model_cards_loop_works_and_timing_is_readable_after_the_stream():

@@ -20,6 +20,8 @@ from serve_app.router.failover import (
     Forwarder,
     is_forwarded,
 )
+from serve_app.surfaces import dialects
+from tests.schema_validation import validate_responses
 
 ROUTE = "/v1/chat/completions"
 BODY = {"model": "qwen-3.6-35b-a3b", "messages": [{"role": "user", "content": "héllo"}], "max_tokens": 8}
@@ -358,6 +360,37 @@ def test_stream_breaking_midway_ends_with_an_error_event_and_done():
     assert error["type"] == "server_error" and error["code"] == "peer_stream_failed" and error["param"] is None
     assert events[2] == "data: [DONE]"
     assert done == [(502, "peer_stream_failed")]
+
+
+def test_a_responses_stream_breaking_midway_ends_with_an_error_event_that_continues_its_numbering():
+    """The peer's events are numbered; the error event that ends the broken stream is the next
+    number, in both specs' shapes (OpenAI's fields and Open Responses' ``error`` object)."""
+    sent = [f'event: response.output_text.delta\ndata: {{"type":"response.output_text.delta","sequence_number":{n}}}\n\n'
+            for n in range(12)]
+
+    async def chunks():
+        payload = "".join(sent).encode()
+        for start in range(0, len(payload), 50):  # reads that cut the numbers apart
+            yield payload[start:start + 50]
+        raise httpx.ReadError("peer reset the connection")
+
+    answer = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
+
+    async def go():
+        fwd = forwarder(Peers(yvr=answer))
+        result = await fwd.forward("/v1/responses", {"model": BODY["model"], "input": "hi", "stream": True}, AUTH,
+                                   reason="overloaded", on_done=lambda *a: None, dialect=dialects.RESPONSES)
+        got = await play(result.response)
+        await fwd.aclose()
+        return got
+
+    got = asyncio.run(go())
+    frames = [frame for frame in got.text.split("\n\n") if frame]
+    assert len(frames) == 13 and frames[-1].startswith("event: error\n")
+    error = json.loads(frames[-1].split("data: ", 1)[1])
+    assert error["sequence_number"] == 12 and error["code"] == error["error"]["code"] == "peer_stream_failed"
+    validate_responses(error, event=True)
+    assert "[DONE]" not in got.text
 
 
 class PeerStream(httpx.AsyncByteStream):

