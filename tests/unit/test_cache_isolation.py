@@ -11,6 +11,7 @@ from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
 
 from serve_app.errors import APIError
 from serve_app.router.isolation import cache_salt
@@ -25,16 +26,20 @@ BODY = {
     "responses": {"model": MODEL, "input": "hi"},
     "messages": {"model": MODEL, "max_tokens": 8, "messages": USER},
     "count_tokens": {"model": MODEL, "messages": USER},
+    "embeddings": {"model": "qwen-3-embedding-0.6b", "input": "hi"},
     "tokenize": {"model": MODEL, "prompt": "hi"},
     "detokenize": {"model": MODEL, "tokens": [1]},
 }
 # The replica methods that run the model, and vLLM's request model for each: where the router
 # sets ``body["cache_salt"]`` (Messages: vLLM copies it onto the chat request it converts to).
+# Embeddings too: a pooling model with last-token pooling caches prefixes (vLLM's
+# ModelConfig.is_prefix_caching_supported), so an embedding's timing is the same oracle.
 GENERATING = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "responses": ResponsesRequest,
     "messages": AnthropicMessagesRequest,
+    "embeddings": EmbeddingCompletionRequest,
 }
 
 

@@ -1,4 +1,4 @@
-"""Regenerate openai.json / anthropic.json in this folder.
+"""Regenerate openai.json / anthropic.json / openai_embeddings.json in this folder.
 
 Takes selected component schemas (plus everything they $ref, transitively) from the
 vendors' published OpenAPI 3.1 documents and writes one JSON Schema 2020-12 bundle
@@ -41,6 +41,10 @@ VENDORS = {
         ),
         "roots": ["Message", "MessageStreamEvent", "CountMessageTokensResponse", "ErrorResponse"],
     },
+}
+# /v1/embeddings: OpenAI's request and response, from the same document, in a file of their own.
+VENDORS["openai_embeddings"] = {
+    **VENDORS["openai"], "upstream": "openai", "roots": ["CreateEmbeddingRequest", "CreateEmbeddingResponse"],
 }
 
 PREFIX = "#/components/schemas/"
@@ -115,7 +119,7 @@ def convert(s, root):
 
 def main(upstream):
     for vendor, cfg in VENDORS.items():
-        path = Path(upstream) / vendor / "official" / "openapi.yml"
+        path = Path(upstream) / cfg.get("upstream", vendor) / "official" / "openapi.yml"
         raw = path.read_bytes()
         schemas = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["components"]["schemas"]
         names = closure(schemas, cfg["roots"])
