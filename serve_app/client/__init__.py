@@ -28,6 +28,8 @@ from serve_app.client.types import (
     ChatCompletionChunk,
     Completion,
     CompletionChunk,
+    CreateEmbeddingResponse,
+    Embedding,
     Model,
     ModelList,
 )
@@ -45,6 +47,8 @@ __all__ = [
     "Client",
     "Completion",
     "CompletionChunk",
+    "CreateEmbeddingResponse",
+    "Embedding",
     "InternalServerError",
     "Model",
     "ModelList",

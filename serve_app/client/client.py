@@ -10,8 +10,9 @@ Each call takes the request as a dict (as in the model card), as keyword argumen
 ``timeout`` (this call's httpx timeout), ``traceparent`` (join the caller's own trace) and
 ``extra_headers``.
 
-Served surfaces: chat completions, completions, models. The Responses and Messages APIs are not
-served by this server's router yet, so there are no methods for them (docs/client.md).
+Served surfaces: chat completions, completions, embeddings (``client.embeddings.create``,
+``embeddings.py``), models. The Responses and Messages APIs are not served by this server's
+router yet, so there are no methods for them (docs/client.md).
 """
 
 import os
@@ -22,6 +23,7 @@ from urllib.parse import quote
 import httpx
 
 from serve_app.client.auth import DEFAULT_REFRESH_MARGIN_S, Auth
+from serve_app.client.embeddings import AsyncEmbeddings
 from serve_app.client.errors import ServeAppError
 from serve_app.client.streams import AsyncStream
 from serve_app.client.timing import new_traceparent, server_timing, trace_id_of
@@ -85,6 +87,7 @@ class AsyncClient:
             http_transport=http_transport,
         )
         self._streams: "weakref.WeakSet[AsyncStream[Any]]" = weakref.WeakSet()
+        self.embeddings = AsyncEmbeddings(self)
 
     @classmethod
     async def create(cls, api_key: str | None = None, **options: Any) -> "AsyncClient":

@@ -13,7 +13,15 @@ from typing import Any, Generic, TypeVar
 
 from serve_app.client.client import AsyncClient
 from serve_app.client.streams import AsyncStream
-from serve_app.client.types import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Model, ModelList
+from serve_app.client.types import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    CreateEmbeddingResponse,
+    Model,
+    ModelList,
+)
 
 T = TypeVar("T")
 _END = object()
@@ -106,6 +114,7 @@ class Client:
         except BaseException:
             self._loop.stop()
             raise
+        self.embeddings = Embeddings(self)
 
     def __repr__(self) -> str:
         return repr(self._client).replace("AsyncClient", "Client", 1)
@@ -143,6 +152,16 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Embeddings:
+    """``client.embeddings.create(...)``, as ``AsyncClient.embeddings``."""
+
+    def __init__(self, client: Client):
+        self._client = client
+
+    def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> CreateEmbeddingResponse:
+        return self._client._loop.run(self._client._client.embeddings.create(request, **params))
 
 
 async def _on_loop(make_stream: Any, *args: Any, **kwargs: Any) -> AsyncStream[Any]:

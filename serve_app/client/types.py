@@ -126,3 +126,31 @@ class Model(_Open):
 class ModelList(_Open):
     object: str = "list"
     data: list[Model] = []
+
+
+class Embedding(_Open):
+    """One input's vector: floats, or the server's base64 string when asked for base64."""
+
+    object: str = "embedding"
+    index: int = 0
+    embedding: list[float] | str = []
+
+
+class EmbeddingUsage(_Open):
+    prompt_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class CreateEmbeddingResponse(_Open):
+    """``POST /v1/embeddings``: OpenAI's response, with the server's timing as ``.timing``."""
+
+    object: str = "list"
+    data: list[Embedding] = []
+    model: str | None = None
+    usage: EmbeddingUsage | None = None
+    _timing: ServerTiming | None = PrivateAttr(default=None)
+
+    @property
+    def timing(self) -> ServerTiming | None:
+        """The server's timing, region and trace id for this response (docs/client.md)."""
+        return self._timing

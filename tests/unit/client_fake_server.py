@@ -11,8 +11,10 @@ success (JSON with ``pg_metadata`` + ``Server-Timing``, or an SSE stream ending 
 """
 
 import asyncio
+import base64
 import json
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -120,6 +122,8 @@ class FakeRegion:
         return error(401, "Incorrect API key provided", type_="authentication_error", code="invalid_api_key")
 
     def _success(self, seen: Seen) -> Response:
+        if seen.path == "/v1/embeddings":
+            return JSONResponse(self.embeddings(seen), headers={"Server-Timing": SERVER_TIMING})
         chat = seen.path == "/v1/chat/completions"
         if (seen.body or {}).get("stream"):
             return StreamingResponse(_iterate(self.stream_events(seen)), media_type="text/event-stream")
@@ -131,6 +135,20 @@ class FakeRegion:
                 "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
                 "pg_metadata": self.metadata(seen)}
         return JSONResponse(body, headers={"Server-Timing": SERVER_TIMING})
+
+    def embeddings(self, seen: Seen) -> dict[str, Any]:
+        """The router's embeddings body: one vector per input, [0.5, -0.25, 1.0 + index], float
+        or base64 little-endian float32 as asked."""
+        body = seen.body or {}
+        inputs = body["input"] if isinstance(body.get("input"), list) else [body.get("input")]
+        data = []
+        for index, _ in enumerate(inputs):
+            vector = [0.5, -0.25, 1.0 + index]
+            if body.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack("<3f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        return {"object": "list", "data": data, "model": body.get("model"),
+                "usage": {"prompt_tokens": 4, "total_tokens": 4}, "pg_metadata": self.metadata(seen)}
 
     def metadata(self, seen: Seen) -> dict[str, Any]:
         return {"inference_ttft_ms": 12.5, "inference_total_ms": 20.0, "queue_ms": 0.25, "network_ms": 1.5,
@@ -168,6 +186,7 @@ class FakeRegion:
             Route("/v1/auth/token", self._token, methods=["POST"]),
             Route("/v1/chat/completions", self._inference, methods=["POST"]),
             Route("/v1/completions", self._inference, methods=["POST"]),
+            Route("/v1/embeddings", self._inference, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: _not_found})
