@@ -170,9 +170,10 @@ class VLLMEngine:
             answer = await self._run(EmbeddingCompletionRequest, self._embedding_serving, body, outputs.EMBEDDINGS)
         if answer.trailer is None:
             # What vLLM refuses past the router's checks is the input (a token id outside the
-            # vocabulary, an input past the context): its errors name no field; this one does.
+            # vocabulary, an input past the context): its errors name no field, or its own
+            # internal one (input_tokens); the client's field is `input`.
             error = answer.body.get("error") or {}
-            if answer.status == 400 and error.get("param") is None:
+            if answer.status == 400 and error.get("param") in (None, *context_cap.VLLM_PROMPT_TOO_LONG_PARAMS):
                 error["param"] = "input"
             return answer
         return dataclasses.replace(answer, trailer=dataclasses.replace(answer.trailer, timing=pooling_timing.timing(stats)))
