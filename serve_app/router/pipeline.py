@@ -176,8 +176,8 @@ async def route(ctx: Context) -> None:
 
 
 async def call(ctx: Context) -> Head:
-    """The replica's answer: a whole body, or a stream's open socket. A non-stream request that
-    generates is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
+    """The replica's answer: a whole body, or a stream's open socket. A non-stream request that is
+    billed is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
     services = ctx.services
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,

@@ -13,12 +13,12 @@ operation name) all read it here:
   names): ``generate`` or ``embed``; None: any model (tokenizing). A model of another task is a
   400 naming ``model``;
 - ``generates``: it runs the engine's generation: priced as prompt plus the completion limit
-  (``router/pricing.py``), and a non-stream request is under way on the replica before its
-  answer (its socket is the hang-up line); else priced by its prompt alone;
+  (``router/pricing.py``); else priced by its prompt alone;
 - ``billed``: the engine computes for it (generation, or embeddings), for the caller: its price
   is held against the key's token budget, its usage recorded in the ledger, with the tier's
-  priority and the owner's prefix-cache salt; else (counting tokens) only the rate limit
-  charges it;
+  priority and the owner's prefix-cache salt, and a non-stream request is under way on the
+  replica before its answer (its socket is the hang-up line: a client that leaves is billed
+  what the engine did); else (counting tokens) only the rate limit charges it;
 - ``stores``: Responses: ``previous_response_id`` continues a stored conversation, and the
   answer is stored;
 - ``streams``: it may answer with a stream (``"stream": true``);

@@ -53,9 +53,11 @@ class FakeEngine:
         self.started = self.stopped = False
         self.dead = False
         self.generated = 0  # tokens produced, whoever was listening
-        self.closed_early = 0  # generations stopped before their end (aborted requests)
+        self.closed_early = 0  # generations (or embedding inputs) stopped before their end (aborted)
+        self.embedded = 0  # embedding inputs the engine finished
         self.calls: list[tuple[str, Call]] = []
         self.generate = token_count.counting(self._generate)
+        self.encode = token_count.counting_encode(self._encode)
 
     @property
     def bodies(self) -> list[tuple[str, dict[str, Any]]]:
@@ -88,7 +90,7 @@ class FakeEngine:
         if self.refuse is not None:
             return Answer(self.refuse, error_body(self.refuse, "refused", param="messages"))
         if surface == "embeddings":
-            return self._embeddings(body)
+            return await self._embeddings(body)
         if surface in ("tokenize", "detokenize", "count_tokens"):
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
             return Answer(200, dict(answer), Trailer())
@@ -104,13 +106,17 @@ class FakeEngine:
         summary = Trailer(timing=trailer.engine_timing(TIMING), usage=usage, finish_reasons=("length",))
         return Answer(200, self._body(surface, call, text, usage), summary)
 
-    def _embeddings(self, body: dict[str, Any]) -> Answer:
-        """vLLM's embeddings body (its extra id, created and usage fields included), then shaped."""
+    async def _embeddings(self, body: dict[str, Any]) -> Answer:
+        """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;
+        the inputs one after another through the counted ``encode`` (``latency_s`` each)."""
         value = body["input"]
         inputs = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         size = body.get("dimensions") or EMBEDDING_DIMENSIONS
         data = []
         for index, entry in enumerate(inputs):
+            tokens = entry if isinstance(entry, list) else [1] * len(entry.split())
+            async for _ in self.encode(prompt=tokens, request_id=f"embd-{index}"):
+                pass
             vector = embedding_of(entry, size)
             if body.get("encoding_format") == "base64":
                 vector = base64.b64encode(struct.pack(f"<{size}f", *vector)).decode()
@@ -141,6 +147,17 @@ class FakeEngine:
         return {"id": "chatcmpl-f", "object": "chat.completion", "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
                 "usage": usage}
+
+    async def _encode(self, *, prompt, request_id):
+        """One input's forward pass, as vLLM's ``encode`` yields it: one finished output."""
+        try:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            self.embedded += 1
+            yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=self.cached_tokens, finished=True)
+        except BaseException:
+            self.closed_early += 1
+            raise
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int):
         produced = 0
