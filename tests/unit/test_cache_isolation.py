@@ -118,14 +118,14 @@ def vllm_front():
     return config, online, InputProcessor(config, renderer)
 
 
+PROMPT = "The quarterly numbers of the private acquisition are as follows, in confidence: " * 4
+
+
 def _block_hashes(vllm_front, method: str, salt: str | None) -> list:
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
     config, online, processor = vllm_front
-    prompt = "The quarterly numbers of the private acquisition are as follows, in confidence: " * 4
+    prompt = PROMPT
     body = {"model": MODEL, **({"cache_salt": salt} if salt else {})}
     if method == "chat":
         _, (engine_input,) = asyncio.run(
@@ -136,6 +136,15 @@ def _block_hashes(vllm_front, method: str, salt: str | None) -> list:
     else:
         engine_input = asyncio.run(online.render_responses(ResponsesRequest(**body, input=prompt))).engine_input
     core = processor.process_inputs("req", engine_input, SamplingParams(max_tokens=1), ("generate",))
+    return _block_hashes_of(config, core, salt)
+
+
+def _block_hashes_of(config, core, salt: str | None) -> list:
+    """The prefix cache's block hashes of engine request ``core``, which carries ``salt``."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
     assert core.cache_salt == salt
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -203,13 +212,9 @@ def pooling_front(tmp_path_factory):
 
 def _embedding_block_hashes(pooling_front, salt: str | None) -> list:
     from vllm.entrypoints.pooling.typing import PoolingServeContext
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
     config, io, processor = pooling_front
-    text = "The quarterly numbers of the private acquisition are as follows, in confidence: " * 4
-    request = EmbeddingCompletionRequest(model="m", input=text, **({"cache_salt": salt} if salt else {}))
+    request = EmbeddingCompletionRequest(model="m", input=PROMPT, **({"cache_salt": salt} if salt else {}))
     params = io.create_pooling_params(request)
     params.verify(config.model_config)
     # vLLM's ServingEmbedding._init_ctx: the request's cache_salt becomes a prompt extra.
@@ -219,12 +224,7 @@ def _embedding_block_hashes(pooling_front, salt: str | None) -> list:
     (render_params,) = io.get_request_factory_online(ctx)
     engine_input = io.render(render_params)
     core = processor.process_inputs("req", engine_input["prompts"], engine_input["params"], ("embed",))
-    assert core.cache_salt == salt
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    request = Request.from_engine_core_request(core, get_request_block_hasher(16, hash_fn))
-    assert len(request.block_hashes) >= 2, "the input must fill blocks for the check to mean anything"
-    return request.block_hashes
+    return _block_hashes_of(config, core, salt)
 
 
 def test_one_owners_embedding_input_never_hits_another_owners_cache(pooling_front):

@@ -97,28 +97,14 @@ def test_an_embedding_is_recorded_once_in_the_ledger_with_the_engines_prompt_tok
 def test_an_embedding_whose_client_leaves_stops_the_engine_and_is_billed_the_inputs_it_finished(router_app):
     """Send 200 inputs, leave after a few: the engine stops at once, and the inputs it did embed
     are billed — leaving is no way to embed for free."""
-    import asyncio
-
     from serve_app import surfaces
-    from serve_app.router import pipeline
-    from test_pipeline import _request
+    from test_pipeline import leave_once
 
     engine = FakeEngine(latency_s=0.01)
     app = router_app(models=MODELS, tiers=TIERS, engine=engine)
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
     body = {"model": EMBED, "input": [[7, 8, 9]] * 200}
-
-    async def leave_while_embedding():
-        served = asyncio.ensure_future(pipeline.run(app.services, _request(body, key, "/v1/embeddings"), surfaces.EMBEDDINGS))
-        while engine.embedded < 5:
-            await asyncio.sleep(0.01)
-        served.cancel()  # what Serve does to the request's task when its client disconnects
-        try:
-            await served
-        except asyncio.CancelledError:
-            pass
-
-    app.run(leave_while_embedding)
+    leave_once(app, surfaces.EMBEDDINGS, body, key, lambda: engine.embedded >= 5)
     (row,) = app.recorded()
     assert row["status"] == 499 and row["route"] == "/v1/embeddings"
     assert 5 <= engine.embedded < 200 and row["prompt_tokens"] == 3 * engine.embedded
