@@ -11,7 +11,7 @@ TOOLS_VENV := .venv-tools
 setup: $(VENV)/.installed $(TOOLS_VENV)/.installed
 
 # Re-run the installer whenever the dependencies or the installer change.
-$(VENV)/.installed: pyproject.toml scripts/install.py serve_app/devtools/tiny_model.py
+$(VENV)/.installed: pyproject.toml scripts/install.py serve_app/devtools/tiny_model.py serve_app/devtools/tiny_embedding_model.py
 	$(PYTHON) scripts/install.py --only app --venv $(VENV)
 	touch $@
 

@@ -68,6 +68,7 @@ def install_app(venv_dir: Path, pyproject: dict) -> None:
     # Something else may have pulled them in; say so clearly rather than fail later in vLLM.
     run(python, "-m", "serve_app.engine.preflight")
     run(python, "-m", "serve_app.devtools.tiny_model")
+    run(python, "-m", "serve_app.devtools.tiny_embedding_model")
 
 
 def install_tools(venv_dir: Path, pyproject: dict) -> None:

@@ -94,9 +94,15 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
 
 def resolve_model_path(model: ModelDeploymentArgs) -> str:
     """The weights the engine loads: the configured source, else the catalog's HF repo; for the
-    CPU default's ``tiny-local``, the generated tiny checkpoint. Resolved here, when the app is
-    built, so that no serving process imports the dev tooling that generates it."""
-    source = model.engine.source or catalog.get(model.id).hf_repo
+    CPU default's ``tiny-local``, the generated tiny checkpoint of the model's task (the chat
+    model's stand-in, or the embedding model's). Resolved here, when the app is built, so that no
+    serving process imports the dev tooling that generates it."""
+    entry = catalog.get(model.id)
+    source = model.engine.source or entry.hf_repo
+    if source == TINY_MODEL_SOURCE and entry.task == "embed":
+        from serve_app.devtools.tiny_embedding_model import ensure_tiny_embedding_model
+
+        return str(ensure_tiny_embedding_model())
     if source == TINY_MODEL_SOURCE:
         from serve_app.devtools.tiny_model import ensure_tiny_model
 

@@ -4,6 +4,10 @@ Serve configs name catalog ids; the router resolves what callers send (canonical
 Hugging Face repo id) through this module; engine settings start from here and a config may
 override them per deployment (the CPU default swaps in the tiny local checkpoint and the Hermes
 parser that its chat template speaks).
+
+A model's ``task`` says which API surfaces it serves (``serve_app/surfaces``: each row names the
+task it needs): ``generate`` models answer chat, completions, Responses and Messages; ``embed``
+models answer ``/v1/embeddings``, on vLLM's pooling runner. Both tokenize.
 """
 
 from typing import Any, Literal
@@ -27,6 +31,12 @@ class EngineDefaults(BaseModel):
         None, description="vLLM's floor for tool-call constraints: auto, function or parameter."
     )
     reasoning_parser: str | None = None
+    runner: Literal["generate", "pooling"] | None = Field(
+        None, description="vLLM's --runner: pooling for an embedding model; None lets vLLM choose (generate)."
+    )
+    hf_overrides: dict[str, Any] | None = Field(
+        None, description="vLLM's --hf-overrides: config facts the checkpoint's config.json does not state."
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         "priority",
         description="'priority': the engine schedules waiting requests by the priority the router "
@@ -34,10 +44,34 @@ class EngineDefaults(BaseModel):
     )
 
 
+GIB = 2**30
+
+
+class GpuMemory(BaseModel):
+    """What one replica of the model needs of a GPU's memory, for the arithmetic of a GPU that two
+    engines share (``serve_app/regions/gpu_memory.py``, docs/regions.md "One GPU, two engines").
+
+    From the checkpoint's config: the weights as loaded, and the KV cache of one token (every
+    full-attention layer's K and V at the served dtype) and of one sequence's fixed state
+    (Gated-DeltaNet layers keep a recurrent state per sequence, whatever its length). The
+    headroom is an allowance, not a measurement: vLLM's profiled peak activations at
+    ``max_num_batched_tokens``, its sampler, and the CUDA context and allocator slack."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights_gib: float = Field(gt=0)
+    kv_bytes_per_token: int = Field(gt=0)
+    state_bytes_per_sequence: int = Field(0, ge=0)
+    headroom_gib: float = Field(gt=0)
+
+
 class CatalogModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(description="Canonical id callers use at every inference endpoint.")
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="generate: chat, completions, Responses, Messages; embed: /v1/embeddings."
+    )
     hf_repo: str = Field(description="The exact production checkpoint.")
     aliases: tuple[str, ...] = ()
     description: str
@@ -47,10 +81,18 @@ class CatalogModel(BaseModel):
         False, description="Qwen3 thinks unless told not to; this product turns it off."
     )
     engine: EngineDefaults
-    default_max_tokens: int = Field(
+    default_max_tokens: int | None = Field(
+        None,
         gt=0,
         description="The completion limit the router sets on a request that sets none (and charges "
-        "for it: serve_app/router/pricing.py); never above engine.max_model_len.",
+        "for it: serve_app/router/pricing.py); never above engine.max_model_len. A generating model's "
+        "fact; an embedding model generates nothing.",
+    )
+    embedding_dimensions: int | None = Field(
+        None, gt=0, description="An embedding model's vector size (a request's `dimensions` may lower it)."
+    )
+    gpu_memory: GpuMemory | None = Field(
+        None, description="Stated for a model that may share a GPU with another engine (regions)."
     )
     speculative_method: Literal["mtp"] | None = Field(
         None,
@@ -60,8 +102,18 @@ class CatalogModel(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _facts_of_its_task(self) -> "CatalogModel":
+        if self.task == "generate" and self.default_max_tokens is None:
+            raise ValueError("a generating model needs default_max_tokens")
+        if self.task == "embed" and (self.default_max_tokens is not None or self.engine.runner != "pooling"):
+            raise ValueError("an embedding model runs on vLLM's pooling runner and has no completion limit")
+        if (self.embedding_dimensions is not None) != (self.task == "embed"):
+            raise ValueError("embedding_dimensions is an embedding model's fact, and it needs one")
+        return self
+
+    @model_validator(mode="after")
     def _default_fits_the_context(self) -> "CatalogModel":
-        if self.default_max_tokens > self.engine.max_model_len:
+        if self.default_max_tokens is not None and self.default_max_tokens > self.engine.max_model_len:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) is over max_model_len ({self.engine.max_model_len})"
             )
@@ -100,6 +152,17 @@ QWEN36_35B_A3B = CatalogModel(
     # charged and escrowed this much, not the whole 8,192 (a free key's 40,000 tokens/min still
     # fits 9 of them). vLLM alone would allow the whole context left after the prompt.
     default_max_tokens=4096,
+    # Its text config (40 layers: 30 Gated-DeltaNet, 10 full attention with 2 KV heads of 256):
+    # KV per token 10 layers x 2 (K, V) x 2 heads x 256 x 2 bytes (bf16 cache); per sequence the
+    # Gated-DeltaNet state, 30 layers x 32 value heads x 128 x 128 x 4 bytes (fp32) plus the
+    # convolution state, 30 x 3 x 8192 x 2 bytes. Weights: the FP8 checkpoint with its bf16
+    # embeddings, norms and MTP layer, ~35 GB (counted as 35 GiB).
+    gpu_memory=GpuMemory(
+        weights_gib=35,
+        kv_bytes_per_token=10 * 2 * 2 * 256 * 2,
+        state_bytes_per_sequence=30 * (32 * 128 * 128 * 4 + 3 * 8192 * 2),
+        headroom_gib=6,
+    ),
     # vLLM maps the qwen3_5_moe checkpoint's MTP layers to its Qwen3_5MoeMTP drafter; in 0.32 the
     # method is spelled "mtp" (per-model names such as "qwen3_5_mtp" are deprecated aliases).
     speculative_method="mtp",
@@ -123,7 +186,39 @@ QWEN35_27B = CatalogModel(
     speculative_method="mtp",  # dense qwen3_5: vLLM's Qwen3_5MTP drafter
 )
 
-CATALOG: dict[str, CatalogModel] = {m.id: m for m in (QWEN36_35B_A3B, QWEN35_27B)}
+QWEN3_EMBEDDING_06B = CatalogModel(
+    id="qwen-3-embedding-0.6b",
+    hf_repo="Qwen/Qwen3-Embedding-0.6B",
+    aliases=("qwen3-embedding-0.6b",),
+    task="embed",
+    description="Qwen3-Embedding 0.6B: text embeddings for retrieval, co-located with the LLM on its GPU",
+    weights_precision="bf16",
+    native_context=32_768,
+    embedding_dimensions=1024,
+    engine=EngineDefaults(
+        # OpenAI's own cap per input (8192 tokens), well inside the model's native 32K: a longer
+        # input is a 400 from the engine, not a silent truncation.
+        max_model_len=8192,
+        # Every input is one prefill and no decode: CUDA graphs would buy little, and what their
+        # capture takes would come out of the small budget it has beside the LLM (regions).
+        enforce_eager=True,
+        runner="pooling",
+        # Trained with Matryoshka representation learning (model card: any output size from 32
+        # to 1024); vLLM honours `dimensions` only for a model it knows to be Matryoshka.
+        hf_overrides={"is_matryoshka": True},
+    ),
+    # Qwen3-0.6B's config: 28 layers with 8 KV heads of 128; bf16 weights, 1.19 GB (counted as
+    # 1.2 GiB). Last-token
+    # pooling (its sentence-transformers files) finishes each input in its prefill, so the KV
+    # cache it needs is one engine step's tokens, freed when the step ends.
+    gpu_memory=GpuMemory(
+        weights_gib=1.2,
+        kv_bytes_per_token=28 * 2 * 8 * 128 * 2,
+        headroom_gib=1.5,
+    ),
+)
+
+CATALOG: dict[str, CatalogModel] = {m.id: m for m in (QWEN36_35B_A3B, QWEN35_27B, QWEN3_EMBEDDING_06B)}
 
 
 def _build_name_index() -> dict[str, str]:

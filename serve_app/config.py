@@ -62,7 +62,11 @@ class Resources(Settings):
     """What one model replica asks Ray for. GPU replicas pin a Blackwell type per region."""
 
     num_cpus: float = Field(1, ge=0)
-    num_gpus: int = Field(0, ge=0, le=1, description="vLLM here runs one replica per GPU.")
+    num_gpus: float = Field(
+        0, ge=0, le=1,
+        description="A GPU, or a fraction of one that another model's replica shares (Ray packs fractions "
+        "onto one GPU; the engine's gpu_memory_utilization must fit its fraction: docs/regions.md).",
+    )
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. B200.")
     env: dict[str, str] = Field(default_factory=dict, description="Env vars for the replica.")
 
@@ -207,6 +211,8 @@ class ModelDeploymentArgs(Settings):
 
     @model_validator(mode="after")
     def _default_within_context(self) -> "ModelDeploymentArgs":
+        if self.default_max_tokens is not None and catalog.get(self.id).task != "generate":
+            raise ValueError(f"default_max_tokens: {self.id} is an embedding model; it generates nothing")
         if self.default_max_tokens is not None and self.default_max_tokens > self.max_model_len:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) is over the served max_model_len ({self.max_model_len})"
@@ -219,10 +225,12 @@ class ModelDeploymentArgs(Settings):
         return self.engine.max_model_len or catalog.get(self.id).engine.max_model_len
 
     @property
-    def completion_default(self) -> int:
+    def completion_default(self) -> int | None:
         """The limit of a request that sets none: this deployment's ``default_max_tokens``, else
-        the catalog's, lowered to a ``max_model_len`` override that is smaller."""
-        return min(self.default_max_tokens or catalog.get(self.id).default_max_tokens, self.max_model_len)
+        the catalog's, lowered to a ``max_model_len`` override that is smaller (None: an
+        embedding model, which generates nothing)."""
+        default = self.default_max_tokens or catalog.get(self.id).default_max_tokens
+        return None if default is None else min(default, self.max_model_len)
 
     @model_validator(mode="after")
     def _media_flags_from_policy(self) -> "ModelDeploymentArgs":
@@ -251,12 +259,15 @@ class ModelDeploymentArgs(Settings):
             "model": model_path,
             "served-model-name": self.id,
             **{key.replace("_", "-"): value for key, value in settings.items()},
-            # Thinking is off unless a request opts in (the qwen3 reasoning parser otherwise
-            # swallows content, tool calls and JSON output as reasoning).
-            "default-chat-template-kwargs": json.dumps(
-                {"enable_thinking": entry.thinking_by_default}
-            ),
-            "enable-auto-tool-choice": bool(settings.get("tool_call_parser")),
+        }
+        if entry.task == "generate":
+            flags |= {
+                # Thinking is off unless a request opts in (the qwen3 reasoning parser otherwise
+                # swallows content, tool calls and JSON output as reasoning).
+                "default-chat-template-kwargs": {"enable_thinking": entry.thinking_by_default},
+                "enable-auto-tool-choice": bool(settings.get("tool_call_parser")),
+            }
+        flags |= {
             # Engine queue/prefill/decode durations per request: the replica turns them into the
             # trace spans and the timing returned to the client (serve_app/engine/trailer.py).
             "enable-per-request-metrics": True,
@@ -274,6 +285,8 @@ class ModelDeploymentArgs(Settings):
                 args.append(f"--{name}")
             elif isinstance(value, list):  # nargs="+"
                 args += [f"--{name}", *map(str, value)]
+            elif isinstance(value, dict):  # vLLM's JSON-valued flags
+                args += [f"--{name}", json.dumps(value)]
             else:
                 args += [f"--{name}", str(value)]
         return args

@@ -10,9 +10,10 @@ Each call takes the request as a dict (as in the model card), as keyword argumen
 ``timeout`` (this call's httpx timeout), ``traceparent`` (join the caller's own trace) and
 ``extra_headers``.
 
-Served surfaces: chat completions, completions, models; OpenAI's Responses API as
-``client.responses`` (create, stream, retrieve, delete) and Anthropic's Messages API as
-``client.messages`` (create, stream, count_tokens), in ``resources.py`` (docs/client.md).
+Served surfaces: chat completions, completions, embeddings (``client.embeddings.create``,
+``embeddings.py``), models; OpenAI's Responses API as ``client.responses`` (create, stream,
+retrieve, delete) and Anthropic's Messages API as ``client.messages`` (create, stream,
+count_tokens), in ``resources.py`` (docs/client.md).
 """
 
 import os
@@ -24,6 +25,7 @@ import httpx
 
 from serve_app.client import resources
 from serve_app.client.auth import DEFAULT_REFRESH_MARGIN_S, Auth
+from serve_app.client.embeddings import AsyncEmbeddings
 from serve_app.client.errors import ServeAppError
 from serve_app.client.streams import CHAT, AsyncStream, Protocol
 from serve_app.client.timing import new_traceparent, server_timing, trace_id_of
@@ -89,6 +91,7 @@ class AsyncClient:
         self._streams: "weakref.WeakSet[AsyncStream[Any]]" = weakref.WeakSet()
         self.responses = resources.Responses(self)
         self.messages = resources.Messages(self)
+        self.embeddings = AsyncEmbeddings(self)
 
     @classmethod
     async def create(cls, api_key: str | None = None, **options: Any) -> "AsyncClient":

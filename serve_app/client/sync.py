@@ -19,6 +19,7 @@ from serve_app.client.types import (
     ChatCompletionChunk,
     Completion,
     CompletionChunk,
+    CreateEmbeddingResponse,
     Message,
     MessageStreamEvent,
     MessageTokensCount,
@@ -165,6 +166,7 @@ class Client:
             raise
         self.responses = Responses(self._client.responses, self._loop)
         self.messages = Messages(self._client.messages, self._loop)
+        self.embeddings = Embeddings(self)
 
     def __repr__(self) -> str:
         return repr(self._client).replace("AsyncClient", "Client", 1)
@@ -202,6 +204,16 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Embeddings:
+    """``client.embeddings.create(...)``, as ``AsyncClient.embeddings``."""
+
+    def __init__(self, client: Client):
+        self._client = client
+
+    def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> CreateEmbeddingResponse:
+        return self._client._loop.run(self._client._client.embeddings.create(request, **params))
 
 
 async def _on_loop(make_stream: Any, *args: Any, **kwargs: Any) -> AsyncStream[Any]:

@@ -248,3 +248,28 @@ class MessageStreamEvent(_Open):
 
 class MessageTokensCount(Timed):
     input_tokens: int
+
+
+# --- Embeddings (``POST /v1/embeddings``) --------------------------------------------------------
+
+
+class Embedding(_Open):
+    """One input's vector: floats, or the server's base64 string when asked for base64."""
+
+    object: str = "embedding"
+    index: int = 0
+    embedding: list[float] | str = []
+
+
+class EmbeddingUsage(_Open):
+    prompt_tokens: int | None = None
+    total_tokens: int | None = None
+
+
+class CreateEmbeddingResponse(Timed):
+    """``POST /v1/embeddings``: OpenAI's response, with the server's timing as ``.timing``."""
+
+    object: str = "list"
+    data: list[Embedding] = []
+    model: str | None = None
+    usage: EmbeddingUsage | None = None

@@ -2,8 +2,8 @@
 
 ``two_region_config`` turns the embedded CPU config (``configs/local.yaml``) into a Serve config
 with two applications on the same port: ``local`` at ``/`` and ``peer`` at ``/peer``. Each has its
-own router, rate limiter and model deployment (the peer's model starts cold, on half a CPU, one
-request at a time, so it is easy to overload), they share the signing keys and key store (as
+own router, rate limiter and model deployments (the peer serves the chat model alone: it starts
+cold, on half a CPU, one request at a time, so it is easy to overload), they share the signing keys and key store (as
 regions that trust each other's tokens), and each names the other as its failover peer over
 127.0.0.1. The integration tests and ``python -m serve_app.bench.failover`` deploy it.
 """
@@ -43,7 +43,10 @@ def peer_application(local: dict[str, Any], base_url: str) -> dict[str, Any]:
     args["router"]["num_replicas"] = 1
     args["auth"].pop("dev_api_key_env", None)  # only the local region may have a dev key
     args["failover"] = {"peers": [{"region": "local", "endpoint": base_url}]}
-    (model,) = args["models"]
+    # The chat model only: a second embedding engine would not fit the host's 2 CPUs beside the
+    # local region's replicas (configs/local.yaml).
+    model = args["models"][0]
+    args["models"] = [model]
     model["initial_state"] = "cold"
     model["resources"]["num_cpus"] = 0.5  # with the local replica (1) and the routers: under 2 CPUs
     model["max_ongoing_requests"], model["max_queued_requests"] = 1, 1  # easy to overload

@@ -8,26 +8,24 @@ text is gibberish; a small per-token logit prior baked into the weights (see
 `_token_prior`) makes constrained decoding (JSON schema, forced tool calls) finish with
 short, valid JSON, which is what the serving features need to be tested for real.
 
-The output is deterministic (same bytes every run) and written atomically: a stamp file is
-written last, and the whole directory is renamed into place only once it is complete.
+The output is deterministic (same bytes every run) and written atomically
+(``checkpoint_dir``): a stamp file is written last, and the whole directory is renamed into
+place only once it is complete.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import typer
 
+from serve_app.devtools.checkpoint_dir import STAMP_FILE, ensure_built
 from serve_app.paths import tiny_model_dir
 
 # Bump when anything below changes the generated files, so old checkpoints get rebuilt.
 GENERATOR_VERSION = "tiny-qwen3-next-v4"
-STAMP_FILE = ".serve_app_tiny_model"
+__all__ = ["GENERATOR_VERSION", "STAMP_FILE", "ensure_tiny_model"]
 
 CORPUS_DIR = Path("/usr/share/common-licenses")
 BPE_VOCAB_SIZE = 2000
@@ -340,46 +338,10 @@ def _write_model(out_dir: Path) -> None:
     )
 
 
-def is_complete(out_dir: Path) -> bool:
-    """Whether `out_dir` holds a finished checkpoint from this generator version."""
-    stamp = out_dir / STAMP_FILE
-    return stamp.is_file() and stamp.read_text().strip() == GENERATOR_VERSION
-
-
 def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False) -> Path:
     """Generate the tiny model into `out_dir` (default: `tiny_model_dir()`) unless present."""
     out_dir = Path(out_dir) if out_dir is not None else tiny_model_dir()
-    if not force and is_complete(out_dir):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes (test workers, replicas) may race here: one builds, the rest wait.
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if force or not is_complete(out_dir):
-            _build_into(out_dir)
-    return out_dir
-
-
-def _build_into(out_dir: Path) -> None:
-    # Build beside the target (same filesystem) so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        _write_model(tmp)
-        # mkdtemp makes the directory private; a served model must be readable by workers.
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        (tmp / STAMP_FILE).write_text(GENERATOR_VERSION + "\n")  # last: marks completeness
-        if out_dir.exists():
-            # An old or partial model: move it aside first, then drop it after the swap.
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.replace(out_dir, old / "model")
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return ensure_built(out_dir, GENERATOR_VERSION, _write_model, force=force)
 
 
 def main(

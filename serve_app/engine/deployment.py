@@ -4,11 +4,12 @@ OpenAI, Responses and Anthropic serving layers), adapted to a Serve streaming ha
 One replica method per surface (``serve_app/surfaces``), each taking a ``wire.Call`` and
 yielding the call's items (``wire/messages.py``):
 
-- a whole answer: one ``Answer`` — a non-stream surface that generates nothing, or any error
+- a whole answer: one ``Answer`` — a non-stream surface that is not billed (counting tokens), or any error
   the engine reports before it starts (the router answers it with its real status);
 - a stream: ``StreamOpen`` (the engine has started; its SSE bytes go to the router's connection
   on this replica's listener as they are produced, ``wire/socket.py``), then the ``Trailer``;
-- a non-stream request that generates: ``Accepted`` at once (the same listener: the router's
+- a non-stream request that the engine computes and the caller is billed for (generation, or
+  embeddings: the surface's ``billed``): ``Accepted`` at once (the same listener: the router's
   hang-up stops the engine), then the ``Answer`` when the engine is done.
 
 The handle call stays open until the request is over, so Serve counts it as ongoing for its whole
@@ -75,7 +76,7 @@ class _ModelServer:
         """
         count = token_count.start()  # what the engine handles for this request, however it ends
         started = time.perf_counter()
-        if surface.generates and not call.stream:
+        if surface.billed and not call.stream:  # the engine computes for it: billed if abandoned
             async for item in self._answer_under_way(surface, call, count, started):
                 yield item
             return
@@ -110,9 +111,9 @@ class _ModelServer:
         yield dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
 
     async def _answer_under_way(self, surface: Surface, call: Call, count, started: float) -> AsyncIterator[Item]:
-        """A non-stream request that generates: ``Accepted`` first, so that the router can hang up
-        while the engine works (its client left), then the answer — or, after a hang-up, an
-        incomplete answer with the tokens generated so far."""
+        """A non-stream request the engine computes (it generates, or embeds): ``Accepted`` first,
+        so that the router can hang up while the engine works (its client left), then the answer —
+        or, after a hang-up, an incomplete answer with the tokens handled so far."""
         listener, connection = self._listener, None
         ticket, connected = listener.expect()
         work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count

@@ -112,3 +112,22 @@ def without_nulls(body: Body, request: Body | None = None) -> Body:
     the request like the other shapes, which ``VLLMEngine._run`` passes to each."""
     _prune(body, (), {})
     return body
+
+
+# OpenAI's CreateEmbeddingResponse and Embedding: exactly these fields (vLLM adds an id, a
+# created time and, in usage, completion tokens and null details).
+_EMBEDDING_FIELDS = ("object", "index", "embedding")
+
+
+def embeddings(body: Body, request: Body | None = None) -> Body:
+    """A vLLM embeddings body as OpenAI sends it: ``object``, ``data``, ``model``, ``usage`` with
+    ``prompt_tokens`` and ``total_tokens``."""
+    usage = body.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens") or 0)
+    data = [{key: item[key] for key in _EMBEDDING_FIELDS} for item in body.get("data") or ()]
+    body.clear()
+    body.update(
+        object="list", data=data, model=(request or {}).get("model"),
+        usage={"prompt_tokens": prompt, "total_tokens": prompt},
+    )
+    return body

@@ -5,7 +5,7 @@ call vLLM's serving object, answer a whole body or a stream of events (``protoco
 ``ModelServer`` puts on the wire — and an *output* supplies what differs:
 
 - ``dump``: vLLM's pydantic result as the JSON body (Responses needs ``by_alias`` for ``schema``,
-  Anthropic ``exclude_none``);
+  Anthropic ``exclude_none``; embeddings come as vLLM's JSON response already);
 - ``summarize``: the trailer of a non-stream body (engine timing, usage as prompt/completion
   tokens, finish reasons), popping vLLM's ``metrics`` so the client never sees them;
 - ``shape``: the body made schema-exact (``openai_shape``, ``responses_shape``, ``anthropic_shape``);
@@ -56,6 +56,28 @@ CHAT = ChatOutput(openai_shape.chat)
 COMPLETIONS = ChatOutput(openai_shape.completion)
 TOKENIZATION = ChatOutput(openai_shape.without_nulls)
 PLAIN = ChatOutput(None)
+
+
+class EmbeddingsOutput:
+    """``/v1/embeddings``: vLLM's pooling serving object answers a JSON response (never a stream);
+    its usage is the input tokens, billed as the prompt. Engine timing is not in the body (vLLM
+    has none for pooling): the handler adds it (``pooling_timing``)."""
+
+    def dump(self, result) -> Body:
+        return json.loads(result.body)
+
+    def summarize(self, response: Body) -> Trailer:
+        usage = response.get("usage") or {}
+        return Trailer(usage=_usage(usage.get("prompt_tokens"), 0))
+
+    def shape(self, response: Body, body: Body) -> None:
+        openai_shape.embeddings(response, body)
+
+    def watcher(self, body: Body):
+        raise TypeError("embeddings never stream")
+
+
+EMBEDDINGS = EmbeddingsOutput()
 
 
 def _usage(prompt: int | None, completion: int | None) -> Body | None:

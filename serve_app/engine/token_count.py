@@ -11,6 +11,10 @@ adds what its ``RequestOutput``s carry. Counting ``token_ids`` is exact with mul
 
 Cost: one async-generator hop and a ``len`` per engine step per request (~1 µs), against the
 tens of microseconds vLLM's serving layer spends on the same step.
+
+Embeddings pass through the engine's ``encode`` instead (one engine request per input): each
+finished ``PoolingRequestOutput`` adds its prompt tokens, so an embedding whose client left is
+billed the inputs the engine finished (``counting_encode``).
 """
 
 import contextvars
@@ -50,9 +54,12 @@ def start() -> TokenCount:
 
 
 def install(engine: Any) -> None:
-    """Wrap ``engine.generate`` (vLLM's ``AsyncLLM``; every serving object calls it) so calls
-    made under a ``TokenCount`` are counted. Calls outside one pass through untouched."""
+    """Wrap ``engine.generate`` and ``engine.encode`` (vLLM's ``AsyncLLM``; every serving object
+    calls one of them) so calls made under a ``TokenCount`` are counted. Calls outside one pass
+    through untouched."""
     engine.generate = counting(engine.generate)
+    if hasattr(engine, "encode"):
+        engine.encode = counting_encode(engine.encode)
 
 
 def counting(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
@@ -97,3 +104,26 @@ async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bo
         # Closed early (the client left, the stream broke): close vLLM's generator now, which
         # aborts the engine request and frees its KV cache, not whenever it is collected.
         await outputs.aclose()
+
+
+def counting_encode(encode: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """``encode`` (vLLM's pooling call: its serving layer passes every argument by keyword), with
+    each finished output's prompt tokens added to the request's count."""
+
+    def counted_encode(*args, **kwargs):
+        outputs = encode(*args, **kwargs)
+        count = _CURRENT.get()
+        return outputs if count is None else _counted_pooling(outputs, count)
+
+    return counted_encode
+
+
+async def _counted_pooling(outputs: AsyncIterator[Any], count: TokenCount) -> AsyncIterator[Any]:
+    try:
+        async for output in outputs:
+            if output.finished:  # its one forward pass is done: its prompt was computed
+                count.prompt_tokens += len(output.prompt_token_ids or ())
+                count.cached_tokens += output.num_cached_tokens or 0
+            yield output
+    finally:
+        await outputs.aclose()  # closed early (the client left): vLLM aborts the engine request

@@ -3,7 +3,8 @@
 ``VLLMEngine`` builds one ``AsyncLLM`` in-process exactly as vLLM's own API server does (its CLI
 parser for the engine flags, ``build_async_engine_client``, ``init_app_state``), then answers each
 request through vLLM's own serving layer — prompt rendering, tool parsing, guided decoding,
-reasoning, sampling, SSE framing, Responses and Anthropic Messages — as an ``Answer`` or a
+reasoning, sampling, SSE framing, Responses and Anthropic Messages, and an embedding model's
+pooling — as an ``Answer`` or a
 ``Stream`` (``protocol.py``). What it adds is our glue: the context cap at render time
 (``rendered.py``, with a resumed stream's tail), the engine's token count for billing (``token_count.py``), tier priority
 on Messages, opt-in reasoning, and each surface's schema-exact shape (``outputs.py``). Each
@@ -14,14 +15,16 @@ vLLM is imported inside the methods only: importing this module costs nothing, a
 and the unit tests never load torch.
 """
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import outputs, rendered, token_count, tokenization, trailer
+from serve_app.engine import outputs, pooling_timing, rendered, token_count, tokenization, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
+from serve_app.surfaces import BY_NAME
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Answer, Body, Call
 
@@ -58,13 +61,23 @@ class VLLMEngine:
         self.engine = await self._engine_context.__aenter__()
         token_count.install(self.engine)  # billing counts what the engine generates
         state = State()
-        await init_app_state(self.engine, state, vllm_args, await self.engine.get_supported_tasks())
-        self._chat_serving = state.openai_serving_chat
-        self._completion = state.openai_serving_completion
+        self._tasks = await self.engine.get_supported_tasks()
+        await init_app_state(self.engine, state, vllm_args, self._tasks)
         # /tokenize and /detokenize: vLLM's own serving object, with the chat path's renderer
         # and default template kwargs, so a count here is the count chat will see.
         self._tokenization = state.serving_tokenization
         self._vocab_size = self._tokenization.renderer.get_tokenizer().max_token_id + 1
+        if "generate" in self._tasks:
+            self._start_generation(state)
+        # /v1/embeddings: an embedding model's serving object (vLLM's pooling runner).
+        self._embedding_serving = getattr(state, "serving_embedding", None)
+        if self._embedding_serving is not None:
+            pooling_timing.install(self.engine)
+
+    def _start_generation(self, state) -> None:
+        """The serving objects of a generating model, adapted."""
+        self._chat_serving = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
         # Responses and Anthropic Messages: vLLM's serving objects for them, with its in-memory
         # response store off (VLLM_ENABLE_RESPONSES_API_STORE unset): stored responses live in
         # the router's region-wide store, which every router and model replica can reach.
@@ -88,6 +101,10 @@ class VLLMEngine:
             self.engine.shutdown()
 
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
+        task = BY_NAME[surface].task
+        if task is not None and task not in self._tasks:  # the router refuses it first
+            message = f"this model does not serve {BY_NAME[surface].route} (its tasks: {', '.join(self._tasks)})"
+            return Answer(400, error_body(400, message, param="model", code="model_does_not_serve_route"))
         rendered.for_this_request(
             clamp_limit=call.limit_set_by_router, continue_with=call.resume.token_ids if call.resume else ()
         )
@@ -164,6 +181,41 @@ class VLLMEngine:
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
 
         return await self._run(AnthropicCountTokensRequest, self._messages_serving.count_tokens, dict(call.body), outputs.PLAIN)
+
+    async def _embeddings(self, call: Call) -> Answer | Stream:
+        """``POST /v1/embeddings`` on vLLM's pooling serving object, with the router's request id,
+        the owner's prefix-cache salt and the tier's priority; engine timing from vLLM's own
+        per-request stats (``pooling_timing``)."""
+        from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
+
+        body = _engine_body(call)
+        if (problem := self._dimensions_problem(body.get("dimensions"))) is not None:
+            return problem
+        with pooling_timing.collect() as stats:
+            answer = await self._run(EmbeddingCompletionRequest, self._embedding_serving, body, outputs.EMBEDDINGS)
+        if answer.trailer is None:
+            # What vLLM refuses past the router's checks is the input (a token id outside the
+            # vocabulary, an input past the context): its errors name no field, or its own
+            # internal one (input_tokens); the client's field is `input`.
+            error = answer.body.get("error") or {}
+            if answer.status == 400 and error.get("param") in (None, *rendered.VLLM_PROMPT_TOO_LONG_PARAMS):
+                error["param"] = "input"
+            return answer
+        return dataclasses.replace(answer, trailer=dataclasses.replace(answer.trailer, timing=pooling_timing.timing(stats)))
+
+    def _dimensions_problem(self, dimensions: int | None) -> Answer | None:
+        """vLLM's own check of ``dimensions`` (a Matryoshka model, within its size), run before
+        the request so that its 400 names the field."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMValidationError
+
+        if dimensions is None:
+            return None
+        try:
+            PoolingParams(task="embed", dimensions=dimensions).verify(self.engine.model_config)
+        except VLLMValidationError as err:
+            return Answer(400, error_body(400, str(err), param="dimensions"))
+        return None
 
     async def _tokenize(self, call: Call) -> Answer | Stream:
         """``POST /tokenize``: vLLM's ``TokenizeResponse``, never a stream."""
@@ -331,6 +383,7 @@ HANDLERS: dict[str, Callable[[VLLMEngine, Call], Awaitable[Any]]] = {
     "responses": VLLMEngine._responses,
     "messages": VLLMEngine._messages,
     "count_tokens": VLLMEngine._count_tokens,
+    "embeddings": VLLMEngine._embeddings,
     "tokenize": VLLMEngine._tokenize,
     "detokenize": VLLMEngine._detokenize,
 }

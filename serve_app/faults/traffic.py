@@ -118,6 +118,9 @@ class HealthProbe:
     def __init__(self, client: httpx.AsyncClient, url: str, period_s: float = 0.5, timeout_s: float = 5.0):
         self.client, self.url, self.period_s, self.timeout_s = client, url, period_s, timeout_s
         self.samples: list[tuple[float, int | None, str | None, float]] = []  # (at, code, status, seconds)
+        # Answers in which each model's slots were all taken: the region says "busy" only when
+        # every serving model is (an idle embedding model beside a saturated LLM is "ok").
+        self.busy_models: Counter[str] = Counter()
         self._task: asyncio.Task | None = None
         self._t0 = time.monotonic()
 
@@ -136,8 +139,10 @@ class HealthProbe:
             began = time.monotonic()
             try:
                 response = await self.client.get(self.url + "/health", timeout=self.timeout_s)
-                code, status = response.status_code, response.json().get("status")
-            except (httpx.HTTPError, ValueError):
+                answer = response.json()
+                code, status = response.status_code, answer.get("status")
+                self.busy_models.update(m for m, load in (answer.get("load") or {}).items() if load.get("busy"))
+            except (httpx.HTTPError, ValueError, AttributeError):
                 code, status = None, None
             self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4)))
             await asyncio.sleep(self.period_s)
@@ -147,6 +152,7 @@ class HealthProbe:
         return {
             "probes": len(self.samples),
             "by_answer": dict(Counter(f"{code} {status}" for _, code, status, _ in self.samples)),
+            "busy_models": dict(self.busy_models),
             "max_s": seconds[-1] if seconds else None,
             "over_1s": sum(s > 1.0 for s in seconds),
         }

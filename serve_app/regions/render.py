@@ -19,6 +19,7 @@ Nothing here imports Ray or vLLM.
 """
 
 import json
+import math
 import re
 import tomllib
 from pathlib import Path
@@ -68,10 +69,11 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
             "namespace": k8s.namespace,
             "accelerator_type": region.gpu.accelerator_type,
             "gpu_nodes": {node.name: node.gpus for node in region.gpu.nodes},
-            # One worker pod per GPU: as many as the models' replica bounds add up to.
+            # One worker pod per GPU: as many as the models' replica bounds take of GPUs (a
+            # model sharing each GPU takes its fraction of one per replica).
             "gpu_workers": {
-                "min": sum(m.replicas.min for m in region.models),
-                "max": sum(m.replicas.max for m in region.models),
+                "min": gpus_taken(region, "min"),
+                "max": gpus_taken(region, "max"),
             },
             "head": {"cpus": k8s.head.cpus, "memory_gib": k8s.head.memory_gib},
             "gpu_worker": {"cpus": k8s.gpu_worker.cpus, "memory_gib": k8s.gpu_worker.memory_gib},
@@ -87,6 +89,11 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
         },
         "registry_read_dsn_env": REGISTRY_READ_DSN_ENV,
     }
+
+
+def gpus_taken(region: Region, bound: str) -> int:
+    """Whole GPUs the models' ``min`` or ``max`` replicas take: fractions of one add up."""
+    return math.ceil(round(sum(getattr(m.replicas, bound) * m.gpus for m in region.models), 6))
 
 
 def terraform_global_vars(regions: dict[str, Region]) -> dict[str, Any]:

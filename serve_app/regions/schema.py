@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from serve_app import catalog
 from serve_app.config import Autoscaling, MediaPolicy, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
+from serve_app.regions import gpu_memory
 from serve_app.settings import FrozenSettings, describe_errors, listed_twice
 
 # Blackwell GPUs, spelled as Ray's accelerator types (ray.util.accelerators: NVIDIA_B200,
@@ -61,7 +62,7 @@ class GpuPool(FrozenSettings):
     """The region's Blackwell GPU node pool: labelled and tainted by Terraform."""
 
     accelerator_type: str = Field(description=f"Ray accelerator type: {' or '.join(BLACKWELL_ACCELERATORS)}.")
-    count: int = Field(ge=1, description="GPUs in the pool; every model replica takes one.")
+    count: int = Field(ge=1, description="GPUs in the pool; every model replica takes one, or its share of one.")
     nodes: list[GpuNode] = Field(min_length=1)
 
     @field_validator("accelerator_type")
@@ -85,7 +86,7 @@ class GpuPool(FrozenSettings):
 
 
 class Replicas(FrozenSettings):
-    """Autoscaling bounds of one model in one region (one GPU per replica)."""
+    """Autoscaling bounds of one model in one region (each replica takes its model's ``gpus``)."""
 
     min: int = Field(ge=1, description="Never zero: a cold start loads ~35 GB of weights.")
     initial: int | None = Field(None, ge=1)
@@ -129,8 +130,16 @@ class RegionModel(FrozenSettings):
     upscale_delay_s: float = Field(Autoscaling.model_fields["upscale_delay_s"].default, ge=0)
     downscale_delay_s: float = Field(600, ge=0)
     cpus: float = Field(8, gt=0, description="Ray CPUs per replica (tokenisation, detokenisation).")
+    gpus: float = Field(
+        1, gt=0, le=1,
+        description="GPUs per replica: 1, or a fraction to share each GPU with the region's other fractional "
+        "models (gpu_memory.py: gpu_memory_utilization then explicit, within the fraction).",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM's tokens per engine step; None: vLLM's default."
+    )
     state: Literal["loaded", "cold"] = Field(
         "loaded", description="At deploy. cold: no replicas until an admin POSTs /v1/models/load."
     )
@@ -258,13 +267,17 @@ class Region(FrozenSettings):
             raise ValueError(f"peers listed twice: {', '.join(twice)}")
         if twice := listed_twice(m.id for m in self.models):
             raise ValueError(f"models listed twice: {', '.join(twice)}")
-        wanted = sum(m.replicas.max for m in self.models)
-        if wanted > self.gpu.count:
+        wanted = round(sum(m.replicas.max * m.gpus for m in self.models), 6)
+        whole = sum(m.replicas.max for m in self.models if m.gpus > 0.5)  # never two on one GPU
+        if wanted > self.gpu.count or whole > self.gpu.count:
             raise ValueError(
-                f"the models' max replicas add up to {wanted} GPUs but the region has {self.gpu.count} "
-                f"{self.gpu.accelerator_type} (one GPU per replica)"
+                f"the models' max replicas add up to {max(wanted, whole):g} GPUs but the region has {self.gpu.count} "
+                f"{self.gpu.accelerator_type} (a replica takes its gpus, and no two of more than half fit one GPU)"
             )
-        widest = max(m.cpus for m in self.models)
+        if problems := gpu_memory.problems(self.models, self.gpu.accelerator_type):
+            raise ValueError("; ".join(problems))
+        # A worker pod holds one GPU: a whole-GPU replica, or one replica of each sharing model.
+        widest = max([m.cpus for m in self.models if m.gpus == 1] + [sum(m.cpus for m in gpu_memory.shared(self.models))])
         if self.kubernetes.gpu_worker.cpus < widest:
             raise ValueError(
                 f"kubernetes.gpu_worker.cpus ({self.kubernetes.gpu_worker.cpus}) is less than a model "

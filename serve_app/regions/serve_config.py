@@ -78,16 +78,22 @@ def engine_args(model: RegionModel) -> dict[str, Any]:
         "gpu_memory_utilization": model.gpu_memory_utilization,
         "max_num_seqs": model.max_num_seqs,
     }
+    extra: dict[str, Any] = {}
+    if model.max_num_batched_tokens is not None:
+        extra["max-num-batched-tokens"] = model.max_num_batched_tokens
     if model.speculative_decoding is not None:
         config = catalog.speculative_config(
             catalog.get(model.id), model.speculative_decoding.num_speculative_tokens
         )
-        engine["extra_args"] = {"speculative-config": json.dumps(config)}
+        extra["speculative-config"] = json.dumps(config)
+    if extra:
+        engine["extra_args"] = extra
     return engine
 
 
 def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
-    """One model deployment: the catalog's checkpoint (FP8, 8192 cap, eager) on one Blackwell GPU."""
+    """One model deployment: the catalog's checkpoint on one Blackwell GPU, or on its share of one
+    (``gpu_memory.py``)."""
     autoscaling: dict[str, Any] = {"min_replicas": model.replicas.min}
     if model.replicas.initial is not None:
         autoscaling["initial_replicas"] = model.replicas.initial
@@ -112,7 +118,7 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
         "max_queued_requests": model.max_queued_requests,
         "resources": {
             "num_cpus": model.cpus,
-            "num_gpus": 1,
+            "num_gpus": model.gpus,
             "accelerator_type": region.gpu.accelerator_type,
         },
     }

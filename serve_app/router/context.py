@@ -170,7 +170,7 @@ class Context:
         outcome = self.outcome
         self.release_slot()
         self.telemetry.close(outcome.status, outcome.code)
-        if self.admitted and not self.billed_elsewhere and self.surface.generates:
+        if self.admitted and not self.billed_elsewhere and self.surface.billed:
             resumer = self.resumer
             record = self.services.meter.record(
                 self.id, self.caller, self.record, self.generated, origin=self.origin, stored_bytes=self.stored_bytes,

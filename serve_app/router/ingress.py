@@ -122,6 +122,11 @@ class Router:
     async def count_tokens(self, request: Request):
         return await pipeline.run(self.services, request, surfaces.COUNT_TOKENS)
 
+    # Served by an embedding model (its catalog task), on vLLM's pooling runner.
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        return await pipeline.run(self.services, request, surfaces.EMBEDDINGS)
+
     # vLLM's own spellings (it serves no /v1/ ones); answered by the replica's tokenizer.
     @app.post("/tokenize")
     async def tokenize(self, request: Request):

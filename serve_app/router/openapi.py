@@ -18,9 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from starlette.routing import BaseRoute
 
-from serve_app.router.messages_schema import CountTokensBody, MessagesBody
-from serve_app.router.request_schema import ChatCompletionBody, CompletionBody, DetokenizeBody, TokenizeBody
-from serve_app.router.responses_schema import ResponsesBody
+from serve_app.surfaces import SURFACES, dialects
 
 _REF = "#/components/schemas/{model}"
 
@@ -55,17 +53,12 @@ class TokenRequest(BaseModel):
     api_key: str | None = None  # without it, the Bearer credential is the key
 
 
+# Every surface's strict body (serve_app/surfaces), and the token endpoint's.
 _BODIES: dict[str, type[BaseModel]] = {
-    "/v1/chat/completions": ChatCompletionBody,
-    "/v1/completions": CompletionBody,
-    "/tokenize": TokenizeBody,
-    "/detokenize": DetokenizeBody,
-    "/v1/responses": ResponsesBody,
-    "/v1/messages": MessagesBody,
-    "/v1/messages/count_tokens": CountTokensBody,
+    **{surface.route: surface.body for surface in SURFACES},
     "/v1/auth/token": TokenRequest,
 }
-_ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+_ANTHROPIC_PATHS = tuple(surface.route for surface in SURFACES if surface.dialect is dialects.ANTHROPIC)
 # Routes that need the admin scope: served, never published.
 _ADMIN_PATHS = ("/v1/models/load", "/v1/models/unload")
 _ADMIN_PREFIX = "/v1/admin/"
@@ -73,9 +66,7 @@ _ADMIN_PREFIX = "/v1/admin/"
 _PUBLIC = {"/health": (503,), "/.well-known/jwks.json": ()}
 _INFERENCE_ERRORS = (400, 401, 403, 404, 413, 429, 503)
 # Bodies of the routes that go through a model replica (and so may answer 413, 429 and 503).
-_INFERENCE_BODIES = (
-    ChatCompletionBody, CompletionBody, TokenizeBody, DetokenizeBody, ResponsesBody, MessagesBody, CountTokensBody,
-)
+_INFERENCE_BODIES = tuple(surface.body for surface in SURFACES)
 _OTHER_ERRORS = (400, 401, 403, 404)
 _DESCRIPTIONS = {
     400: "Invalid request: the failing field is named in `param`",

@@ -109,6 +109,7 @@ def model_card(services: Services, model_id: str) -> dict[str, Any]:
         "created": services.created,
         "owned_by": "serve_app",
         "aliases": [entry.hf_repo, *entry.aliases],
+        "task": entry.task,  # generate (chat, completions, Responses, Messages) or embed (/v1/embeddings)
         "max_model_len": entry.engine.max_model_len,
         "region": services.region,
         **services.states.get(model_id).to_json(),

@@ -5,7 +5,8 @@
                   request limit (429) or a body larger than its tier allows (400)
     parse         the body: size (413), JSON (400 invalid_json)
     resolve       the model name → the canonical id served here (404)
-    validate      the surface's strict body model (400 naming the field)
+    validate      the surface's strict body model (400 naming the field), and a model that
+                  does the surface's task (400: an embedding model does not chat)
     authorize     the caller's model scope (403)
     recall        Responses: the stored conversation ``previous_response_id`` continues (404)
     price         what the request may cost: prompt plus the completion the engine will obey
@@ -81,10 +82,13 @@ async def resolve(ctx: Context) -> None:
 
 
 async def validate(ctx: Context) -> None:
-    """The surface's strict body, and the region's media policy: a media part the model's region
-    does not take (or from a host it does not allow) is a 400 naming the part."""
+    """The surface's strict body, the model's task, and the region's media policy: a media part
+    the model's region does not take (or from a host it does not allow) is a 400 naming the part."""
     validate_body(ctx.surface.name, ctx.body)
-    if (problem := media_problem(ctx.surface.name, ctx.body, ctx.services.models[ctx.model].media)) is not None:
+    facts = ctx.services.models[ctx.model]
+    if ctx.surface.task is not None and facts.task != ctx.surface.task:
+        raise _wrong_task(ctx)
+    if (problem := media_problem(ctx.surface.name, ctx.body, facts.media)) is not None:
         raise problem
 
 
@@ -106,8 +110,8 @@ async def price(ctx: Context) -> None:
     # A request without a limit gets the model's default, but never more than its key's tier can
     # ever admit in a minute: a free key's request without max_tokens is served, not a 400.
     tier = ctx.services.auth.args.tiers.get(ctx.caller.tier)
-    default = facts.default_max_tokens
-    if tier is not None:
+    default = facts.default_max_tokens  # None for a model that generates nothing
+    if tier is not None and default is not None:
         default = max(1, min(default, tier.tokens_per_minute - pricing.estimate_prompt_tokens(size)))
     ctx.price = pricing.price(
         ctx.surface.name, ctx.body, size, context_len=facts.context_len, default_max_tokens=default
@@ -115,23 +119,33 @@ async def price(ctx: Context) -> None:
 
 
 async def admit(ctx: Context) -> None:
-    """Its worst case held against the key's token budget (nothing held for a surface that
-    generates nothing, but a spent budget refuses it too), then charged to its rate limit."""
+    """Its worst case held against the key's token budget (nothing held for a surface that is
+    not billed, but a spent budget refuses it too), then charged to its rate limit."""
     services, caller = ctx.services, ctx.caller
     if ctx.taken_over is not None:  # the region that sent it admitted it, and bills it
         ctx.headers = {REGION_HEADER: services.region}
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))
         return
-    held = ctx.price.total if ctx.surface.generates else 0
+    held = ctx.price.total if ctx.surface.billed else 0
     ctx.reservation = await services.meter.reserve(caller, held)  # 429 budget_exceeded
     limits = await services.auth.admit(caller, ctx.price.total)  # 429 + Retry-After
     ctx.headers = {**limits, **ctx.reservation.headers, REGION_HEADER: services.region}
     ctx.admitted = True
-    if ctx.surface.generates:
+    if ctx.surface.billed:
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))  # the tier's, or lower
 
 
 STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
+
+
+def _wrong_task(ctx: Context) -> APIError:
+    served = [model for model, facts in ctx.services.models.items() if facts.task == ctx.surface.task]
+    return APIError(
+        400,
+        f"{ctx.model} does not serve {ctx.surface.route}: it is a model of task {ctx.services.models[ctx.model].task!r}"
+        f"; models of task {ctx.surface.task!r} here: {', '.join(served) or 'none'}",
+        param="model", code="model_does_not_serve_route",
+    )
 
 
 def _over_tier(ctx: Context) -> APIError:
@@ -168,11 +182,11 @@ async def route(ctx: Context) -> None:
 
 
 async def call(ctx: Context) -> Head:
-    """The replica's answer: a whole body, or a stream's open socket. A non-stream request that
-    generates is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
+    """The replica's answer: a whole body, or a stream's open socket. A non-stream request that is
+    billed is under way first (``Accepted``): its socket is the hang-up line, its body follows."""
     services = ctx.services
     # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
-    ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.generates else None
+    ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.billed else None
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
         previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,

@@ -28,8 +28,10 @@ its ``max_tokens`` steps submits every beam's whole prefix to the engine again a
 returned beams are billed, so its cost has no price the router could state. ``best_of`` is not
 a field of vLLM 0.32's chat or completions requests (ignored by the engine: one sequence per n).
 
-``count_tokens``, ``tokenize`` and ``detokenize`` generate nothing: they are priced by size,
-their prompt estimate alone.
+The surfaces that generate nothing (their row in ``serve_app/surfaces``: ``embeddings``,
+``count_tokens``, ``tokenize``, ``detokenize``) are priced by their prompt alone: embeddings by
+their input tokens, which is what OpenAI charges them by (the estimate from size, or the exact
+count of an input of token ids when that is more: a list of ids is ~2-7 bytes a token).
 
 The prompt is estimated from the size of the body the router received, ``CHARS_PER_TOKEN`` bytes
 a token: free (no second JSON encode, no tokenizer at the router), and it counts tools and
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
+from serve_app.router.embeddings_schema import token_ids_in
 from serve_app.surfaces import BY_NAME
 
 CHARS_PER_TOKEN = 4
@@ -50,8 +53,6 @@ CHARS_PER_TOKEN = 4
 # (CompletionRequest.max_tokens = 16). Kept, so the route means what clients expect of it.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-# Methods that generate nothing: priced by the size of their body.
-SIZE_PRICED = frozenset({"count_tokens", "tokenize", "detokenize"})
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ def estimate_prompt_tokens(body_bytes: int) -> int:
     return max(0, body_bytes) // CHARS_PER_TOKEN
 
 
-def price(method: str, body: dict[str, Any], body_bytes: int, *, context_len: int, default_max_tokens: int) -> Price:
+def price(
+    method: str, body: dict[str, Any], body_bytes: int, *, context_len: int, default_max_tokens: int | None
+) -> Price:
     """Price ``body`` (a replica ``method``'s, validated, model resolved) and normalise its limit
     in place so that the engine obeys exactly the limit priced. ``body_bytes``: the size of what
     the prompt came in (the request, plus a continued conversation's stored history);
@@ -107,7 +110,9 @@ def price(method: str, body: dict[str, Any], body_bytes: int, *, context_len: in
     that sets none (``ModelDeploymentArgs.default_max_tokens``). APIError 400 for a limit field
     the route ignores, two chat limits that disagree, a limit over the context, beam search."""
     prompt = estimate_prompt_tokens(body_bytes)
-    if method in SIZE_PRICED:
+    if not BY_NAME[method].generates:
+        if method == "embeddings":
+            prompt = max(prompt, token_ids_in(body.get("input")))
         return Price(prompt, 0, 0)
     route = ROUTES[method]
     if method in ("chat", "completions"):  # the only requests vLLM runs beam search for

@@ -209,6 +209,7 @@ class DetokenizeBody(Body):
 
 
 # The other API surfaces' bodies live beside this module; they import its bases, not its BODIES.
+from serve_app.router.embeddings_schema import EmbeddingsBody  # noqa: E402
 from serve_app.router.messages_schema import CountTokensBody, MessagesBody  # noqa: E402
 from serve_app.router.responses_schema import ResponsesBody  # noqa: E402
 
@@ -220,6 +221,7 @@ BODIES: dict[str, type[Body]] = {
     "messages": MessagesBody,
     "count_tokens": CountTokensBody,
     "responses": ResponsesBody,
+    "embeddings": EmbeddingsBody,
 }
 
 
@@ -234,9 +236,9 @@ def validate_body(method: str, body: dict[str, Any]) -> None:
 def describe_validation_errors(errors: list[dict[str, Any]]) -> APIError:
     """Pydantic's errors as one 400: each problem with its path, the first one's in ``param``."""
     errors = _without_branch_noise(errors)
-    details = "; ".join(f"{_param(e['loc']) or 'body'}: {_message(e)}" for e in errors[:5])
+    details = "; ".join(f"{_param(e['loc'], e['type']) or 'body'}: {_message(e)}" for e in errors[:5])
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return APIError(400, f"invalid request: {details}{more}", param=_param(errors[0]["loc"]))
+    return APIError(400, f"invalid request: {details}{more}", param=_param(errors[0]["loc"], errors[0]["type"]))
 
 
 def _without_branch_noise(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -270,14 +272,15 @@ def _field_names() -> frozenset[str]:
 _FIELDS = _field_names()
 
 
-def _param(loc: tuple) -> str | None:
+def _param(loc: tuple, error_type: str = "") -> str | None:
     """``('messages', 0, 'role')`` → ``messages[0].role``; pydantic's union-branch markers
-    (``str``, ``list[ContentPart]``, ``literal['none','auto']``) are dropped."""
+    (``str``, ``list[ContentPart]``, ``literal['none','auto']``) are dropped. A top-level field
+    that a closed body does not define (``extra_forbidden``) is named as sent."""
     param = ""
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in _FIELDS:
+        elif part in _FIELDS or (error_type == "extra_forbidden" and len(loc) == 1):
             param += f".{part}" if param else part
     return param or None
 

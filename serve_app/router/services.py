@@ -32,12 +32,16 @@ class ModelFacts:
     """What the router needs to know of a model it serves to check and price a request."""
 
     context_len: int  # prompt plus completion, in tokens
-    default_max_tokens: int  # the completion limit the router sets when a request sets none
+    default_max_tokens: int | None  # the completion limit the router sets when a request sets none
     media: MediaPolicy = field(default_factory=MediaPolicy)  # which media parts its requests may carry
+    task: str = "generate"  # the surfaces it serves (catalog.CatalogModel.task)
 
     @classmethod
     def of(cls, model: ModelDeploymentArgs) -> "ModelFacts":
-        return cls(context_len=model.max_model_len, default_max_tokens=model.completion_default, media=model.media)
+        return cls(
+            context_len=model.max_model_len, default_max_tokens=model.completion_default, media=model.media,
+            task=catalog.get(model.id).task,
+        )
 
 
 @dataclass

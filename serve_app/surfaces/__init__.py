@@ -1,17 +1,24 @@
 """The API surfaces: one row of plain data per endpoint that runs on a model replica.
 
 A *surface* is one such endpoint — chat, completions, Responses, Messages, count_tokens,
-tokenize, detokenize. Its row says everything that differs between them, and the router (its
-pipeline, its OpenAPI document), the replica (its methods) and the telemetry (route, operation
-name) all read it here:
+embeddings, tokenize, detokenize. Its row says everything that differs between them, and the
+router (its pipeline, its OpenAPI document), the replica (its methods) and the telemetry (route,
+operation name) all read it here:
 
 - ``name``: the surface, and the replica method the router calls for it;
 - ``route``: the HTTP path; ``body``: the strict body model the router validates with;
 - ``dialect``: the API it speaks (``dialects.py``): how its errors look, how a stream ends,
   whether Anthropic's ``x-api-key`` is a credential;
-- ``generates``: it runs the engine's generation: priced as prompt plus completion, checked
-  against the key's token budget, recorded in the usage ledger; else priced by size, never
-  recorded;
+- ``task``: what the model must do to serve it (``catalog.CatalogModel.task``, vLLM's task
+  names): ``generate`` or ``embed``; None: any model (tokenizing). A model of another task is a
+  400 naming ``model``;
+- ``generates``: it runs the engine's generation: priced as prompt plus the completion limit
+  (``router/pricing.py``); else priced by its prompt alone;
+- ``billed``: the engine computes for it (generation, or embeddings), for the caller: its price
+  is held against the key's token budget, its usage recorded in the ledger, with the tier's
+  priority and the owner's prefix-cache salt, and a non-stream request is under way on the
+  replica before its answer (its socket is the hang-up line: a client that leaves is billed
+  what the engine did); else (counting tokens) only the rate limit charges it;
 - ``stores``: Responses: ``previous_response_id`` continues a stored conversation, and the
   answer is stored;
 - ``streams``: it may answer with a stream (``"stream": true``);
@@ -19,13 +26,15 @@ name) all read it here:
   Responses and Messages are chats in their terms: a conversation in, a turn out);
 - ``chunk_object``: the ``object`` of its stream chunks (what the openai SDK's chunk types expect).
 
-Adding a surface is its row here, its body model, and its vLLM call (``engine/vllm_engine.py``).
+Adding a surface is its row here, its body model, its vLLM call (``engine/vllm_engine.py``) and
+its route (``router/ingress.py``).
 """
 
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from serve_app.router.embeddings_schema import EmbeddingsBody
 from serve_app.router.messages_schema import CountTokensBody, MessagesBody
 from serve_app.router.request_schema import ChatCompletionBody, CompletionBody, DetokenizeBody, TokenizeBody
 from serve_app.router.responses_schema import ResponsesBody
@@ -40,7 +49,9 @@ class Surface:
     body: type[BaseModel]
     dialect: Dialect
     operation: str
+    task: str | None = "generate"
     generates: bool = True
+    billed: bool = True
     stores: bool = False
     streams: bool = True
     chunk_object: str = "chat.completion.chunk"
@@ -57,13 +68,24 @@ RESPONSES = Surface("responses", "/v1/responses", ResponsesBody, dialects.RESPON
 MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat")
 COUNT_TOKENS = Surface(
     "count_tokens", "/v1/messages/count_tokens", CountTokensBody, dialects.ANTHROPIC, "count_tokens",
+    generates=False, billed=False, streams=False,
+)
+# Embeddings generate nothing, but the engine computes them: billed by their input tokens.
+EMBEDDINGS = Surface(
+    "embeddings", "/v1/embeddings", EmbeddingsBody, dialects.OPENAI, "embeddings", task="embed",
     generates=False, streams=False,
 )
-TOKENIZE = Surface("tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", generates=False, streams=False)
+TOKENIZE = Surface(
+    "tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", task=None, generates=False, billed=False,
+    streams=False,
+)
 DETOKENIZE = Surface(
-    "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", generates=False, streams=False
+    "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", task=None, generates=False,
+    billed=False, streams=False,
 )
 
-SURFACES: tuple[Surface, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, TOKENIZE, DETOKENIZE)
+SURFACES: tuple[Surface, ...] = (
+    CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, EMBEDDINGS, TOKENIZE, DETOKENIZE,
+)
 BY_NAME: dict[str, Surface] = {surface.name: surface for surface in SURFACES}
 BY_ROUTE: dict[str, Surface] = {surface.route: surface for surface in SURFACES}

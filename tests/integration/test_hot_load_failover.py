@@ -97,7 +97,9 @@ def _post_forwarded(url: str, key: str) -> httpx.Response:
 def test_each_region_lists_its_models_state(serve_app, keys, peer_cold):
     local = httpx.get(f"{serve_app['base_url']}/v1/models", headers=_bearer(keys["user"])).json()["data"]
     peer = httpx.get(f"{serve_app['peer_url']}/v1/models", headers=_bearer(keys["user"])).json()["data"]
-    assert [(m["id"], m["region"], m["state"]) for m in local] == [(MODEL, "local", "loaded")]
+    assert [(m["id"], m["region"], m["state"]) for m in local] == [
+        (MODEL, "local", "loaded"), ("qwen-3-embedding-0.6b", "local", "loaded"),  # the peer serves chat only
+    ]
     assert [(m["id"], m["region"], m["state"]) for m in peer] == [(MODEL, "peer", "cold")]
     assert peer[0]["replicas"] == {"running": 0, "starting": 0, "stopping": 0}
     health = httpx.get(f"{serve_app['peer_url']}/health", timeout=30)

@@ -9,12 +9,13 @@ import pytest
 pytestmark = pytest.mark.integration
 
 MODEL = "qwen-3.6-35b-a3b"
+EMBEDDING_MODEL = "qwen-3-embedding-0.6b"  # beside it in configs/local.yaml (test_embeddings.py)
 MESSAGES = [{"role": "user", "content": "Say hi in one short sentence."}]
 
 
 def test_models_lists_the_canonical_id(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, EMBEDDING_MODEL]
     assert client.models.retrieve("qwen-3.6-a3b").id == MODEL
 
 
@@ -142,7 +143,7 @@ def test_unknown_route_is_an_openai_style_404(base_url):
 def test_health_reports_the_model_ready(base_url):
     response = httpx.get(f"{base_url}/health", timeout=30)
     assert response.status_code == 200
-    assert response.json()["models"] == {MODEL: True}
+    assert response.json()["models"] == {MODEL: True, EMBEDDING_MODEL: True}
 
 
 def _unfinished(model_handle) -> int:

@@ -60,7 +60,9 @@ def test_overload_sheds_at_once_and_health_stays_200_busy(serve_app, base_url, d
     assert result["abandoned_unfinished_after"]["+10s"] == 0, result
     health = result["health"]["by_answer"]
     assert set(health) <= {"200 ok", "200 busy"}, health  # never 503 while merely busy
-    assert "200 busy" in health
+    # The chat model's slots were all taken; the region says "busy" only when the embedding
+    # model beside it is too, so it may have stayed "ok" (docs/api.md, "Health").
+    assert result["health"]["busy_models"].get("qwen-3.6-35b-a3b"), result["health"]
 
 
 def test_a_client_that_leaves_frees_the_engine_and_logs_no_error(serve_app, base_url, dev_key, router_memory_before):

@@ -13,8 +13,10 @@ it: chat's ``pg_metadata`` event and ``[DONE]``; Responses' terminal event with
 """
 
 import asyncio
+import base64
 import json
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -127,6 +129,8 @@ class FakeRegion:
             return self._responses_success(seen)
         if seen.path.startswith("/v1/messages"):
             return self._messages_success(seen)
+        if seen.path == "/v1/embeddings":
+            return JSONResponse(self.embeddings(seen), headers={"Server-Timing": SERVER_TIMING})
         chat = seen.path == "/v1/chat/completions"
         if (seen.body or {}).get("stream"):
             return StreamingResponse(_iterate(self.stream_events(seen)), media_type="text/event-stream")
@@ -207,6 +211,19 @@ class FakeRegion:
             del self.stored[response_id]
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         return JSONResponse(self.stored[response_id])
+    def embeddings(self, seen: Seen) -> dict[str, Any]:
+        """The router's embeddings body: one vector per input, [0.5, -0.25, 1.0 + index], float
+        or base64 little-endian float32 as asked."""
+        body = seen.body or {}
+        inputs = body["input"] if isinstance(body.get("input"), list) else [body.get("input")]
+        data = []
+        for index, _ in enumerate(inputs):
+            vector = [0.5, -0.25, 1.0 + index]
+            if body.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack("<3f", *vector)).decode()
+            data.append({"object": "embedding", "index": index, "embedding": vector})
+        return {"object": "list", "data": data, "model": body.get("model"),
+                "usage": {"prompt_tokens": 4, "total_tokens": 4}, "pg_metadata": self.metadata(seen)}
 
     def metadata(self, seen: Seen) -> dict[str, Any]:
         return {"inference_ttft_ms": 12.5, "inference_total_ms": 20.0, "queue_ms": 0.25, "network_ms": 1.5,
@@ -248,6 +265,7 @@ class FakeRegion:
             Route("/v1/responses/{response_id}", self._stored, methods=["GET", "DELETE"]),
             Route("/v1/messages", self._inference, methods=["POST"]),
             Route("/v1/messages/count_tokens", self._inference, methods=["POST"]),
+            Route("/v1/embeddings", self._inference, methods=["POST"]),
             Route("/v1/models", self._models, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={404: _not_found})

@@ -8,17 +8,23 @@ It answers chat like vLLM's serving layer does (the same SSE chunks, the usage c
 vLLM's own events made from that generation (``fake_vllm.py``), through the real
 watchers (``outputs.ResponsesStream``, ``outputs.MessagesStream``). Non-stream, the other surfaces
 get small bodies of their own shape (a Responses response, an Anthropic message, a tokenization),
-with the same counted generation behind the ones that generate.
+with the same counted generation behind the ones that generate. Embeddings come as vLLM's pooling
+layer answers them (a deterministic vector per input, float or base64 little-endian float32,
+``dimensions`` honoured, usage counting each input's tokens), shaped and summarised by the real
+embeddings output (``outputs.EMBEDDINGS``), with engine timing from the real ``pooling_timing``.
 """
 
 import asyncio
+import base64
+import hashlib
 import json
+import struct
 from types import SimpleNamespace
 from typing import Any
 
 import fake_vllm
 from serve_app.engine import outputs as engine_outputs
-from serve_app.engine import token_count, trailer
+from serve_app.engine import pooling_timing, token_count, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
@@ -28,6 +34,9 @@ PROMPT_TOKENS = 5
 DELTA = SimpleNamespace(output_kind=SimpleNamespace(name="DELTA"))
 TIMING = {"queue_time_ms": 1.0, "time_to_first_token_ms": 2.0, "generation_time_ms": 3.0}
 TOKENIZED = {"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3], "token_strs": None}
+EMBEDDING_DIMENSIONS = 8
+# An embedding's engine stats (vLLM's RequestStateStats timestamps, s): 1 ms queued, 4 ms computed.
+POOLING_STATS = SimpleNamespace(queued_ts=10.0, scheduled_ts=10.001, last_token_ts=10.005)
 
 
 class EngineFailed(Exception):
@@ -48,9 +57,11 @@ class FakeEngine:
         self.started = self.stopped = False
         self.dead = False
         self.generated = 0  # tokens produced, whoever was listening
-        self.closed_early = 0  # generations stopped before their end (aborted requests)
+        self.closed_early = 0  # generations (or embedding inputs) stopped before their end (aborted)
+        self.embedded = 0  # embedding inputs the engine finished
         self.calls: list[tuple[str, Call]] = []
         self.generate = token_count.counting(self._generate)
+        self.encode = token_count.counting_encode(self._encode)
 
     @property
     def bodies(self) -> list[tuple[str, dict[str, Any]]]:
@@ -84,6 +95,8 @@ class FakeEngine:
             raise EngineFailed("before the answer")
         if self.refuse is not None:
             return Answer(self.refuse, error_body(self.refuse, "refused", param="messages"))
+        if surface == "embeddings":
+            return await self._embeddings(body)
         if surface in ("tokenize", "detokenize", "count_tokens"):
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
             return Answer(200, dict(answer), Trailer())
@@ -133,6 +146,30 @@ class FakeEngine:
         events = fake_vllm.responses_events(request, outputs, **counts)
         return Stream(Prefetched(events), engine_outputs.ResponsesOutput().watcher(shape_body))
 
+    async def _embeddings(self, body: dict[str, Any]) -> Answer:
+        """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;
+        the inputs one after another through the counted ``encode`` (``latency_s`` each)."""
+        value = body["input"]
+        inputs = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
+        size = body.get("dimensions") or EMBEDDING_DIMENSIONS
+        data = []
+        for index, entry in enumerate(inputs):
+            tokens = entry if isinstance(entry, list) else [1] * len(entry.split())
+            async for _ in self.encode(prompt=tokens, request_id=f"embd-{index}"):
+                pass
+            vector = embedding_of(entry, size)
+            if body.get("encoding_format") == "base64":
+                vector = base64.b64encode(struct.pack(f"<{size}f", *vector)).decode()
+            data.append({"index": index, "object": "embedding", "embedding": vector})
+        tokens = sum(len(entry) if isinstance(entry, list) else len(entry.split()) for entry in inputs)
+        response = {"id": "embd-f", "object": "list", "created": 1, "model": body.get("model"), "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                              "prompt_tokens_details": None}}
+        summary = engine_outputs.EMBEDDINGS.summarize(response)
+        engine_outputs.EMBEDDINGS.shape(response, body)
+        timing = pooling_timing.timing([POOLING_STATS] * len(inputs))
+        return Answer(200, response, Trailer(timing=timing, usage=summary.usage))
+
     def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
         """A chat or completions body as vLLM dumps it (every field, nulls and extras included)."""
         if surface == "completions":
@@ -148,6 +185,17 @@ class FakeEngine:
                 "created": 1, "model": call.body.get("model"), "choices": [choice], "service_tier": None,
                 "system_fingerprint": None, "usage": {**usage, "prompt_tokens_details": None},
                 "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None, "metrics": dict(TIMING)}
+
+    async def _encode(self, *, prompt, request_id):
+        """One input's forward pass, as vLLM's ``encode`` yields it: one finished output."""
+        try:
+            if self.latency_s:
+                await asyncio.sleep(self.latency_s)
+            self.embedded += 1
+            yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=self.cached_tokens, finished=True)
+        except BaseException:
+            self.closed_early += 1
+            raise
 
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int, first: int = 1):
         """Tokens ``first``, ``first + 1``… (``t<id>`` their text), ``max_tokens`` of them."""
@@ -199,3 +247,11 @@ class FakeEngine:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"
+
+
+def embedding_of(entry: str | list[int], size: int) -> list[float]:
+    """A unit vector of ``size`` that depends only on ``entry``: the same text, the same vector."""
+    digest = hashlib.sha256(json.dumps(entry).encode()).digest() * (size // 32 + 1)
+    raw = [byte - 127.5 for byte in digest[:size]]
+    norm = sum(v * v for v in raw) ** 0.5
+    return [struct.unpack("<f", struct.pack("<f", v / norm))[0] for v in raw]  # float32, as vLLM's

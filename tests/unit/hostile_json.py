@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from serve_app.router.request_schema import BODIES
 
 MODEL = "qwen-3.6-35b-a3b"
+EMBEDDING_MODEL = "qwen-3-embedding-0.6b"
 _USER = {"role": "user", "content": "hi"}
 
 # Valid bodies, several fields each, so that mutations have fields to hit. Each passes validate_body.
@@ -72,6 +73,12 @@ VALID_BODIES: dict[str, list[dict[str, Any]]] = {
         },
     ],
     "count_tokens": [{"model": MODEL, "messages": [_USER], "system": "be brief"}],
+    "embeddings": [
+        {"model": EMBEDDING_MODEL, "input": "hi", "encoding_format": "float"},
+        {"model": EMBEDDING_MODEL, "input": [[1, 2], [3]], "encoding_format": "base64", "dimensions": 32,
+         "user": "u1", "priority": 3, "truncate_prompt_tokens": 8},
+        {"model": EMBEDDING_MODEL, "input": ["a", "b"]},
+    ],
     "tokenize": [
         {"model": MODEL, "prompt": "hi", "add_special_tokens": True},
         {"model": MODEL, "messages": [_USER], "add_generation_prompt": True, "return_token_strs": True},

@@ -16,8 +16,9 @@ from serve_app.router.pricing import price
 from serve_app.router.request_schema import MAX_JSON_DEPTH, parse_json_object, validate_body
 from serve_app.router.strict import INT64
 from router_app import build_router_app, close_router_app
-from tests.unit.auth_support import DEV_KEY
+from tests.unit.auth_support import DEV_KEY, MODEL, OTHER_MODEL
 from tests.unit.hostile_json import (
+    EMBEDDING_MODEL,
     JSON_VALUES,
     SURFACES,
     VALID_BODIES,
@@ -185,7 +186,8 @@ def test_another_surfaces_limit_field_of_a_wrong_type_is_a_4xx(surface, field):
 def dev_router(tmp_path_factory):
     """The real router and pipeline on a fake engine, its dev key valid (``router_app.py``)."""
     patch = pytest.MonkeyPatch()
-    app = build_router_app(tmp_path_factory.mktemp("pipeline-fuzz"), patch)
+    models = (MODEL, OTHER_MODEL, EMBEDDING_MODEL)  # every surface finds a model of its task
+    app = build_router_app(tmp_path_factory.mktemp("pipeline-fuzz"), patch, models=models)
     yield app
     close_router_app(app)
     patch.undo()

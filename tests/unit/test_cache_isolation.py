@@ -11,6 +11,7 @@ from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
 
 from serve_app.errors import APIError
 from serve_app.router.isolation import cache_salt
@@ -25,16 +26,20 @@ BODY = {
     "responses": {"model": MODEL, "input": "hi"},
     "messages": {"model": MODEL, "max_tokens": 8, "messages": USER},
     "count_tokens": {"model": MODEL, "messages": USER},
+    "embeddings": {"model": "qwen-3-embedding-0.6b", "input": "hi"},
     "tokenize": {"model": MODEL, "prompt": "hi"},
     "detokenize": {"model": MODEL, "tokens": [1]},
 }
 # The replica methods that run the model, and vLLM's request model for each: where the router
 # sets ``body["cache_salt"]`` (Messages: vLLM copies it onto the chat request it converts to).
+# Embeddings too: a pooling model with last-token pooling caches prefixes (vLLM's
+# ModelConfig.is_prefix_caching_supported), so an embedding's timing is the same oracle.
 GENERATING = {
     "chat": ChatCompletionRequest,
     "completions": CompletionRequest,
     "responses": ResponsesRequest,
     "messages": AnthropicMessagesRequest,
+    "embeddings": EmbeddingCompletionRequest,
 }
 
 
@@ -113,14 +118,14 @@ def vllm_front():
     return config, online, InputProcessor(config, renderer)
 
 
+PROMPT = "The quarterly numbers of the private acquisition are as follows, in confidence: " * 4
+
+
 def _block_hashes(vllm_front, method: str, salt: str | None) -> list:
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
 
     config, online, processor = vllm_front
-    prompt = "The quarterly numbers of the private acquisition are as follows, in confidence: " * 4
+    prompt = PROMPT
     body = {"model": MODEL, **({"cache_salt": salt} if salt else {})}
     if method == "chat":
         _, (engine_input,) = asyncio.run(
@@ -131,6 +136,15 @@ def _block_hashes(vllm_front, method: str, salt: str | None) -> list:
     else:
         engine_input = asyncio.run(online.render_responses(ResponsesRequest(**body, input=prompt))).engine_input
     core = processor.process_inputs("req", engine_input, SamplingParams(max_tokens=1), ("generate",))
+    return _block_hashes_of(config, core, salt)
+
+
+def _block_hashes_of(config, core, salt: str | None) -> list:
+    """The prefix cache's block hashes of engine request ``core``, which carries ``salt``."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
     assert core.cache_salt == salt
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
@@ -168,3 +182,53 @@ def test_the_published_schema_says_no_client_value_is_valid():
         published = schemas[name]["properties"]["cache_salt"]
         assert published["not"] == {} and "default" not in published
         assert "cache_salt" not in schemas[name].get("required", [])
+
+
+# --- and the same through vLLM's pooling path, for embeddings -------------------------------------
+@pytest.fixture(scope="module")
+def pooling_front(tmp_path_factory):
+    """vLLM's embedding input processor for the tiny embedding checkpoint, as its pooling serving
+    object builds it (no engine core): the embedding request → the engine request the cache hashes."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.pooling.embed.io_processor import EmbedIOProcessor
+    from vllm.renderers.chat_utils import ChatTemplateConfig
+    from vllm.renderers.registry import renderer_from_config
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from serve_app import catalog
+    from serve_app.devtools.tiny_embedding_model import ensure_tiny_embedding_model
+
+    path = ensure_tiny_embedding_model(tmp_path_factory.mktemp("tiny-embed") / "model")
+    engine = catalog.get("qwen-3-embedding-0.6b").engine
+    config = EngineArgs(
+        model=str(path), runner=engine.runner, hf_overrides=engine.hf_overrides, max_model_len=1024
+    ).create_engine_config()
+    assert config.cache_config.enable_prefix_caching  # last-token pooling: vLLM caches prefixes
+    renderer = renderer_from_config(config)
+    io = EmbedIOProcessor(vllm_config=config, renderer=renderer,
+                          chat_template_config=ChatTemplateConfig(chat_template=None, chat_template_content_format="auto"))
+    return config, io, InputProcessor(config, renderer)
+
+
+def _embedding_block_hashes(pooling_front, salt: str | None) -> list:
+    from vllm.entrypoints.pooling.typing import PoolingServeContext
+
+    config, io, processor = pooling_front
+    request = EmbeddingCompletionRequest(model="m", input=PROMPT, **({"cache_salt": salt} if salt else {}))
+    params = io.create_pooling_params(request)
+    params.verify(config.model_config)
+    # vLLM's ServingEmbedding._init_ctx: the request's cache_salt becomes a prompt extra.
+    extras = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
+    ctx = PoolingServeContext(request=request, model_name="m", request_id="r", pooling_params=params,
+                              lora_request=None, priorities=0, prompt_extras=extras)
+    (render_params,) = io.get_request_factory_online(ctx)
+    engine_input = io.render(render_params)
+    core = processor.process_inputs("req", engine_input["prompts"], engine_input["params"], ("embed",))
+    return _block_hashes_of(config, core, salt)
+
+
+def test_one_owners_embedding_input_never_hits_another_owners_cache(pooling_front):
+    mine = _embedding_block_hashes(pooling_front, cache_salt("owner-a"))
+    assert _embedding_block_hashes(pooling_front, cache_salt("owner-a")) == mine
+    assert not set(mine) & set(_embedding_block_hashes(pooling_front, cache_salt("owner-b")))
+    assert not set(mine) & set(_embedding_block_hashes(pooling_front, None))

@@ -74,7 +74,8 @@ def test_every_problem_is_one_line_naming_its_path_without_pydantics_prefix():
     first, *problems = str(err.value).splitlines()
     assert first == "invalid application args:"
     assert sorted(problems) == [
-        "  models.0.id: 'gpt-4o' is not a canonical catalog id (known: qwen-3.6-35b-a3b, qwen-3.5-27b)",
+        "  models.0.id: 'gpt-4o' is not a canonical catalog id (known: qwen-3.6-35b-a3b, qwen-3.5-27b, "
+        "qwen-3-embedding-0.6b)",
         "  modles: Extra inputs are not permitted",
     ]
 
@@ -129,17 +130,42 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
     }
 
 
-def test_local_config_serves_the_tiny_model_on_cpu_under_the_canonical_id():
+def test_local_config_serves_the_tiny_models_on_cpu_under_the_canonical_ids():
     config = load_serve_config("local.yaml")
     assert config["http_options"]["host"] == "127.0.0.1"
     assert config["http_options"]["port"] == 8000
     args = parse_app_args(app_args(config))
-    (model,) = args.models
-    assert model.id == "qwen-3.6-35b-a3b"
-    assert model.engine.source == "tiny-local"
-    options = model_deployment_options(model)
-    assert "num_gpus" not in options["ray_actor_options"]
-    assert options["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
-    # Router + model replica must both fit on a 2-CPU machine.
-    assert args.router.num_cpus + model.resources.num_cpus <= 2
-    json.dumps(options)  # plain data: Serve ships it to the controller
+    assert [model.id for model in args.models] == ["qwen-3.6-35b-a3b", "qwen-3-embedding-0.6b"]
+    for model in args.models:
+        assert model.engine.source == "tiny-local"
+        options = model_deployment_options(model)
+        assert "num_gpus" not in options["ray_actor_options"]
+        assert options["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
+        json.dumps(options)  # plain data: Serve ships it to the controller
+    # The router and both model replicas must fit on a 2-CPU machine.
+    assert args.router.num_cpus + sum(model.resources.num_cpus for model in args.models) <= 2
+
+
+def test_the_embedding_model_runs_on_vllms_pooling_runner_without_the_chat_flags():
+    flags = ModelDeploymentArgs(id="qwen-3-embedding-0.6b").engine_cli_args("/weights")
+    assert flags[flags.index("--runner") + 1] == "pooling"
+    assert json.loads(flags[flags.index("--hf-overrides") + 1]) == {"is_matryoshka": True}
+    assert not {"--default-chat-template-kwargs", "--enable-auto-tool-choice", "--no-enable-auto-tool-choice"} & set(flags)
+    assert "--enable-per-request-metrics" in flags
+    # The chat model's flags are as they were: the template switch and tool choice.
+    chat = ModelDeploymentArgs(id="qwen-3.6-35b-a3b").engine_cli_args("/weights")
+    assert chat[chat.index("--default-chat-template-kwargs") + 1] == '{"enable_thinking": false}'
+    assert "--enable-auto-tool-choice" in chat and "--runner" not in chat
+
+
+def test_an_embedding_model_has_no_completion_limit_to_set():
+    assert ModelDeploymentArgs(id="qwen-3-embedding-0.6b").completion_default is None
+    with pytest.raises(ValueError, match="generates nothing"):
+        ModelDeploymentArgs(id="qwen-3-embedding-0.6b", default_max_tokens=16)
+
+
+def test_a_replica_may_ask_for_a_fraction_of_a_gpu():
+    model = ModelDeploymentArgs(id="qwen-3-embedding-0.6b", resources={"num_gpus": 0.1, "accelerator_type": "B200"})
+    assert model_deployment_options(model)["ray_actor_options"]["num_gpus"] == 0.1
+    with pytest.raises(ValueError):
+        ModelDeploymentArgs(id="qwen-3-embedding-0.6b", resources={"num_gpus": 1.5})

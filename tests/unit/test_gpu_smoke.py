@@ -42,6 +42,11 @@ def test_derived_flags_carry_the_catalogs_gpu_settings_and_the_regions_knobs(reg
     for wanted in REGIONS[region_id].models:
         entry = catalog.get(wanted.id)
         flags = parsed(gpu_smoke.engine_flags(args, wanted.id))
+        assert flags.gpu_memory_utilization == wanted.gpu_memory_utilization
+        if entry.task == "embed":  # beside the LLM on its GPU: the pooling runner, its own budget
+            assert (flags.model, flags.runner, flags.max_num_seqs) == (entry.hf_repo, "pooling", wanted.max_num_seqs)
+            assert flags.max_num_batched_tokens == wanted.max_num_batched_tokens
+            continue
         assert flags.model == entry.hf_repo and flags.model.endswith("-FP8")
         assert flags.quantization is None  # the checkpoint's own FP8 quantization_config
         assert (flags.max_model_len, flags.enforce_eager) == (8192, True)
@@ -57,7 +62,7 @@ def test_the_production_models_offer_mtp_and_vllm_knows_the_method():
 
     from vllm.config.speculative import MTPModelTypes
 
-    assert {m.speculative_method for m in catalog.CATALOG.values()} == {"mtp"}
+    assert {m.speculative_method for m in catalog.CATALOG.values() if m.task == "generate"} == {"mtp"}
     assert "mtp" in get_args(MTPModelTypes)
     assert catalog.speculative_config(catalog.get(MODEL), 2) == {"method": "mtp", "num_speculative_tokens": 2}
 

@@ -29,15 +29,13 @@ def _request(body: dict, key: str, path: str) -> Request:
     return Request({"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}, receive)
 
 
-def test_a_non_stream_request_whose_client_leaves_stops_the_engine_and_is_billed_what_it_generated(router_app):
-    engine = FakeEngine(tokens=1000, latency_s=0.01)
-    app = router_app(engine=engine)
-    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
-    body = {"model": MODEL, "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]}
+def leave_once(app, surface, body: dict, key: str, engine_is_at_work) -> None:
+    """Send ``body`` to ``surface`` and leave, as a client that disconnects, once
+    ``engine_is_at_work()`` says so."""
 
-    async def leave_while_generating():
-        served = asyncio.ensure_future(pipeline.run(app.services, _request(body, key, "/v1/chat/completions"), surfaces.CHAT))
-        while engine.generated < 5:
+    async def leave():
+        served = asyncio.ensure_future(pipeline.run(app.services, _request(body, key, surface.route), surface))
+        while not engine_is_at_work():
             await asyncio.sleep(0.01)
         served.cancel()  # what Serve does to the request's task when its client disconnects
         try:
@@ -45,7 +43,15 @@ def test_a_non_stream_request_whose_client_leaves_stops_the_engine_and_is_billed
         except asyncio.CancelledError:
             pass
 
-    app.run(leave_while_generating)
+    app.run(leave)
+
+
+def test_a_non_stream_request_whose_client_leaves_stops_the_engine_and_is_billed_what_it_generated(router_app):
+    engine = FakeEngine(tokens=1000, latency_s=0.01)
+    app = router_app(engine=engine)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]}
+    leave_once(app, surfaces.CHAT, body, key, lambda: engine.generated >= 5)
     (row,) = app.recorded()
     assert row["status"] == 499
     assert 5 <= row["completion_tokens"] < 1000 and row["completion_tokens"] == engine.generated

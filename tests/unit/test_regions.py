@@ -147,7 +147,7 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
     assert args.router.num_replicas == region.router.replicas
     assert [m.id for m in args.models] == [m.id for m in region.models]
     for model, wanted in zip(args.models, region.models, strict=True):
-        assert model.resources.num_gpus == 1
+        assert model.resources.num_gpus == wanted.gpus  # a GPU, or its share of one
         assert model.resources.accelerator_type == region.gpu.accelerator_type
         assert (model.autoscaling.min_replicas, model.autoscaling.max_replicas) == (
             wanted.replicas.min,
@@ -172,7 +172,7 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
 def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["state"] = "cold"
-    (model,) = serve_config.app_args(regions.parse_region(data))["models"]
+    model, *_ = serve_config.app_args(regions.parse_region(data))["models"]
     assert model["initial_state"] == "cold"
     options = model_deployment_options(parse_app_args({"models": [model], "region": "local"}).models[0])
     assert options["autoscaling_config"]["initial_replicas"] == 0
@@ -184,10 +184,10 @@ def test_yul_02_keeps_its_pilot_settings():
     assert config["proxy_location"] == "EveryNode"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
     assert args["router"] == {"num_replicas": 2, "num_cpus": 1}
-    (model,) = args["models"]
+    model, embedding = args["models"]
     assert model == {
         "id": "qwen-3.6-35b-a3b",
-        "engine": {"max_num_seqs": 64, "gpu_memory_utilization": 0.9},
+        "engine": {"max_num_seqs": 64, "gpu_memory_utilization": 0.86},
         "autoscaling": {
             "min_replicas": 1,
             "initial_replicas": 1,
@@ -196,10 +196,16 @@ def test_yul_02_keeps_its_pilot_settings():
             "upscale_delay_s": 15,
             "downscale_delay_s": 600,
         },
-        "resources": {"num_cpus": 8, "num_gpus": 1, "accelerator_type": "RTX-PRO-6000"},
+        "resources": {"num_cpus": 8, "num_gpus": 0.9, "accelerator_type": "RTX-PRO-6000"},
         "max_ongoing_requests": 96,
         "max_queued_requests": 128,
     }
+    # The embedding model beside it on each GPU (docs/regions.md, "One GPU, two engines").
+    assert embedding["id"] == "qwen-3-embedding-0.6b"
+    assert embedding["engine"] == {
+        "max_num_seqs": 64, "gpu_memory_utilization": 0.08, "extra_args": {"max-num-batched-tokens": 16384},
+    }
+    assert embedding["resources"] == {"num_cpus": 2, "num_gpus": 0.1, "accelerator_type": "RTX-PRO-6000"}
     assert args["auth"]["issuer"] == "https://auth.edge.polargrid.ai"
     assert args["auth"]["audience"] == "https://api.edge.polargrid.ai"
 

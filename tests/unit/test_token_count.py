@@ -97,3 +97,37 @@ def test_each_request_has_its_own_count():
     first, second = asyncio.run(both())
     assert first is not second
     assert first.completion_tokens == second.completion_tokens == 2
+
+
+def test_embeddings_count_each_finished_inputs_prompt_and_close_vllms_stream_early():
+    """vLLM's pooling call (``encode``, arguments by keyword, as its serving layer passes them):
+    an input is counted once its output is finished; a request left early closes the stream."""
+    closed = []
+
+    def encode(*, prompt, request_id, **_):
+        async def outputs():
+            try:
+                if request_id == "left":  # a chunked prefill's progress, then the end
+                    yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=0, finished=False)
+                yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=1, finished=True)
+            finally:
+                closed.append(request_id)
+
+        return outputs()
+
+    engine = SimpleNamespace(generate=lambda *a, **k: None, encode=encode)
+    token_count.install(engine)
+
+    async def request():
+        count = token_count.start()
+        for index in range(3):
+            async for _ in engine.encode(prompt=[1] * (index + 2), request_id=f"r-{index}"):
+                pass
+        stream = engine.encode(prompt=[9] * 100, request_id="left")
+        await anext(stream)
+        await stream.aclose()  # the client left before this input's forward pass was done
+        return count
+
+    count = asyncio.run(request())
+    assert count.snapshot() == Generated(prompt_tokens=2 + 3 + 4, completion_tokens=0, cached_tokens=3)
+    assert closed == ["r-0", "r-1", "r-2", "left"]

