@@ -4,7 +4,8 @@ import pytest
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app.app import model_deployment_options
+from serve_app.app import model_actor_options
+from serve_app.regions.layout import model_serve_options
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from tests.conftest import app_args, load_serve_config
 
@@ -112,7 +113,7 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
         max_queued_requests=80,
         resources={"num_cpus": 4, "num_gpus": 1, "accelerator_type": "B200", "env": {"A": "1"}},
     )
-    options = model_deployment_options(model)
+    options = model_serve_options(model)
     assert options["name"] == "model-qwen-3.6-35b-a3b"
     assert options["autoscaling_config"]["target_ongoing_requests"] == 12
     assert options["autoscaling_config"]["max_replicas"] == 3
@@ -121,7 +122,7 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
     # A dead engine fails its health check at once; Serve replaces it after 3 in a row.
     assert options["health_check_period_s"] == 2
     assert options["health_check_timeout_s"] == 30
-    assert options["ray_actor_options"] == {
+    assert model_actor_options(model) == {
         "num_cpus": 4,
         "num_gpus": 1,
         "accelerator_type": "B200",
@@ -137,9 +138,10 @@ def test_local_config_serves_the_tiny_model_on_cpu_under_the_canonical_id():
     (model,) = args.models
     assert model.id == "qwen-3.6-35b-a3b"
     assert model.engine.source == "tiny-local"
-    options = model_deployment_options(model)
-    assert "num_gpus" not in options["ray_actor_options"]
-    assert options["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
-    # Router + model replica must both fit on a 2-CPU machine.
-    assert args.router.num_cpus + model.resources.num_cpus <= 2
-    json.dumps(options)  # plain data: Serve ships it to the controller
+    actor = model_actor_options(model)
+    assert "num_gpus" not in actor
+    assert actor["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
+    # Router and model replica fit on a 2-CPU machine, and so does the model's replacement
+    # while an upgrade starts it beside the old one (serve_app/regions/layout.py, SURGE_PERCENT).
+    assert args.router.num_cpus + 2 * model.resources.num_cpus <= 2
+    json.dumps([actor, model_serve_options(model)])  # plain data: Serve ships it to the controller
