@@ -400,3 +400,43 @@ def test_health_answers_from_the_last_view_while_serve_is_slow_to_say():
         states.stop()
 
     asyncio.run(scenario())
+
+
+def test_each_model_is_followed_in_its_own_application():
+    """Serve's status lists each model's deployment under its own application; a deployment of
+    the same name in another application (another region on the host) is someone else's."""
+    fake = FakeServe()
+    states = _states(fake)
+    status = fake.status()
+    status.applications["peer-" + MODEL] = SimpleNamespace(deployments={
+        "model-" + MODEL: SimpleNamespace(replica_states={}, status="HEALTHY", message="")
+    })
+    del status.applications[model_app_name("llm", SIBLING)]  # not deployed yet
+    states._serve_status = lambda: status
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).state == "loaded"  # ours runs; the peer's cold one is not ours
+    assert states.get(SIBLING).state == "cold"  # its initial state until Serve reports it
+    assert states.locations[SIBLING] == ("llm-" + SIBLING, "model-" + SIBLING)
+
+
+def test_models_joining_and_leaving_the_settings_are_followed_in_place():
+    fake = FakeServe()
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read=fake.read, write=fake.write)
+
+    async def scenario():
+        await states.refresh()
+        states.set_models([ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)])
+        assert states.get(SIBLING).state == "loading"  # wanted loaded, no replica seen yet
+        assert states._status_may_have_changed(states._read_all())  # a model joined: ask Serve
+        fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
+        await states.refresh()
+        assert states.get(SIBLING).state == "loaded"
+        await states.set_wanted(SIBLING, "cold", by="key-admin")
+        assert (model_app_name("llm", SIBLING), "model-" + SIBLING) in fake.kv
+        states.set_models([ModelDeploymentArgs(id=SIBLING)])  # MODEL left the settings
+        fake.replicas["model-" + MODEL] = {}
+        await states.refresh()
+        assert states.get(MODEL).state == "loaded"  # its last state, for requests on their way
+        assert set(states.locations) == {SIBLING}
+
+    asyncio.run(scenario())
