@@ -170,7 +170,7 @@ def _build_tokenizer():
     )
 
 
-def _build_model(vocab_size: int, tokenizer):
+def _build_model(vocab_size: int, tokenizer, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
@@ -209,7 +209,7 @@ def _build_model(vocab_size: int, tokenizer):
         architectures=["Qwen3NextForCausalLM"],
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     _add_output_prior(model, tokenizer)
     return model
@@ -328,10 +328,10 @@ def _generation_config(tokenizer) -> dict:
     return {"eos_token_id": ids, "pad_token_id": ids[1]}
 
 
-def _write_model(out_dir: Path) -> None:
+def _write_model(out_dir: Path, seed: int = 0) -> None:
     tokenizer = _build_tokenizer()
     vocab_size = -(-len(tokenizer) // 64) * 64  # round up to a multiple of 64
-    model = _build_model(vocab_size, tokenizer)
+    model = _build_model(vocab_size, tokenizer, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     # Overwrite whatever transformers derived: we want exactly these stop ids and nothing else.
@@ -340,36 +340,49 @@ def _write_model(out_dir: Path) -> None:
     )
 
 
-def is_complete(out_dir: Path) -> bool:
-    """Whether `out_dir` holds a finished checkpoint from this generator version."""
+def _stamp(seed: int) -> str:
+    # Seed 0 keeps the stamp it always had, so existing checkpoints are not rebuilt.
+    return GENERATOR_VERSION if seed == 0 else f"{GENERATOR_VERSION}+seed{seed}"
+
+
+def is_complete(out_dir: Path, seed: int = 0) -> bool:
+    """Whether `out_dir` holds a finished checkpoint from this generator version (and seed)."""
     stamp = out_dir / STAMP_FILE
-    return stamp.is_file() and stamp.read_text().strip() == GENERATOR_VERSION
+    return stamp.is_file() and stamp.read_text().strip() == _stamp(seed)
 
 
-def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False) -> Path:
-    """Generate the tiny model into `out_dir` (default: `tiny_model_dir()`) unless present."""
-    out_dir = Path(out_dir) if out_dir is not None else tiny_model_dir()
-    if not force and is_complete(out_dir):
+def variant_dir(seed: int) -> Path:
+    """Where the checkpoint of another seed lives: the same model with other weights, what the
+    fault suite deploys as a weights upgrade (serve_app/faults/redeploy.py)."""
+    return tiny_model_dir() if seed == 0 else tiny_model_dir().with_name(f"{tiny_model_dir().name}-seed{seed}")
+
+
+def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False, seed: int = 0) -> Path:
+    """Generate the tiny model into `out_dir` (default: `variant_dir(seed)`) unless present.
+    ``seed``: the random weights' (the tokenizer and the output prior are the same for every
+    seed, so every seed serves the same features)."""
+    out_dir = Path(out_dir) if out_dir is not None else variant_dir(seed)
+    if not force and is_complete(out_dir, seed):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (test workers, replicas) may race here: one builds, the rest wait.
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if force or not is_complete(out_dir):
-            _build_into(out_dir)
+        if force or not is_complete(out_dir, seed):
+            _build_into(out_dir, seed)
     return out_dir
 
 
-def _build_into(out_dir: Path) -> None:
+def _build_into(out_dir: Path, seed: int = 0) -> None:
     # Build beside the target (same filesystem) so the final rename is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_model(tmp)
+        _write_model(tmp, seed)
         # mkdtemp makes the directory private; a served model must be readable by workers.
         tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        (tmp / STAMP_FILE).write_text(GENERATOR_VERSION + "\n")  # last: marks completeness
+        (tmp / STAMP_FILE).write_text(_stamp(seed) + "\n")  # last: marks completeness
         if out_dir.exists():
             # An old or partial model: move it aside first, then drop it after the swap.
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
@@ -385,9 +398,10 @@ def _build_into(out_dir: Path) -> None:
 def main(
     out: Path | None = typer.Option(None, "--out", help="Output directory."),
     force: bool = typer.Option(False, "--force", help="Regenerate even if up to date."),
+    seed: int = typer.Option(0, "--seed", help="Another seed: the same model with other weights."),
 ) -> None:
     """Generate the tiny Qwen3-Next model and print its path."""
-    print(ensure_tiny_model(out, force=force))
+    print(ensure_tiny_model(out, force=force, seed=seed))
 
 
 if __name__ == "__main__":

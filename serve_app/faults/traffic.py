@@ -30,6 +30,8 @@ class Outcome:
     error_code: str | None = None  # from the error body or the stream's error event
     retry_after: str | None = None
     chunks: int = 0  # content chunks received
+    first_chunk_s: float | None = None  # request start → first content chunk (TTFT, client's clock)
+    started_at: float = 0.0  # time.monotonic() when it was sent
 
     @property
     def label(self) -> str:
@@ -54,7 +56,7 @@ async def stream_chat(
     """One streaming chat. ``first_chunk`` is set when content arrives; with
     ``leave_after_chunks`` the client disconnects after that many chunks (``ended='left'``)."""
     started = time.perf_counter()
-    outcome = Outcome(status=None, ended="refused")
+    outcome = Outcome(status=None, ended="refused", started_at=time.monotonic())
     try:
         async with client.stream("POST", url + ROUTE_CHAT, json=body, timeout=idle_timeout_s) as response:
             outcome.status, outcome.status_s = response.status_code, time.perf_counter() - started
@@ -74,6 +76,8 @@ async def stream_chat(
                     outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
                 elif payload.get("choices"):
                     outcome.chunks += 1
+                    if outcome.first_chunk_s is None:
+                        outcome.first_chunk_s = time.perf_counter() - started
                     if first_chunk is not None:
                         first_chunk.set()
                     if leave_after_chunks is not None and outcome.chunks >= leave_after_chunks:
