@@ -88,8 +88,8 @@ def tidy(value: Any) -> Any:
 
 # --- the router's settings: read at start, or applied in place ----------------------------------
 def split_startup(written: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``written`` (a region's settings as written) as (the router's args, its user_config);
-    ``router`` goes to neither but for ``num_cpus``: the rest are deployment options."""
+    """``written`` (a region's settings as written) as (the router's args, its user_config).
+    Of ``router``, ``ROUTER_OPTIONS`` go to neither: they are the Router deployment's options."""
     startup: dict[str, Any] = {}
     settings: dict[str, Any] = {}
     for key, value in written.items():
@@ -100,7 +100,8 @@ def split_startup(written: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
         else:
             if at_start := {k: v for k, v in value.items() if k in fields}:
                 startup[key] = at_start
-            if key != "router" and (rest := {k: v for k, v in value.items() if k not in fields}):
+            options = ROUTER_OPTIONS if key == "router" else ()
+            if rest := {k: v for k, v in value.items() if k not in fields and k not in options}:
                 settings[key] = rest
     return startup, settings
 

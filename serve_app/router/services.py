@@ -113,7 +113,7 @@ class Services:
         old = self.args
         if split_startup(_written(old))[0] != split_startup(_written(args))[0]:
             raise ValueError("these settings are read when a router replica starts: restart it to change them")
-        changed = [name for name in ("auth", "failover", "responses", "usage", "models") if getattr(old, name) != getattr(args, name)]
+        changed = [name for name in ("router", "auth", "failover", "responses", "usage", "models") if getattr(old, name) != getattr(args, name)]
         auth = self.auth
         if args.auth != old.auth:
             # A new key cache and keyset view (what the registry holds is unchanged); its key

@@ -45,7 +45,8 @@ def test_every_config_is_its_regions_settings_laid_out(name):
     router, *models = config["applications"]
     assert set(router["args"]) <= set(layout.ROUTER_STARTUP)
     (options,) = router["deployments"]
-    assert not set(options["user_config"]) & {"region", "telemetry", "router"}
+    assert not set(options["user_config"]) & {"region", "telemetry"}
+    assert not set(options["user_config"].get("router", {})) & {"num_cpus", *layout.ROUTER_OPTIONS}
     assert options["max_surge_percent"] == 100
     assert [m["name"] for m in models] == [layout.model_app_name("llm", m["id"]) for m in settings["models"]]
     for model in models:
@@ -161,6 +162,16 @@ def test_a_model_application_no_router_lists_and_a_missing_one_are_found():
     config["applications"].append(model_app)
     config["applications"].append(orphan)
     assert layout.problems(config) == ["llm-qwen-3.5-27b: a model application no router's settings list"]
+
+
+def test_a_router_setting_that_is_neither_read_at_start_nor_a_deployment_option_goes_to_user_config():
+    """Router settings added later (a stall timeout, resume bounds) are applied in place unless
+    listed as read at start: nothing of ``router`` may be dropped on the way."""
+    written = {"region": "r", "router": {"num_cpus": 1, "num_replicas": 2, "stall_timeout_s": 30}, "models": []}
+    startup, settings = layout.split_startup(written)
+    assert startup == {"region": "r", "router": {"num_cpus": 1}}
+    assert settings == {"router": {"stall_timeout_s": 30}, "models": []}
+    assert layout.merge_settings(startup, settings)["router"] == {"num_cpus": 1, "stall_timeout_s": 30}
 
 
 def test_a_setting_in_both_halves_is_refused():
