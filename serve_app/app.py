@@ -1,20 +1,24 @@
-"""``build_app(args)``: the application builder a Serve config's ``import_path`` names.
+"""The application builders a Serve config's ``import_path`` names: ``build_router(args)`` for a
+region's router and ``build_model(args)`` for each of its models, one Serve application each
+(serve_app/regions/layout.py says what goes where, and why).
 
-It validates ``args`` (see ``serve_app.config``), binds one ``ModelServer`` deployment per model
-with its autoscaling, queue bounds and Ray resources, and binds the ``Router`` ingress in front of
-them.
+A builder binds only what its ``args`` say, which Serve hashes into the application's code version:
+the router's Ray resources and what it reads at start, a model's engine and Ray resources. Every
+other option (replica counts, queue bounds, autoscaling, health checks, shutdown timeouts, the
+router's ``user_config``) is the config's ``deployments:`` entry, which Serve applies in place.
 """
 
 import os
 from typing import Any
 
+from pydantic import ValidationError
 from ray.serve import Application
 
 from serve_app import catalog, haproxy
-from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, AppArgs, ModelDeploymentArgs, parse_app_args
+from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, ModelDeploymentArgs, RouterArgs
 from serve_app.engine.deployment import ModelServer
-from serve_app.hot_load.autoscaling import POLICY_PATH
 from serve_app.router.ingress import Router
+from serve_app.settings import describe_errors
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -41,38 +45,9 @@ ROUTER_PROCESS_ENV = {
 }
 
 
-def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
-    """Serve's autoscaling for a model: our hot-load policy between 0 and the region's maximum.
-
-    Serve's bounds start at 0 so an unloaded model can run no replica; the policy keeps a loaded
-    one at ``min_replicas`` or more and applies the region's scaling delays itself (Serve's own
-    are zeroed: they would also delay loads and unloads; serve_app/hot_load/autoscaling.py).
-    """
-    scaling = model.autoscaling
-    loaded_initial = scaling.initial_replicas or scaling.min_replicas
-    return {
-        "min_replicas": 0,
-        "initial_replicas": loaded_initial if model.initial_state == "loaded" else 0,
-        "max_replicas": scaling.max_replicas,
-        "target_ongoing_requests": scaling.target_ongoing_requests,
-        "upscale_delay_s": 0,
-        "downscale_delay_s": 0,
-        "downscale_to_zero_delay_s": 0,
-        "policy": {
-            "policy_function": POLICY_PATH,
-            "policy_kwargs": {
-                "min_replicas": scaling.min_replicas,
-                "initial_state": model.initial_state,
-                "upscale_delay_s": scaling.upscale_delay_s,
-                "downscale_delay_s": scaling.downscale_delay_s,
-                "drain_timeout_s": model.graceful_shutdown_timeout_s,
-            },
-        },
-    }
-
-
-def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
-    """Serve options for one model's deployment (kept separate so unit tests can read them)."""
+def model_actor_options(model: ModelDeploymentArgs) -> dict[str, Any]:
+    """What one model replica asks Ray for, and its environment (kept separate so unit tests can
+    read them)."""
     ray_actor_options: dict[str, Any] = {"num_cpus": model.resources.num_cpus}
     if model.resources.num_gpus:
         ray_actor_options["num_gpus"] = model.resources.num_gpus
@@ -80,16 +55,7 @@ def model_deployment_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         ray_actor_options["accelerator_type"] = model.resources.accelerator_type
     # The config's env, then what the engine must run with whatever the config says.
     ray_actor_options["runtime_env"] = {"env_vars": {**model.resources.env, **ENGINE_ENV}}
-    return {
-        "name": model.deployment_name,
-        "autoscaling_config": autoscaling_config(model),
-        "max_ongoing_requests": model.max_ongoing_requests,
-        "max_queued_requests": model.max_queued_requests,
-        "graceful_shutdown_timeout_s": model.graceful_shutdown_timeout_s,
-        "health_check_period_s": model.health_check_period_s,
-        "health_check_timeout_s": model.health_check_timeout_s,
-        "ray_actor_options": ray_actor_options,
-    }
+    return ray_actor_options
 
 
 def resolve_model_path(model: ModelDeploymentArgs) -> str:
@@ -126,19 +92,31 @@ def ray_env_warnings(environ=os.environ) -> list[str]:
     return warnings
 
 
-def build(args: AppArgs) -> Application:
+def build_router(args: dict[str, Any]) -> Application:
+    """The router application: ``args`` are what a router replica reads when it starts
+    (``layout.ROUTER_STARTUP``), checked whole by its first ``reconfigure``."""
     for warning in ray_env_warnings():
         logger.warning(warning)
-    models = {
-        model.id: ModelServer.options(**model_deployment_options(model)).bind(model, resolve_model_path(model))
-        for model in args.models
-    }
+    num_cpus = RouterArgs.model_validate(args.get("router") or {}).num_cpus
     return Router.options(
-        num_replicas=args.router.num_replicas,
-        max_ongoing_requests=args.router.max_ongoing_requests,
-        ray_actor_options={"num_cpus": args.router.num_cpus, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}},
-    ).bind(models, args)
+        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}},
+    ).bind(args)
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    return build(parse_app_args(args))
+def build_model(args: dict[str, Any]) -> Application:
+    """One model's application: ``args["model"]`` is what its engine is built from
+    (``layout.MODEL_ENGINE``)."""
+    model = parse_model_args(args)
+    return ModelServer.options(name=model.deployment_name, ray_actor_options=model_actor_options(model)).bind(
+        model, resolve_model_path(model)
+    )
+
+
+def parse_model_args(args: dict[str, Any]) -> ModelDeploymentArgs:
+    if set(args) != {"model"}:
+        raise ValueError(f"a model application's args are {{model: {{...}}}}, got keys {sorted(args)}")
+    try:
+        return ModelDeploymentArgs.model_validate(args["model"])
+    except ValidationError as err:
+        problems = "\n".join(f"  {line}" for line in describe_errors(err, "args.model"))
+        raise ValueError("invalid model args:\n" + problems) from None

@@ -25,9 +25,9 @@ from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
 from serve_app.bench import cli as bench_cli
-from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
+from serve_app.regions import layout
 from serve_app.regions.cli import app as regions_app
 from serve_app.usage.cli import usage_app
 
@@ -48,14 +48,9 @@ app.command("faults")(faults_cli.command)
 app.command("gpu-smoke")(gpu_smoke.command)
 app.command("image-lock")(image_lock.command)
 
-APP_IMPORT_PATH = "serve_app.app:build_app"
-
-
 class _Context:
     def __init__(self, config: Path, key_store: str | None, signing_keys: Path | None):
-        raw = yaml.safe_load(config.read_text())
-        (application,) = [a for a in raw["applications"] if a.get("import_path") == APP_IMPORT_PATH]
-        args = parse_app_args(application.get("args") or {})
+        args = layout.parse_region(yaml.safe_load(config.read_text()))  # the config's one region
         self.region: str = args.region
         update: dict[str, object] = {}
         self._registry_dsn: str | None = None

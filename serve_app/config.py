@@ -20,6 +20,9 @@ from serve_app.settings import Settings, describe_errors, listed_twice
 from serve_app.telemetry.config import TelemetryArgs
 
 TINY_MODEL_SOURCE = "tiny-local"
+# Serve's bound on one HTTP request, streams included (every config's http_options.request_timeout_s):
+# a replica stopped with this long to finish its requests drops none (docs/operations.md, "Upgrades").
+REQUEST_TIMEOUT_S = 600
 
 
 def replica_bounds_problem(
@@ -178,8 +181,9 @@ class ModelDeploymentArgs(Settings):
     max_ongoing_requests: int = Field(32, ge=1)
     # Requests a router may hold waiting for a replica before it sheds load (503, Retry-After).
     max_queued_requests: int = Field(64, ge=1)  # Serve: -1 (unbounded) or >= 1
-    # Lets in-flight streams finish when a replica is scaled down or redeployed.
-    graceful_shutdown_timeout_s: float = Field(120, ge=0)
+    # How long a replica being stopped (scaled down, unloaded, replaced by an upgrade) may take to
+    # finish its requests before Serve kills it: by default as long as any request may last.
+    graceful_shutdown_timeout_s: float = Field(REQUEST_TIMEOUT_S, ge=0)
     # Serve replaces a replica after 3 failed health checks in a row; the check asks vLLM whether
     # its engine core is alive (an instant answer), so a dead engine is found within 3 periods.
     # Serve's default period, 10 s, kept a dead replica in rotation for ~30 s (docs/reliability.md).
@@ -243,7 +247,12 @@ class ModelDeploymentArgs(Settings):
 
     @property
     def deployment_name(self) -> str:
-        return f"model-{self.id}"
+        return self.deployment_name_of(self.id)
+
+    @staticmethod
+    def deployment_name_of(model_id: str) -> str:
+        """The model's Serve deployment (in its own application, serve_app/regions/layout.py)."""
+        return f"model-{model_id}"
 
     def engine_cli_args(self, model_path: str) -> list[str]:
         """The vLLM flags for this deployment, exactly as ``vllm serve`` takes them.
@@ -308,6 +317,8 @@ class RouterArgs(Settings):
     # (on a 2-CPU machine Ray could never place both).
     num_cpus: float = Field(0.1, ge=0)
     max_ongoing_requests: int = Field(1000, ge=1)
+    # A router replica being replaced relays its streams to their end first (docs/operations.md).
+    graceful_shutdown_timeout_s: float = Field(REQUEST_TIMEOUT_S, ge=0)
 
 
 # One stored response with its conversation, as JSON, at most (a bigger one is answered, not stored).

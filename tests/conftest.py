@@ -15,8 +15,11 @@ def load_serve_config(name: str) -> dict:
 
 
 def app_args(config: dict) -> dict:
-    (application,) = config["applications"]
-    return application["args"]
+    """The settings (``AppArgs``, as written) of a Serve config's one region: its router
+    application's args and user_config (serve_app/regions/layout.py)."""
+    from serve_app.regions.layout import region_args
+
+    return region_args(config)
 
 
 

@@ -22,11 +22,11 @@ import typer
 import yaml
 
 from serve_app.app import LOCAL_RAY_ENV
-from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
 from serve_app.bench import bench_target, free_port, report, wait_healthy
 from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
 from serve_app.paths import REPO_ROOT
+from serve_app.regions import layout
 
 READY_TIMEOUT_S = 900
 
@@ -58,7 +58,8 @@ def main(
     with tempfile.TemporaryDirectory(prefix="bench-failover-") as tmp:
         local_config = yaml.safe_load((REPO_ROOT / "configs" / "local.yaml").read_text())
         config = two_region_config(local_config, port, Path(tmp))
-        auth = AuthArgs.model_validate(config["applications"][0]["args"]["auth"])
+        local = layout.parse_region(config, layout.ROUTER_APP)
+        auth = local.auth
         create_key_material(auth)
         # Allowed in every region (the dev key is local-only, so it could not fail over).
         api_key, _ = KeyStore(auth.key_store()).create_key(owner="bench-failover", tier="enterprise")
@@ -74,7 +75,7 @@ def main(
                 check=True,
             )
             print(f"two regions ready after {wait_healthy(base_url, READY_TIMEOUT_S):.1f} s")
-            model = config["applications"][0]["args"]["models"][0]["id"]
+            model = local.models[0].id
             _check_it_fails_over(base_url + PEER_PREFIX, model, api_key)
             results = {
                 "local": bench_target(base_url, model, runs, max_tokens, warmup, api_key),

@@ -32,10 +32,9 @@ def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS):
     under ``nice -n`` (default: Ray's worker niceness, see above); None runs it at ours.
     """
     from serve_app.app import resolve_model_path
-    from serve_app.config import parse_app_args
+    from serve_app.regions.layout import parse_region
 
-    config = yaml.safe_load(config_path.read_text())
-    model = parse_app_args(config["applications"][0]["args"]).models[0]
+    model = parse_region(yaml.safe_load(config_path.read_text())).models[0]
     port = free_port()
     flags = model.engine_cli_args(resolve_model_path(model))
     command = vllm_command(flags, port, niceness)

@@ -168,7 +168,7 @@ def _build_tokenizer():
     )
 
 
-def _build_model(vocab_size: int, tokenizer):
+def _build_model(vocab_size: int, tokenizer, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
 
@@ -207,7 +207,7 @@ def _build_model(vocab_size: int, tokenizer):
         architectures=["Qwen3NextForCausalLM"],
         torch_dtype="bfloat16",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     _add_output_prior(model, tokenizer)
     return model
@@ -326,10 +326,10 @@ def _generation_config(tokenizer) -> dict:
     return {"eos_token_id": ids, "pad_token_id": ids[1]}
 
 
-def _write_model(out_dir: Path) -> None:
+def _write_model(out_dir: Path, seed: int = 0) -> None:
     tokenizer = _build_tokenizer()
     vocab_size = -(-len(tokenizer) // 64) * 64  # round up to a multiple of 64
-    model = _build_model(vocab_size, tokenizer)
+    model = _build_model(vocab_size, tokenizer, seed)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     # Overwrite whatever transformers derived: we want exactly these stop ids and nothing else.
@@ -338,18 +338,32 @@ def _write_model(out_dir: Path) -> None:
     )
 
 
-def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False) -> Path:
-    """Generate the tiny model into `out_dir` (default: `tiny_model_dir()`) unless present."""
-    out_dir = Path(out_dir) if out_dir is not None else tiny_model_dir()
-    return ensure_built(out_dir, GENERATOR_VERSION, _write_model, force=force)
+def _stamp(seed: int) -> str:
+    # Seed 0 keeps the stamp it always had, so existing checkpoints are not rebuilt.
+    return GENERATOR_VERSION if seed == 0 else f"{GENERATOR_VERSION}+seed{seed}"
+
+
+def variant_dir(seed: int) -> Path:
+    """Where the checkpoint of another seed lives: the same model with other weights, what the
+    fault suite deploys as a weights upgrade (serve_app/faults/redeploy.py)."""
+    return tiny_model_dir() if seed == 0 else tiny_model_dir().with_name(f"{tiny_model_dir().name}-seed{seed}")
+
+
+def ensure_tiny_model(out_dir: Path | None = None, *, force: bool = False, seed: int = 0) -> Path:
+    """Generate the tiny model into `out_dir` (default: `variant_dir(seed)`) unless present.
+    ``seed``: the random weights' (the tokenizer and the output prior are the same for every
+    seed, so every seed serves the same features)."""
+    out_dir = Path(out_dir) if out_dir is not None else variant_dir(seed)
+    return ensure_built(out_dir, _stamp(seed), lambda directory: _write_model(directory, seed), force=force)
 
 
 def main(
     out: Path | None = typer.Option(None, "--out", help="Output directory."),
     force: bool = typer.Option(False, "--force", help="Regenerate even if up to date."),
+    seed: int = typer.Option(0, "--seed", help="Another seed: the same model with other weights."),
 ) -> None:
     """Generate the tiny Qwen3-Next model and print its path."""
-    print(ensure_tiny_model(out, force=force))
+    print(ensure_tiny_model(out, force=force, seed=seed))
 
 
 if __name__ == "__main__":

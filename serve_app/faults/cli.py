@@ -30,8 +30,8 @@ SCENARIOS = ("overload", "disconnect", "engine_kill", "soak", "fuzz", "redeploy"
 # (configs/local.yaml): 96 for make run's one router, so the full 160 streams shed some; the test
 # session's two routers hold 160, and its quick run checks only that what is shed is well-formed.
 SIZES = {
-    "full": {"overload": 160, "disconnect": 8, "kill": 8, "soak": 64, "soak_s": 60.0, "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 8},
-    "quick": {"overload": 120, "disconnect": 4, "kill": 4, "soak": 16, "soak_s": 8.0, "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 4},
+    "full": {"overload": 160, "disconnect": 8, "kill": 8, "soak": 64, "soak_s": 60.0, "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 32},
+    "quick": {"overload": 120, "disconnect": 4, "kill": 4, "soak": 16, "soak_s": 8.0, "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 32},
 }
 
 

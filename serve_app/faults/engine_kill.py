@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from serve_app.faults import cluster
-from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client
+from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client, model_app
 from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat, transitions
 
 PROBE_TIMEOUT_S = 10.0
@@ -27,7 +27,7 @@ PROBE_TIMEOUT_S = 10.0
 async def engine_kill(
     url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 2000, recovery_timeout_s: float = 300
 ) -> dict[str, Any]:
-    (replica, *_) = cluster.model_replicas(app, MODEL_DEPLOYMENT)
+    (replica, *_) = cluster.model_replicas(model_app(app), MODEL_DEPLOYMENT)
     routers = cluster.routers(app)
     async with _client(key, streams + 4) as client:
         probe = HealthProbe(client, url, period_s=0.5).start()
@@ -75,7 +75,7 @@ def greedy_body(max_tokens: int) -> dict[str, Any]:
 
 
 async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 300) -> dict[str, Any]:
-    running_replicas = cluster.model_replicas(app, MODEL_DEPLOYMENT)
+    running_replicas = cluster.model_replicas(model_app(app), MODEL_DEPLOYMENT)
     if len(running_replicas) < 2:
         raise RuntimeError(f"engine_kill_resumed needs two replicas of {MODEL_DEPLOYMENT}, not {len(running_replicas)}")
     body = greedy_body(max_tokens)

@@ -10,11 +10,20 @@ from typing import Any
 
 import httpx
 
+from serve_app.bench.client import DEFAULT_MODEL
 from serve_app.bench.stats import percentile
+from serve_app.config import ModelDeploymentArgs
 from serve_app.faults import cluster
 from serve_app.faults.traffic import HealthProbe, Outcome, chat_body, count, post_chat, stream_chat
+from serve_app.regions.layout import model_app_name
 
-MODEL_DEPLOYMENT = "model-qwen-3.6-35b-a3b"
+MODEL_ID = DEFAULT_MODEL
+MODEL_DEPLOYMENT = ModelDeploymentArgs.deployment_name_of(MODEL_ID)
+
+
+def model_app(app: str) -> str:
+    """The application the model behind router application ``app`` runs in (regions/layout.py)."""
+    return model_app_name(app, MODEL_ID)
 
 
 def _client(key: str, connections: int) -> httpx.AsyncClient:
@@ -144,7 +153,7 @@ async def _unfinished_after_leaving(app: str | None) -> dict[str, int | None]:
 
 async def _unfinished(app: str | None) -> int | None:
     # A blocking handle call, off the loop the traffic runs on.
-    return await asyncio.to_thread(cluster.unfinished_requests, app, MODEL_DEPLOYMENT) if app else None
+    return await asyncio.to_thread(cluster.unfinished_requests, model_app(app), MODEL_DEPLOYMENT) if app else None
 
 
 def _memory(app: str | None) -> dict[str, float] | None:

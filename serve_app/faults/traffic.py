@@ -33,6 +33,8 @@ class Outcome:
     text: str = ""  # their content, joined (the seam check of a resumed stream)
     max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
     resumes: int = 0  # pg_metadata.resumes: the stream went on from another replica
+    first_chunk_s: float | None = None  # request start → first content chunk (TTFT, client's clock)
+    started_at: float = 0.0  # time.monotonic() when it was sent
 
     @property
     def label(self) -> str:
@@ -57,7 +59,7 @@ async def stream_chat(
     """One streaming chat. ``first_chunk`` is set when content arrives; with
     ``leave_after_chunks`` the client disconnects after that many chunks (``ended='left'``)."""
     started = time.perf_counter()
-    outcome = Outcome(status=None, ended="refused")
+    outcome = Outcome(status=None, ended="refused", started_at=time.monotonic())
     try:
         async with client.stream("POST", url + ROUTE_CHAT, json=body, timeout=idle_timeout_s) as response:
             outcome.status, outcome.status_s = response.status_code, time.perf_counter() - started
@@ -86,6 +88,8 @@ async def stream_chat(
                     text.append((payload["choices"][0].get("delta") or {}).get("content") or "")
                     outcome.text = "".join(text)
                     outcome.chunks += 1
+                    if outcome.first_chunk_s is None:
+                        outcome.first_chunk_s = time.perf_counter() - started
                     if first_chunk is not None:
                         first_chunk.set()
                     if leave_after_chunks is not None and outcome.chunks >= leave_after_chunks:

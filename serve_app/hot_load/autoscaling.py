@@ -13,6 +13,10 @@ request still runs would stop the replica and start a new one for that request, 
 for nothing. Routers send nothing new to an unloading model, so the wait is bounded by the longest
 running request, and by ``drain_timeout_s`` in any case.
 
+Its settings (the policy's kwargs in the Serve config) are hashed into the model application's code
+version by Serve 2.60 (``_private/deploy_utils.py:173-177``): changing one restarts that model's
+replicas, new ones first (docs/operations.md, "What a change restarts").
+
 Serve runs the policy in its controller, once per control-loop tick (~0.1 s). The wanted state is
 read from the GCS key-value store at most once a second. The policy class is pickled by value when
 the config is deployed; what it imports is imported in the controller, so it stays small.
@@ -27,8 +31,7 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
 from serve_app.hot_load.state import WantedRecord, read_wanted
 
-POLICY_PATH = "serve_app.hot_load.autoscaling:HotLoadPolicy"
-WANTED_REFRESH_S = 1.0
+WANTED_REFRESH_S = 1.0  # the config names this class as serve_app.regions.layout.POLICY_PATH
 
 
 class HotLoadPolicy:
@@ -39,14 +42,21 @@ class HotLoadPolicy:
         upscale_delay_s: float,
         downscale_delay_s: float,
         drain_timeout_s: float = 120,
+        initial_replicas: int | None = None,
         read: Callable[[str, str], WantedRecord | None] = read_wanted,
     ):
         self.min_replicas = max(1, min_replicas)  # loaded means at least one replica
+        # Where a load starts (and a deploy of a loaded model): Serve's own initial_replicas
+        # would also reset the target on every change of the deployment's config.
+        self.initial_replicas = max(self.min_replicas, initial_replicas or 0)
         self.initial_state = initial_state
         self.upscale_delay_s = upscale_delay_s
         self.downscale_delay_s = downscale_delay_s
         self.drain_timeout_s = drain_timeout_s
         self._read = read
+        # An attribute, not the module's constant at each call: the class runs as a copy pickled
+        # by value, whose globals a test cannot patch.
+        self.wanted_refresh_s = WANTED_REFRESH_S
         self._wanted = WantedRecord(initial_state, 0.0)
         self._read_at = float("-inf")
 
@@ -58,14 +68,14 @@ class HotLoadPolicy:
             if draining and now - wanted.since < self.drain_timeout_s:
                 return ctx.target_num_replicas, {}  # unloading: let in-flight requests finish
             return 0, {}
-        if ctx.current_num_replicas == 0:  # loading (or every replica died): straight to the floor
-            return max(self.min_replicas, ctx.target_num_replicas), {}
+        if ctx.current_num_replicas == 0:  # loading (or every replica died): straight up
+            return max(self.initial_replicas, ctx.target_num_replicas), {}
         desired, _ = replica_queue_length_autoscaling_policy(ctx)
         return self._after_delay(max(self.min_replicas, math.ceil(desired)), ctx)
 
     def _wanted_record(self, ctx) -> WantedRecord:
         now = time.monotonic()
-        if now - self._read_at >= WANTED_REFRESH_S:
+        if now - self._read_at >= self.wanted_refresh_s:
             self._read_at = now
             try:
                 record = self._read(ctx.app_name, ctx.deployment_name)

@@ -7,6 +7,10 @@ second (one small KV read per model) and from Serve's status only when it may ha
 it once a second cost ~8 % of a core under load on the 2-core host (py-spy, docs/benchmarks.md).
 The request path reads the view from memory. A router replica that takes a load or unload updates
 its own view at once; the others follow within a second.
+
+Each model runs in a Serve application of its own (serve_app/regions/layout.py), named after the
+router's: its status and its wanted state are looked up under that application and the model's
+deployment. The models served change in place when the router is reconfigured (``set_models``).
 """
 
 import asyncio
@@ -16,6 +20,7 @@ from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
 from serve_app.errors import retry_later
+from serve_app.regions.layout import model_app_name
 from serve_app.hot_load.state import (
     COLD,
     FAILED,
@@ -51,29 +56,43 @@ RETRY_AFTER_S = {LOADING: 30, RECOVERING: 5, FAILED: 60, UNLOADING: 60, COLD: 60
 class ModelStates:
     def __init__(
         self,
-        app_name: str,
+        router_app: str,
         models: Sequence[ModelDeploymentArgs],
         *,
         serve_status: Callable[[], Any] | None = None,
         read: Callable[[str, str], WantedRecord | None] = read_wanted,
         write: Callable[[str, str, Wanted, str], WantedRecord] = write_wanted,
     ):
-        self.app_name = app_name
-        self.deployments = {model.id: model.deployment_name for model in models}
-        self._initial = {model.id: WantedRecord(model.initial_state, time.time()) for model in models}
+        self.router_app = router_app
+        self.locations: dict[str, tuple[str, str]] = {}  # model id -> (its application, its deployment)
+        self._initial: dict[str, WantedRecord] = {}
+        self._states: dict[str, ModelState] = {}
         self._serve_status = serve_status or _serve_status
         self._read, self._write = read, write
-        self._states: dict[str, ModelState] = {
-            model_id: derive_state(wanted, {}) for model_id, wanted in self._initial.items()
-        }
         self._refreshed = False
         self._task: asyncio.Task | None = None
         self._wanted: dict[str, WantedRecord] = {}
-        self._deployments: dict[str, Any] = {}  # Serve's status per deployment, last read
+        self._deployments: dict[str, Any] = {}  # Serve's status per model's deployment, last read
+        self.set_models(models)
         self._status_read_at = float("-inf")
         self._suspect_until = float("-inf")
         self._pending: asyncio.Task | None = None  # a refresh a caller asked for, in flight
         self._serve_messages: dict[str, str] = {}  # Serve's message per model, last logged
+
+    def set_models(self, models: Sequence[ModelDeploymentArgs]) -> None:
+        """Follow ``models`` from now on (the router's settings changed): a new model starts from
+        its ``initial_state`` until the next refresh; one no longer listed keeps its last state
+        for the requests already on their way to it, and is refreshed no more."""
+        self.locations = {m.id: (model_app_name(self.router_app, m.id), m.deployment_name) for m in models}
+        self._initial = {
+            m.id: self._initial[m.id]
+            if m.id in self._initial and self._initial[m.id].state == m.initial_state
+            else WantedRecord(m.initial_state, time.time())
+            for m in models
+        }
+        for model_id, wanted in self._initial.items():
+            self._states.setdefault(model_id, derive_state(wanted, {}))
+        self._wanted = {}  # the next refresh reads Serve's status: a model may have joined
 
     def get(self, model_id: str) -> ModelState:
         return self._states[model_id]
@@ -103,12 +122,13 @@ class ModelStates:
         """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
         if wanted is None:
             wanted = await asyncio.to_thread(self._read_all)
+        locations = self.locations  # as they are now: set_models may run while Serve answers
         if status:
-            self._deployments = _deployments_of(await asyncio.to_thread(self._serve_status), self.app_name)
+            self._deployments = _deployments_of(await asyncio.to_thread(self._serve_status), locations)
             self._status_read_at = time.monotonic()
         self._wanted = wanted
-        for model_id, deployment in self.deployments.items():
-            status_of = self._deployments.get(deployment)
+        for model_id in locations.keys() & wanted.keys():
+            status_of = self._deployments.get(model_id)
             self._log_serve_message(model_id, getattr(status_of, "message", "") or "")
             self._states[model_id] = _state_of(wanted[model_id], status_of)
         self._refreshed = True
@@ -119,7 +139,7 @@ class ModelStates:
         if message != self._serve_messages.get(model_id, ""):
             self._serve_messages[model_id] = message
             if message:
-                logger.warning("Serve on %s: %s", self.deployments[model_id], message)
+                logger.warning("Serve on %s of %s: %s", *reversed(self.locations[model_id]), message)
 
     def suspect(self) -> None:
         """A replica answered that its engine died or could not be reached: read Serve's status
@@ -138,8 +158,8 @@ class ModelStates:
 
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
         """Record the wanted state for every router and the autoscaling policy; return the new view."""
-        deployment = self.deployments[model_id]
-        await asyncio.to_thread(self._write, self.app_name, deployment, state, by)
+        app, deployment = self.locations[model_id]
+        await asyncio.to_thread(self._write, app, deployment, state, by)
         await self.refresh()
         return self._states[model_id]
 
@@ -168,9 +188,12 @@ class ModelStates:
         )
 
     def _read_all(self) -> dict[str, WantedRecord]:
+        # In a worker thread: set_models may replace either mapping meanwhile.
+        locations, initial = self.locations, self._initial
         return {
-            model_id: self._read(self.app_name, deployment) or self._initial[model_id]
-            for model_id, deployment in self.deployments.items()
+            model_id: self._read(*locations[model_id]) or wanted
+            for model_id, wanted in initial.items()
+            if model_id in locations
         }
 
     async def _refresh_forever(self) -> None:
@@ -194,9 +217,14 @@ def _serve_status():
     return serve.status()
 
 
-def _deployments_of(status: Any, app_name: str) -> dict[str, Any]:
-    app = status.applications.get(app_name)
-    return dict(app.deployments) if app is not None else {}
+def _deployments_of(status: Any, locations: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Serve's status of each model's deployment, by model id (absent: not deployed yet)."""
+    found = {}
+    for model_id, (app_name, deployment) in locations.items():
+        app = status.applications.get(app_name)
+        if app is not None and deployment in app.deployments:
+            found[model_id] = app.deployments[deployment]
+    return found
 
 
 def _state_of(wanted: WantedRecord, deployment: Any) -> ModelState:

@@ -20,6 +20,8 @@ openai are imported only by the steps that need them, so ``--help`` and the test
 """
 
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -31,10 +33,11 @@ import typer
 import yaml
 
 from serve_app import catalog
-from serve_app.config import parse_app_args
+from serve_app.config import REQUEST_TIMEOUT_S, parse_app_args
 from serve_app.devtools.local_services import free_port, wait_healthy
 from serve_app.image.gpu_smoke_checks import Check, check_cuda, run_requests
 from serve_app.paths import REPO_ROOT
+from serve_app.regions import layout
 
 APPLICATION = "llm"
 HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -45,11 +48,11 @@ class SmokeError(ValueError):
 
 
 def region_app_args(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``args`` of a rendered region config's ``llm`` application."""
-    apps = [a for a in config.get("applications") or [] if a.get("name") == APPLICATION]
-    if len(apps) != 1 or not isinstance(apps[0].get("args"), dict):
-        raise SmokeError(f"the config has no {APPLICATION!r} application with args")
-    return apps[0]["args"]
+    """The settings of a rendered region config's region (its ``llm`` router's, as written)."""
+    try:
+        return layout.region_args(config, APPLICATION)
+    except ValueError as err:
+        raise SmokeError(str(err)) from None
 
 
 def load_region_args(region: str, repo: Path = REPO_ROOT) -> dict[str, Any]:
@@ -117,20 +120,31 @@ def create_smoke_key(auth_args: dict[str, Any]) -> str:
 
 @contextmanager
 def local_region(args: dict[str, Any]) -> Iterator[str]:
-    """The smoke app on a Ray instance of its own; yields its base URL and stops both after."""
+    """The smoke app on a Ray instance of its own, deployed as a region is (``serve deploy`` of
+    its applications); yields its base URL and stops both after."""
     import ray
     from ray import serve
 
-    from serve_app.app import RAY_ENV, build_app
+    from serve_app.app import RAY_ENV
 
     os.environ.update(RAY_ENV)  # Ray reads it when it starts (HAProxy in front of the router)
     os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})  # beside a running Ray
-    port = free_port()
-    ray.init(address="local", include_dashboard=False)
+    port, dashboard_port = free_port(), free_port()
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S},
+        "applications": layout.region_applications(args, name=APPLICATION, route_prefix="/"),
+    }
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=APPLICATION, route_prefix="/")  # returns once deployed
-        yield f"http://127.0.0.1:{port}"
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+            yaml.safe_dump(config, file)
+            file.flush()
+            serve_cli = str(Path(sys.executable).with_name("serve"))
+            # The CLI talks to the dashboard given: a RAY_ADDRESS inherited from a driver must not win.
+            subprocess.run([serve_cli, "deploy", file.name, "--address", f"http://127.0.0.1:{dashboard_port}"],
+                           check=True, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+        yield f"http://127.0.0.1:{port}"  # _smoke waits for /health
     finally:
         try:
             serve.shutdown()
@@ -200,7 +214,7 @@ def command(
             try:
                 with local_region(smoke_args) as local_url:
                     checks += _smoke(local_url, key, entry["id"], startup_timeout_s)
-            except Exception as err:  # serve.run raises when the deploy fails (e.g. the engine did not start)
+            except Exception as err:  # serve deploy refused the config, or Ray did not start
                 checks.append(Check("deploy", False, f"{type(err).__name__}: {err}"))
                 _report(checks[-1:])
     failed = [c.name for c in checks if not c.ok]

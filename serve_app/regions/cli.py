@@ -10,7 +10,9 @@
 from pathlib import Path
 
 import typer
+import yaml
 
+from serve_app.regions import layout
 from serve_app.regions import render as region_render
 from serve_app.regions import schema as regions_mod
 from serve_app.paths import REPO_ROOT
@@ -31,7 +33,7 @@ def _load(repo: Path) -> dict[str, regions_mod.Region]:
 def _render(repo: Path) -> dict[str, str]:
     regions = _load(repo)
     try:
-        return region_render.rendered_files(regions)
+        return region_render.rendered_files(regions, repo)
     except regions_mod.RegionError as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(2) from None
@@ -49,6 +51,8 @@ def drift(repo: Path) -> list[str]:
             problems.append(f"drifted: {rel}")
     for rel in sorted(region_render.generated_files_on_disk(repo) - set(expected)):
         problems.append(f"stale (no region file renders it): {rel}")
+    for path in sorted((repo / "configs").glob("*.yaml")):  # hand-made ones too: the split holds
+        problems += [f"{path.relative_to(repo)}: {p}" for p in layout.problems(yaml.safe_load(path.read_text()))]
     return problems
 
 

@@ -3,7 +3,9 @@
 Every region file (``serve_app.regions.schema``) plus the catalog becomes:
 
 - ``configs/<id>.yaml``: the Serve config (``serve deploy``; Terraform embeds the same file in
-  the region's RayService), built by ``serve_app.regions.serve_config``;
+  the region's RayService), built by ``serve_app.regions.serve_config``; and ``configs/local.yaml``
+  (``make run``, the tests) from ``regions/local/serve.yaml``, laid out the same way
+  (``serve_app.regions.layout``);
 - ``terraform/regions/<id>/main.tf`` and ``generated.auto.tfvars.json``: the region's Terraform
   root and its variables (here);
 - ``terraform/global/generated.auto.tfvars.json``: every region's endpoint for the global
@@ -36,6 +38,8 @@ from serve_app.regions.serve_config import (
     SIGNING_KEYS_DIR,
     SIGNING_KEYS_FILE,
     STATE_DIR,
+    LOCAL_SOURCE,
+    render_local_serve_config,
     render_serve_config,
 )
 from serve_app.regions.schema import DNS_ZONE, GLOBAL_HOSTNAME, Region, RegionError
@@ -358,9 +362,9 @@ def _json(data: Any) -> str:
     return json.dumps(data, indent=2) + "\n"
 
 
-def rendered_files(regions: dict[str, Region]) -> dict[str, str]:
+def rendered_files(regions: dict[str, Region], repo: Path = REPO_ROOT) -> dict[str, str]:
     """Every generated file, by path relative to the repository, in a stable order."""
-    files: dict[str, str] = {}
+    files: dict[str, str] = {"configs/local.yaml": render_local_serve_config((repo / LOCAL_SOURCE).read_text())}
     for region in regions.values():
         files[f"configs/{region.id}.yaml"] = render_serve_config(region)
         files[f"terraform/regions/{region.id}/main.tf"] = render_region_root(region)

@@ -16,7 +16,8 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app import catalog
-from serve_app.config import AppArgs
+from serve_app.config import REQUEST_TIMEOUT_S, AppArgs
+from serve_app.regions import layout
 from serve_app.regions.schema import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, public_endpoint
 from serve_app.settings import describe_errors
 
@@ -46,17 +47,6 @@ TOKEN_TTL_S = 900
 
 
 # --- the Serve config --------------------------------------------------------------------------
-
-
-def _tidy(value: Any) -> Any:
-    """Whole floats as ints (24.0 -> 24) so the YAML reads as written; everything else as is."""
-    if isinstance(value, dict):
-        return {k: _tidy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_tidy(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 def auth_args(region: Region) -> dict[str, Any]:
@@ -161,24 +151,18 @@ def app_args(region: Region) -> dict[str, Any]:
         raise RegionError(
             "\n".join(f"regions/{region.id}.yaml renders invalid args: {p}" for p in describe_errors(err, "args"))
         ) from None
-    dumped = _tidy(validated.model_dump(mode="json", exclude_unset=True))
+    dumped = layout.tidy(validated.model_dump(mode="json", exclude_unset=True))
     ordered = {key: dumped.pop(key) for key in _ARGS_ORDER if key in dumped}
     return ordered | dumped
 
 
 def serve_config(region: Region) -> dict[str, Any]:
-    """The whole Serve config for ``serve deploy`` (and the RayService's ``serveConfigV2``)."""
+    """The whole Serve config for ``serve deploy`` (and the RayService's ``serveConfigV2``): the
+    region's router and one application per model (``layout``: what each change restarts)."""
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600},
-        "applications": [
-            {
-                "name": "llm",
-                "route_prefix": "/",
-                "import_path": "serve_app.app:build_app",
-                "args": app_args(region),
-            }
-        ],
+        "http_options": {"host": "0.0.0.0", "port": 8000, "request_timeout_s": REQUEST_TIMEOUT_S},
+        "applications": layout.region_applications(app_args(region), name=layout.ROUTER_APP, route_prefix="/"),
     }
 
 
@@ -211,5 +195,35 @@ def render_serve_config(region: Region) -> str:
         f"# auth: {SIGNING_KEYS_DIR} is the signing-keys Secret, {STATE_DIR} the key-store volume",
         "# (both mounted by terraform/modules/region). Deployed by Terraform as the RayService of",
         f"# terraform/regions/{region.id}; by hand: `serve deploy configs/{region.id}.yaml`.",
+        LAYOUT_NOTE,
     ]
     return "\n".join(lines) + "\n" + _yaml(serve_config(region))
+
+
+LAYOUT_NOTE = (
+    "# The router's application and one per model: a change restarts only what it must\n"
+    "# (serve_app/regions/layout.py; docs/operations.md, \"What a change restarts\")."
+)
+LOCAL_SOURCE = "regions/local/serve.yaml"  # the local region's settings, not a GPU region file
+
+
+def render_local_serve_config(source: str) -> str:
+    """``configs/local.yaml`` from ``LOCAL_SOURCE``: a Serve config whose one application holds
+    the local region's settings as ``args`` (what ``make run`` and the tests deploy), expanded
+    like a region's. The source's opening comment is kept; the rest of its comments stay there."""
+    try:
+        expanded = layout.expand(yaml.safe_load(source))
+    except ValueError as err:
+        raise RegionError(f"{LOCAL_SOURCE}: {err}") from None
+    opening = []
+    for line in source.splitlines():
+        if not line.startswith("#"):
+            break
+        opening.append(line)
+    lines = [
+        f"# {GENERATED_MARKER}{LOCAL_SOURCE.removeprefix('regions/')} by `{RENDER_COMMAND}`.",
+        f"# Do not edit by hand: edit {LOCAL_SOURCE} and re-render; CI fails on drift.",
+        *opening,
+        LAYOUT_NOTE,
+    ]
+    return "\n".join(lines) + "\n" + _yaml(expanded)

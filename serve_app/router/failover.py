@@ -98,16 +98,25 @@ class Forwarder:
                  unreachable_hold_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
                  verify: ssl.SSLContext | bool = True, clock: Callable[[], float] = time.monotonic):
         self.region = region
-        self.peers = list(peers)
-        self.max_attempts = max_attempts
-        self.unreachable_hold_s = unreachable_hold_s
         self._clock = clock
         self._unreachable_until: dict[str, float] = {}
-        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
-                                      write=connect_timeout_s, pool=connect_timeout_s)
         self._transport = transport
         self._verify = verify
         self._client: httpx.AsyncClient | None = None
+        self.apply(peers, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                   max_attempts=max_attempts, unreachable_hold_s=unreachable_hold_s)
+
+    def apply(self, peers: Sequence[Peer], *, connect_timeout_s: float, read_timeout_s: float,
+              max_attempts: int, unreachable_hold_s: float) -> None:
+        """New settings, in place (the router was reconfigured): requests forwarded from now on
+        use them; one under way keeps the peer list it is walking and its connection."""
+        self.peers = list(peers)
+        self.max_attempts = max_attempts
+        self.unreachable_hold_s = unreachable_hold_s
+        self._timeout = httpx.Timeout(connect=connect_timeout_s, read=read_timeout_s,
+                                      write=connect_timeout_s, pool=connect_timeout_s)
+        if self._client is not None:
+            self._client.timeout = self._timeout
 
     def _http(self) -> httpx.AsyncClient:
         # Created lazily: the client's pool belongs to the event loop that first uses it.

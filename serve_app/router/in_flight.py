@@ -22,8 +22,15 @@ class InFlight:
     """
 
     def __init__(self, models: Sequence[ModelDeploymentArgs]):
-        self._limits = {model.id: (model.max_ongoing_requests, model.max_queued_requests) for model in models}
-        self._counts = dict.fromkeys(self._limits, 0)
+        self._limits: dict[str, tuple[int, int]] = {}
+        self._counts: dict[str, int] = {}
+        self.set_models(models)
+
+    def set_models(self, models: Sequence[ModelDeploymentArgs]) -> None:
+        """New limits (the router's settings changed); the counts of requests in flight stay."""
+        self._limits = {**self._limits, **{m.id: (m.max_ongoing_requests, m.max_queued_requests) for m in models}}
+        for model in models:
+            self._counts.setdefault(model.id, 0)
 
     def begin(self, model_id: str) -> Callable[[], None]:
         """Count one request; the returned callable (idempotent) uncounts it."""

@@ -18,12 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve_app import surfaces
 from serve_app.auth.authenticator import registry_unavailable
 from serve_app.auth.database import RegistryUnavailable
-from serve_app.config import AppArgs
+from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.errors import APIError, error_body
+from serve_app.regions.layout import ROUTER_DEPLOYMENT, merge_settings, model_app_name
 from serve_app.router import openapi, operations, pipeline
 from serve_app.router.context import wait_settled
 from serve_app.router.request_schema import describe_validation_errors
 from serve_app.router.services import Services
+from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.metrics import setup_metrics
 from serve_app.telemetry.tracing import setup_tracing
@@ -71,20 +73,68 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    async def __init__(self, models: dict[str, DeploymentHandle], args: AppArgs):
+    """The region's settings reach a replica in two parts (serve_app/regions/layout.py): what it
+    reads once, when it starts (its application's args: ``startup``), and the rest as its
+    deployment's ``user_config``, which Serve passes to ``reconfigure`` right after ``__init__``
+    (before the replica takes a request) and again, in place, whenever a ``serve deploy`` changes
+    it."""
+
+    async def __init__(self, startup: dict[str, Any]):
         context = serve.get_replica_context()
-        replica = context.replica_id.unique_id
+        self.app_name, self.replica = context.app_name, context.replica_id.unique_id
+        self.startup = startup
+        telemetry = TelemetryArgs.model_validate(startup.get("telemetry") or {})
+        region = startup.get("region", AppArgs.model_fields["region"].default)
         # This process owns the global tracer provider (docs/operations.md, "Tracing").
-        setup_tracing(args.telemetry, region=args.region, deployment="Router", replica=replica)
-        setup_metrics(args.telemetry)
-        self.services = Services.build(models, args, app_name=context.app_name, replica=replica)
-        self.services.start()
+        setup_tracing(telemetry, region=region, deployment=ROUTER_DEPLOYMENT, replica=self.replica)
+        setup_metrics(telemetry)
+        self.services: Services | None = None
+
+    async def reconfigure(self, settings: dict[str, Any]) -> None:
+        """Serve's ``user_config``: the first one builds the services; a later one changes them in
+        place (``Services.reconfigure``). A later one that is invalid, or that cannot be applied,
+        is refused with an ERROR in this replica's log and the replica keeps serving on what it
+        has: raising would make Serve stop it, and a replacement would fail the same way."""
+        try:
+            args = parse_app_args(merge_settings(self.startup, settings))
+        except ValueError as err:
+            if self.services is None:
+                raise
+            logger.error("the Router's new user_config is invalid; serving on the previous one:\n%s", err)
+            return
+        if self.services is None:
+            self.services = Services.build(self.handle, args, app_name=self.app_name, replica=self.replica)
+            self.services.start()
+            return
+        try:
+            changed = await self.services.reconfigure(args, self.handle)
+        except Exception:
+            logger.exception("could not apply the Router's new user_config; serving on the previous one")
+            return
+        logger.info("settings changed in place: %s", ", ".join(changed) or "none")
+
+    def handle(self, model_id: str) -> DeploymentHandle:
+        """The model's deployment, in its own application. Not checked to exist: every application
+        of a config is deployed at once, and a router may start before a model's is built (the
+        hot-load state says ``loading`` until Serve reports its replicas)."""
+        return serve.get_deployment_handle(
+            ModelDeploymentArgs.deployment_name_of(model_id), app_name=model_app_name(self.app_name, model_id),
+            _check_exists=False,
+        )
+
+    async def check_health(self) -> None:
+        if self.services is None:  # Serve ran no reconfigure: the config gave no user_config
+            raise RuntimeError(
+                f"the {ROUTER_DEPLOYMENT} deployment has no user_config: its settings belong there "
+                "(serve_app/regions/layout.py; render the config with `serve-app regions render`)"
+            )
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: abandoned requests' last items (their
         usage records), then the ledger's last write, the state refresh, peer connections."""
         await wait_settled()
-        await self.services.aclose()
+        if self.services is not None:
+            await self.services.aclose()
 
     # --- without a credential ---------------------------------------------------------------
     @app.get("/health")

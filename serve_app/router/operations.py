@@ -53,7 +53,7 @@ async def health(services: Services) -> JSONResponse:
     failed replica, else ``unavailable``.
     """
     await services.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S)
-    states = {model_id: services.states.get(model_id) for model_id in services.handles}
+    states = {model_id: services.states.get(model_id) for model_id in services.served}
     load = {model_id: services.in_flight.load(model_id, state.running) for model_id, state in states.items()}
     serving = [model_id for model_id, state in states.items() if state.serving]
     if serving:
@@ -76,7 +76,7 @@ async def health(services: Services) -> JSONResponse:
 async def list_models(services: Services, request: Request) -> dict[str, Any]:
     caller = await metered_caller(services, request)
     await services.states.ensure_fresh()
-    cards = [model_card(services, model_id) for model_id in services.handles if caller.allows_model(model_id)]
+    cards = [model_card(services, model_id) for model_id in services.served if caller.allows_model(model_id)]
     return {"object": "list", "data": cards}
 
 

@@ -103,10 +103,7 @@ class ResponseStore:
     def __init__(self, database, args: ResponsesArgs, *, clock: Callable[[], float] = time.time):
         """``database``: the key registry's (``serve_app.auth.database.open_database``)."""
         self.database = database
-        self.retention_ms = round(args.retention_hours * 3_600_000)
-        self.max_responses = args.max_responses
-        self.max_rows_per_owner = args.max_responses_per_owner
-        self.max_bytes_per_owner = int(args.max_mib_per_owner * 2**20)
+        self.apply(args)
         self.max_bytes = MAX_STORED_RESPONSE_BYTES
         self._clock = clock
         # Our own few threads, not asyncio.to_thread's default pool: puts waiting on a busy
@@ -115,6 +112,14 @@ class ResponseStore:
         self._schema_lock = threading.Lock()
         self._schema_ready = False
         self._sweeper: asyncio.Task | None = None
+
+    def apply(self, args: ResponsesArgs) -> None:
+        """The retention and the bounds, from now on (the router was reconfigured): the next put
+        and the next sweep keep to them."""
+        self.retention_ms = round(args.retention_hours * 3_600_000)
+        self.max_responses = args.max_responses
+        self.max_rows_per_owner = args.max_responses_per_owner
+        self.max_bytes_per_owner = int(args.max_mib_per_owner * 2**20)
 
     # --- the API ---------------------------------------------------------------------------
     async def put(self, stored: StoredResponse) -> int:

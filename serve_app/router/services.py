@@ -1,11 +1,18 @@
-"""What a router replica serves with, built once when it starts: who is calling (``auth``), what
-they spent (``meter``), where each model stands (``states``, ``in_flight``), stored responses, the
-model handles and the peer regions. The pipeline and the other routes take it whole; the unit
-tests build it with fakes for the handles and the model states, and real everything else.
+"""What a router replica serves with: who is calling (``auth``), what they spent (``meter``), where
+each model stands (``states``, ``in_flight``), stored responses, the model handles and the peer
+regions. The pipeline and the other routes take it whole; the unit tests build it with fakes for
+the handles and the model states, and real everything else.
+
+Built from the router's first settings (its ``user_config``, serve_app/regions/layout.py) and
+changed in place by the next ones (``reconfigure``): each part a change touches is rebuilt or
+re-set, the rest kept, so in-flight requests finish on what they hold and no state is lost (the
+rate limiter's leases, the ledger's pending records, the in-flight counts, the model states).
+What a replica reads once when it starts (``layout.ROUTER_STARTUP``) never changes here.
 """
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +25,7 @@ from serve_app.auth.ratelimit import SharedRateLimiter
 from serve_app.config import AppArgs, MediaPolicy, ModelDeploymentArgs
 from serve_app.errors import APIError
 from serve_app.hot_load.tracker import ModelStates
+from serve_app.regions.layout import split_startup
 from serve_app.router.client_socket import DEFAULT_STALL_TIMEOUT_S
 from serve_app.router.failover import Forwarder
 from serve_app.router.in_flight import InFlight
@@ -44,6 +52,15 @@ class ModelFacts:
         )
 
 
+HandleFor = Callable[[str], Any]  # a model id -> its deployment's handle
+
+
+def _stream_settings(args: AppArgs) -> dict[str, float]:
+    router = args.router
+    return {"stall_timeout_s": router.stall_timeout_s, "max_resumes": router.max_resumes,
+            "resume_window_s": router.resume_window_s, "resume_here_s": router.resume_here_s}
+
+
 @dataclass
 class Services:
     region: str
@@ -54,16 +71,25 @@ class Services:
     in_flight: InFlight
     responses: ResponsesAPI
     forwarder: Forwarder
-    handles: Mapping[str, Any]  # model id → its deployment's handle, options(stream=True)
-    models: Mapping[str, ModelFacts]
+    # Every model this replica has served, by id: a model its settings no longer list keeps its
+    # handle and facts for the requests already on their way to it; ``served`` is what is listed.
+    handles: dict[str, Any]  # model id → its deployment's handle, options(stream=True)
+    models: dict[str, ModelFacts]
+    args: AppArgs  # the settings these were built from
+    served: tuple[str, ...] = ()  # the models served now, in the settings' order
+    # The stream settings of ``args.router`` (set from it, here so that a test can set them alone).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
     resume_window_s: float = 30.0  # ...each within this long of the failure
     resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's
     created: int = field(default_factory=lambda: int(time.time()))
 
+    def __post_init__(self) -> None:
+        self.served = self.served or tuple(model.id for model in self.args.models)
+
     @classmethod
-    def build(cls, handles: Mapping[str, Any], args: AppArgs, *, app_name: str, replica: str) -> "Services":
+    def build(cls, handle_for: HandleFor, args: AppArgs, *, app_name: str, replica: str) -> "Services":
+        """``handle_for(model_id)``: the model's deployment handle (its own application's)."""
         # Rate limits live in one actor per region, shared by every router replica. Look it up
         # (or start it) now: its worker process takes ~1 s to start, which the first request
         # would otherwise wait for, or be admitted unlimited when the limiter's 2 s timeout hits.
@@ -90,13 +116,46 @@ class Services:
                 read_timeout_s=failover.read_timeout_s, max_attempts=failover.max_attempts,
                 unreachable_hold_s=failover.unreachable_hold_s,
             ),
-            handles={model_id: handle.options(stream=True) for model_id, handle in handles.items()},
+            handles={model.id: handle_for(model.id).options(stream=True) for model in args.models},
             models={model.id: ModelFacts.of(model) for model in args.models},
-            stall_timeout_s=args.router.stall_timeout_s,
-            max_resumes=args.router.max_resumes,
-            resume_window_s=args.router.resume_window_s,
-            resume_here_s=args.router.resume_here_s,
+            args=args,
+            **_stream_settings(args),
         )
+
+    async def reconfigure(self, args: AppArgs, handle_for: HandleFor) -> list[str]:
+        """Serve from ``args`` on (the router's user_config changed): rebuild what the change
+        needs and nothing else; the names of the sections that changed. ValueError when ``args``
+        change what a replica reads only when it starts (Serve never does that: those are the
+        router application's args, whose change restarts the replica)."""
+        old = self.args
+        if split_startup(_written(old))[0] != split_startup(_written(args))[0]:
+            raise ValueError("these settings are read when a router replica starts: restart it to change them")
+        changed = [name for name in ("router", "auth", "failover", "responses", "usage", "models") if getattr(old, name) != getattr(args, name)]
+        auth = self.auth
+        if args.auth != old.auth:
+            # A new key cache and keyset view (what the registry holds is unchanged); its key
+            # store opens the same registry, so the ledger and the response store keep theirs.
+            auth = await asyncio.to_thread(Authenticator, args.auth, args.region, self.auth.limiter)
+        added = {m.id: handle_for(m.id).options(stream=True) for m in args.models if m.id not in self.handles}
+        # No await from here on: a request sees the old settings or the new ones, never a mix.
+        self.auth = auth
+        self.meter.budgets.cache_ttl_s = args.auth.cache_ttl_s
+        self.meter.ledger.flush_interval_s = args.usage.flush_interval_s
+        self.responses.store.apply(args.responses)
+        failover = args.failover
+        self.forwarder.apply(
+            failover.peers, connect_timeout_s=failover.connect_timeout_s, read_timeout_s=failover.read_timeout_s,
+            max_attempts=failover.max_attempts, unreachable_hold_s=failover.unreachable_hold_s,
+        )
+        self.states.set_models(args.models)
+        self.in_flight.set_models(args.models)
+        self.handles = {**self.handles, **added}
+        self.models = {**self.models, **{model.id: ModelFacts.of(model) for model in args.models}}
+        self.served = tuple(model.id for model in args.models)
+        for name, value in _stream_settings(args).items():
+            setattr(self, name, value)
+        self.args = args
+        return changed
 
     def start(self) -> None:
         """Begin the background work (the ledger's writer, the stored responses' retention sweep);
@@ -122,12 +181,16 @@ class Services:
         if not isinstance(name, str) or not name.strip():
             raise APIError(400, "you must provide a model parameter", param="model", code="missing_model")
         model_id = catalog.canonical_id(name)
-        if model_id is None or model_id not in self.handles:
+        if model_id is None or model_id not in self.served:
             raise APIError(
                 404,
                 f"The model {name!r} does not exist or is not served in region {self.region}. "
-                f"Served here: {', '.join(self.handles)}",
+                f"Served here: {', '.join(self.served)}",
                 param="model",
                 code="model_not_found",
             )
         return model_id
+
+
+def _written(args: AppArgs) -> dict[str, Any]:
+    return args.model_dump(mode="json")

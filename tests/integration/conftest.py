@@ -9,9 +9,11 @@ limit is tested across replicas). The dev key is a random one, set before ``ray.
 Ray's local workers inherit the driver's environment. Teardown shuts Serve and this Ray instance
 down through their own APIs.
 
-A second application stands for a second region, ``peer``, at ``/peer`` on the same port
+A second region, ``peer``, stands beside it at ``/peer`` on the same port
 (``serve_app.devtools.local_regions``: its own router, rate limiter and cold model deployment; the same
-keys; each region the other's failover peer over 127.0.0.1). The local app keeps its config's
+keys; each region the other's failover peer over 127.0.0.1). Each region is laid out as a region
+config is (serve_app/regions/layout.py): its router's application (``llm``, ``peer``) and one per
+model (``llm-qwen-3.6-35b-a3b``, ``peer-qwen-3.6-35b-a3b``). The local region keeps its config's
 settings, so every other test sees the embedded default — but for its key registry: both regions
 share one on a real PostgreSQL server (a fresh database on the session's server, its DSN in
 ``SERVE_APP_REGISTRY_DSN``), as regions do; ``make run`` keeps the SQLite file.
@@ -30,8 +32,10 @@ import pytest
 import yaml
 
 from serve_app.app import LOCAL_RAY_ENV
-from serve_app.auth.config import DEFAULT_TIERS, AuthArgs
-from serve_app.devtools.local_regions import PEER_APP, PEER_PREFIX, create_key_material, two_region_config
+from serve_app.auth.config import DEFAULT_TIERS
+from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
+from serve_app.faults.scenarios import MODEL_DEPLOYMENT, model_app
+from serve_app.regions.layout import parse_region
 from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
@@ -47,8 +51,9 @@ def _serve_cli() -> str:
     return str(Path(sys.executable).with_name("serve"))
 
 
-def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float:
-    """Poll ``serve status`` and the router's /health; fail fast if the deploy fails."""
+def _wait_until_running(dashboard: str, base_url: str, deadline: float, names: list[str]) -> float:
+    """Poll ``serve status`` (every application in ``names``) and the router's /health; fail fast
+    if the deploy fails."""
     started = time.monotonic()
     while time.monotonic() < deadline:
         status = subprocess.run(
@@ -56,7 +61,7 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float) -> float
         )
         report = yaml.safe_load(status.stdout or "{}") or {}
         apps = report.get("applications") or {}
-        statuses = {(apps.get(name) or {}).get("status") for name in (APP_NAME, PEER_APP)}
+        statuses = {(apps.get(name) or {}).get("status") for name in names}
         if "DEPLOY_FAILED" in statuses:
             pytest.fail(f"serve deploy failed:\n{status.stdout}")
         if statuses == {"RUNNING"}:
@@ -84,10 +89,7 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
 
     port, dashboard_port = free_port(), free_port()
     base_url = f"http://127.0.0.1:{port}"
-    config = two_region_config(load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"))
-    local, _ = config["applications"]
-    for application in config["applications"]:
-        args = application["args"]
+    def for_the_session(args: dict) -> None:
         args["auth"]["key_registry_dsn_env"] = REGISTRY_ENV
         tiers = {name: tier.model_dump() for name, tier in DEFAULT_TIERS.items()} | {"tiny": TINY_TIER}
         args["auth"]["tiers"] = tiers
@@ -101,14 +103,20 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
                 "service_name": "serve_app-test",
             }
         }
-    local["args"]["router"]["num_replicas"] = 2
+        if args["region"] == "local":
+            args["router"]["num_replicas"] = 2
+
+    config = two_region_config(
+        load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"), adjust=for_the_session
+    )
+    local_apps = [a for a in config["applications"] if a["name"] == APP_NAME or a["name"].startswith(f"{APP_NAME}-")]
     previous_env = {name: os.environ.get(name) for name in (DEV_KEY_ENV, REGISTRY_ENV, "OTEL_BSP_SCHEDULE_DELAY", *LOCAL_RAY_ENV, *HAPROXY_PORTS)}
     os.environ[REGISTRY_ENV] = registry_dsn  # before ray.init: Ray's local workers inherit it
-    auth = AuthArgs.model_validate(local["args"]["auth"])
+    auth = parse_region(config, APP_NAME).auth
     create_key_material(auth)
     config_dir = tmp_path_factory.mktemp("serve")
     config_path = config_dir / "local.yaml"  # the local region alone: what the CLI reads
-    config_path.write_text(yaml.safe_dump({**config, "applications": [local]}))
+    config_path.write_text(yaml.safe_dump({**config, "applications": local_apps}))
     deployed_path = config_dir / "two-regions.yaml"
     deployed_path.write_text(yaml.safe_dump(config))
     dev_key = f"sk-test-{secrets.token_urlsafe(16)}"
@@ -132,7 +140,8 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
             check=True,
             env={**os.environ, "RAY_ADDRESS": ""},
         )
-        startup_s = _wait_until_running(dashboard, base_url, time.monotonic() + STARTUP_TIMEOUT_S)
+        names = [a["name"] for a in config["applications"]]
+        startup_s = _wait_until_running(dashboard, base_url, time.monotonic() + STARTUP_TIMEOUT_S, names)
         print(f"\nServe ready at {base_url} after {startup_s:.1f}s")
         yield {
             "base_url": base_url,
@@ -192,7 +201,7 @@ def async_client(base_url, dev_key) -> openai.AsyncOpenAI:
 def model_handle(serve_app):
     from ray import serve
 
-    return serve.get_deployment_handle("model-qwen-3.6-35b-a3b", app_name=serve_app["app_name"])
+    return serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name=model_app(serve_app["app_name"]))
 
 
 

@@ -1,8 +1,8 @@
 """The fault suite's short version (``serve-app faults --quick``) against the session's service.
 
-Each test runs one scenario and asserts what docs/reliability.md promises. The engine kill and
-the redeploy are ``disruptive``: they run after every other test (conftest.py), and each waits
-until the service answers again before it ends.
+Each test runs one scenario and asserts what docs/reliability.md promises. The engine kill is
+``disruptive``: it runs after every other test (conftest.py) and waits until the service answers
+again before it ends. The redeploys: test_redeploy.py.
 """
 
 import asyncio
@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from serve_app.faults import cluster, fuzz, redeploy, scenarios
+from serve_app.faults import cluster, fuzz, scenarios
 from serve_app.faults.cli import SIZES
 from serve_app.faults.engine_kill import engine_kill
 
@@ -123,16 +123,3 @@ def test_an_engine_kill_ends_streams_with_engine_unavailable_and_the_model_comes
     assert not result["routers_imported_vllm"]
     for router in cluster.routers(app):
         assert router.rss_mib < router_memory_before.get(router.pid, router.rss_mib) + ROUTER_GROWTH_MIB
-
-
-@pytest.mark.disruptive
-def test_a_redeploy_while_streams_run_completes_every_stream(serve_app, base_url, dev_key):
-    result = asyncio.run(
-        redeploy.redeploy(
-            base_url, dev_key, config_path=serve_app["deployed_path"], app=serve_app["app_name"],
-            dashboard=serve_app["dashboard"], streams=QUICK["redeploy"],
-        )
-    )
-    assert result["deploy_exit"] == 0, result["deploy_error"]
-    assert result["streams_by_outcome"] == {"200 done": QUICK["redeploy"]}, result
-    assert "200 json" in result["requests_after"], result

@@ -22,10 +22,11 @@ from ray import serve
 from auth_support import MODEL, OTHER_MODEL, authenticator
 from fake_engine import FakeEngine
 from serve_app.auth.authenticator import Authenticator
-from serve_app.config import ModelDeploymentArgs, Peer, ResponsesArgs
+from serve_app.config import AppArgs, ModelDeploymentArgs, Peer, ResponsesArgs
 from serve_app.engine.deployment import ModelServer
 from serve_app.hot_load.state import WantedRecord
 from serve_app.hot_load.tracker import ModelStates
+from serve_app.regions.layout import model_app_name
 from serve_app.router import ingress
 from serve_app.router.failover import Forwarder
 from serve_app.router.in_flight import InFlight
@@ -111,11 +112,14 @@ class FakeServe:
         self.kv: dict = {}
 
     def status(self):
-        deployments = {
-            name: SimpleNamespace(replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message="")
+        """As ``serve.status()`` says it: each model's deployment in its own application."""
+        applications = {
+            model_app_name("llm", name.removeprefix("model-")): SimpleNamespace(deployments={
+                name: SimpleNamespace(replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message="")
+            })
             for name, counts in self.replicas.items()
         }
-        return SimpleNamespace(applications={"llm": SimpleNamespace(deployments=deployments)})
+        return SimpleNamespace(applications=applications)
 
     def read(self, app, deployment):
         return self.kv.get((app, deployment))
@@ -212,6 +216,7 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
         forwarder=Forwarder(region, list(peers), transport=transport, unreachable_hold_s=0),
         handles=handles,
         models={model.id: ModelFacts.of(model) for model in args},
+        args=AppArgs(region=region, auth=auth.args, models=args, failover={"peers": list(peers)}),
     )
     loop = client.portal.call(asyncio.get_running_loop)
     _SERVICES_BY_LOOP[id(loop)] = services

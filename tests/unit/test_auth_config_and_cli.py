@@ -13,6 +13,7 @@ from serve_app.auth.config import AuthArgs
 from serve_app.auth.keys import KeyStore
 from serve_app.cli import app
 from serve_app.config import parse_app_args
+from serve_app.regions.layout import region_applications
 from tests.conftest import app_args, load_serve_config
 
 
@@ -65,12 +66,13 @@ def test_a_region_with_its_files_named_is_valid():
 @pytest.fixture
 def cli(tmp_path):
     config = load_serve_config("local.yaml")
-    (application,) = config["applications"]
-    application["args"]["auth"] = {
+    settings = app_args(config)
+    settings["auth"] = {
         "key_store_path": str(tmp_path / "keys.sqlite3"),
         "signing_keys_path": str(tmp_path / "signing-keys.json"),
         "dev_api_key_env": "SERVE_APP_DEV_API_KEY",
     }
+    config["applications"] = region_applications(settings)  # as a region's config lays them out
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
     runner = CliRunner()
@@ -80,7 +82,7 @@ def cli(tmp_path):
         assert (result.exit_code == 0) is ok, result.output
         return result
 
-    run.auth = AuthArgs.model_validate(application["args"]["auth"])
+    run.auth = AuthArgs.model_validate(settings["auth"])
     return run
 
 

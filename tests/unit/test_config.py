@@ -4,7 +4,8 @@ import pytest
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app.app import model_deployment_options
+from serve_app.app import model_actor_options
+from serve_app.regions.layout import model_serve_options
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from tests.conftest import app_args, load_serve_config
 
@@ -113,7 +114,7 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
         max_queued_requests=80,
         resources={"num_cpus": 4, "num_gpus": 1, "accelerator_type": "B200", "env": {"A": "1"}},
     )
-    options = model_deployment_options(model)
+    options = model_serve_options(model)
     assert options["name"] == "model-qwen-3.6-35b-a3b"
     assert options["autoscaling_config"]["target_ongoing_requests"] == 12
     assert options["autoscaling_config"]["max_replicas"] == 3
@@ -122,7 +123,7 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
     # A dead engine fails its health check at once; Serve replaces it after 3 in a row.
     assert options["health_check_period_s"] == 2
     assert options["health_check_timeout_s"] == 30
-    assert options["ray_actor_options"] == {
+    assert model_actor_options(model) == {
         "num_cpus": 4,
         "num_gpus": 1,
         "accelerator_type": "B200",
@@ -138,12 +139,14 @@ def test_local_config_serves_the_tiny_models_on_cpu_under_the_canonical_ids():
     assert [model.id for model in args.models] == ["qwen-3.6-35b-a3b", "qwen-3-embedding-0.6b"]
     for model in args.models:
         assert model.engine.source == "tiny-local"
-        options = model_deployment_options(model)
-        assert "num_gpus" not in options["ray_actor_options"]
-        assert options["ray_actor_options"]["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
-        json.dumps(options)  # plain data: Serve ships it to the controller
-    # The router and both model replicas must fit on a 2-CPU machine.
-    assert args.router.num_cpus + sum(model.resources.num_cpus for model in args.models) <= 2
+        actor = model_actor_options(model)
+        assert "num_gpus" not in actor
+        assert actor["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"]
+        json.dumps([actor, model_serve_options(model)])  # plain data: Serve ships it to the controller
+    # The router and both model replicas fit on a 2-CPU machine, and so do the models'
+    # replacements while an upgrade starts them beside the old ones (serve_app/regions/layout.py,
+    # SURGE_PERCENT).
+    assert args.router.num_cpus + 2 * sum(model.resources.num_cpus for model in args.models) <= 2
 
 
 def test_the_embedding_model_runs_on_vllms_pooling_runner_without_the_chat_flags():
@@ -166,6 +169,6 @@ def test_an_embedding_model_has_no_completion_limit_to_set():
 
 def test_a_replica_may_ask_for_a_fraction_of_a_gpu():
     model = ModelDeploymentArgs(id="qwen-3-embedding-0.6b", resources={"num_gpus": 0.1, "accelerator_type": "B200"})
-    assert model_deployment_options(model)["ray_actor_options"]["num_gpus"] == 0.1
+    assert model_actor_options(model)["num_gpus"] == 0.1
     with pytest.raises(ValueError):
         ModelDeploymentArgs(id="qwen-3-embedding-0.6b", resources={"num_gpus": 1.5})

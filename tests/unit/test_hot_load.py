@@ -12,8 +12,8 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from serve_app.app import autoscaling_config
-from serve_app.config import ModelDeploymentArgs
+from serve_app.config import REQUEST_TIMEOUT_S, ModelDeploymentArgs
+from serve_app.regions.layout import autoscaling_config, model_app_name
 from serve_app.hot_load.autoscaling import HotLoadPolicy
 from serve_app.errors import APIError
 from serve_app.hot_load.state import WantedRecord, derive_state
@@ -92,9 +92,11 @@ class Cluster:
         policy.serialize_policy()  # what a deploy does: import the path, pickle by value
         instance = _resolve_policy_callable(policy)
         instance._read = lambda app, deployment: wanted.get((app, deployment))
+        instance.wanted_refresh_s = 0  # every tick reads the wanted state
         self.policy = _apply_autoscaling_config(instance)
         self.state: dict = {}
-        self.target = self.config.initial_replicas
+        # A new deployment: Serve's target starts at -1, clipped to its bounds (no initial_replicas).
+        self.target = max(self.config.min_replicas, min(self.config.max_replicas, -1))
         self.running = self.target
 
     def tick(self, requests: float = 0, now: float | None = None) -> int:
@@ -124,13 +126,39 @@ class Cluster:
 
 
 def test_config_serve_accepts_starts_loaded_or_cold():
-    assert AutoscalingConfig(**autoscaling_config(_model())).initial_replicas == 1
-    cold = AutoscalingConfig(**autoscaling_config(_model(initial_state="cold")))
-    assert (cold.min_replicas, cold.initial_replicas, cold.max_replicas) == (0, 0, 4)
+    """Serve's own initial_replicas stays unset (it would reset the target on every config
+    change): the policy starts a loaded model, and a cold one stays at Serve's floor of 0."""
+    loaded = Cluster(_model(autoscaling={"min_replicas": 1, "initial_replicas": 2, "max_replicas": 4}), {})
+    assert loaded.config.initial_replicas is None
+    assert loaded.tick() == 2  # the first tick of a deploy: straight to initial_replicas
+    cold = Cluster(_model(initial_state="cold"), {})
+    assert (cold.config.min_replicas, cold.config.max_replicas) == (0, 4)
+    assert cold.tick() == 0
 
 
-def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero(monkeypatch):
-    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
+def test_a_change_of_the_model_deployments_config_keeps_its_replicas():
+    """Serve re-registers a deployment whose config changed (any change: a queue bound, the
+    health check period) and, were initial_replicas set, would reset its target to it: a model
+    loaded through the API, or scaled out, would lose its replicas (Ray 2.60,
+    ``_private/autoscaling_state.py``, ``register``). Run through Serve's own code here."""
+    from ray.serve._private.autoscaling_state import DeploymentAutoscalingState
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.config import DeploymentConfig, ReplicaConfig
+    from ray.serve._private.deployment_info import DeploymentInfo
+
+    def info(model: ModelDeploymentArgs) -> DeploymentInfo:
+        config = DeploymentConfig(autoscaling_config=autoscaling_config(model), max_queued_requests=model.max_queued_requests)
+        return DeploymentInfo(config, ReplicaConfig.create(lambda: None), start_time_ms=0, deployer_job_id="job", version="v")
+
+    scaled_out = 3  # the API loaded it, or it autoscaled: the target Serve holds now
+    state = DeploymentAutoscalingState(DeploymentID("model-x", "llm-x"))
+    state.register(info(_model(initial_state="cold")), scaled_out)
+    assert state.register(info(_model(initial_state="cold", max_queued_requests=65)), scaled_out) == scaled_out
+    state.register(info(_model()), scaled_out)
+    assert state.register(info(_model(health_check_period_s=3)), scaled_out) == scaled_out
+
+
+def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero():
     wanted = {}
     cluster = Cluster(_model(initial_state="cold"), wanted)
     assert cluster.tick() == 0
@@ -145,9 +173,8 @@ def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero(monkey
     assert cluster.tick() == 0  # ...and to zero on the next tick, not after downscale_delay_s
 
 
-def test_an_unload_waits_for_in_flight_requests_but_not_forever(monkeypatch):
+def test_an_unload_waits_for_in_flight_requests_but_not_forever():
     """Zero replicas with a request in flight would make Serve start a replica for it at once."""
-    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
     wanted = {("llm", "model-x"): WantedRecord("cold", 1000.0, "admin")}
     cluster = Cluster(_model(graceful_shutdown_timeout_s=120), wanted)
     cluster.running = cluster.target = 2
@@ -156,11 +183,10 @@ def test_an_unload_waits_for_in_flight_requests_but_not_forever(monkeypatch):
     assert cluster.tick(requests=0, now=1061) == 1  # drained: down (Serve's 1-then-0 steps)
     assert cluster.tick(requests=0, now=1061.1) == 0
     cluster.running = cluster.target = 1
-    assert cluster.tick(requests=1, now=1121) == 0  # a request stuck past the drain timeout
+    assert cluster.tick(requests=1, now=1000 + REQUEST_TIMEOUT_S + 1) == 0  # a request stuck longer than any may last
 
 
-def test_while_loaded_it_autoscales_with_the_regions_delays(monkeypatch):
-    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
+def test_while_loaded_it_autoscales_with_the_regions_delays():
     cluster = Cluster(_model(), {})
     start = 1000.0
     assert cluster.tick(requests=0, now=start) == 1
@@ -173,9 +199,9 @@ def test_while_loaded_it_autoscales_with_the_regions_delays(monkeypatch):
     assert cluster.tick(requests=0, now=start + 2000) == 1
 
 
-def test_a_kv_outage_keeps_the_last_known_state(monkeypatch):
-    monkeypatch.setattr("serve_app.hot_load.autoscaling.WANTED_REFRESH_S", 0)
+def test_a_kv_outage_keeps_the_last_known_state():
     policy = HotLoadPolicy(1, "cold", 0, 0)
+    policy.wanted_refresh_s = 0
     policy._read = lambda app, deployment: WantedRecord("loaded", 1.0, "admin")
     ctx = SimpleNamespace(app_name="llm", deployment_name="d")
     assert policy._wanted_record(ctx).state == "loaded"
@@ -196,13 +222,16 @@ class FakeServe:
         self.kv: dict = {}
 
     def status(self):
-        deployments = {
-            name: SimpleNamespace(
-                replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message=self.messages.get(name, "")
-            )
+        """As ``serve.status()`` says it: each model's deployment in an application of its own."""
+        applications = {
+            model_app_name("llm", name.removeprefix("model-")): SimpleNamespace(deployments={
+                name: SimpleNamespace(
+                    replica_states=counts, status=self.statuses.get(name, "HEALTHY"), message=self.messages.get(name, "")
+                )
+            })
             for name, counts in self.replicas.items()
         }
-        return SimpleNamespace(applications={"llm": SimpleNamespace(deployments=deployments)})
+        return SimpleNamespace(applications=applications)
 
     def read(self, app, deployment):
         return self.kv.get((app, deployment))
@@ -279,7 +308,7 @@ def test_load_and_unload_write_the_wanted_state_and_update_the_view():
         await states.refresh()
         loading = await states.set_wanted(SIBLING, "loaded", by="key-admin")
         assert loading.state == "loading"
-        assert fake.kv[("llm", "model-" + SIBLING)].by == "key-admin"
+        assert fake.kv[(model_app_name("llm", SIBLING), "model-" + SIBLING)].by == "key-admin"
         with pytest.raises(APIError) as err:
             states.require_serving(SIBLING, "r")
         assert err.value.code == "model_loading"
@@ -300,7 +329,7 @@ def test_another_routers_change_is_seen_on_refresh():
     fake = FakeServe()
     states = _states(fake)
     asyncio.run(states.refresh())
-    fake.write("llm", "model-" + MODEL, "cold", "elsewhere")
+    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "elsewhere")
     asyncio.run(states.refresh())
     assert states.get(MODEL).wanted == "cold"
 
@@ -316,7 +345,7 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
     asyncio.run(states.refresh())
     assert states.get(MODEL).state == "loaded" and len(calls) == 1
     assert not states._status_may_have_changed(states._read_all())  # steady: the KV read only
-    fake.write("llm", "model-" + MODEL, "cold", "elsewhere")
+    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "elsewhere")
     assert states._status_may_have_changed(states._read_all())  # an unload elsewhere: read it
     states._status_read_at -= model_states.STATUS_MAX_AGE_S + 1
     fake.kv.clear()
@@ -369,5 +398,45 @@ def test_health_answers_from_the_last_view_while_serve_is_slow_to_say():
         await asyncio.sleep(0.7)
         assert states.get(MODEL).state == "recovering"  # the refresh it started has landed
         states.stop()
+
+    asyncio.run(scenario())
+
+
+def test_each_model_is_followed_in_its_own_application():
+    """Serve's status lists each model's deployment under its own application; a deployment of
+    the same name in another application (another region on the host) is someone else's."""
+    fake = FakeServe()
+    states = _states(fake)
+    status = fake.status()
+    status.applications["peer-" + MODEL] = SimpleNamespace(deployments={
+        "model-" + MODEL: SimpleNamespace(replica_states={}, status="HEALTHY", message="")
+    })
+    del status.applications[model_app_name("llm", SIBLING)]  # not deployed yet
+    states._serve_status = lambda: status
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).state == "loaded"  # ours runs; the peer's cold one is not ours
+    assert states.get(SIBLING).state == "cold"  # its initial state until Serve reports it
+    assert states.locations[SIBLING] == ("llm-" + SIBLING, "model-" + SIBLING)
+
+
+def test_models_joining_and_leaving_the_settings_are_followed_in_place():
+    fake = FakeServe()
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read=fake.read, write=fake.write)
+
+    async def scenario():
+        await states.refresh()
+        states.set_models([ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)])
+        assert states.get(SIBLING).state == "loading"  # wanted loaded, no replica seen yet
+        assert states._status_may_have_changed(states._read_all())  # a model joined: ask Serve
+        fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
+        await states.refresh()
+        assert states.get(SIBLING).state == "loaded"
+        await states.set_wanted(SIBLING, "cold", by="key-admin")
+        assert (model_app_name("llm", SIBLING), "model-" + SIBLING) in fake.kv
+        states.set_models([ModelDeploymentArgs(id=SIBLING)])  # MODEL left the settings
+        fake.replicas["model-" + MODEL] = {}
+        await states.refresh()
+        assert states.get(MODEL).state == "loaded"  # its last state, for requests on their way
+        assert set(states.locations) == {SIBLING}
 
     asyncio.run(scenario())

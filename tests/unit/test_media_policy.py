@@ -10,7 +10,8 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.renderers.chat_utils import has_non_text_content
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app.app import model_deployment_options
+from serve_app.app import model_actor_options
+from serve_app.regions.layout import region_args
 from serve_app.config import MEDIA_OFF_HOST, MediaPolicy, ModelDeploymentArgs, parse_app_args
 from serve_app.regions import schema as regions
 from serve_app.regions import serve_config
@@ -84,7 +85,7 @@ def test_the_engine_follows_no_redirect_whatever_the_config_says(monkeypatch):
     import vllm.envs
 
     model = ModelDeploymentArgs(id=MODEL, resources={"env": {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1", "A": "b"}})
-    env = model_deployment_options(model)["ray_actor_options"]["runtime_env"]["env_vars"]
+    env = model_actor_options(model)["runtime_env"]["env_vars"]
     assert env == {"A": "b", "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
     assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS" in vllm.envs.environment_variables  # still vLLM's switch
     monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"])
@@ -133,7 +134,7 @@ def test_regions_keep_media_off_unless_their_file_says_otherwise():
     for region in regions.load_regions(REPO / "regions").values():
         assert not region.media.enabled, region.id  # none allows media today
     for config in sorted((REPO / "configs").glob("*.yaml")):
-        args = parse_app_args(yaml.safe_load(config.read_text())["applications"][0]["args"])
+        args = parse_app_args(region_args(yaml.safe_load(config.read_text())))
         for model in args.models:
             assert parse_flags(model).allowed_media_domains == [MEDIA_OFF_HOST], config.name
 

@@ -8,9 +8,9 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from serve_app import catalog
-from serve_app.app import model_deployment_options
+from serve_app.app import model_actor_options
 from serve_app.config import parse_app_args
-from serve_app.hot_load.autoscaling import POLICY_PATH
+from serve_app.regions.layout import POLICY_PATH, model_app_name, model_serve_options
 from tests.conftest import REPO, app_args, load_serve_config
 
 BLACKWELL = {"B200", "B300", "GB200", "GB300", "RTX-PRO-6000"}
@@ -26,11 +26,14 @@ def test_region_config_runs_the_production_checkpoint_on_a_blackwell_gpu(name):
     config = load_serve_config(name)
     args = parse_app_args(app_args(config))
     assert args.region == Path(name).stem
+    deployed = {app["name"]: app for app in config["applications"]}
     for model in args.models:
         entry = catalog.get(model.id)
-        options = model_deployment_options(model)
-        assert 0 < options["ray_actor_options"]["num_gpus"] <= 1  # a GPU, or a share of one
-        assert options["ray_actor_options"]["accelerator_type"] in BLACKWELL
+        (options,) = deployed[model_app_name("llm", model.id)]["deployments"]  # what Serve applies
+        assert options == model_serve_options(model)
+        actor = model_actor_options(model)
+        assert 0 < actor["num_gpus"] <= 1  # a GPU, or a share of one
+        assert actor["accelerator_type"] in BLACKWELL
         assert model.engine.source is None, "regions serve the catalog's checkpoint"
         flags = make_arg_parser(FlexibleArgumentParser()).parse_args(
             model.engine_cli_args(entry.hf_repo)
@@ -49,10 +52,8 @@ def test_region_config_runs_the_production_checkpoint_on_a_blackwell_gpu(name):
         assert scaling["min_replicas"] == 0 and scaling["policy"]["policy_function"] == POLICY_PATH
         loaded_floor = scaling["policy"]["policy_kwargs"]["min_replicas"]
         assert 1 <= loaded_floor <= scaling["max_replicas"]
-        if model.initial_state == "loaded":
-            assert loaded_floor <= scaling["initial_replicas"] <= scaling["max_replicas"]
-        else:
-            assert scaling["initial_replicas"] == 0
+        assert "initial_replicas" not in scaling  # Serve would reset the target to it on every change
+        assert loaded_floor <= scaling["policy"]["policy_kwargs"]["initial_replicas"] <= scaling["max_replicas"]
         assert scaling["target_ongoing_requests"] <= options["max_ongoing_requests"]
         assert options["max_queued_requests"] > 0
         if flags.max_num_seqs is not None:

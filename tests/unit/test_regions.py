@@ -17,7 +17,7 @@ from serve_app import catalog
 from serve_app.regions import render as region_render
 from serve_app.regions import schema as regions
 from serve_app.regions import serve_config
-from serve_app.app import model_deployment_options
+from serve_app.regions.layout import autoscaling_config
 from serve_app.config import parse_app_args
 from serve_app.regions.cli import app as regions_app
 from serve_app.regions.cli import drift
@@ -174,8 +174,8 @@ def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
     data["models"][0]["state"] = "cold"
     model, *_ = serve_config.app_args(regions.parse_region(data))["models"]
     assert model["initial_state"] == "cold"
-    options = model_deployment_options(parse_app_args({"models": [model], "region": "local"}).models[0])
-    assert options["autoscaling_config"]["initial_replicas"] == 0
+    scaling = autoscaling_config(parse_app_args({"models": [model], "region": "local"}).models[0])
+    assert scaling["min_replicas"] == 0 and scaling["policy"]["policy_kwargs"]["initial_state"] == "cold"
 
 
 def test_yul_02_keeps_its_pilot_settings():
@@ -183,7 +183,8 @@ def test_yul_02_keeps_its_pilot_settings():
     args = app_args(config)
     assert config["proxy_location"] == "EveryNode"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
-    assert args["router"] == {"num_replicas": 2, "num_cpus": 1}
+    # The Router's deployment options are written whole: a default Serve would pick is still ours.
+    assert args["router"] == {"num_replicas": 2, "num_cpus": 1, "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": 600}
     model, embedding = args["models"]
     assert model == {
         "id": "qwen-3.6-35b-a3b",
@@ -294,7 +295,7 @@ def test_render_follows_a_region_edit_and_removes_a_removed_regions_files(repo_c
     assert runner.invoke(regions_app, ["check", "--repo", str(repo_copy)]).exit_code == 0
     assert not (repo_copy / "configs" / "fra-01.yaml").exists()
     assert not (repo_copy / "terraform" / "regions" / "fra-01").exists()
-    assert (repo_copy / "configs" / "local.yaml").exists()  # hand-written configs are left alone
+    assert (repo_copy / "configs" / "local.yaml").exists()  # rendered from regions/local/serve.yaml
     assert "max_replicas: 3" in (repo_copy / "configs" / "yvr-01.yaml").read_text()
 
 

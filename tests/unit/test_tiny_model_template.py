@@ -149,6 +149,16 @@ def test_idempotent_and_deterministic(model_dir, tmp_path):
     assert not leftovers  # no temp dirs left behind
 
 
+def test_another_seed_is_the_same_model_with_other_weights(model_dir, tmp_path):
+    """What the fault suite deploys as a weights upgrade (serve_app/faults/redeploy.py)."""
+    other = ensure_tiny_model(tmp_path / "seed1", seed=1)
+    for name in ("tokenizer.json", "config.json"):
+        assert sha256(other / name) == sha256(model_dir / name), name
+    assert sha256(other / "model.safetensors") != sha256(model_dir / "model.safetensors")
+    assert (other / STAMP_FILE).read_text().strip() == f"{GENERATOR_VERSION}+seed1"
+    assert (model_dir / STAMP_FILE).read_text().strip() == GENERATOR_VERSION  # seed 0's stamp as before
+
+
 @pytest.fixture(scope="module")
 def model(model_dir):
     from transformers import AutoModelForCausalLM

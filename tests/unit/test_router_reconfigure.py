@@ -1,0 +1,162 @@
+"""A ``serve deploy`` that changes the router's settings reaches the running router replicas as a
+new ``user_config`` (``Router.reconfigure``, ``Services.reconfigure``): applied in place, while
+requests run, without losing what the replica holds. The real router on a fake engine
+(``router_app.py``); Serve's call of ``reconfigure`` is made here directly."""
+
+import asyncio
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from auth_support import MODEL, OTHER_MODEL, bearer
+from fake_engine import FakeEngine
+from router_app import InProcessHandle
+from serve_app.config import AppArgs
+from serve_app.regions.layout import merge_settings, split_startup
+from serve_app.router import ingress
+
+CHAT = "/v1/chat/completions"
+
+
+def _settings(args: AppArgs) -> tuple[dict, dict]:
+    """The router's args and user_config for ``args``, as the layout splits them."""
+    return split_startup(args.model_dump(mode="json", exclude_unset=True))
+
+
+def _changed(app, change) -> AppArgs:
+    startup, settings = _settings(app.services.args)
+    change(settings)
+    return AppArgs.model_validate(merge_settings(startup, settings))
+
+
+def _stream_lines(response):
+    return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_settings_change_mid_stream_is_applied_in_place_and_the_stream_finishes(router_app):
+    engine = FakeEngine(tokens=40, latency_s=0.02)
+    app = router_app(engine=engine, models=(MODEL,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    before = {name: getattr(app.services, name) for name in ("auth", "meter", "forwarder", "responses", "states", "in_flight")}
+    added = []
+
+    def handle_for(model_id):
+        """Serve's handle to the model's deployment, whose ``options(stream=True)`` the router calls."""
+        added.append(model_id)
+        return SimpleNamespace(options=lambda stream: InProcessHandle(app.handles[MODEL].server))
+
+    def change(settings):
+        settings["auth"]["cache_ttl_s"] = 2
+        settings["auth"]["tiers"]["standard"]["requests_per_minute"] = 700
+        settings["failover"] = {"peers": [{"region": "peer", "endpoint": "http://127.0.0.1:9/peer"}], "connect_timeout_s": 1}
+        settings["responses"] = {"retention_hours": 1}
+        settings["usage"] = {"flush_interval_s": 0.5}
+        settings["models"].append({"id": OTHER_MODEL, "default_max_tokens": 64})
+
+    body = {"model": MODEL, "max_tokens": 40, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with app.client.stream("POST", CHAT, json=body, headers=bearer(key)) as response:
+        lines = iter(response.iter_lines())
+        first = next(line for line in lines if line.startswith("data: "))  # the stream is under way
+        assert app.services.in_flight.load(MODEL, 1)["in_flight"] == 1
+        changed = app.run(app.services.reconfigure, _changed(app, change), handle_for)
+        assert app.services.in_flight.load(MODEL, 1)["in_flight"] == 1  # its count survived
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert response.status_code == 200 and json.loads(first[6:])["choices"]
+    assert rest[-1] == "data: [DONE]" and engine.closed_early == 0  # finished, nothing aborted
+    assert sorted(changed) == ["auth", "failover", "models", "responses", "usage"]
+
+    services = app.services
+    # Rebuilt: the authenticator (its key cache and keyset view), on the same rate limiter.
+    assert services.auth is not before["auth"] and services.auth.limiter is before["auth"].limiter
+    assert services.auth.args.tiers["standard"].requests_per_minute == 700
+    # Re-set in place: the ledger (its pending records), the stored responses, the peers.
+    for name in ("meter", "forwarder", "responses", "states", "in_flight"):
+        assert getattr(services, name) is before[name], name
+    assert services.meter.budgets.cache_ttl_s == 2 and services.meter.ledger.flush_interval_s == 0.5
+    assert services.responses.store.retention_ms == 3_600_000
+    assert [p.region for p in services.forwarder.peers] == ["peer"]
+    # The model that joined has a handle (asked for once) and is listed and served.
+    assert added == [OTHER_MODEL]
+    assert services.models[OTHER_MODEL].default_max_tokens == 64
+    listed = app.client.get("/v1/models", headers=bearer(key)).json()["data"]
+    assert {card["id"] for card in listed} == {MODEL, OTHER_MODEL}
+    # The request that ran across the change is billed once, by the meter that outlived it.
+    (row,) = app.recorded()
+    assert (row["status"], row["completion_tokens"]) == (200, 40)
+    again = app.client.post(CHAT, json={**body, "stream": False, "max_tokens": 4}, headers=bearer(key))
+    assert again.status_code == 200, again.text
+
+
+def test_a_model_the_settings_no_longer_list_is_not_served_but_its_requests_finish(router_app):
+    engine = FakeEngine(tokens=30, latency_s=0.02)
+    app = router_app(engine=engine)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": OTHER_MODEL, "max_tokens": 30, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+    def without_other(settings):
+        settings["models"] = [m for m in settings["models"] if m["id"] != OTHER_MODEL]
+
+    with app.client.stream("POST", CHAT, json=body, headers=bearer(key)) as response:
+        lines = iter(response.iter_lines())
+        next(line for line in lines if line.startswith("data: "))
+        app.run(app.services.reconfigure, _changed(app, without_other), lambda model_id: pytest.fail("no new handle"))
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    gone = app.client.post(CHAT, json={**body, "stream": False}, headers=bearer(key))
+    assert (gone.status_code, gone.json()["error"]["code"]) == (404, "model_not_found")
+    listed = app.client.get("/v1/models", headers=bearer(key)).json()["data"]
+    assert [card["id"] for card in listed] == [MODEL]
+    health = app.client.get("/health").json()
+    assert set(health["models"]) == {MODEL}
+
+
+def test_settings_read_at_start_are_refused_in_place(router_app):
+    """Serve never sends them this way (they are the router application's args, whose change
+    restarts the replica); Services refuses them rather than half-apply them."""
+    app = router_app()
+    moved = app.services.args.model_copy(update={"region": "elsewhere"})
+    with pytest.raises(ValueError, match="read when a router replica starts"):
+        app.run(app.services.reconfigure, moved, lambda model_id: None)
+    assert app.services.region == "local"
+
+
+ROUTER = ingress.Router.func_or_class  # the replica's class; its methods run on a stand-in here
+
+
+def _router(app) -> SimpleNamespace:
+    """A Router replica's state, as its __init__ and first reconfigure leave it, on this app."""
+    startup, _ = _settings(app.services.args)
+    return SimpleNamespace(app_name="llm", replica="router-1", startup=startup, services=app.services,
+                           handle=lambda model_id: pytest.fail("no new model here"))
+
+
+def test_an_invalid_user_config_leaves_the_running_router_as_it_was(router_app, caplog):
+    """Raising would make Serve stop the replica, and its replacement would fail the same way:
+    the region would lose its routers for a typo. The replica keeps serving and says why."""
+    app = router_app()
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    router = _router(app)
+    auth = app.services.auth
+    _, settings = _settings(app.services.args)
+    caplog.set_level(logging.ERROR)
+    app.run(ROUTER.reconfigure, router, {**settings, "failover": {"max_attempts": 0}})
+    app.run(ROUTER.reconfigure, router, {**settings, "auht": {}})
+    assert app.services.auth is auth
+    assert [r.levelno for r in caplog.records if "user_config is invalid" in r.getMessage()] == [logging.ERROR] * 2
+    assert "failover.max_attempts" in caplog.text and "auht" in caplog.text
+    chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert app.client.post(CHAT, json=chat, headers=bearer(key)).status_code == 200
+
+
+def test_a_router_without_a_user_config_fails_its_health_check_and_says_where_settings_go():
+    with pytest.raises(RuntimeError, match="no user_config"):
+        asyncio.run(ROUTER.check_health(SimpleNamespace(services=None)))
+
+
+def test_the_first_user_config_must_be_valid():
+    """A replica that starts on bad settings fails to start (Serve keeps the old ones serving
+    while a replacement fails: the deployment surges)."""
+    with pytest.raises(ValueError, match="models"):
+        asyncio.run(ROUTER.reconfigure(SimpleNamespace(services=None, startup={"region": "local"}), {"auth": {}}))
