@@ -117,19 +117,15 @@ def test_an_engine_that_would_die_of_a_seed_refuses_it_with_a_400_naming_it():
 
 # --- through the real router ---------------------------------------------------------------------
 def test_every_generating_route_reports_the_engines_cached_tokens_in_pg_metadata(router_app):
-    from auth_support import MODEL, bearer
+    from auth_support import bearer
     from fake_engine import FakeEngine
+    from serve_app.surfaces import BY_NAME
     from serve_app.wire.sse import data_of
+    from test_cache_isolation import BODY, GENERATING
 
     app = router_app(engine=FakeEngine(tokens=3, prompt_tokens=40, cached_tokens=32))
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
-    user = [{"role": "user", "content": "hi"}]
-    bodies = {
-        "/v1/chat/completions": {"model": MODEL, "messages": user},
-        "/v1/completions": {"model": MODEL, "prompt": "hi"},
-        "/v1/responses": {"model": MODEL, "input": "hi"},
-        "/v1/messages": {"model": MODEL, "max_tokens": 8, "messages": user},
-    }
+    bodies = {BY_NAME[name].route: BODY[name] for name in GENERATING}
     for route, body in bodies.items():
         whole = app.client.post(route, json=body, headers=bearer(key))
         assert whole.status_code == 200, (route, whole.text)
