@@ -36,12 +36,11 @@ LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
 # The router replica's own process. Its FastAPI code, Serve's handle router and the direct-ingress
 # HTTP server share one event loop, so a relayed read is one ASGI send on the loop that owns the
 # client socket, not a message handed across threads (-25 % router CPU, docs/architecture.md).
-# A request waiting in Serve's queue for a free replica re-polls with a backoff that grows to
-# 0.5 s by default, leaving a freed slot idle that long; 50 ms keeps it busy at small cost.
+# (How soon a request waiting for a free replica polls again is the model deployment's
+# request_router_config, serve_app/config.py ROUTER_BACKOFF_S: Serve 2.60 reads it there.)
 ROUTER_PROCESS_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_ROUTER_RETRY_MAX_BACKOFF_S": "0.05",
 }
 
 

@@ -24,7 +24,8 @@ from serve_app.auth.principal import Principal
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
 from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
-from serve_app.bench import cli as bench_cli
+from serve_app.bench import agent_report, cli as bench_cli
+from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import layout
@@ -44,6 +45,7 @@ app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
 app.command("idle")(bench_cli.idle)
+app.command("bench-agent")(agent_report.command)
 app.command("faults")(faults_cli.command)
 app.command("gpu-smoke")(gpu_smoke.command)
 app.command("image-lock")(image_lock.command)

@@ -61,6 +61,45 @@ class Autoscaling(Settings):
         return self
 
 
+class Routing(Settings):
+    """How the router replicas pick a model replica for each request: Serve's request router for
+    the model's deployment (serve_app/routing/router.py; docs/operations.md, "Request routing")."""
+
+    # prefix_affinity: a session, then the longest cached prefix, within the load bounds below;
+    # default: Serve's own power of two choices.
+    policy: Literal["prefix_affinity", "default"] = "prefix_affinity"
+    # A replica this full (of max_ongoing_requests) takes no affinity request...
+    saturated_fraction: float = Field(0.5, gt=0, le=1)
+    # ...nor one for a prefix when it is this much fuller than the least loaded replica.
+    max_imbalance_fraction: float = Field(0.25, ge=0, le=1)
+    # A prefix shorter than this share of the prompt does not count.
+    min_match_fraction: float = Field(0.1, ge=0, le=1)
+    block_chars: int = Field(256, ge=16)  # the index's block of prompt characters (≈ 64 tokens)
+    # What one engine's prefix cache holds, in prompt characters (~4 × its KV capacity in tokens).
+    replica_cache_chars: int = Field(2_000_000, ge=1)
+    max_index_blocks: int = Field(100_000, ge=1)  # the index's bound, every replica together
+    max_sessions: int = Field(100_000, ge=1)  # session pins kept (LRU)
+    # A session whose key falls in the default arm is routed by Serve's policy: the A/B of
+    # `serve-app bench-agent --routing` on one deployment.
+    compare_with_default: bool = False
+
+
+# How soon Serve's router polls again for a free replica when every one it ranked was full
+# (Serve: 25 ms, doubling to 0.5 s); a slot frees every engine step, so waits stay short.
+ROUTER_BACKOFF_S = {"initial_backoff_s": 0.005, "backoff_multiplier": 2.0, "max_backoff_s": 0.05}
+
+
+def request_router_config(routing: Routing) -> dict[str, Any]:
+    """The model deployment's ``request_router_config`` (Serve's ``RequestRouterConfig``)."""
+    config: dict[str, Any] = dict(ROUTER_BACKOFF_S)
+    if routing.policy == "prefix_affinity":
+        config |= {
+            "request_router_class": "serve_app.routing.router:PrefixAffinityRouter",
+            "request_router_kwargs": routing.model_dump(exclude={"policy"}),
+        }
+    return config
+
+
 class Resources(Settings):
     """What one model replica asks Ray for. GPU replicas pin a Blackwell type per region."""
 
@@ -177,6 +216,7 @@ class ModelDeploymentArgs(Settings):
     engine: EngineOverrides = Field(default_factory=EngineOverrides)
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     resources: Resources = Field(default_factory=Resources)
+    routing: Routing = Field(default_factory=Routing)
     # Requests one replica admits into vLLM at once: the engine batches them continuously.
     max_ongoing_requests: int = Field(32, ge=1)
     # Requests a router may hold waiting for a replica before it sheds load (503, Retry-After).

@@ -87,6 +87,16 @@ def _usage(prompt: int | None, completion: int | None) -> Body | None:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def anthropic_prompt_tokens(usage: Body) -> int | None:
+    """The whole prompt of an Anthropic usage object: Anthropic (and vLLM's layer for it) leaves
+    the tokens read from or written to the prefix cache out of ``input_tokens``; the request
+    record and the bill count them."""
+    if usage.get("input_tokens") is None:
+        return None
+    cache = (usage.get("cache_read_input_tokens") or 0) + (usage.get("cache_creation_input_tokens") or 0)
+    return usage["input_tokens"] + cache
+
+
 class ResponsesOutput:
     """OpenAI Responses: vLLM yields event objects, which are shaped and framed here."""
 
@@ -168,7 +178,7 @@ class MessagesOutput:
         usage = response.get("usage") or {}
         return Trailer(
             timing=trailer.engine_timing(response.pop("metrics", None)),
-            usage=_usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            usage=_usage(anthropic_prompt_tokens(usage), usage.get("output_tokens")),
             finish_reasons=(response["stop_reason"],) if response.get("stop_reason") else (),
         )
 
@@ -210,7 +220,8 @@ class MessagesStream:
         if name in ("message_start", "message_delta"):
             data = json.loads(event[event.find("data: ") + 6:])
             usage = (data.get("message") or data).get("usage") or {}
-            self._prompt = usage.get("input_tokens", self._prompt)
+            if (prompt := anthropic_prompt_tokens(usage)) is not None:
+                self._prompt = prompt
             self._completion = usage.get("output_tokens", self._completion)
             if stop := (data.get("delta") or {}).get("stop_reason"):
                 self._stop = [stop]

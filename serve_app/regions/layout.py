@@ -39,7 +39,7 @@ where a config is not what its settings render. Nothing here imports Ray.
 import copy
 from typing import Any
 
-from serve_app.config import REQUEST_TIMEOUT_S, AppArgs, ModelDeploymentArgs, parse_app_args
+from serve_app.config import REQUEST_TIMEOUT_S, AppArgs, ModelDeploymentArgs, parse_app_args, request_router_config
 
 ROUTER_DEPLOYMENT = "Router"
 ROUTER_APP = "llm"
@@ -167,6 +167,7 @@ def model_serve_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         "health_check_timeout_s": model.health_check_timeout_s,
         "max_surge_percent": SURGE_PERCENT,
         "autoscaling_config": autoscaling_config(model),
+        "request_router_config": request_router_config(model.routing),
     }
 
 

@@ -25,6 +25,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import Response
 
+from serve_app import routing
 from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
@@ -190,9 +191,12 @@ async def call(ctx: Context) -> Head:
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
         previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,
+        # The conversation it continues: the model's request router keeps it on one replica.
+        session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),
     )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()
+    ctx.record.note_routing(routing.take_decision(ctx.id))  # how that replica was chosen
     # Call → head, less the replica's own work before the head: Serve's queue and its two hops.
     ctx.record.note_router_queue(ctx.call.waited_ms - (head.replica_ms or 0.0))
     if isinstance(head, Accepted):

@@ -15,6 +15,8 @@ Exported series (Prometheus names):
 - ``ray_serve_app_inference_time_seconds`` (histogram): the ``inference`` span (prefill + decode)
 - ``ray_serve_app_request_latency_seconds`` (histogram, + ``status``): the server span, end to end
 - ``ray_serve_app_input_tokens_total`` / ``ray_serve_app_output_tokens_total`` (counters)
+- ``ray_serve_app_cached_input_tokens_total`` (counter): prompt tokens served from the engine's
+  prefix cache (part of the input tokens); the cache-hit ratio is its rate over the input's
 - ``ray_serve_app_requests_total`` (counter, + ``status``): every request on an inference route
 - ``ray_serve_app_errors_total`` (counter, + ``status``, ``code``): responses with status ≥ 400
 - ``ray_serve_app_failovers_total`` (counter, + ``reason``, ``served_by``): requests this region
@@ -50,6 +52,7 @@ INFERENCE = "serve_app_inference_time_seconds"
 LATENCY = "serve_app_request_latency_seconds"
 INPUT_TOKENS = "serve_app_input_tokens_total"
 OUTPUT_TOKENS = "serve_app_output_tokens_total"
+CACHED_INPUT_TOKENS = "serve_app_cached_input_tokens_total"
 REQUESTS = "serve_app_requests_total"
 ERRORS = "serve_app_errors_total"
 FAILOVERS = "serve_app_failovers_total"
@@ -75,6 +78,7 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     INPUT_TOKENS: ("Prompt tokens processed.", LABELS),
     OUTPUT_TOKENS: ("Completion tokens generated.", LABELS),
+    CACHED_INPUT_TOKENS: ("Prompt tokens served from the engine's prefix cache (included in input tokens).", LABELS),
     REQUESTS: ("Inference requests answered, by HTTP status.", LABELS_WITH_STATUS),
     ERRORS: ("Inference requests answered with status >= 400, by status and error code.", ERROR_LABELS),
     FAILOVERS: ("Inference requests forwarded to a peer region, by reason and serving region.", FAILOVER_LABELS),
@@ -159,6 +163,8 @@ class RequestMetrics:
             m[INPUT_TOKENS].inc(record.input_tokens, tags=tags)
         if record.output_tokens:
             m[OUTPUT_TOKENS].inc(record.output_tokens, tags=tags)
+        if record.cached_tokens:
+            m[CACHED_INPUT_TOKENS].inc(record.cached_tokens, tags=tags)
 
 
 def _code(value: str) -> str:

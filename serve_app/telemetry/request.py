@@ -33,6 +33,7 @@ class RequestTelemetry:
                 trailer.timing, usage=trailer.usage, finish_reasons=list(trailer.finish_reasons),
                 replica=trailer.replica,
             )
+            self.record.cached_tokens = trailer.generated.cached_tokens  # the replica's count, every surface
 
     def finish(self, status: int, error_type: str | None = None) -> Split:
         """Stop the server clock (its first call only; a later one may still correct the status)."""

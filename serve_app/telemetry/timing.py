@@ -77,6 +77,7 @@ class RequestRecord:
     decode_ms: float | None = None
     input_tokens: int | None = None
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache
     finish_reasons: list[str] = field(default_factory=list)
     response_id: str | None = None  # chatcmpl-… / cmpl-…
     model_replica: str | None = None  # the model replica (Serve replica tag) that ran inference
@@ -85,6 +86,9 @@ class RequestRecord:
     resumes: int = 0  # times its stream was resumed on another replica after its engine failed
     resumes_given_up: int = 0  # engine failures mid-stream it could not be resumed from
     resumed_in: str | None = None  # the peer region that continued its stream, if one did
+    # The model deployment's request router's decision (serve_app.routing.decisions.Decision:
+    # policy, reason, replica, matched_chars, prompt_chars), None when it made none.
+    routing: Any = None
     server_ms: float | None = None  # set once, by finish()
 
     @classmethod
@@ -155,6 +159,12 @@ class RequestRecord:
             self.response_id = response_id
         if replica is not None:
             self.model_replica = replica
+
+    def note_routing(self, decision: Any) -> None:
+        """How the request router chose the model replica (``routing.take_decision``'s; None:
+        it published none, and an earlier one is kept)."""
+        if decision is not None:
+            self.routing = decision
 
     def note_router_queue(self, waited_ms: float) -> None:
         """Handle call → head, less the replica's own time before the head (router clock)."""
@@ -249,7 +259,8 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     ``inference_total_ms`` is prefill + decode (first scheduled → last token). Both are None when
     the engine reported no timing. ``network_ms + queue_ms + inference_total_ms == server_ms``.
     ``replica`` is the model replica that ran the request (None if it never reached one),
-    ``router_replica`` the router replica that answered.
+    ``router_replica`` the router replica that answered; ``cached_tokens`` (when the engine
+    reported) the prompt tokens its prefix cache served.
     """
     metadata = {
         "inference_ttft_ms": _ms(split.prefill_ms),
@@ -264,6 +275,8 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
         "alias": record.alias,
         "trace_id": trace_id,
     }
+    if record.cached_tokens is not None:  # of the prompt's tokens, those the prefix cache held
+        metadata["cached_tokens"] = record.cached_tokens
     if record.resumes:  # the stream went on from another replica after its engine failed
         metadata["resumes"] = record.resumes
         if record.resumed_in is not None:  # in a peer region

@@ -268,7 +268,7 @@ def finish_request_spans(request: RequestTrace, split: Split | None = None) -> S
             SPAN_INFERENCE,
             context=parent,
             start_time=at(inference_start),
-            attributes={**common, **_genai_attributes(record), **_inference_attributes(split)},
+            attributes={**common, **_genai_attributes(record), **_routing_attributes(record), **_inference_attributes(split)},
         )
         if split.prefill_ms is not None:
             inference.add_event(
@@ -369,6 +369,8 @@ def _genai_attributes(record: RequestRecord) -> dict[str, Any]:
         attributes["gen_ai.usage.input_tokens"] = record.input_tokens
     if record.output_tokens is not None:
         attributes["gen_ai.usage.output_tokens"] = record.output_tokens
+    if record.cached_tokens is not None:  # OpenTelemetry's GenAI name (incubating): part of input_tokens
+        attributes["gen_ai.usage.cache_read.input_tokens"] = record.cached_tokens
     if record.finish_reasons:
         attributes["gen_ai.response.finish_reasons"] = list(record.finish_reasons)
     if record.response_id is not None:
@@ -376,6 +378,20 @@ def _genai_attributes(record: RequestRecord) -> dict[str, Any]:
     if record.model_replica is not None:
         attributes["serve_app.model_replica"] = record.model_replica
     return attributes
+
+
+def _routing_attributes(record: RequestRecord) -> dict[str, Any]:
+    """The model deployment's request router's decision (docs/operations.md, "Request routing")."""
+    decision = record.routing
+    if decision is None:
+        return {}
+    return {
+        "serve_app.routing.policy": decision.policy,
+        "serve_app.routing.reason": decision.reason,
+        "serve_app.routing.replica": decision.replica,
+        "serve_app.routing.matched_chars": decision.matched_chars,
+        "serve_app.routing.prompt_chars": decision.prompt_chars,
+    }
 
 
 def _inference_attributes(split: Split) -> dict[str, Any]:
@@ -394,6 +410,7 @@ def _inference_attributes(split: Split) -> dict[str, Any]:
 def _server_attributes(record: RequestRecord, split: Split) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         **_genai_attributes(record),
+        **_routing_attributes(record),
         "http.response.status_code": record.status,
         "serve_app.stream": record.stream,
         "serve_app.server_ms": split.server_ms,

@@ -49,6 +49,10 @@ class Call:
     # A stream resumed on this replica after its engine failed elsewhere: the engine continues
     # the rendered prompt plus these tokens, and the stream starts where the client's stopped.
     resume: Resume | None = None
+    # The conversation the caller says this request continues (``routing.session_key``: the
+    # x-session-id header, prompt_cache_key, previous_response_id, metadata.user_id or user, in
+    # that order): the model deployment's request router keeps it on one replica.
+    session: str | None = None
 
     @property
     def stream(self) -> bool:

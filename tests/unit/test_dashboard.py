@@ -71,7 +71,8 @@ def test_the_dashboard_shows_latency_tokens_status_replicas_ongoing_and_shedding
         return any(m.removesuffix(s) == f"ray_{name}" for m in USED for s in ("", *HISTOGRAM_SUFFIXES))
 
     m = telemetry_metrics
-    for name in (m.TTFT, m.TPOT, m.QUEUE, m.INFERENCE, m.NETWORK, m.LATENCY, m.OUTPUT_TOKENS, m.REQUESTS, m.ERRORS):
+    for name in (m.TTFT, m.TPOT, m.QUEUE, m.INFERENCE, m.NETWORK, m.LATENCY, m.OUTPUT_TOKENS, m.CACHED_INPUT_TOKENS,
+                 m.REQUESTS, m.ERRORS):
         assert shown(name), name
     exprs = queries(DASHBOARD_JSON)
     assert any("by (region, status)" in e and m.REQUESTS in e for e in exprs)

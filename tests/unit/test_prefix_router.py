@@ -1,0 +1,241 @@
+"""The model deployments' request router (serve_app/routing/router.py) inside Serve's own routing
+loop: ``_choose_replica_for_request`` runs Ray's real selection (queue-length cache, probes,
+ranks, exact-match assignment) over fake replicas that answer queue-length probes; each routed
+request then gets the callbacks Serve's Router gives it (``on_send_request``,
+``on_request_routed``)."""
+
+import asyncio
+import uuid
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from serve_app.routing import decisions, session
+from serve_app.routing.router import PrefixAffinityRouter
+from serve_app.wire.messages import Call
+
+DEPLOYMENT = DeploymentID(name="model-qwen", app_name="llm")
+SYSTEM = "You are a coding agent. " + "Follow the repository's conventions and explain nothing twice. " * 60
+TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}}]
+
+
+class FakeReplica:
+    """What Serve's selection reads of a replica; ``ongoing`` is its own count of requests."""
+
+    def __init__(self, name: str, ongoing: int = 0, max_ongoing: int = 32):
+        self.replica_id = ReplicaID(name, DEPLOYMENT)
+        self.ongoing, self.max_ongoing_requests = ongoing, max_ongoing
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "node", None, set()
+        self.is_cross_language = False
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.ongoing
+
+
+class Harness:
+    def __init__(self, replicas: list[FakeReplica], **kwargs):
+        self.replicas = {r.replica_id.unique_id: r for r in replicas}
+        self.router = PrefixAffinityRouter(
+            deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True
+        )
+        self.router.initialize_state(**kwargs)
+        self.router.update_replicas(replicas)
+
+    async def route(self, call: Call, method: str = "chat") -> str:
+        """Route ``call`` as Serve's Router would, leave it running; the replica's name."""
+        metadata = RequestMetadata(request_id=call.request_id, internal_request_id=str(uuid.uuid4()), call_method=method)
+        pending = PendingRequest(args=[call], kwargs={}, metadata=metadata)
+        replica = await asyncio.wait_for(self.router._choose_replica_for_request(pending), 5)
+        self.router.on_send_request(replica.replica_id)
+        replica.ongoing += 1
+        self.router.on_request_routed(pending, replica.replica_id, None)
+        return replica.replica_id.unique_id
+
+    def finish(self, name: str) -> None:
+        replica = self.replicas[name]
+        replica.ongoing -= 1
+        self.router.decrement_queue_len_cache(replica.replica_id)
+
+    def load(self, name: str, ongoing: int) -> None:
+        """The replica's load as a fresh probe (or acceptance) would report it."""
+        self.replicas[name].ongoing = ongoing
+        self.router.on_new_queue_len_info(self.replicas[name].replica_id, ongoing)
+
+
+def chat(turns: list[str], *, salt: str = "owner-a", sess: str | None = None, system: str = SYSTEM) -> Call:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return Call({"model": "qwen", "messages": messages, "tools": TOOLS}, uuid.uuid4().hex, cache_salt=salt, session=sess)
+
+
+def run(scenario):
+    return asyncio.run(scenario())
+
+
+def test_a_conversations_next_turn_goes_to_the_replica_that_holds_its_prefix_and_the_span_is_told():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        first = await h.route(call1 := chat(["Fix the failing test in parser.py."]))
+        h.finish(first)
+        other = "b" if first == "a" else "a"
+        h.load(first, 3)  # busier than the other, but within the imbalance the policy allows (8)
+        second = await h.route(call2 := chat(["Fix the failing test in parser.py.", "Done: see the diff.", "Now lint it."]))
+        return first, other, second, decisions.take(call1.request_id), decisions.take(call2.request_id)
+
+    first, other, second, d1, d2 = run(scenario)
+    assert second == first
+    assert (d1.reason, d1.matched_chars, d1.replica) == ("least_loaded", 0, first)
+    assert d2.reason == "prefix" and d2.replica == first
+    # Everything turn 1 sent, to its last whole block, is known to be in that replica's cache.
+    assert d1.prompt_chars - 256 < d2.matched_chars <= d1.prompt_chars
+    assert decisions.take(d2.replica) is None  # taken once
+
+
+def test_a_saturated_replica_sheds_affinity_instead_of_queueing_the_turn_behind_it():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        first = await h.route(chat(["Refactor the router."]))
+        other = "b" if first == "a" else "a"
+        h.load(first, 16)  # half of max_ongoing 32: its engine's batch is full...
+        h.load(other, 10)  # ...and the other's is not, though within the imbalance allowed (8)
+        second = await h.route(call := chat(["Refactor the router.", "Which part?", "The retry loop."]))
+        return first, second, decisions.take(call.request_id)
+
+    first, second, decision = run(scenario)
+    assert second != first
+    assert (decision.reason, decision.matched_chars) == ("shed", 0)
+
+
+@pytest.mark.parametrize("busier, lands_on_holder", [(8, True), (9, False)])
+def test_a_prefix_is_followed_only_while_its_replica_is_within_the_imbalance_of_the_least_loaded(busier, lands_on_holder):
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        first = await h.route(chat(["Write the migration."]))
+        h.finish(first)
+        h.load(first, busier)  # 0.25 × 32 = 8 more than the other at most
+        return first, await h.route(chat(["Write the migration.", "Which table?", "users"]))
+
+    first, second = run(scenario)
+    assert (second == first) is lands_on_holder
+
+
+def test_one_owners_cached_prompt_is_never_anothers_affinity():
+    """The engine partitions its cache by cache_salt; the index does too, so owner B's identical
+    prompt is not sent after A's blocks (which B could never hit)."""
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        await h.route(chat(["Same words."], salt="owner-a"))
+        await h.route(call := chat(["Same words."], salt="owner-b"))
+        return decisions.take(call.request_id)
+
+    decision = run(scenario)
+    assert (decision.reason, decision.matched_chars) == ("least_loaded", 0)
+
+
+def test_a_named_session_stays_on_its_replica_and_moves_with_it_when_that_one_saturates():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        key = session.session_key({"x-session-id": "agent-7"}, {})
+        home = await h.route(chat(["Start."], sess=key))
+        h.finish(home)
+        h.load(home, 6)  # busier, but a pin only needs its replica unsaturated
+        unrelated = await h.route(one := chat(["A prompt sharing nothing."], sess=key, system="other"))
+        h.finish(unrelated)
+        h.load(home, 16)
+        moved = await h.route(two := chat(["Again."], sess=key, system="other"))
+        h.finish(moved)
+        h.load(home, 0)
+        h.load(moved, 5)
+        stays = await h.route(chat(["Once more."], sess=key, system="other"))
+        return home, unrelated, moved, stays, decisions.take(one.request_id), decisions.take(two.request_id)
+
+    home, unrelated, moved, stays, d1, d2 = run(scenario)
+    assert unrelated == home and d1.reason == "session"
+    assert moved != home and d2.reason == "shed"
+    assert stays == moved  # re-pinned where its history now is
+
+
+def test_sessions_of_two_owners_with_the_same_key_are_two_sessions():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        key = session.session_key({"x-session-id": "s"}, {})
+        home = await h.route(chat(["x"], salt="owner-a", sess=key))
+        await h.route(call := chat(["y"], salt="owner-b", sess=key, system="unrelated"))
+        return home, decisions.take(call.request_id)
+
+    _, decision = run(scenario)
+    assert decision.reason == "least_loaded"
+
+
+def test_a_responses_turn_continues_on_the_replica_of_the_response_it_continues():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        first = Call({"model": "qwen", "input": [{"role": "user", "content": "Plan the release."}]}, "r1", cache_salt="o")
+        home = await h.route(first, method="responses")
+        h.finish(home)
+        h.load(home, 4)
+        # The next turn names resp_r1; even a body sharing nothing with the first is pinned.
+        key = session.session_key({}, {}, previous_response_id=session.response_id("r1"))
+        nxt = Call({"model": "qwen", "input": [{"role": "user", "content": "zzz"}]}, "r2", cache_salt="o", session=key)
+        return home, await h.route(nxt, method="responses"), decisions.take("r2")
+
+    home, second, decision = run(scenario)
+    assert second == home and decision.reason == "session"
+
+
+def test_a_replica_that_leaves_takes_its_index_and_pins_with_it():
+    async def scenario():
+        a, b = FakeReplica("a"), FakeReplica("b")
+        h = Harness([a, b])
+        key = session.session_key({"x-session-id": "k"}, {})
+        home = await h.route(chat(["Hello there."], sess=key))
+        survivor = b if home == "a" else a
+        h.router.update_replicas([survivor])
+        await h.route(call := chat(["Hello there.", "Hi.", "Go on."], sess=key))
+        return survivor, decisions.take(call.request_id), h.router._index.size(h.replicas[home].replica_id)
+
+    survivor, decision, left_blocks = run(scenario)
+    assert decision.replica == survivor.replica_id.unique_id
+    assert decision.reason == "least_loaded" and left_blocks == 0
+
+
+def test_when_the_chosen_replica_turns_out_full_serve_falls_through_and_the_span_says_so():
+    async def scenario():
+        h = Harness([FakeReplica("a", max_ongoing=4), FakeReplica("b", max_ongoing=4)], saturated_fraction=2.0)
+        first = await h.route(chat(["Deploy it."]))
+        # The router's cache says 1, but the replica is full (another router's requests).
+        h.replicas[first].ongoing = 4
+        h.router._replica_queue_len_cache.invalidate_key(h.replicas[first].replica_id)
+        h.router.on_new_queue_len_info(h.replicas[first].replica_id, 4)
+        second = await h.route(call := chat(["Deploy it.", "Where?", "Staging."]))
+        return first, second, decisions.take(call.request_id)
+
+    first, second, decision = run(scenario)
+    assert second != first and decision.reason in ("fallback", "shed")
+
+
+def test_the_comparison_arm_routes_by_serves_default_and_says_so():
+    default_key = next(k for k in (f"h:bench-{i}" for i in range(100)) if session.compare_arm(k) == "default")
+    prefix_key = next(k for k in (f"h:bench-{i}" for i in range(100)) if session.compare_arm(k) == "prefix")
+
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")], compare_with_default=True)
+        await h.route(d := chat(["t"], sess=default_key))
+        await h.route(p := chat(["t"], sess=prefix_key))
+        return decisions.take(d.request_id), decisions.take(p.request_id)
+
+    default, ours = run(scenario)
+    assert (default.policy, default.reason) == ("default", "default")
+    assert ours.policy == "prefix_affinity" and ours.reason != "default"
+
+
+def test_a_request_that_is_not_a_call_is_routed_by_serves_policy():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        metadata = RequestMetadata(request_id="x", internal_request_id="y", call_method="check")
+        replica = await h.router._choose_replica_for_request(PendingRequest(args=[], kwargs={}, metadata=metadata))
+        return replica.replica_id.unique_id
+
+    assert run(scenario) in ("a", "b")
