@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from pydantic import ValidationError
+from ray import serve
 from ray.serve import Application
 
 from serve_app import catalog, haproxy
@@ -102,13 +103,26 @@ def build_router(args: dict[str, Any]) -> Application:
     ).bind(args)
 
 
+# Serve takes no num_replicas=0; scaled to zero, it starts none and nothing ever scales it up.
+@serve.deployment(autoscaling_config={"min_replicas": 0, "initial_replicas": 0, "max_replicas": 1})
+class ModelEntry:
+    """A model application's ingress, never started (no replica, no cost).
+
+    Serve 2.60 refuses a custom request router on an application's ingress deployment when
+    HAProxy is on (HAProxy would bypass it), and the model deployment runs ours
+    (serve_app/routing/router.py) — so the model deployment is this one's child, reached by the
+    router's handle alone; nothing ever calls this."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+
 def build_model(args: dict[str, Any]) -> Application:
     """One model's application: ``args["model"]`` is what its engine is built from
     (``layout.MODEL_ENGINE``)."""
     model = parse_model_args(args)
-    return ModelServer.options(name=model.deployment_name, ray_actor_options=model_actor_options(model)).bind(
-        model, resolve_model_path(model)
-    )
+    server = ModelServer.options(name=model.deployment_name, ray_actor_options=model_actor_options(model))
+    return ModelEntry.bind(server.bind(model, resolve_model_path(model)))
 
 
 def parse_model_args(args: dict[str, Any]) -> ModelDeploymentArgs:

@@ -133,6 +133,7 @@ class Resumer:
         try:
             call = await self._open_here(Call(
                 body, ctx.id, limit_set_by_router=False, cache_salt=ctx.cache_salt, resume=resume,
+                avoid_replica=broken.replica,
             ), deadline=started + min(self.window_s, self.here_s))
             if call is None:
                 call = await self._open_in_peer(body, resume, span)

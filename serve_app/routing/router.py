@@ -88,8 +88,11 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        by_id = {replica.replica_id: replica for replica in candidate_replicas}
         routing = self._routing_of(pending_request)
+        if routing is not None and (avoid := routing.call.avoid_replica) is not None:
+            # A resume: not the replica whose engine just failed it, if there is another.
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
         if routing is None:  # not one of our calls (a health probe's, say): Serve's own policy
             return [[by_id[replica] for replica in policy.default_plan(list(by_id)).ranks[0]]]
         matched = self._index.match(routing.blocks.hashes, by_id)

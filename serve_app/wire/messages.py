@@ -53,6 +53,9 @@ class Call:
     # x-session-id header, prompt_cache_key, previous_response_id, metadata.user_id or user, in
     # that order): the model deployment's request router keeps it on one replica.
     session: str | None = None
+    # The replica (Serve's replica id) whose engine failed this stream: its continuation goes to
+    # another while Serve still routes to it (a dead engine fails its health checks for ~10 s).
+    avoid_replica: str | None = None
 
     @property
     def stream(self) -> bool:

@@ -50,6 +50,12 @@ def deployments(config: dict[str, Any]) -> dict[tuple[str, str], Any]:
     return infos
 
 
+def _never_runs(info) -> bool:
+    autoscaling = info.deployment_config.autoscaling_config
+    return autoscaling is not None and autoscaling.min_replicas == 0 == autoscaling.initial_replicas \
+        and autoscaling.max_replicas <= 1
+
+
 def version(info) -> DeploymentVersion:
     """As ``DeploymentTargetState.create`` builds it (``_private/deployment_state.py``)."""
     replica = info.replica_config
@@ -67,6 +73,8 @@ def what_a_redeploy_does(before: dict[str, Any], after: dict[str, Any]) -> dict[
     old, new = deployments(before), deployments(after)
     verdicts = {}
     for key in old.keys() & new.keys():
+        if _never_runs(old[key]) and _never_runs(new[key]):
+            continue  # a model application's entry (serve_app/app.py ModelEntry): nothing to restart
         was, will = version(old[key]), version(new[key])
         if was.requires_actor_restart(will):
             verdicts[key] = RESTART

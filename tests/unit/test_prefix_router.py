@@ -5,6 +5,7 @@ request then gets the callbacks Serve's Router gives it (``on_send_request``,
 ``on_request_routed``)."""
 
 import asyncio
+import dataclasses
 import uuid
 
 import pytest
@@ -239,3 +240,18 @@ def test_a_request_that_is_not_a_call_is_routed_by_serves_policy():
         return replica.replica_id.unique_id
 
     assert run(scenario) in ("a", "b")
+
+
+def test_a_resumed_stream_avoids_the_replica_whose_engine_failed_it_even_though_that_one_holds_its_prefix():
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        turns = ["Fix the failing test in parser.py."]
+        first = await h.route(chat(turns, sess="s1"))
+        h.finish(first)
+        # Its engine died mid-stream; Serve still lists it (its health checks have not failed yet).
+        resumed = await h.route(dataclasses.replace(chat(turns, sess="s1"), avoid_replica=first))
+        alone = Harness([FakeReplica("a")])  # the only replica: the resume is still routed
+        return first, resumed, await alone.route(dataclasses.replace(chat(turns), avoid_replica="a"))
+
+    first, resumed, alone = run(scenario)
+    assert resumed != first and alone == "a"

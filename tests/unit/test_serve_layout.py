@@ -133,8 +133,11 @@ def test_adding_a_model_starts_its_application_and_restarts_nothing():
 
 
 def test_every_deployment_surges_and_a_stopped_one_may_finish_any_request():
-    for options in deployments(load_serve_config("yul-02.yaml")).values():
+    for (_, name), options in deployments(load_serve_config("yul-02.yaml")).items():
         config = options.deployment_config
+        if name == "ModelEntry":  # a model application's ingress: it never runs (serve_app/app.py)
+            assert config.autoscaling_config.max_replicas == 1 and config.autoscaling_config.initial_replicas == 0
+            continue
         assert config.max_surge_percent == 100  # replacements first, then the old ones stop
         assert config.graceful_shutdown_timeout_s >= 600  # the request timeout: no request lasts longer
 
@@ -211,3 +214,17 @@ def test_render_writes_the_local_config_from_its_source():
     assert text == (REPO / "configs" / "local.yaml").read_text()
     assert text.splitlines()[0].startswith("# GENERATED from regions/local/serve.yaml")
     assert CliRunner().invoke(regions_app, ["check"]).exit_code == 0
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_deploys_with_haproxy_on_as_every_region_runs(name, monkeypatch):
+    """Serve 2.60 refuses a custom request router on an application's ingress under HAProxy
+    (application_state.override_deployment_info): the model deployments, which run ours, must not
+    be their applications' ingress."""
+    from ray.serve._private import application_state, build_app
+
+    monkeypatch.setattr(application_state, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    monkeypatch.setattr(build_app, "RAY_SERVE_ENABLE_HA_PROXY", True)
+    infos = deployments(load_serve_config(name))
+    routed = [key for key, info in infos.items() if not info.deployment_config.request_router_config.is_default_request_router()]
+    assert routed and not any(infos[key].ingress for key in routed)
