@@ -32,6 +32,7 @@ from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import token_count
 from serve_app.engine.protocol import Engine
 from serve_app.errors import error_body
+from serve_app.runtime import heap
 from serve_app.surfaces import SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import socket as wire_socket
@@ -65,6 +66,7 @@ class _ModelServer:
         # Listening from the start: a replica with no free port in its range fails now, not per request.
         self._listener = Listener(stream_host())
         await self._listener.start()
+        heap.freeze_startup()  # start-up's objects, out of the collector's reach
 
     async def _answer(self, surface: Surface, call: Call) -> AsyncIterator[Item]:
         """The call's items for one request of ``surface`` (see the module's docstring).

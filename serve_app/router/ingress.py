@@ -25,6 +25,7 @@ from serve_app.router import openapi, operations, pipeline
 from serve_app.router.context import wait_settled
 from serve_app.router.request_schema import describe_validation_errors
 from serve_app.router.services import Services
+from serve_app.runtime import heap
 from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.metrics import setup_metrics
@@ -105,6 +106,7 @@ class Router:
         if self.services is None:
             self.services = Services.build(self.handle, args, app_name=self.app_name, replica=self.replica)
             self.services.start()
+            heap.freeze_startup()  # start-up's objects, out of the collector's reach
             return
         try:
             changed = await self.services.reconfigure(args, self.handle)
