@@ -108,7 +108,8 @@ def _pids(app: str) -> dict[str, list[int]]:
 
 def _settled(apps: list[str], deployed_at: float) -> bool:
     """Every application deployed since ``deployed_at`` (unix time), RUNNING, with only RUNNING
-    replicas (none starting, none draining)."""
+    replicas (none starting, none draining). A deployment with no replica at all is settled too: a
+    model application's ingress entry never runs one, and a cold model has none."""
     from ray import serve
 
     status = serve.status()
@@ -120,7 +121,7 @@ def _settled(apps: list[str], deployed_at: float) -> bool:
             return False
         for deployment in application.deployments.values():
             states = {str(getattr(state, "value", state)) for state, n in deployment.replica_states.items() if n}
-            if states != {"RUNNING"}:
+            if states - {"RUNNING"}:
                 return False
     return True
 

@@ -33,6 +33,7 @@ class Outcome:
     text: str = ""  # their content, joined (the seam check of a resumed stream)
     max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
     resumes: int = 0  # pg_metadata.resumes: the stream went on from another replica
+    replica: str | None = None  # pg_metadata.replica: the model replica that served (or ended) it
     first_chunk_s: float | None = None  # request start → first content chunk (TTFT, client's clock)
     started_at: float = 0.0  # time.monotonic() when it was sent
 
@@ -80,6 +81,7 @@ async def stream_chat(
                     outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
                 elif "pg_metadata" in payload:
                     outcome.resumes = payload["pg_metadata"].get("resumes", 0)
+                    outcome.replica = payload["pg_metadata"].get("replica")
                 elif payload.get("choices"):
                     now = time.perf_counter()
                     if last is not None:
@@ -121,7 +123,9 @@ class HealthProbe:
 
     def __init__(self, client: httpx.AsyncClient, url: str, period_s: float = 0.5, timeout_s: float = 5.0):
         self.client, self.url, self.period_s, self.timeout_s = client, url, period_s, timeout_s
-        self.samples: list[tuple[float, int | None, str | None, float]] = []  # (at, code, status, seconds)
+        # (at, code, status, seconds, each model's state): a region stays "ok" while any of its
+        # models serves, so a model's own recovery shows in its state, not in the status.
+        self.samples: list[tuple[float, int | None, str | None, float, dict[str, str]]] = []
         # Answers in which each model's slots were all taken: the region says "busy" only when
         # every serving model is (an idle embedding model beside a saturated LLM is "ok").
         self.busy_models: Counter[str] = Counter()
@@ -144,18 +148,18 @@ class HealthProbe:
             try:
                 response = await self.client.get(self.url + "/health", timeout=self.timeout_s)
                 answer = response.json()
-                code, status = response.status_code, answer.get("status")
+                code, status, states = response.status_code, answer.get("status"), answer.get("states") or {}
                 self.busy_models.update(m for m, load in (answer.get("load") or {}).items() if load.get("busy"))
             except (httpx.HTTPError, ValueError, AttributeError):
-                code, status = None, None
-            self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4)))
+                code, status, states = None, None, {}
+            self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4), states))
             await asyncio.sleep(self.period_s)
 
     def summary(self) -> dict[str, Any]:
         seconds = sorted(s[3] for s in self.samples)
         return {
             "probes": len(self.samples),
-            "by_answer": dict(Counter(f"{code} {status}" for _, code, status, _ in self.samples)),
+            "by_answer": dict(Counter(f"{code} {status}" for _, code, status, _, _ in self.samples)),
             "busy_models": dict(self.busy_models),
             "max_s": seconds[-1] if seconds else None,
             "over_1s": sum(s > 1.0 for s in seconds),
@@ -163,8 +167,10 @@ class HealthProbe:
 
     def changes(self) -> list[dict[str, Any]]:
         """When the answer changed: a timeline an SRE can read."""
-        samples = [{"at_s": at, "code": code, "status": status} for at, code, status, _ in self.samples]
-        return transitions(samples, ("code", "status"))
+        samples = [
+            {"at_s": at, "code": code, "status": status, "states": states} for at, code, status, _, states in self.samples
+        ]
+        return transitions(samples, ("code", "status", "states"))
 
 
 def transitions(entries: list[dict[str, Any]], fields: tuple[str, ...]) -> list[dict[str, Any]]:

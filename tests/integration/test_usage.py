@@ -20,6 +20,7 @@ import pytest
 
 from serve_app.auth.database import open_database
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.router.pricing import estimate_prompt_tokens
 from serve_app.usage.store import UsageStore
 
 pytestmark = pytest.mark.integration
@@ -167,9 +168,11 @@ def test_a_budget_is_enforced_in_every_region_from_the_shared_ledger(serve_app, 
     assert refused.status_code == 429, [a.status_code for a in answers]
     assert refused.json()["error"]["code"] == "budget_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
-    # Escrow: refused once what is left can no longer hold the request's worst case (its prompt
-    # estimate plus its 20-token limit), never while it still could.
-    assert spent * (len(answers) - 1) + body["max_tokens"] > 60
+    # Escrow: refused once what is left can no longer hold the request's worst case, its prompt
+    # as the router estimates it (from the body's size) plus its 20-token limit.
+    worst_case = estimate_prompt_tokens(len(refused.request.content)) + body["max_tokens"]
+    assert spent * (len(answers) - 1) + worst_case > 60
+    assert worst_case <= 60  # ...and the first fit the whole budget: it was admitted
     # The peer region reads the same ledger: refused there too, whatever its model's state.
     deadline = time.monotonic() + WRITTEN_WITHIN_S
     while True:

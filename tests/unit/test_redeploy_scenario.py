@@ -49,8 +49,10 @@ def test_the_changes_build_on_each_other_and_the_original_comes_back(deployed):
     assert what_a_redeploy_does(config, deployed)[LOCAL_MODEL] == RESTART  # the restore
 
 
-def _status(app_status="RUNNING", replicas=None, deployed=100.0):
+def _status(app_status="RUNNING", replicas=None, deployed=100.0, entry=None):
     deployments = {"d": SimpleNamespace(replica_states=replicas or {"RUNNING": 1})}
+    if entry is not None:  # a model application's ingress entry, which never runs a replica
+        deployments["ModelEntry"] = SimpleNamespace(replica_states=entry)
     app = SimpleNamespace(status=app_status, last_deployed_time_s=deployed, deployments=deployments)
     return SimpleNamespace(applications={"llm": app, "llm-qwen-3.6-35b-a3b": app})
 
@@ -62,6 +64,9 @@ def _status(app_status="RUNNING", replicas=None, deployed=100.0):
     (_status(replicas={"RUNNING": 1, "STARTING": 1}), False),  # the replacement not up yet
     (_status(replicas={"RUNNING": 1, "STOPPING": 0}), True),
     (_status(deployed=50.0), False),  # not yet the change that was sent
+    (_status(entry={}), True),  # the entry's no replicas, as Serve 2.60 reports them
+    (_status(entry={"RUNNING": 0, "STOPPING": 0}), True),
+    (_status(entry={"STARTING": 1}), False),
 ])
 def test_settled_means_the_change_is_in_and_no_replica_is_coming_or_going(monkeypatch, status, settled):
     monkeypatch.setattr(serve, "status", lambda: status)
