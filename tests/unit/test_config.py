@@ -100,6 +100,7 @@ def test_engine_flags_start_from_the_catalog_and_take_overrides():
     assert parsed.enforce_eager is True
     assert parsed.tool_call_parser == "hermes"
     assert parsed.enable_auto_tool_choice is True
+    assert parsed.enable_prompt_tokens_details is True  # cached tokens in every route's usage
     assert parsed.reasoning_parser == "qwen3"
     assert parsed.max_num_seqs == 4
     assert parsed.seed == 7
