@@ -132,6 +132,18 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
     }
 
 
+def test_the_agent_workloads_local_config_runs_two_cached_replicas_compared_with_default_routing():
+    """configs/local-agent.yaml (``serve-app bench-agent``): two replicas with prefix caching on,
+    both routing arms on one deployment, and room on 2 CPUs for an upgrade's two replacements."""
+    config = load_serve_config("local-agent.yaml")
+    args = parse_app_args(app_args(config))
+    (model,) = args.models
+    assert (model.autoscaling.min_replicas, model.autoscaling.max_replicas) == (2, 2)
+    assert model.engine.extra_args["enable-prefix-caching"] is True
+    assert model.routing.policy == "prefix_affinity" and model.routing.compare_with_default
+    assert args.router.num_cpus + 2 * 2 * model.resources.num_cpus <= 2
+
+
 def test_local_config_serves_the_tiny_models_on_cpu_under_the_canonical_ids():
     config = load_serve_config("local.yaml")
     assert config["http_options"]["host"] == "127.0.0.1"
