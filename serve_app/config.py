@@ -315,6 +315,10 @@ class ModelDeploymentArgs(Settings):
                 # swallows content, tool calls and JSON output as reasoning).
                 "default-chat-template-kwargs": {"enable_thinking": entry.thinking_by_default},
                 "enable-auto-tool-choice": bool(settings.get("tool_call_parser")),
+                # The prompt's cached tokens in every route's usage (chat and completions
+                # prompt_tokens_details.cached_tokens, Messages cache_read_input_tokens): vLLM
+                # leaves them out unless asked; Responses reports them either way.
+                "enable-prompt-tokens-details": True,
             }
         flags |= {
             # Engine queue/prefill/decode durations per request: the replica turns them into the

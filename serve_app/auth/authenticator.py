@@ -61,6 +61,9 @@ REGISTRY_BUSY_RETRY_S = 1
 # At most this many registry queries for unknown key ids at once, per router replica: a flood
 # never holds more of the worker threads that real keys' lookups, signing and reports share.
 UNKNOWN_ID_THREADS = 2
+# How often a router lists the key ids created since its last listing (one indexed query): a
+# key created since is the only real one a flood of made-up ids can hold back, this long at most.
+KNOWN_IDS_REFRESH_S = 10
 
 
 def region_audience(audience: str, region: str) -> str:
@@ -108,6 +111,7 @@ class Authenticator:
         # Tokens for everyone, and failover tokens minted by a peer for this region only.
         self._audiences = [args.audience, region_audience(args.audience, region)]
         self._charging: set[asyncio.Task] = set()
+        self._following: asyncio.Task | None = None
         # Made-up key ids are queried here, a few at a time (their rate: registry_miss_lookups_per_s).
         self._unknown_id_threads = ThreadPoolExecutor(UNKNOWN_ID_THREADS, thread_name_prefix="unknown-key-id")
 
@@ -262,6 +266,7 @@ class Authenticator:
         """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429."""
         tier = self._tier(principal)
         if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
+            await self.count_refused(principal)
             raise _exceeds_tier(principal, tier, tokens_estimate)
         decision = _decided(
             await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate)
@@ -269,6 +274,37 @@ class Authenticator:
         if not decision.allowed:
             raise _rate_limited(principal, tier, decision.retry_after_s, decision.headers())
         return decision.headers()
+
+    # --- background work ------------------------------------------------------------------
+    def start(self) -> None:
+        """List the registry's key ids now and every ``KNOWN_IDS_REFRESH_S`` (``KeyStore.
+        refresh_known_ids``): their lookups never wait behind a flood of made-up ids. Inside the
+        router's event loop; the listing runs on a thread."""
+        if self._following is None:
+            self._following = asyncio.get_running_loop().create_task(self._follow_known_ids(), name="known-key-ids")
+
+    async def aclose(self) -> None:
+        if self._following is not None:
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+            self._following = None
+
+    async def _follow_known_ids(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.keys.refresh_known_ids)
+            except Exception as err:  # the registry away: what is listed stays, the budget still holds
+                logger.warning("key registry: listing key ids failed (%s); retrying", err)
+            await asyncio.sleep(KNOWN_IDS_REFRESH_S)
+
+    async def count_refused(self, principal: Principal) -> None:
+        """Charge one request (no tokens) for a request refused once its body was read and
+        priced (over its tier's minute, its budget spent): a refusal that cost the router a parse,
+        and a Responses follow-up its stored conversation, is not free, so a key cannot have it
+        done faster than its requests/min. Once they are spent, the next is refused unread."""
+        tier = self.args.tiers.get(principal.tier)
+        if tier is not None:
+            await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, 0)
 
     def _tier(self, principal: Principal) -> Tier:
         tier = self.args.tiers.get(principal.tier)

@@ -17,6 +17,10 @@ keeps those from reaching the shared database, or pushing real keys out of memor
   ``RegistryBusy``, raised before any query (the authenticator answers 503 with Retry-After).
   Refreshing a row the router already holds is never budgeted: only real keys have rows, so a
   flood cannot delay a known key's refresh, and keys this router has answered keep answering.
+  Nor is an id the registry is ``known`` to hold (``KeyStore.refresh_known_ids``: every key id,
+  listed at start and then every few seconds): a real key this router has not looked up yet —
+  every key, right after a restart — is looked up however large the flood; only an id created
+  since the last listing shares the budget with made-up ones.
   A budgeted miss is paid for in the event loop's offline pass (``offline=True``), so a refused
   one never takes a worker thread, and a paid one says so (``CacheMiss.unknown``) so that the
   caller can query it on a few threads of its own (the authenticator's): a flood's queries then
@@ -106,9 +110,10 @@ class LookupCache:
         miss_ttl: float | None = None,
         is_miss: Callable[[Any], bool] = lambda value: value is None,
         budget: MissBudget | None = None,
+        known: Callable[[Hashable], bool] = lambda key: False,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.ttl, self.clock, self.is_miss, self.budget = ttl, clock, is_miss, budget
+        self.ttl, self.clock, self.is_miss, self.budget, self.known = ttl, clock, is_miss, budget, known
         self.miss_ttl = ttl if miss_ttl is None else min(miss_ttl, ttl)
         self._rows: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
         self._misses: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
@@ -182,7 +187,7 @@ class LookupCache:
         """Spend the budget for a lookup of an id with no row here, once per lookup: the offline
         pass pays, and the online pass that follows it finds the id already paid for. Whether
         this lookup is (or was) paid for."""
-        if not budgeted or self.budget is None or key in self._rows:
+        if not budgeted or self.budget is None or key in self._rows or self.known(key):
             return False
         if key in self._paid:
             if not offline:

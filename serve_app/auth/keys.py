@@ -28,6 +28,9 @@ from typing import Any
 
 from serve_app.auth.cache import CacheMiss, LookupCache, MissBudget, RegistryBusy  # noqa: F401 (re-exported)
 from serve_app.auth.database import open_database
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
 
 PREFIX = "pgk"
 ALL = "*"
@@ -37,6 +40,9 @@ SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
 
 _ALPHABET = string.ascii_letters + string.digits
 _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
+# Key ids a router lists as real (about 100 bytes each in memory): past this, newer ids' lookups
+# share the budget for unknown ids during a flood (``cache.py``).
+MAX_KNOWN_IDS = 500_000
 # Used with fullmatch only: ``$`` (and ``match``) would accept a key followed by a newline.
 _KEY_RE = re.compile(rf"{PREFIX}_([0-9a-f]{{12}})_([0-9A-Za-z]{{{_SECRET_LEN}}})")
 
@@ -53,6 +59,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     expires_at    INTEGER,        -- NULL: never
     disabled_at   INTEGER         -- NULL: active; set by `serve-app keys revoke`
 );
+-- Each router lists the ids created since its last listing (KeyStore.refresh_known_ids).
+CREATE INDEX IF NOT EXISTS api_keys_created_at ON api_keys (created_at);
 CREATE TABLE IF NOT EXISTS revoked_tokens (
     jti         TEXT PRIMARY KEY,
     revoked_at  INTEGER NOT NULL,
@@ -141,7 +149,10 @@ class KeyStore:
         self.database = open_database(location, create=create, replica=replica)
         self.database.create_schema(_SCHEMA)
         budget = MissBudget(miss_lookups_per_s, clock) if miss_lookups_per_s else None
-        self._keys = LookupCache(cache_ttl_s, budget=budget, clock=clock)
+        # Every key id the registry holds, as last listed (refresh_known_ids): never budgeted.
+        self._known_ids: set[str] = set()
+        self._known_since = 0  # the newest created_at listed so far
+        self._keys = LookupCache(cache_ttl_s, budget=budget, known=self._known_ids.__contains__, clock=clock)
         # Every answer is a row here ("not revoked" is the common one), and lookups follow a
         # valid signature, so no budget: a caller cannot choose a token's jti without a signing key.
         self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, clock=clock)
@@ -171,6 +182,25 @@ class KeyStore:
 
     def is_jti_revoked(self, jti: str, offline: bool = False) -> bool:
         return self._revoked.get(jti, lambda: self._jti_row_exists(jti), offline)
+
+    def refresh_known_ids(self) -> int:
+        """List the key ids created since the last listing (all of them the first time) into the
+        ids whose lookups a flood of made-up ids can never hold back (``cache.py``), at most
+        ``MAX_KNOWN_IDS``; how many are known. Revoked keys stay listed: they are real ids, and
+        their lookup says revoked. A minute of overlap covers keys created as the last listing ran."""
+        since = max(0, self._known_since - 60)
+        with self._connect(read=True) as db:
+            rows = db.execute(
+                "SELECT key_id, created_at FROM api_keys WHERE created_at >= ? ORDER BY created_at LIMIT ?",
+                (since, MAX_KNOWN_IDS + 1),
+            ).fetchall()
+        for row in rows:
+            if len(self._known_ids) >= MAX_KNOWN_IDS:
+                logger.warning("key registry: over %d keys; newer key ids share the unknown-id budget", MAX_KNOWN_IDS)
+                break
+            self._known_ids.add(row["key_id"])  # a set's add is atomic under the GIL: readers need no lock
+            self._known_since = max(self._known_since, int(row["created_at"]))
+        return len(self._known_ids)
 
     def _load(self, key_id: str) -> KeyRecord | None:
         with self._connect(read=True) as db:

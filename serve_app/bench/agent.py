@@ -77,6 +77,7 @@ class TurnRun:
     cached_tokens: int | None = None
     completion_tokens: int = 0
     replica: str | None = None  # pg_metadata's model replica (None from a server that sends none)
+    routing: dict[str, str] | None = None  # pg_metadata's routing: the request router's policy and reason
     trace_id: str | None = None
     server: dict[str, Any] = field(default_factory=dict)
 
@@ -173,6 +174,7 @@ async def run_turn(client: httpx.AsyncClient, url: str, body: dict[str, Any], he
     turn.prompt_tokens = state.prompt_tokens
     turn.cached_tokens = state.cached_tokens if state.cached_tokens is not None else run.server.get("cached_tokens")
     turn.replica = run.server.get("replica")
+    turn.routing = run.server.get("routing")
     return "".join(state.text)
 
 

@@ -46,6 +46,11 @@ def summarize_arm(turns: Sequence[Mapping[str, Any]], wall_s: float) -> dict[str
             failed[turn["error"] or "unknown"] += 1
     later_ttft = [t["ttft_ms"] for t in later]
     completion = sum(t["completion_tokens"] for t in good)
+    # What the request router said of each turn ≥ 2 (pg_metadata.routing, the span's reason):
+    # sent where its session or prefix is (affinity), or elsewhere (least loaded, shed, default).
+    decided = [t for t in later if t.get("routing")]
+    affinity = sum(t["routing"]["reason"] in ("session", "prefix") for t in decided)
+    policies = sorted({t["routing"]["policy"] for t in good if t.get("routing")})
     return {
         "turns": len(turns), "ok": len(good), "errors": len(turns) - len(good), "error_reasons": dict(failed),
         "ttft_ms_by_turn": {n: {"n": len(ts), "p50": percentile([t["ttft_ms"] for t in ts], 50),
@@ -57,6 +62,8 @@ def summarize_arm(turns: Sequence[Mapping[str, Any]], wall_s: float) -> dict[str
         "cache_hit_ratio_turns_2_plus": hits(later),
         "cached_of_ideal_turns_2_plus": _ratio(sum(t["cached_tokens"] or 0 for t, _ in pairs), ideal),
         "same_replica_as_previous_turn": _ratio(sum(t["replica"] == p["replica"] for t, p in placed), len(placed)),
+        "routed_by_affinity_turns_2_plus": _ratio(affinity, len(decided)),
+        "routing_policies": policies,
         "completion_tokens": completion,
         "wall_s": wall_s,
         "aggregate_tokens_per_s": _ratio(completion, wall_s),
@@ -88,9 +95,10 @@ def markdown(document: Mapping[str, Any]) -> str:
         rows.append([arm, f"{s['ok']}/{s['turns']}", fmt(s["ttft_ms_p50_turns_2_plus"], " ms"),
                      fmt(s["ttft_ms_p95_turns_2_plus"], " ms"), _pct(s["cache_hit_ratio"]),
                      _pct(s["cache_hit_ratio_turns_2_plus"]), _pct(s["cached_of_ideal_turns_2_plus"]),
-                     _pct(s["same_replica_as_previous_turn"]), fmt(s["aggregate_tokens_per_s"], "")])
+                     _pct(s["same_replica_as_previous_turn"]), _pct(s["routed_by_affinity_turns_2_plus"]),
+                     fmt(s["aggregate_tokens_per_s"], "")])
     lines += [md_table(["arm", "ok", "TTFT p50 (turns ≥ 2)", "TTFT p95 (turns ≥ 2)", "cache hit", "cache hit (≥ 2)",
-                        "of ideal (≥ 2)", "same replica (≥ 2)", "aggregate tok/s"], rows), ""]
+                        "of ideal (≥ 2)", "same replica (≥ 2)", "affinity (≥ 2)", "aggregate tok/s"], rows), ""]
     turns = sorted({n for s in summary["arms"].values() for n in s["ttft_ms_by_turn"]})
     by_turn = [[str(n)] + [f"{fmt(t.get('p50'), ' ms')} / {fmt(t.get('p95'), ' ms')} ({_pct(t.get('cache_hit_ratio'))})"
                            for t in (s["ttft_ms_by_turn"].get(n, {}) for s in summary["arms"].values())] for n in turns]
@@ -148,3 +156,21 @@ def command(
     if any(s["ok"] == 0 for s in document["summary"]["arms"].values()):
         typer.echo("error: an arm had no successful turn (see error_reasons)", err=True)
         raise typer.Exit(1)
+    if (problem := comparison_problem(document["summary"])) is not None:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(1)
+
+
+def comparison_problem(summary: Mapping[str, Any]) -> str | None:
+    """Why a ``--routing`` run compared nothing, or None: each arm's turns must have been routed by
+    its own policy, which only a deployment with ``compare_with_default`` does (else both arms ran
+    ours, and the "comparison" is of our router with itself)."""
+    arms = summary["arms"]
+    if DEFAULT not in arms:
+        return None
+    wanted = {PREFIX: ["prefix_affinity"], DEFAULT: ["default"]}
+    wrong = {arm: arms[arm]["routing_policies"] for arm in (PREFIX, DEFAULT) if arms[arm]["routing_policies"] != wanted[arm]}
+    if not wrong:
+        return None
+    return (f"the arms were not routed by their own policies ({wrong}): deploy the model with "
+            "routing.compare_with_default (configs/local-agent.yaml), or run without --routing")

@@ -38,7 +38,7 @@ from serve_app.regions.serve_config import (
     SIGNING_KEYS_DIR,
     SIGNING_KEYS_FILE,
     STATE_DIR,
-    LOCAL_SOURCE,
+    LOCAL_SOURCES,
     render_local_serve_config,
     render_serve_config,
 )
@@ -364,7 +364,9 @@ def _json(data: Any) -> str:
 
 def rendered_files(regions: dict[str, Region], repo: Path = REPO_ROOT) -> dict[str, str]:
     """Every generated file, by path relative to the repository, in a stable order."""
-    files: dict[str, str] = {"configs/local.yaml": render_local_serve_config((repo / LOCAL_SOURCE).read_text())}
+    files: dict[str, str] = {
+        config: render_local_serve_config((repo / source).read_text(), source) for config, source in LOCAL_SOURCES.items()
+    }
     for region in regions.values():
         files[f"configs/{region.id}.yaml"] = render_serve_config(region)
         files[f"terraform/regions/{region.id}/main.tf"] = render_region_root(region)

@@ -205,24 +205,28 @@ LAYOUT_NOTE = (
     "# (serve_app/regions/layout.py; docs/operations.md, \"What a change restarts\")."
 )
 LOCAL_SOURCE = "regions/local/serve.yaml"  # the local region's settings, not a GPU region file
+# Every local config and the file its settings come from: the embedded default (`make run`, the
+# tests) and the agent workload's two replicas with prefix caching on (`serve-app bench-agent`).
+LOCAL_SOURCES = {"configs/local.yaml": LOCAL_SOURCE, "configs/local-agent.yaml": "regions/local/agent.yaml"}
 
 
-def render_local_serve_config(source: str) -> str:
-    """``configs/local.yaml`` from ``LOCAL_SOURCE``: a Serve config whose one application holds
-    the local region's settings as ``args`` (what ``make run`` and the tests deploy), expanded
-    like a region's. The source's opening comment is kept; the rest of its comments stay there."""
+def render_local_serve_config(source: str, source_path: str = LOCAL_SOURCE) -> str:
+    """A local config (``LOCAL_SOURCES``) from its source: a Serve config whose one application
+    holds the local region's settings as ``args`` (what ``make run`` and the tests deploy),
+    expanded like a region's. The source's opening comment is kept; the rest of its comments stay
+    there."""
     try:
         expanded = layout.expand(yaml.safe_load(source))
     except ValueError as err:
-        raise RegionError(f"{LOCAL_SOURCE}: {err}") from None
+        raise RegionError(f"{source_path}: {err}") from None
     opening = []
     for line in source.splitlines():
         if not line.startswith("#"):
             break
         opening.append(line)
     lines = [
-        f"# {GENERATED_MARKER}{LOCAL_SOURCE.removeprefix('regions/')} by `{RENDER_COMMAND}`.",
-        f"# Do not edit by hand: edit {LOCAL_SOURCE} and re-render; CI fails on drift.",
+        f"# {GENERATED_MARKER}{source_path.removeprefix('regions/')} by `{RENDER_COMMAND}`.",
+        f"# Do not edit by hand: edit {source_path} and re-render; CI fails on drift.",
         *opening,
         LAYOUT_NOTE,
     ]

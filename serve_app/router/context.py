@@ -103,6 +103,7 @@ class Context:
     taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
+    counted_tokens: int = 0  # a counting surface's answer: the tokens the engine really counted
     generated: Generated | None = None
     outcome: Outcome | None = None
     _release_slot: Any = None
@@ -178,5 +179,7 @@ class Context:
             )
             if record is not None:  # its real cost beyond its price (the prompt estimate's miss)
                 self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
+        elif self.admitted and self.counted_tokens:  # counting tokens: not billed, but rate-limited
+            self.services.auth.charge(self.caller, self.counted_tokens - self.price.total)
         if self.reservation is not None:  # after the record: its real tokens count from now on
             self.reservation.release()

@@ -108,14 +108,15 @@ async def price(ctx: Context) -> None:
     """The most the engine may generate for it, with the body normalised so that the engine obeys
     exactly the limit priced (``pricing.py``; 400 for a limit field the surface ignores)."""
     facts, size = ctx.services.models[ctx.model], len(ctx.raw) + ctx.history_bytes
-    # A request without a limit gets the model's default, but never more than its key's tier can
-    # ever admit in a minute: a free key's request without max_tokens is served, not a 400.
+    # A request without a limit gets the model's default, but never more, all its sequences
+    # together, than its key's tier can ever admit in a minute: a free key's request without
+    # max_tokens is served, not a 400.
     tier = ctx.services.auth.args.tiers.get(ctx.caller.tier)
-    default = facts.default_max_tokens  # None for a model that generates nothing
-    if tier is not None and default is not None:
-        default = max(1, min(default, tier.tokens_per_minute - pricing.estimate_prompt_tokens(size)))
+    left = tier.tokens_per_minute - pricing.estimate_prompt_tokens(size) if tier is not None else None
     ctx.price = pricing.price(
-        ctx.surface.name, ctx.body, size, context_len=facts.context_len, default_max_tokens=default
+        ctx.surface.name, ctx.body, size, context_len=facts.context_len,
+        default_max_tokens=facts.default_max_tokens,  # None for a model that generates nothing
+        default_total=left,
     )
 
 
@@ -128,7 +129,11 @@ async def admit(ctx: Context) -> None:
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))
         return
     held = ctx.price.total if ctx.surface.billed else 0
-    ctx.reservation = await services.meter.reserve(caller, held)  # 429 budget_exceeded
+    try:
+        ctx.reservation = await services.meter.reserve(caller, held)  # 429 budget_exceeded
+    except APIError:
+        await services.auth.count_refused(caller)  # still one of its requests (see count_refused)
+        raise
     limits = await services.auth.admit(caller, ctx.price.total)  # 429 + Retry-After
     ctx.headers = {**limits, **ctx.reservation.headers, REGION_HEADER: services.region}
     ctx.admitted = True

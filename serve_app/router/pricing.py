@@ -31,7 +31,10 @@ a field of vLLM 0.32's chat or completions requests (ignored by the engine: one 
 The surfaces that generate nothing (their row in ``serve_app/surfaces``: ``embeddings``,
 ``count_tokens``, ``tokenize``, ``detokenize``) are priced by their prompt alone: embeddings by
 their input tokens, which is what OpenAI charges them by (the estimate from size, or the exact
-count of an input of token ids when that is more: a list of ids is ~2-7 bytes a token).
+count of an input of token ids when that is more: a list of ids is ~2-7 bytes a token);
+detokenize by its ids, exactly. What tokenize and count_tokens really counted is in their answer
+(the row's ``counts``): the key's rate limit is charged the rest once it is known, as a
+generation's real prompt is.
 
 The prompt is estimated from the size of the body the router received, ``CHARS_PER_TOKEN`` bytes
 a token: free (no second JSON encode, no tokenizer at the router), and it counts tools and
@@ -101,32 +104,41 @@ def estimate_prompt_tokens(body_bytes: int) -> int:
 
 
 def price(
-    method: str, body: dict[str, Any], body_bytes: int, *, context_len: int, default_max_tokens: int | None
+    method: str, body: dict[str, Any], body_bytes: int, *, context_len: int, default_max_tokens: int | None,
+    default_total: int | None = None,
 ) -> Price:
     """Price ``body`` (a replica ``method``'s, validated, model resolved) and normalise its limit
     in place so that the engine obeys exactly the limit priced. ``body_bytes``: the size of what
     the prompt came in (the request, plus a continued conversation's stored history);
     ``context_len``: the model's served context; ``default_max_tokens``: the limit of a request
-    that sets none (``ModelDeploymentArgs.default_max_tokens``). APIError 400 for a limit field
-    the route ignores, two chat limits that disagree, a limit over the context, beam search."""
+    that sets none (``ModelDeploymentArgs.default_max_tokens``), each of its sequences;
+    ``default_total``: the most such a request's sequences may generate together (what its key's
+    tier leaves after the prompt), shared among them so that a request without a limit is served
+    rather than refused for a limit it never set. APIError 400 for a limit field the route
+    ignores, two chat limits that disagree, a limit over the context, beam search."""
     prompt = estimate_prompt_tokens(body_bytes)
     if not BY_NAME[method].generates:
         if method == "embeddings":
             prompt = max(prompt, token_ids_in(body.get("input")))
+        elif method == "detokenize":  # its tokens are the ids it sends: exact
+            prompt = max(prompt, token_ids_in(body.get("tokens")))
         return Price(prompt, 0, 0)
     route = ROUTES[method]
     if method in ("chat", "completions"):  # the only requests vLLM runs beam search for
         _refuse_beam_search(body)
     limit = _limit(route, method, body, context_len)
     set_by_router = limit is None
+    sequences = _sequences(method, body)
     if limit is None:
         ceiling = min(default_max_tokens, route.default_cap or default_max_tokens)
+        if default_total is not None:
+            ceiling = min(ceiling, default_total // sequences)
         limit = max(1, min(ceiling, context_len - prompt))
     if route.also_read is not None:
         body.pop(route.also_read, None)
     body[route.field] = limit
     # Completions' max_tokens 0 (echo: score the prompt) still runs one step: vLLM sends 1.
-    return Price(prompt, _sequences(method, body), max(1, limit), set_by_router)
+    return Price(prompt, sequences, max(1, limit), set_by_router)
 
 
 def _limit(route: _Route, method: str, body: dict[str, Any], context_len: int) -> int | None:

@@ -44,6 +44,8 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     code = (error or {}).get("code") or (error or {}).get("type")
     if ctx.keep is not None and status == 200:
         ctx.stored_bytes = await ctx.keep(body)
+    if ctx.surface.counts is not None and status == 200 and isinstance(counted := body.get(ctx.surface.counts), int):
+        ctx.counted_tokens = counted  # what the tokenizer really counted: reconciled as it settles
     ctx.telemetry.finish(status, code)
     if status < 400:
         body["pg_metadata"] = ctx.telemetry.metadata()

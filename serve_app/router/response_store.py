@@ -137,14 +137,12 @@ class ResponseStore:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
         return await self._run(self._delete, response_id, owner, self._now_ms())
 
-    async def history(self, response_id: str, owner: str) -> list | None:
+    async def history(self, response_id: str, owner: str) -> tuple[list, int] | None:
         """The input a follow-up with ``previous_response_id`` continues from: the conversation,
-        then the response's output items; None like get()."""
-        stored = await self.get(response_id, owner)
-        if stored is None:
-            return None
-        output = stored.response.get("output") or []
-        return stored.conversation + [_without_nulls(item) for item in output]
+        then the response's output items, and its size in bytes (what it adds to the request's
+        price); None like get(). Decoded and measured on the store's threads: up to 4 MiB of
+        JSON is no work for the router's event loop."""
+        return await self._run(self._history, response_id, owner, self._now_ms())
 
     async def footprint(self, owner: str) -> tuple[int, int]:
         """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
@@ -247,6 +245,14 @@ class ResponseStore:
             row["id"], row["owner"], row["model"], int(row["created_at"]),
             json.loads(row["response"]), json.loads(row["conversation"]),
         )
+
+    def _history(self, response_id: str, owner: str, now_ms: int) -> tuple[list, int] | None:
+        stored = self._get(response_id, owner, now_ms)
+        if stored is None:
+            return None
+        output = stored.response.get("output") or []
+        history = stored.conversation + [_without_nulls(item) for item in output]
+        return history, len(json.dumps(history))
 
     def _delete(self, response_id: str, owner: str, now_ms: int) -> bool:
         with self.database.connect() as db:

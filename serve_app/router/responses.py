@@ -20,7 +20,6 @@ validation), and a stored row is never replaced. Nothing runs in the background,
 nothing to cancel: ``cancel`` on a stored response says so.
 """
 
-import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -62,11 +61,11 @@ class ResponsesAPI:
         # fails over (its store does not have this id); the router tells the replica the id to echo.
         previous = body.pop("previous_response_id", None)
         if previous:
-            history = await self.store.history(previous, caller.owner)
-            if history is None:
+            found = await self.store.history(previous, caller.owner)
+            if found is None:
                 raise _not_found(previous, "previous_response_id")
+            history, added = found
             conversation = history + conversation
-            added = len(json.dumps(history))
         body["input"] = conversation
         return self._keeper(body, conversation, caller), added
 

@@ -106,7 +106,6 @@ class Resumer:
         self.here_s = here_s
         self.done = 0  # resumes that took
         self.prompt_tokens = 0  # what the continuations prefilled (recorded apart from the prompt)
-        self.pause_ms: list[float] = []  # failure seen → the continuation's first byte, per seam
 
     @property
     def keeps_bytes(self) -> bool:
@@ -118,11 +117,12 @@ class Resumer:
         new call's stream is open (``ctx.call`` is it), False when this stream cannot or could not
         be resumed."""
         ctx = self.ctx
-        if self.left <= 0 or broken.error_code != ENGINE_UNAVAILABLE or not broken.token_ids:
+        if broken.error_code != ENGINE_UNAVAILABLE:
             return False
-        field = pricing.ROUTES[ctx.surface.name].field
-        remaining = ctx.body[field] - len(broken.token_ids)
-        if remaining < 1:
+        field = pricing.ROUTES[ctx.surface.name].field if self.left > 0 else None
+        remaining = ctx.body[field] - len(broken.token_ids) if field else 0
+        if not broken.token_ids or remaining < 1:  # not resumable, resumed enough, or nothing left to say
+            ctx.telemetry.note_not_resumed()
             return False
         self.left -= 1
         started = time.perf_counter()
@@ -132,8 +132,10 @@ class Resumer:
         call = peer = None
         try:
             call = await self._open_here(Call(
-                body, ctx.id, limit_set_by_router=False, cache_salt=ctx.cache_salt, resume=resume,
-                avoid_replica=broken.replica,
+                # A limit the router set from its estimate may be lowered by the replica to the
+                # context the real prompt (and the tokens before the seam) leaves, as the first was.
+                body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router, cache_salt=ctx.cache_salt,
+                resume=resume, avoid_replica=broken.replica,
             ), deadline=started + min(self.window_s, self.here_s))
             if call is None:
                 call = await self._open_in_peer(body, resume, span)
@@ -143,7 +145,6 @@ class Resumer:
         if call is None:
             return False
         ctx.call, self.done = call, self.done + 1
-        self.pause_ms.append((time.perf_counter() - started) * 1000)
         logger.info("stream %s resumed after %d tokens%s", ctx.telemetry.trace_id, len(resume.token_ids),
                     f" in {peer}" if peer else "")
         return True

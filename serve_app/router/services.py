@@ -158,15 +158,17 @@ class Services:
         return changed
 
     def start(self) -> None:
-        """Begin the background work (the ledger's writer, the stored responses' retention sweep);
-        inside the replica's event loop."""
+        """Begin the background work (the ledger's writer, the stored responses' retention sweep,
+        the registry's key ids listed); inside the replica's event loop."""
         self.meter.start()
         self.responses.store.start()
+        self.auth.start()
 
     async def aclose(self) -> None:
-        """When the replica stops: end the state refresh and the sweep, write the usage records
+        """When the replica stops: end the state refresh, the key id listing and the sweep, write the usage records
         still pending (or spool them), close peer connections."""
         self.states.stop()
+        await self.auth.aclose()
         await self.responses.store.aclose()
         await self.meter.aclose()
         await self.forwarder.aclose()

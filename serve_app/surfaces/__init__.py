@@ -24,7 +24,9 @@ operation name) all read it here:
 - ``streams``: it may answer with a stream (``"stream": true``);
 - ``operation``: OpenTelemetry's ``gen_ai.operation.name`` (GenAI semantic conventions;
   Responses and Messages are chats in their terms: a conversation in, a turn out);
-- ``chunk_object``: the ``object`` of its stream chunks (what the openai SDK's chunk types expect).
+- ``chunk_object``: the ``object`` of its stream chunks (what the openai SDK's chunk types expect);
+- ``counts``: a counting surface's answer field that holds the tokens the engine counted: what
+  its price estimated from size is reconciled with (the key's rate limit is charged the rest).
 
 Adding a surface is its row here, its body model, its vLLM call (``engine/vllm_engine.py``) and
 its route (``router/ingress.py``).
@@ -55,6 +57,7 @@ class Surface:
     stores: bool = False
     streams: bool = True
     chunk_object: str = "chat.completion.chunk"
+    counts: str | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -68,7 +71,7 @@ RESPONSES = Surface("responses", "/v1/responses", ResponsesBody, dialects.RESPON
 MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat")
 COUNT_TOKENS = Surface(
     "count_tokens", "/v1/messages/count_tokens", CountTokensBody, dialects.ANTHROPIC, "count_tokens",
-    generates=False, billed=False, streams=False,
+    generates=False, billed=False, streams=False, counts="input_tokens",
 )
 # Embeddings generate nothing, but the engine computes them: billed by their input tokens.
 EMBEDDINGS = Surface(
@@ -77,7 +80,7 @@ EMBEDDINGS = Surface(
 )
 TOKENIZE = Surface(
     "tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", task=None, generates=False, billed=False,
-    streams=False,
+    streams=False, counts="count",
 )
 DETOKENIZE = Surface(
     "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", task=None, generates=False,

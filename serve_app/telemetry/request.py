@@ -68,6 +68,11 @@ class RequestTelemetry:
         """The headers that make a peer region's continuation a child of the ``resume`` span."""
         return tracing.propagation_headers(span)
 
+    def note_not_resumed(self) -> None:
+        """The engine failed mid-stream and the stream was not resumed at all (a surface or body
+        that cannot be, no tokens to continue from, its resumes spent): ``gave_up``, no span."""
+        self.record.resumes_given_up += 1
+
     def end_resume(self, span, resumed: bool, region: str | None = None) -> None:
         """``region``: the peer region whose replica continued the stream (None: this region)."""
         if resumed:

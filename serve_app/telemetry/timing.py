@@ -260,7 +260,9 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     the engine reported no timing. ``network_ms + queue_ms + inference_total_ms == server_ms``.
     ``replica`` is the model replica that ran the request (None if it never reached one),
     ``router_replica`` the router replica that answered; ``cached_tokens`` (when the engine
-    reported) the prompt tokens its prefix cache served.
+    reported) the prompt tokens its prefix cache served; ``routing`` (when the model's request
+    router decided) how that replica was chosen: its ``policy`` and ``reason``
+    (``serve_app.routing.policy``: session, prefix, least_loaded, shed, fallback, default).
     """
     metadata = {
         "inference_ttft_ms": _ms(split.prefill_ms),
@@ -277,6 +279,8 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     }
     if record.cached_tokens is not None:  # of the prompt's tokens, those the prefix cache held
         metadata["cached_tokens"] = record.cached_tokens
+    if record.routing is not None:
+        metadata["routing"] = {"policy": record.routing.policy, "reason": record.routing.reason}
     if record.resumes:  # the stream went on from another replica after its engine failed
         metadata["resumes"] = record.resumes
         if record.resumed_in is not None:  # in a peer region

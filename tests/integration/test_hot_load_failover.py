@@ -245,3 +245,20 @@ def test_unload_drains_to_cold_and_requests_fail_over_again(serve_app, keys, pee
     assert all(card["replicas"]["starting"] == 0 for card in seen), seen
     raw, _ = _chat_raw(url, keys["user"])
     assert raw.headers["x-pg-region"] == "local" and raw.headers["x-pg-failover-reason"] == "model_cold"
+
+
+def test_a_response_served_by_the_peer_after_failover_is_readable_where_it_was_asked(serve_app, keys, peer_cold):
+    """The Responses store is the registry's database, one for every region: a response the peer
+    region's router forwarded to local (its model cold) is read, continued and deleted through the
+    region the client asked (docs/operations.md, "The Responses store")."""
+    origin = _sdk(serve_app["peer_url"], keys["user"])
+    raw = origin.responses.with_raw_response.create(model=MODEL, input="Say hi.", max_output_tokens=8)
+    assert raw.headers["x-pg-region"] == "local" and raw.headers["x-pg-failover-from"] == "peer"
+    created = raw.parse()
+    assert origin.responses.retrieve(created.id).output_text == created.output_text  # at the origin
+    assert _sdk(serve_app["base_url"], keys["user"]).responses.retrieve(created.id).id == created.id  # and where it ran
+    follow_up = origin.responses.create(model=MODEL, input="Again.", previous_response_id=created.id, max_output_tokens=4)
+    assert follow_up.previous_response_id == created.id
+    origin.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        _sdk(serve_app["base_url"], keys["user"]).responses.retrieve(created.id)  # gone everywhere

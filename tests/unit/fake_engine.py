@@ -47,13 +47,14 @@ class FakeEngine:
     """``tokens``: how many a request gets unless its limit says fewer; ``latency_s``: between
     tokens; ``fail_after``: raise after that many tokens (``dies``: the engine is dead then);
     ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx instead;
-    ``prompt_tokens`` / ``cached_tokens``: what each generation reports for its prompt."""
+    ``prompt_tokens`` / ``cached_tokens``: what each generation reports for its prompt;
+    ``counted``: what /tokenize and count_tokens count (else ``TOKENIZED``'s 3)."""
 
     def __init__(self, *, tokens=4, latency_s=0.0, fail_after=None, fail_before=False, dies=False, refuse=None,
-                 prompt_tokens=PROMPT_TOKENS, cached_tokens=0):
+                 prompt_tokens=PROMPT_TOKENS, cached_tokens=0, counted=None):
         self.tokens, self.latency_s = tokens, latency_s
         self.fail_after, self.fail_before, self.dies, self.refuse = fail_after, fail_before, dies, refuse
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self.prompt_tokens, self.cached_tokens, self.counted = prompt_tokens, cached_tokens, counted
         self.started = self.stopped = False
         self.dead = False
         self.generated = 0  # tokens produced, whoever was listening
@@ -99,6 +100,8 @@ class FakeEngine:
             return await self._embeddings(body)
         if surface in ("tokenize", "detokenize", "count_tokens"):
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
+            if self.counted is not None and surface != "detokenize":
+                answer = {**answer, ("count" if surface == "tokenize" else "input_tokens"): self.counted}
             return Answer(200, dict(answer), Trailer())
         limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
         before = len(call.resume.token_ids) if call.resume else 0  # a resumed stream's tokens so far

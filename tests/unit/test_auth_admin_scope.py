@@ -143,3 +143,25 @@ def test_a_key_id_that_is_no_key_id_never_reaches_the_registry(tmp_path):
     for key_id in ("%00", "", "0123456789AB"):
         report = client.get(f"/v1/usage?key_id={key_id}", headers=bearer(admin_key))
         assert (report.status_code, report.json()["error"]["param"]) == (400, "key_id")
+
+
+def test_through_the_routes_an_owner_admin_sees_and_revokes_only_its_owners_keys(router_app):
+    """The attack, as HTTP: an admin key scoped to one model lists keys, revokes another owner's
+    key and asks for every key's usage; it gets its own owner's, a 404, and its own owner's."""
+    app = router_app()
+    acme_admin, _ = app.auth.keys.create_key(owner="acme", tier="standard", models=(MODEL,), scopes=BOTH)
+    _, acme = app.auth.keys.create_key(owner="acme", tier="standard")
+    _, globex = app.auth.keys.create_key(owner="globex", tier="standard")
+    headers = bearer(acme_admin)
+    listed = app.client.get("/v1/admin/keys", headers=headers)
+    assert listed.status_code == 200
+    assert globex.key_id not in _ids(listed.json()["data"]) and acme.key_id in _ids(listed.json()["data"])
+    revoke = app.client.post(f"/v1/admin/keys/{globex.key_id}/revoke", headers=headers)
+    assert (revoke.status_code, revoke.json()["error"]["code"]) == (404, "key_not_found")
+    assert app.auth.keys.get(globex.key_id).disabled_at is None  # untouched
+    UsageStore(app.auth.keys.database).insert(
+        [usage_record(key_id=acme.key_id, owner="acme"), usage_record(key_id=globex.key_id, owner="globex")]
+    )
+    every = app.client.get("/v1/usage", params={"key_id": "*", "group_by": "key_id", "since": "2026-12-01", "until": "2026-12-01"}, headers=headers)
+    assert every.status_code == 200
+    assert {row["key_id"] for row in every.json()["data"]} == {acme.key_id}

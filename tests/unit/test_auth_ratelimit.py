@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from serve_app.auth.keys import SCOPE_INFERENCE
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
 from serve_app.auth.ratelimit import RateLimiter
-from tests.unit.auth_support import authenticator, bearer, chat
+from tests.unit.auth_support import MODEL, authenticator, bearer, chat
 from router_app import router_client
 
 
@@ -145,7 +145,7 @@ def test_a_limiter_outage_admits_within_the_routers_grace_only(tmp_path):
     assert chat(client, key).status_code == 429  # the grace is bounded (tests/unit/test_auth_audit.py)
 
 
-def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_path):
+def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_no_tokens(tmp_path):
     auth = authenticator(tmp_path)
     client = router_client(auth)
     key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min, 1000 tokens/min
@@ -154,8 +154,11 @@ def test_a_request_that_could_never_fit_the_tier_is_400_and_charges_nothing(tmp_
     error = too_big.json()["error"]
     assert (error["code"], error["param"]) == ("request_exceeds_tier_limit", "max_tokens")
     assert "Retry-After" not in too_big.headers
-    # Nothing was charged: both of the minute's requests are still there.
-    assert [chat(client, key).status_code for _ in range(2)] == [200, 200]
+    # None of its tokens were charged; one of the minute's two requests was (it was read and
+    # priced: test_a_request_refused_once_read_and_priced_still_costs_a_request_of_its_key).
+    served = chat(client, key)
+    assert served.status_code == 200 and served.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(served.headers["x-ratelimit-remaining-tokens"]) > 1000 - 100  # the small chat's alone
 
 
 # --- charging what a request cost beyond its estimate ------------------------------------------------
@@ -235,10 +238,38 @@ def test_a_body_its_tier_could_never_admit_is_refused_unread_declared_or_chunked
     assert chat(client, key).status_code == 200  # neither was charged: the key's 2 requests are left
 
 
-@pytest.mark.parametrize("path", ["/v1/usage", "/v1/responses/resp_x", "/v1/models"])
-def test_every_authenticated_route_costs_a_request_of_the_keys_limit(tmp_path, path):
+METERED_ROUTES = [
+    ("GET", "/v1/usage", False), ("GET", "/v1/responses/resp_x", False), ("DELETE", "/v1/responses/resp_x", False),
+    ("POST", "/v1/responses/resp_x/cancel", False), ("GET", "/v1/models", False), ("GET", f"/v1/models/{MODEL}", False),
+    ("GET", "/v1/admin/keys", True), ("POST", "/v1/admin/keys/pgk_0123456789ab/revoke", True),
+    ("POST", "/v1/models/load", True), ("POST", "/v1/models/unload", True),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "admin"), METERED_ROUTES)
+def test_every_authenticated_route_costs_a_request_of_the_keys_limit(tmp_path, method, path, admin):
     auth = authenticator(tmp_path)
     client = router_client(auth)
-    key, _ = auth.keys.create_key(owner="tiny", tier="tiny")  # 2 requests/min
-    answered = [client.get(path, headers=bearer(key)).status_code for _ in range(3)]
-    assert answered[:2] != [429, 429] and answered[2] == 429
+    scopes = (SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,)
+    key, _ = auth.keys.create_key(owner="tiny", tier="tiny", scopes=scopes)  # 2 requests/min
+    answered = [client.request(method, path, headers=bearer(key)) for _ in range(3)]
+    assert [a.status_code for a in answered[:2]] != [429, 429] and answered[2].status_code == 429
+    assert answered[2].json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_request_refused_once_read_and_priced_still_costs_a_request_of_its_key(router_app):
+    """A refusal at admission (over the tier's minute, over the budget) cost the router a parse —
+    and a Responses follow-up its stored conversation — so it costs the key one request: a key
+    cannot have it done faster than its requests/min, and once they are spent it is refused
+    before its body is read."""
+    app = router_app()  # the tiny tier: 2 requests/min, 1,000 tokens/min
+    over_tier, _ = app.auth.keys.create_key(owner="a", tier="tiny")
+    over_budget, record = app.auth.keys.create_key(owner="b", tier="tiny")
+    app.meter.store.set_budget(record.key_id, tokens_per_day=5, tokens_per_month=None)
+    for key, code, refusal in ((over_tier, 400, "request_exceeds_tier_limit"), (over_budget, 429, "budget_exceeded")):
+        for _ in range(2):
+            answer = chat(app.client, key, max_tokens=995)  # with its prompt, over 1,000
+            assert (answer.status_code, answer.json()["error"]["code"]) == (code, refusal)
+        unread = app.client.post("/v1/chat/completions", content=b"{not json", headers=bearer(key))
+        assert (unread.status_code, unread.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+    assert not app.engine.calls  # none of them reached a replica

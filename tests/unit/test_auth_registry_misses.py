@@ -129,6 +129,41 @@ def test_during_a_flood_real_keys_keep_answering_and_known_ones_are_refreshed(tm
     assert _outcome(auth, token)[:2] == (200, never_seen.key_id)
 
 
+def test_during_a_flood_a_real_key_this_router_never_saw_is_looked_up_once_listed(tmp_path):
+    """Right after a restart a router holds no row at all: every real key's first lookup would
+    share the budget with the flood. The registry's key ids, listed at start and then every
+    KNOWN_IDS_REFRESH_S, are never budgeted; only a key created since the last listing is."""
+    clock = Clock()
+    auth, database = _router(tmp_path, clock)
+    listed, listed_record = auth.keys.create_key(owner="alice", tier="standard")
+    assert auth.keys.refresh_known_ids() == 1
+    _flood(auth, 1000)  # the budget is spent
+    assert _outcome(auth, listed) == (200, listed_record.key_id, {})  # looked up all the same
+    newer, newer_record = auth.keys.create_key(owner="bob", tier="standard")
+    assert _outcome(auth, newer)[:2] == (503, "key_registry_busy")  # not listed yet: it waits its turn
+    assert auth.keys.refresh_known_ids() == 2  # the next listing (only what is new since the last)
+    assert _outcome(auth, newer) == (200, newer_record.key_id, {})
+    # A made-up id is still refused without a query.
+    before = database.queries
+    assert _flood(auth, 10)[0][:2] == (503, "key_registry_busy") and database.queries == before
+
+
+def test_the_router_lists_key_ids_in_the_background_and_stops_with_it(tmp_path):
+    auth, _ = _router(tmp_path, Clock())
+    auth.keys.create_key(owner="alice", tier="standard")
+
+    async def scenario():
+        auth.start()
+        for _ in range(200):  # its first listing runs at once, on a thread
+            if auth.keys._known_ids:
+                break
+            await asyncio.sleep(0.01)
+        await auth.aclose()
+        return len(auth.keys._known_ids), auth._following
+
+    assert asyncio.run(scenario()) == (1, None)
+
+
 def test_unknown_ids_are_queried_on_threads_of_their_own_never_in_front_of_real_keys(tmp_path):
     clock = Clock()
     auth, database = _router(tmp_path, clock)

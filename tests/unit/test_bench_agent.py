@@ -14,7 +14,11 @@ from serve_app.routing.session import SESSION_HEADER, compare_arm, session_key
 
 
 class FakeAgentServer:
-    def __init__(self):
+    """``comparing``: the deployment routes each arm by its own policy (compare_with_default);
+    off, every session goes by prefix affinity whatever arm the benchmark meant it for."""
+
+    def __init__(self, comparing: bool = True):
+        self.comparing = comparing
         self.seen: list[tuple[str, int, dict]] = []  # (session, messages, body) in arrival order
         self.served: dict[tuple[str, str], int] = {}  # (replica, session) → prompt tokens it holds
         self.rng = random.Random(7)
@@ -24,7 +28,7 @@ class FakeAgentServer:
         sid = request.headers.get(SESSION_HEADER, "")
         self.seen.append((sid, len(body["messages"]), body))
         await asyncio.sleep(0)  # let other sessions' requests in, as a busy server would
-        arm = compare_arm(session_key({SESSION_HEADER: sid}, {})) if sid else "prefix"
+        arm = compare_arm(session_key({SESSION_HEADER: sid}, {})) if sid and self.comparing else "prefix"
         replica = f"r{hash(sid) % 2}" if arm == "prefix" else self.rng.choice(["r0", "r1"])
         prompt = len(json.dumps(body["messages"]) + json.dumps(body["tools"])) // 4
         cached = self.served.get((replica, sid), 0)
@@ -37,7 +41,9 @@ class FakeAgentServer:
                                       "prompt_tokens_details": {"cached_tokens": cached}}},
         ]
         text = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
-        text += f"event: pg_metadata\ndata: {json.dumps({'pg_metadata': {'replica': replica}})}\n\ndata: [DONE]\n\n"
+        routing = {"policy": "prefix_affinity", "reason": "session"} if arm == "prefix" else {"policy": "default", "reason": "default"}
+        metadata = {"pg_metadata": {"replica": replica, "routing": routing}}
+        text += f"event: pg_metadata\ndata: {json.dumps(metadata)}\n\ndata: [DONE]\n\n"
         return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
 
 
@@ -90,6 +96,9 @@ def test_routing_runs_both_arms_interleaved_and_the_prefix_arm_keeps_its_session
     summary = agent_report.summarize(result)
     ours, default = summary["arms"]["prefix"], summary["arms"]["default"]
     assert ours["same_replica_as_previous_turn"] == 1.0 and ours["cached_of_ideal_turns_2_plus"] == 1.0
+    assert ours["routed_by_affinity_turns_2_plus"] == 1.0 and default["routed_by_affinity_turns_2_plus"] == 0.0
+    assert (ours["routing_policies"], default["routing_policies"]) == (["prefix_affinity"], ["default"])
+    assert agent_report.comparison_problem(summary) is None
     assert default["cache_hit_ratio_turns_2_plus"] < ours["cache_hit_ratio_turns_2_plus"]
     assert sorted(ours["ttft_ms_by_turn"]) == [1, 2, 3] and ours["ttft_ms_by_turn"][1]["cache_hit_ratio"] == 0
     assert ours["aggregate_tokens_per_s"] > 0 and ours["completion_tokens"] == 2 * 4 * 3 * 5
@@ -134,3 +143,7 @@ def test_the_command_writes_its_files_and_refuses_routing_without_session_ids(tm
     assert (written.parent / "agent_bench.md").exists()
     refused = runner.invoke(app, common + ["--routing", "--no-session-header"])
     assert refused.exit_code == 2 and "x-session-id" in refused.output
+    # A deployment without compare_with_default routed both arms by our policy: nothing was compared.
+    server.comparing = False
+    uncompared = runner.invoke(app, common + ["--routing", "--rounds", "1"])
+    assert uncompared.exit_code == 1 and "compare_with_default" in uncompared.output

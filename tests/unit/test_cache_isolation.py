@@ -166,7 +166,8 @@ def test_one_owners_prompt_never_hits_another_owners_cache(vllm_front, method):
 
 
 def test_regions_cache_prefixes_so_the_salt_matters_there():
-    """vLLM caches prefixes unless told not to; only the CPU default turns it off."""
+    """vLLM caches prefixes unless told not to; only the CPU default turns it off (the agent
+    workload's local config keeps it on, as regions do)."""
     for config in sorted((REPO / "configs").glob("*.yaml")):
         text = config.read_text()
         assert ("enable-prefix-caching: false" in text) == (config.name == "local.yaml"), config.name

@@ -100,6 +100,7 @@ def test_engine_flags_start_from_the_catalog_and_take_overrides():
     assert parsed.enforce_eager is True
     assert parsed.tool_call_parser == "hermes"
     assert parsed.enable_auto_tool_choice is True
+    assert parsed.enable_prompt_tokens_details is True  # cached tokens in every route's usage
     assert parsed.reasoning_parser == "qwen3"
     assert parsed.max_num_seqs == 4
     assert parsed.seed == 7
@@ -129,6 +130,18 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
         "accelerator_type": "B200",
         "runtime_env": {"env_vars": {"A": "1", "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}},
     }
+
+
+def test_the_agent_workloads_local_config_runs_two_cached_replicas_compared_with_default_routing():
+    """configs/local-agent.yaml (``serve-app bench-agent``): two replicas with prefix caching on,
+    both routing arms on one deployment, and room on 2 CPUs for an upgrade's two replacements."""
+    config = load_serve_config("local-agent.yaml")
+    args = parse_app_args(app_args(config))
+    (model,) = args.models
+    assert (model.autoscaling.min_replicas, model.autoscaling.max_replicas) == (2, 2)
+    assert model.engine.extra_args["enable-prefix-caching"] is True
+    assert model.routing.policy == "prefix_affinity" and model.routing.compare_with_default
+    assert args.router.num_cpus + 2 * 2 * model.resources.num_cpus <= 2
 
 
 def test_local_config_serves_the_tiny_models_on_cpu_under_the_canonical_ids():

@@ -320,3 +320,27 @@ def test_the_check_reads_what_vllm_converts_an_anthropic_image_to():
     chat_request = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest.model_validate(body))
     converted = {"model": MODEL, "messages": list(chat_request.messages)}
     refused("chat", converted, CDN, "messages[0].content[1].image_url")
+
+
+def test_the_router_refuses_a_media_part_before_any_replica_on_every_surface(router_app):
+    """Through the real pipeline (its validate stage), in each surface's own error shape: a part
+    the region's policy (off by default) does not take never reaches the engine that would fetch it."""
+    from auth_support import bearer
+
+    app = router_app()
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    anthropic_image = {"type": "image", "source": {"type": "url", "url": INTERNAL}}
+    attempts = [
+        ("/v1/chat/completions", {**chat(image(INTERNAL)), "max_tokens": 4}, bearer(key)),
+        ("/v1/responses", {"model": MODEL, "max_output_tokens": 4, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": INTERNAL}]}]}, bearer(key)),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [anthropic_image]}]},
+         {"x-api-key": key}),
+    ]
+    for path, body, headers in attempts:
+        answer = app.client.post(path, json=body, headers=headers)
+        assert answer.status_code == 400, (path, answer.text)
+        error = answer.json()["error"]
+        assert error.get("code", error.get("type")) in (MEDIA_NOT_ALLOWED, "invalid_request_error"), (path, error)
+        assert "media input is off" in error["message"]
+    assert not app.engine.calls

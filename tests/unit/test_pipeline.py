@@ -57,3 +57,52 @@ def test_a_non_stream_request_whose_client_leaves_stops_the_engine_and_is_billed
     assert 5 <= row["completion_tokens"] < 1000 and row["completion_tokens"] == engine.generated
     assert engine.closed_early == 1  # aborted, not run to max_tokens
     assert app.services.in_flight.load(MODEL, 1)["in_flight"] == 0
+
+
+def test_a_half_open_client_frees_its_engine_slot_within_the_stall_bound_and_is_billed(router_app):
+    """A client that keeps its socket open and reads nothing (``requests`` after a read timeout),
+    through real uvicorn in front of the real router and replica: once a write has waited
+    ``router.stall_timeout_s`` the stream ends, the engine request is aborted (its slot free), the
+    request is recorded with what was generated, and the connection is cut. Small socket buffers
+    on both ends (the listener's are inherited by the connections it accepts) make "stopped
+    reading" reach the router after a few KiB rather than a loopback's megabytes."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from serve_app.router import ingress
+
+    engine = FakeEngine(tokens=8000, latency_s=0.001)
+    app = router_app(engine=engine)
+    app.services.stall_timeout_s = 0.5
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(ingress.app, log_level="warning", http="httptools", lifespan="off"))
+    serving = app.client.portal.start_task_soon(server.serve, [listener])  # on the router's own event loop
+    client = socket.socket()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.01)
+        body = json.dumps({"model": MODEL, "max_tokens": 8000, "stream": True, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": "go on"}]}).encode()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(listener.getsockname())
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert client.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        deadline = time.monotonic() + 30
+        while engine.closed_early == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.closed_early == 1, "the engine went on for a client that stopped reading"
+        (row,) = app.recorded()
+        assert row["status"] == 499 and 0 < row["completion_tokens"] == engine.generated < 8000
+        assert app.services.in_flight.load(MODEL, 1)["in_flight"] == 0  # its slot is free
+    finally:
+        client.close()
+        server.should_exit = True
+        serving.result(timeout=10)

@@ -156,6 +156,24 @@ def test_a_default_below_the_route_default_wins():
     assert price("completions", body, 100, context_len=CONTEXT, default_max_tokens=8).completion_tokens_each == 8
 
 
+def test_a_default_shares_what_the_tier_leaves_among_the_sequences():
+    """A request that sets no limit gets one that its key's tier can admit with every sequence
+    counted, so ``n`` or a list of prompts is served, never a 400 about a max_tokens it never sent."""
+    body = chat(n=4)
+    validate_body("chat", body)
+    charged = price("chat", body, 400, context_len=CONTEXT, default_max_tokens=DEFAULT, default_total=1000 - 100)
+    assert charged.completion_tokens_each == 225 and body["max_completion_tokens"] == 225
+    assert charged.total <= 1000  # the tier's minute: admitted
+    prompts = completions(prompt=["a", "b", "c"], n=2)
+    validate_body("completions", prompts)
+    assert price("completions", prompts, 100, context_len=CONTEXT, default_max_tokens=DEFAULT,
+                 default_total=60).completion_tokens_each == 10
+    one = chat()
+    validate_body("chat", one)
+    assert price("chat", one, 100, context_len=CONTEXT, default_max_tokens=DEFAULT,
+                 default_total=10**6).completion_tokens_each == DEFAULT  # a roomy tier: the model's default
+
+
 # --- limit fields the engine would ignore are refused ----------------------------------------------
 IGNORED = [
     ("chat", chat(max_output_tokens=5), "max_output_tokens"),

@@ -388,7 +388,7 @@ def test_a_response_stored_through_one_region_is_read_and_deleted_through_anothe
     run(peer.put(stored(1, output=[answer])))
 
     assert run(origin.get("resp_1", "alice")) == stored(1, output=[answer])
-    assert run(origin.history("resp_1", "alice")) == [{"role": "user", "content": "question 1"}, answer]
+    assert run(origin.history("resp_1", "alice"))[0] == [{"role": "user", "content": "question 1"}, answer]
     assert run(origin.get("resp_1", "bob")) is None
     assert run(origin.delete("resp_1", "alice")) is True
     assert run(peer.get("resp_1", "alice")) is None  # deleted everywhere at once
@@ -439,7 +439,7 @@ def test_history_is_conversation_then_output_without_nulls(database):
     }
     run(store.put(stored(1, output=[reasoning, message, call])))
 
-    assert run(store.history("resp_1", "alice")) == [
+    assert run(store.history("resp_1", "alice"))[0] == [
         {"role": "user", "content": "question 1"},
         reasoning,
         {
@@ -458,17 +458,18 @@ def test_history_continues_a_chain(database):
     store = ResponseStore(database, args())
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
     run(store.put(stored(1, output=[answer])))
-    first_history = run(store.history("resp_1", "alice"))
+    first_history, size = run(store.history("resp_1", "alice"))
+    assert size == len(json.dumps(first_history))  # what the follow-up's price adds
     follow_up = {"role": "user", "content": "and doubled?"}
     run(store.put(StoredResponse("resp_2", "alice", "qwen", 0, {"output": [answer]}, first_history + [follow_up])))
 
-    assert run(store.history("resp_2", "alice")) == [
+    assert run(store.history("resp_2", "alice"))[0] == [
         {"role": "user", "content": "question 1"}, answer, follow_up, answer,
     ]
     assert run(store.history("resp_3", "alice")) is None
     # A response without output (e.g. failed) continues from its conversation alone.
     run(store.put(StoredResponse("resp_4", "alice", "qwen", 0, {"output": None}, [follow_up])))
-    assert run(store.history("resp_4", "alice")) == [follow_up]
+    assert run(store.history("resp_4", "alice"))[0] == [follow_up]
 
 
 # --- what is refused, and where it runs --------------------------------------------------------------

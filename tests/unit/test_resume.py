@@ -85,6 +85,35 @@ def test_a_stream_that_cannot_be_resumed_faithfully_ends_with_the_engine_failure
     assert (row["status"], row["resumes"]) == (503, 0) and row["completion_tokens"] >= 5  # billed what was generated
 
 
+@pytest.fixture
+def observed(monkeypatch):
+    """Each request's record as the metrics see it when it closes (``ray_serve_app_resumes_total``)."""
+    from serve_app.telemetry import request
+
+    records = []
+    monkeypatch.setattr(request, "observe", lambda record, split: records.append(record))
+    return records
+
+
+@pytest.mark.parametrize(("body", "counted"), [({}, (1, 0)), ({"logprobs": True}, (0, 1))], ids=["resumed", "gave_up"])
+def test_the_resume_metric_counts_each_broken_stream_resumed_or_not(two_replicas, observed, body, counted):
+    app, key, _, _ = two_replicas
+    _stream(app, key, **body)  # its engine dies after 5 tokens: resumed, or (logprobs) not resumable
+    app.recorded()  # settled
+    assert [(r.resumes, r.resumes_given_up) for r in observed] == [counted]
+
+
+def test_a_continuation_keeps_a_limit_the_router_set_lowerable_by_the_replica(two_replicas):
+    """A request without max_tokens got the router's limit from a size estimate: its continuation
+    (prompt plus the tokens before the seam) may be lowered to the context left, not refused."""
+    app, key, _, healthy = two_replicas
+    response = app.client.post("/v1/chat/completions", headers=bearer(key),
+                               json={"model": MODEL, "messages": ASK, "stream": True})
+    assert response.status_code == 200
+    (_, resumed), = healthy.calls
+    assert resumed.resume is not None and resumed.limit_set_by_router
+
+
 def test_with_no_other_replica_the_stream_ends_with_the_engine_failure_event_after_the_window(router_app):
     app = router_app(engine=FakeEngine(tokens=12, fail_after=5, dies=True))
     app.services.resume_window_s = 0.5  # the only replica answers engine_unavailable meanwhile

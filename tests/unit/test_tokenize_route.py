@@ -136,3 +136,35 @@ def test_the_router_side_never_imports_vllm():
     code = "import sys, serve_app.router.ingress, serve_app.router.pipeline; print('vllm' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_what_the_tokenizer_really_counted_is_charged_beyond_the_size_estimate(router_app, tmp_path):
+    """A body of digits tokenizes at about a token a byte, four times its size estimate: the rest
+    is charged to the key's tokens/min once the answer says what was counted, as a generation's
+    real prompt is (docs/auth.md), so /tokenize is no way around the tier's minute."""
+    app = router_app(auth=authenticator(tmp_path, limiter=RateLimiter(clock=lambda: 1000.0)),
+                     engine=FakeEngine(counted=5_000))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    digits = {"model": MODEL, "prompt": "7" * 5_000}
+    first = post(app, "/tokenize", digits, key)
+    assert first.status_code == 200 and first.json()["count"] == 5_000
+    estimate = len(first.request.content) // 4
+    _, left_before = _charged(first)  # after its estimate
+    second = post(app, "/tokenize", digits, key)
+    _, left_after = _charged(second)
+    # The second was charged its estimate; the first's miss (what it counted beyond it) came in between.
+    assert left_before - left_after == estimate + (5_000 - estimate)
+    # Anthropic's count_tokens too (its input_tokens), on the same key.
+    counting = {"model": MODEL, "messages": [{"role": "user", "content": "7" * 400}]}
+    third = app.client.post("/v1/messages/count_tokens", json=counting, headers={"x-api-key": key})
+    assert third.status_code == 200 and third.json()["input_tokens"] == 5_000
+    fourth = post(app, "/tokenize", digits, key)
+    charged_between = left_after - _charged(fourth)[1]  # second's miss, third's estimate and miss, fourth's estimate
+    assert charged_between == (5_000 - estimate) + 5_000 + estimate
+
+
+def test_detokenize_is_priced_by_its_ids_exactly(app):
+    ids = [1] * 2_000  # "1,1,…": 2 bytes an id, so its size alone would say ~1,000
+    response = post(app, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert len(response.request.content) // 4 < len(ids)
+    assert 1_000_000 - _charged(response)[1] == len(ids)
