@@ -46,6 +46,9 @@ STATUS_MAX_AGE_S = 10.0
 # After a replica reports a dead engine: long enough to cover Serve's health checks failing
 # three times and the replica being stopped (about 10 s here, docs/reliability.md).
 SUSPECT_S = 30.0
+# How long a model whose deployment Serve stops listing keeps its last status: a redeploy of its
+# application rebuilds it (seconds); past this the model reads as not deployed (loading).
+REBUILD_GRACE_S = 30.0
 # Retry hints for requests that reach a model that is not serving: a load of the FP8 checkpoint
 # takes minutes on a GPU; a replica being replaced is back within about a minute here (measured,
 # docs/reliability.md), and clients should look again soon; a cold model serves only after an
@@ -73,6 +76,7 @@ class ModelStates:
         self._task: asyncio.Task | None = None
         self._wanted: dict[str, WantedRecord] = {}
         self._deployments: dict[str, Any] = {}  # Serve's status per model's deployment, last read
+        self._missing_since: dict[str, float] = {}  # a model whose deployment Serve stopped listing
         self.set_models(models)
         self._status_read_at = float("-inf")
         self._suspect_until = float("-inf")
@@ -124,7 +128,7 @@ class ModelStates:
             wanted = await asyncio.to_thread(self._read_all)
         locations = self.locations  # as they are now: set_models may run while Serve answers
         if status:
-            self._deployments = _deployments_of(await asyncio.to_thread(self._serve_status), locations)
+            self._deployments = self._with_rebuilding(_deployments_of(await asyncio.to_thread(self._serve_status), locations))
             self._status_read_at = time.monotonic()
         self._wanted = wanted
         for model_id in locations.keys() & wanted.keys():
@@ -132,6 +136,22 @@ class ModelStates:
             self._log_serve_message(model_id, getattr(status_of, "message", "") or "")
             self._states[model_id] = _state_of(wanted[model_id], status_of)
         self._refreshed = True
+
+    def _with_rebuilding(self, found: dict[str, Any]) -> dict[str, Any]:
+        """``found``, plus the last status of a model whose deployment Serve has stopped listing
+        for less than ``REBUILD_GRACE_S``: a redeploy of its application (a new engine flag, new
+        weights) rebuilds it, and for those seconds Serve lists no deployment in it while the old
+        replicas still serve; without this the model would read as loading, a 503 per request."""
+        now = time.monotonic()
+        for model_id in found.keys() & self._missing_since.keys():
+            del self._missing_since[model_id]  # listed again
+        kept = dict(found)
+        for model_id, last in self._deployments.items():
+            if model_id in found or model_id not in self.locations:
+                continue
+            if now - self._missing_since.setdefault(model_id, now) < REBUILD_GRACE_S:
+                kept[model_id] = last
+        return kept
 
     def _log_serve_message(self, model_id: str, message: str) -> None:
         """Serve's words about a deployment, for operators: logged once each time they change

@@ -258,6 +258,43 @@ def test_router_serves_only_loaded_models_and_says_why_not():
     assert "POST /v1/models/load" in cold.value.message
 
 
+def test_a_model_application_being_rebuilt_keeps_serving_from_its_last_status(monkeypatch):
+    """A redeploy of a model's application (new engine flag, new weights) rebuilds it: for a few
+    seconds Serve lists no deployment in it while the old replica still serves. The model stays
+    loaded meanwhile (it was a 503 model_loading per request); absent past the grace, it is not."""
+    from serve_app.hot_load import tracker
+
+    clock = [1000.0]
+    monkeypatch.setattr(tracker.time, "monotonic", lambda: clock[0])
+    fake = FakeServe()
+    states = _states(fake)
+    asyncio.run(states.refresh())
+    rebuilt = fake.status
+
+    def rebuilding():
+        status = rebuilt()
+        status.applications[model_app_name("llm", MODEL)] = SimpleNamespace(deployments={})
+        return status
+
+    states._serve_status = rebuilding
+    asyncio.run(states.refresh())
+    states.require_serving(MODEL, "yul-02")  # still loaded: no 503
+    clock[0] += tracker.REBUILD_GRACE_S - 1
+    asyncio.run(states.refresh())
+    states.require_serving(MODEL, "yul-02")
+    clock[0] += 2  # gone for longer than any rebuild
+    asyncio.run(states.refresh())
+    with pytest.raises(APIError) as gone:
+        states.require_serving(MODEL, "yul-02")
+    assert gone.value.code == "model_loading"
+    states._serve_status = rebuilt  # listed again; a later rebuild gets its own grace
+    asyncio.run(states.refresh())
+    states.require_serving(MODEL, "yul-02")
+    states._serve_status = rebuilding
+    asyncio.run(states.refresh())
+    states.require_serving(MODEL, "yul-02")
+
+
 def test_a_replica_being_replaced_is_recovering_with_a_short_retry_not_failed():
     fake = FakeServe()
     states = _states(fake)
