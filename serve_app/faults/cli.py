@@ -32,9 +32,11 @@ SCENARIOS = ("overload", "disconnect", "engine_kill", "soak", "fuzz", "redeploy"
 # (with short answers: the burst's length is the engine's, not the router's).
 SIZES = {
     "full": {"overload": 160, "overload_tokens": 64, "disconnect": 8, "kill": 8, "soak": 64, "soak_s": 60.0,
-             "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 32},
+             "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 32, "redeploy_model": 32},
+    # A model change's new engine starts while the streams run: on 2 cores, 32 of them starve it
+    # for minutes (218 s measured), 8 let it start in about half that.
     "quick": {"overload": 120, "overload_tokens": 16, "disconnect": 4, "kill": 4, "soak": 16, "soak_s": 8.0,
-              "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 32},
+              "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 32, "redeploy_model": 8},
 }
 
 
@@ -58,7 +60,8 @@ def run_suite(
             "hostile": fuzz.hostile_bodies(url, key),
         },
         "redeploy": lambda: asyncio.run(redeploy.redeploy(
-            url, key, config_path=config_path, app=app, dashboard=dashboard, streams=n["redeploy"]
+            url, key, config_path=config_path, app=app, dashboard=dashboard, streams=n["redeploy"],
+            model_streams=n["redeploy_model"],
         )),
         "resume": lambda: asyncio.run(engine_kill_resumed(url, key, app, streams=n["kill"])),
     }
@@ -67,9 +70,6 @@ def run_suite(
             continue
         if app is None and name in ("engine_kill", "redeploy", "resume"):
             report[name] = {"skipped": "needs the cluster (--app)"}
-            continue
-        if name == "resume" and len(cluster.model_replicas(scenarios.model_app(app), scenarios.MODEL_DEPLOYMENT)) < 2:
-            report[name] = {"skipped": "needs two replicas of the model (its autoscaling.min_replicas: 2)"}
             continue
         began = time.monotonic()
         report[name] = {**runs[name](), "seconds": round(time.monotonic() - began, 1)}
@@ -96,7 +96,7 @@ def command(
     out: Annotated[Path | None, typer.Option(help="Write the figures here (JSON).")] = None,
 ) -> None:
     """Overload, disconnects, an engine-core kill, a soak, fuzzing, a redeploy and a resumed
-    engine kill (with two model replicas), with figures."""
+    engine kill (on another replica, or a peer region's), with figures."""
     url = check_local(url)
     key = key or os.environ.get("SERVE_APP_DEV_API_KEY")
     if not key:

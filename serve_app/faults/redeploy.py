@@ -201,10 +201,12 @@ async def one_change(client, url: str, app: str, config: dict[str, Any], dashboa
 
 async def redeploy(
     url: str, key: str, *, config_path: Path, app: str, dashboard: str, streams: int = 32, max_tokens: int = 64,
-    warmup_s: float = 5.0, settle_timeout_s: float = 900,
+    warmup_s: float = 5.0, settle_timeout_s: float = 900, model_streams: int | None = None,
 ) -> dict[str, Any]:
     """The three changes in turn on the deployed ``config_path`` (the region of router
-    application ``app`` is changed), then the original again; the figures of each."""
+    application ``app`` is changed), then the original again; the figures of each. ``streams``
+    clients stream through each change, or ``model_streams`` through a model's (a new engine
+    starts meanwhile: on a small host, fewer clients let it start sooner)."""
     original = yaml.safe_load(config_path.read_text())
     changes: list[tuple[str, Change, bool]] = [
         ("router setting", nudge_router_setting, False),
@@ -215,13 +217,15 @@ async def redeploy(
 
         weights = await asyncio.to_thread(ensure_tiny_model, seed=NEW_WEIGHTS_SEED)
         changes.append(("weights", new_weights(weights), True))
-    report: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "changes": []}
+    model_streams = streams if model_streams is None else model_streams
+    report: dict[str, Any] = {"streams": streams, "model_streams": model_streams, "max_tokens": max_tokens, "changes": []}
     config = original
     async with _client(key, streams + 2) as client:
         for name, change, restarts_model in changes:
             config = with_region(config, app, change)
             report["changes"].append(await one_change(
-                client, url, app, config, dashboard, name=name, restarts_model=restarts_model, streams=streams,
+                client, url, app, config, dashboard, name=name, restarts_model=restarts_model,
+                streams=model_streams if restarts_model else streams,
                 max_tokens=max_tokens, warmup_s=warmup_s, settle_timeout_s=settle_timeout_s,
             ))
         # Put the original back (the model restarts once more), so the suite leaves the app as it found it.

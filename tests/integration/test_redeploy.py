@@ -1,6 +1,7 @@
-"""``serve deploy`` while 32 streams run, the fault suite's redeploy scenario
-(serve_app/faults/redeploy.py) against the session's two regions: a router setting, an engine
-flag, new weights, then the original config again. Nothing may drop a stream; only a model
+"""``serve deploy`` while clients stream, the fault suite's redeploy scenario
+(serve_app/faults/redeploy.py) against the session's two regions: a router setting (32 clients),
+an engine flag and new weights (8 here, 32 in the full suite: a new engine starts meanwhile), then
+the original config again. Nothing may drop a stream; only a model
 change may replace the model's replica, and then only after its replacement serves
 (docs/operations.md, "What a change restarts"). ``disruptive``: it runs after every other test and
 leaves the original config deployed and settled."""
@@ -13,7 +14,7 @@ from serve_app.faults import redeploy
 from serve_app.faults.cli import SIZES
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
-STREAMS = SIZES["quick"]["redeploy"]
+STREAMS, MODEL_STREAMS = SIZES["quick"]["redeploy"], SIZES["quick"]["redeploy_model"]
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +22,24 @@ def redeployed(serve_app, base_url, dev_key):
     result = asyncio.run(
         redeploy.redeploy(
             base_url, dev_key, config_path=serve_app["deployed_path"], app=serve_app["app_name"],
-            dashboard=serve_app["dashboard"], streams=STREAMS,
+            dashboard=serve_app["dashboard"], streams=STREAMS, model_streams=MODEL_STREAMS,
         )
     )
     print(result)  # the figures docs/reliability.md reports
     return {change["change"]: change for change in result["changes"]} | {"restored": result["restored"]}
 
 
-def _every_stream_finished(change: dict) -> None:
+def _every_stream_finished(change: dict, clients: int) -> None:
     assert change["deploy_exit"] == 0, change["deploy_error"]
     assert change["settled_after_s"] is not None, change  # it settled within the scenario's bound
-    assert change["streams"] >= STREAMS and change["streams_started_during"] > 0, change
+    assert change["streams"] >= clients and change["streams_started_during"] > 0, change
     assert change["streams_by_outcome"] == {"200 done": change["streams"]}, change
     assert change["streams_failed"] == 0 and change["503s"] == 0, change
 
 
 def test_a_router_setting_reconfigures_the_routers_and_leaves_the_model_replica_running(redeployed):
     change = redeployed["router setting"]
-    _every_stream_finished(change)
+    _every_stream_finished(change, STREAMS)  # 32 clients streaming
     assert change["model_pids_after"] == change["model_pids_before"]  # the engine was never touched
     assert change["router_pids_after"] == change["router_pids_before"]  # reconfigured in place
 
@@ -46,7 +47,7 @@ def test_a_router_setting_reconfigures_the_routers_and_leaves_the_model_replica_
 @pytest.mark.parametrize("name", ["engine flag", "weights"])
 def test_a_model_change_replaces_its_replica_only_after_the_new_one_serves(redeployed, name):
     change = redeployed[name]
-    _every_stream_finished(change)  # the old replica drained: its streams ran to their end
+    _every_stream_finished(change, MODEL_STREAMS)  # the old replica drained: its streams ran to their end
     assert change["model_pids_before"] and change["model_pids_after"]
     assert not set(change["model_pids_after"]) & set(change["model_pids_before"])  # a new engine
     assert change["router_pids_after"] == change["router_pids_before"]  # routers reconfigured, not restarted
