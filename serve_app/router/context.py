@@ -91,6 +91,7 @@ class Context:
     body: dict[str, Any] = field(default_factory=dict)
     model: str | None = None
     previous_response_id: str | None = None  # Responses: the stored response it continues
+    client_input: Any = None  # Responses: the input as the client sent it (before its history)
     history_bytes: int = 0  # Responses: the stored conversation's size (it is prompt too)
     price: Any = None  # what it may cost (``pricing.Price``), charged when it is admitted
     reservation: Any = None  # its price held against the key's token budget (``budgets.Reservation``)

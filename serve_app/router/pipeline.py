@@ -100,7 +100,7 @@ async def authorize(ctx: Context) -> None:
 async def recall(ctx: Context) -> None:
     """Responses: the router continues the stored conversation (the engine is stateless)."""
     if ctx.surface.stores:
-        ctx.previous_response_id = ctx.body.get("previous_response_id")
+        ctx.previous_response_id, ctx.client_input = ctx.body.get("previous_response_id"), ctx.body.get("input")
         ctx.keep, ctx.history_bytes = await ctx.services.responses.continue_from(ctx.body, ctx.caller)
 
 
@@ -254,8 +254,13 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
 
 def _as_the_client_set_it(ctx: Context) -> dict:
     """The body a peer region gets: as priced here, but without a completion limit this router
-    set (the peer sets and prices its own, and may lower it to what the real prompt leaves)."""
+    set (the peer sets and prices its own, and may lower it to what the real prompt leaves), and
+    a Responses follow-up as the client sent it, ``previous_response_id`` and its own input: the
+    regions share the store, so the peer recalls the conversation itself and echoes the id."""
+    body = ctx.body
+    if ctx.previous_response_id is not None:
+        body = {**body, "input": ctx.client_input, "previous_response_id": ctx.previous_response_id}
     if not ctx.price.limit_set_by_router:
-        return ctx.body
+        return body
     field = pricing.ROUTES[ctx.surface.name].field
-    return {key: value for key, value in ctx.body.items() if key != field}
+    return {key: value for key, value in body.items() if key != field}

@@ -106,6 +106,10 @@ class FakeEngine:
         limit = body.get("max_output_tokens") or body.get("max_completion_tokens") or body.get("max_tokens")
         before = len(call.resume.token_ids) if call.resume else 0  # a resumed stream's tokens so far
         wanted = min(limit or self.tokens, self.tokens - before)
+        if surface in ("responses", "messages"):
+            # vLLM's modules, imported on a thread the first time: seconds on a busy host, which
+            # on the event loop the router shares here would time out the replica's socket.
+            await asyncio.to_thread(fake_vllm.import_vllm)
         if surface == "responses":
             return await self._responses(call, wanted)
         prompt = [1] * (self.prompt_tokens + before)  # as vLLM's: the prompt, then what was generated
@@ -115,7 +119,7 @@ class FakeEngine:
             events = fake_vllm.messages_events(self._events(outputs, body), watcher)
             return Stream(Prefetched(events), watcher)
         if body.get("stream"):
-            resumed = trailer.Resumed(before) if call.resume else None
+            resumed = trailer.Resumed(before, opened=call.resume.opened) if call.resume else None
             watcher = trailer.StreamTrailer(trailer.ask_for_usage(body), resumed=resumed)
             events = self._events(outputs, body, surface, len(prompt))
             return Stream(Prefetched(events), watcher)  # under way, as vLLM's

@@ -28,6 +28,15 @@ from serve_app.wire.messages import Answer
 Body = dict[str, Any]
 
 
+def import_vllm() -> None:
+    """Import what the answers below use (once; a no-op after): a caller on an event loop runs
+    this on a thread first, so the loop is not held for the seconds it takes."""
+    import vllm.entrypoints.anthropic.serving  # noqa: F401
+    import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401
+    import vllm.entrypoints.openai.responses.protocol  # noqa: F401
+    import vllm.entrypoints.openai.responses.streaming_events  # noqa: F401
+
+
 def validated_responses_request(body: Body):
     """vLLM's ``ResponsesRequest`` of ``body`` (a copy: vLLM edits the dict it validates), or the
     400 ``Answer`` the real engine gives for a body vLLM refuses."""

@@ -179,3 +179,34 @@ def test_a_stored_response_is_counted_in_its_owners_usage(setup):
     assert kept.status_code == not_kept.status_code == 200
     stored, unstored = _recorded(setup)
     assert stored["stored_bytes"] > len("answer") and unstored["stored_bytes"] == 0
+
+
+def test_a_follow_up_that_fails_over_is_continued_by_the_peer_from_the_shared_store(tmp_path, router_app):
+    """Regions share the Responses store (the registry's database): a follow-up this region cannot
+    serve goes to the peer as the client sent it, previous_response_id and its own input, and the
+    peer recalls the conversation and echoes the id (it used to lose both)."""
+    import httpx
+
+    from auth_support import federated_regions
+    from router_app import to_router
+    from serve_app.config import Peer
+
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=3),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    first = home.client.post("/v1/responses", json={"model": MODEL, "input": "My name is Ada."}, headers=bearer(key))
+    assert first.status_code == 200, first.text
+    first = first.json()
+    peer.services.responses = home.services.responses  # one store, as one registry database gives every region
+    home.serve.stop(MODEL)  # from now on this region cannot serve it
+    home.run(home.services.states.refresh)
+    follow_up = home.client.post(
+        "/v1/responses", json={"model": MODEL, "input": "Name?", "previous_response_id": first["id"]}, headers=bearer(key)
+    )
+    assert follow_up.status_code == 200 and follow_up.headers["x-pg-region"] == "yvr-01"
+    assert follow_up.json()["previous_response_id"] == first["id"]
+    (_, call), = peer.engine.calls
+    assert [item.get("role") for item in call.body["input"]] == ["user", "assistant", "user"]  # the history, once
