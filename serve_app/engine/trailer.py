@@ -102,6 +102,7 @@ class Resumed:
 
     tokens: int  # generated before the seam: in the prompt now, but the client's completion
     pending_text: str = ""  # text of those tokens the client never got (a detokenizer's hold-back)
+    opened: bool = True  # the client has the first stream's opening (else this one's goes out)
 
 
 class StreamTrailer:
@@ -121,7 +122,9 @@ class StreamTrailer:
         self.error_status: int | None = None  # ...whose status the router records
         self.engine_failed = False  # vLLM's own 5xx error event: the router ends (or resumes) it
         self._resumed = resumed
-        self._opening = resumed is not None  # a resumed stream's first chunk is not passed as it is
+        # A resumed stream's first chunk is not passed as it is (unless the first stream broke
+        # before its opening reached the client: then this one's is the client's opening).
+        self._opening = resumed is not None and resumed.opened
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""

@@ -136,7 +136,8 @@ class VLLMEngine:
             return None
         if call.resume is None:
             return output.watcher(body)
-        return output.watcher(body, trailer.Resumed(len(call.resume.token_ids), self._owed_text(call.resume)))
+        resume = call.resume
+        return output.watcher(body, trailer.Resumed(len(resume.token_ids), self._owed_text(resume), resume.opened))
 
     def _owed_text(self, resume) -> str:
         """The text of the resumed tokens that the client never received: the first engine's

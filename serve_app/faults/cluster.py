@@ -22,6 +22,7 @@ class Replica:
     deployment: str  # Router, model-qwen-3.6-35b-a3b, ...
     app: str
     pid: int
+    replica_id: str = ""  # Serve's (pg_metadata.replica names the one that served a request)
 
     @property
     def rss_mib(self) -> float:
@@ -70,7 +71,9 @@ def replicas(app: str) -> list[Replica]:
         kind, _, rest = (actor.class_name or "").partition(":")
         actor_app, _, deployment = rest.partition(":")
         if kind == "ServeReplica" and actor_app == app and actor.pid:
-            found.append(Replica(deployment=deployment, app=actor_app, pid=actor.pid))
+            # Its actor is named SERVE_REPLICA::<app>#<deployment>#<replica id>.
+            replica_id = (actor.name or "").rpartition("#")[2]
+            found.append(Replica(deployment=deployment, app=actor_app, pid=actor.pid, replica_id=replica_id))
     return found
 
 

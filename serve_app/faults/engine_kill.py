@@ -7,13 +7,16 @@ the resume window ends first); new requests get a 503 with a short ``Retry-After
 queue) until the replacement replica serves; ``/health`` says ``recovering``, not ``failed``; the
 routers never import vLLM.
 
-``engine_kill_resumed`` (two replicas or more): the streams on the killed replica go on from
-another one (``router/resume.py``): every stream ends normally with its full length, its text the
-same as an uninterrupted greedy run's (no gap, no repeat at the seam), and the pause at the seam
-is measured (the longest wait between two chunks of each resumed stream).
+``engine_kill_resumed``: 8 streams of one greedy prompt run where an uninterrupted run of it ran
+(the request router keeps a shared prefix on one replica), whose engine core is then killed; they
+go on from another replica of the region, or — when that replica was the region's only one — from
+a peer region (``router/resume.py``): every stream ends normally with its full length, its text the
+same as the uninterrupted run's (no gap, no repeat at the seam), and the pause at the seam is
+measured (the longest wait between two chunks of each resumed stream), with where each resumed.
 """
 
 import asyncio
+from collections import Counter
 import time
 from typing import Any
 
@@ -70,35 +73,41 @@ async def engine_kill(
 
 
 def greedy_body(max_tokens: int) -> dict[str, Any]:
-    """A stream whose text is the same every run (greedy decoding, its full length)."""
-    return {**chat_body(max_tokens), "temperature": 0, "seed": 7}
+    """A stream whose text is the same every run: greedy decoding (no seed: a CPU engine with
+    prefix caching refuses seeds, and greedy needs none), its full length."""
+    return {**chat_body(max_tokens), "temperature": 0}
 
 
-async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 300) -> dict[str, Any]:
+async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 200) -> dict[str, Any]:
     running_replicas = cluster.model_replicas(model_app(app), MODEL_DEPLOYMENT)
-    if len(running_replicas) < 2:
-        raise RuntimeError(f"engine_kill_resumed needs two replicas of {MODEL_DEPLOYMENT}, not {len(running_replicas)}")
     body = greedy_body(max_tokens)
     async with _client(key, streams + 4) as client:
         reference = await stream_chat(client, url, body, idle_timeout_s=120)  # uninterrupted
-        started = asyncio.Event()
+        # The replica the streams will run on: the one holding the prompt's prefix.
+        (victim, *_) = [r for r in running_replicas if r.replica_id == reference.replica] or running_replicas
+        started = [asyncio.Event() for _ in range(streams)]
         running = [
-            asyncio.create_task(stream_chat(client, url, body, first_chunk=started, idle_timeout_s=120))
-            for _ in range(streams)
+            asyncio.create_task(stream_chat(client, url, body, first_chunk=first, idle_timeout_s=120))
+            for first in started
         ]
-        await asyncio.wait_for(started.wait(), 120)
-        await asyncio.sleep(0.5)  # every stream is decoding
-        killed_pid = cluster.kill_engine_core(running_replicas[0])
+        await asyncio.wait_for(asyncio.gather(*(first.wait() for first in started)), 120)
+        await asyncio.sleep(0.5)  # every stream is decoding, with content on both sides of the seam
+        killed_pid = cluster.kill_engine_core(victim)
         outcomes = await asyncio.gather(*running)
     resumed = [o for o in outcomes if o.resumes]
     pauses = sorted(o.max_gap_s * 1000 for o in resumed)
     return {
         "engine_core_pid": killed_pid,
         "replicas": len(running_replicas),
+        "killed_the_reference_replica": victim.replica_id == reference.replica,
         "streams": streams,
         "streams_by_outcome": count(list(outcomes)),
         "resumed": len(resumed),
-        "full_length": sum(o.chunks >= max_tokens for o in outcomes),
+        "resumed_in": dict(Counter(o.resumed_in or "this region" for o in resumed)),
+        # Killed half-way: each stream had content before the kill and after its seam.
+        "killed_mid_stream": sum(0 < o.chunks_before_gap < o.chunks for o in resumed),
+        # Every token arrived (a seam's first chunk may carry the text the broken one still owed).
+        "full_length": sum(o.chunks >= reference.chunks - o.resumes for o in outcomes),
         "reference_chunks": reference.chunks,
         "same_text_as_uninterrupted": sum(o.text == reference.text for o in outcomes),
         "resumed_same_text": sum(o.text == reference.text for o in resumed),

@@ -32,7 +32,9 @@ class Outcome:
     chunks: int = 0  # content chunks received
     text: str = ""  # their content, joined (the seam check of a resumed stream)
     max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
+    chunks_before_gap: int = 0  # content chunks received before that wait
     resumes: int = 0  # pg_metadata.resumes: the stream went on from another replica
+    resumed_in: str | None = None  # pg_metadata.resumed_in: the peer region that continued it, if one did
     replica: str | None = None  # pg_metadata.replica: the model replica that served (or ended) it
     first_chunk_s: float | None = None  # request start → first content chunk (TTFT, client's clock)
     started_at: float = 0.0  # time.monotonic() when it was sent
@@ -81,11 +83,12 @@ async def stream_chat(
                     outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
                 elif "pg_metadata" in payload:
                     outcome.resumes = payload["pg_metadata"].get("resumes", 0)
+                    outcome.resumed_in = payload["pg_metadata"].get("resumed_in")
                     outcome.replica = payload["pg_metadata"].get("replica")
                 elif payload.get("choices"):
                     now = time.perf_counter()
-                    if last is not None:
-                        outcome.max_gap_s = max(outcome.max_gap_s, now - last)
+                    if last is not None and now - last > outcome.max_gap_s:
+                        outcome.max_gap_s, outcome.chunks_before_gap = now - last, outcome.chunks
                     last = now
                     text.append((payload["choices"][0].get("delta") or {}).get("content") or "")
                     outcome.text = "".join(text)

@@ -11,9 +11,11 @@ the tokens before the seam as completion, and its limit is what was left of the 
 chunks keep the stream's id (the router's request id names both engine requests).
 
 Bounded: ``router.max_resumes`` per stream (1 by default), each within ``router.resume_window_s``
-of the failure. The region's replicas are tried first, for ``router.resume_here_s`` (replicas that
-answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing to a dead replica once
-its health check fails, within a few seconds); then a peer region's router, as failover does: the
+of the failure. The region's other replicas are tried first, for ``router.resume_here_s``
+(replicas that answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing to a
+dead replica once its health check fails, within a few seconds) — unless the failed replica is the
+only one the region runs, whose replacement takes an engine start; then a peer region's router,
+as failover does: the
 request goes with a token for that peer alone and the tokens generated so far (``RESUME_FIELD``);
 the peer runs it as a resume on one of its replicas, does not bill it, and sends the stream back
 with its usage in its closing (``peer_call.py``). This router bills the one request, both attempts.
@@ -87,12 +89,13 @@ def taken_over(ctx) -> Resume | None:
         raise APIError(400, f"{RESUME_FIELD} is set by a peer region's router only", param=RESUME_FIELD,
                        code="unknown_parameter")
     sent = sent if isinstance(sent, dict) else {}
-    ids, text, request_id = sent.get("token_ids"), sent.get("text"), sent.get("request_id")
-    if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**31 for i in ids)
-            and isinstance(text, str) and isinstance(request_id, str) and 0 < len(request_id) <= 64):
+    ids, text, request_id, opened = sent.get("token_ids"), sent.get("text"), sent.get("request_id"), sent.get("opened", True)
+    if not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)
+            and isinstance(text, str) and isinstance(request_id, str) and 0 < len(request_id) <= 64
+            and isinstance(opened, bool)):
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, text and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
-    return Resume(tuple(ids), text)
+    return Resume(tuple(ids), text, opened)
 
 
 class Resumer:
@@ -121,17 +124,19 @@ class Resumer:
             return False
         field = pricing.ROUTES[ctx.surface.name].field if self.left > 0 else None
         remaining = ctx.body[field] - len(broken.token_ids) if field else 0
-        if not broken.token_ids or remaining < 1:  # not resumable, resumed enough, or nothing left to say
+        # None: the replica could not say what was generated (it vanished); () is none yet: the
+        # continuation is the whole answer, which the client has not seen a token of.
+        if broken.token_ids is None or remaining < 1:  # not resumable, resumed enough, or nothing left to say
             ctx.telemetry.note_not_resumed()
             return False
         self.left -= 1
         started = time.perf_counter()
-        resume = Resume(tuple(broken.token_ids), text_received(relayed))
+        resume = Resume(tuple(broken.token_ids), text_received(relayed), opened=bool(relayed))
         body = {**ctx.body, field: remaining}
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
         call = peer = None
         try:
-            call = await self._open_here(Call(
+            call = None if self._none_other_here(broken) else await self._open_here(Call(
                 # A limit the router set from its estimate may be lowered by the replica to the
                 # context the real prompt (and the tokens before the seam) leaves, as the first was.
                 body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router, cache_salt=ctx.cache_salt,
@@ -148,6 +153,12 @@ class Resumer:
         logger.info("stream %s resumed after %d tokens%s", ctx.telemetry.trace_id, len(resume.token_ids),
                     f" in {peer}" if peer else "")
         return True
+
+    def _none_other_here(self, broken: Trailer) -> bool:
+        """The failed replica is the only one Serve lists here: every call would go back to it
+        until Serve replaces it (an engine start, longer than the window), so a peer goes first."""
+        services = self.ctx.services
+        return broken.replica is not None and services.states.get(self.ctx.model).running <= 1
 
     def note_attempt(self, trailer: Trailer) -> None:
         """A continuation's trailer: its prefill was the resumed prompt."""
@@ -195,7 +206,8 @@ class Resumer:
             return None
         # The peer reports the usage in its closing (it is billed here, with the first attempt's).
         sent = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True},
-                RESUME_FIELD: {"token_ids": list(resume.token_ids), "text": resume.text, "request_id": ctx.id}}
+                RESUME_FIELD: {"token_ids": list(resume.token_ids), "text": resume.text, "request_id": ctx.id,
+                               "opened": resume.opened}}
         bound = await asyncio.to_thread(
             lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
         )

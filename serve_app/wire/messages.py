@@ -29,6 +29,7 @@ class Resume:
 
     token_ids: tuple[int, ...]  # the tokens generated so far, in order: the new prompt's tail
     text: str  # the text the client received of them (the seam's check: nothing twice, nothing lost)
+    opened: bool = True  # the client has the stream's opening (chat's role chunk): not sent twice
 
 
 @dataclass(frozen=True, slots=True)

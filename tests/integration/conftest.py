@@ -130,9 +130,9 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
     ray.init(
         address="local",
         # Logical CPUs, for placement only (the host has 2 cores): a model redeploy surges a new
-        # replica beside the old one before draining it (tests/integration/test_redeploy.py), and
-        # scaling the model to two replicas surges two (tests/integration/test_resume_after_engine_kill.py); on 2
-        # logical CPUs the two regions' deployments leave no room for either, and the deploy stalls.
+        # replica beside the old one before draining it (tests/integration/test_redeploy.py); on 2
+        # logical CPUs the two regions' deployments (the peer's model loaded) leave it no room,
+        # and the deploy stalls.
         num_cpus=4,
         include_dashboard=True,
         dashboard_host="127.0.0.1",

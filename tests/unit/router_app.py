@@ -106,8 +106,8 @@ async def model_server(engine: FakeEngine, model: str = MODEL):
 class FakeServe:
     """Serve's status of the model deployments (replicas by state) and the hot-load KV."""
 
-    def __init__(self, models):
-        self.replicas = {f"model-{model}": {"RUNNING": 1} for model in models}
+    def __init__(self, models, running: int = 1):
+        self.replicas = {f"model-{model}": {"RUNNING": running} for model in models}
         self.statuses: dict[str, str] = {}
         self.kv: dict = {}
 
@@ -200,7 +200,7 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
     monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
     client = TestClient(ingress.app)
     client.__enter__()  # one event loop for the test's whole life: the replica's listener lives on it
-    fake_serve = FakeServe(models)
+    fake_serve = FakeServe(models, running=1 + len(replicas))  # each engine is a replica Serve lists
     args = [ModelDeploymentArgs(id=model) for model in models]
     servers = [client.portal.call(model_server, one) for one in (engine, *replicas)]
     handles = {model: InProcessHandle(*servers) for model in models}

@@ -63,6 +63,19 @@ def test_an_engine_that_dies_mid_stream_is_resumed_on_another_replica_as_one_str
     assert (row["resumes"], row["resume_prompt_tokens"]) == (1, 5 + 5)
 
 
+def test_a_stream_whose_engine_dies_before_its_first_token_is_run_again_elsewhere(router_app):
+    """Nothing generated yet (still prefilling): the continuation is the whole answer, which the
+    client has not seen a token of (the opening it got is not sent twice)."""
+    healthy = FakeEngine(tokens=12)
+    app = router_app(engine=FakeEngine(tokens=12, fail_after=0, dies=True), replicas=(healthy,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response, events = _stream(app, key)
+    assert response.status_code == 200 and _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    assert sum('"role":"assistant"' in e for e in events) == 1 and not any('"error"' in e for e in events)
+    (_, resumed), = healthy.calls
+    assert resumed.resume.token_ids == () and resumed.body["max_completion_tokens"] == 12
+
+
 def test_the_usage_the_client_asked_for_counts_the_whole_answer(two_replicas):
     app, key, _, _ = two_replicas
     _, events = _stream(app, key, stream_options={"include_usage": True})
@@ -134,9 +147,19 @@ def two_regions(tmp_path, router_app):
     home = router_app(auth=regions["yul-02"], region="yul-02", engine=dying,
                       peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
                       transport=httpx.MockTransport(to_router(peer)))
-    home.services.resume_here_s = 0.3  # its only replica answers engine_unavailable meanwhile
     key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
     return home, peer, key, healthy
+
+
+def test_when_the_failed_replica_is_the_regions_only_one_the_peer_resumes_at_once(two_regions):
+    """Its replacement is an engine start away: the continuation is not sent back to the dead
+    replica for resume_here_s, it goes to the peer region at once."""
+    home, _, key, healthy = two_regions
+    home.services.resume_here_s = 300  # would hold the stream this long if the region were tried
+    response, events = _stream(home, key)
+    assert response.status_code == 200 and _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    dying = home.engine
+    assert len(dying.calls) == 1 and len(healthy.calls) == 1  # never retried here
 
 
 def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once_here(two_regions):

@@ -1,0 +1,73 @@
+"""A stream survives its engine, on the real engine: the engine core under 8 greedy streams is
+killed half-way, and every stream goes on from the peer region's replica (the local region runs
+one: its replacement is an engine start away, so the router resumes in the peer at once;
+serve_app/router/resume.py, the fault suite's ``resume`` scenario in serve_app/faults/engine_kill.py):
+8 of 8 end normally with their full token count and no error event, the text is an uninterrupted
+run's (the seam checked under greedy decoding), and the ledger holds one row per stream, with its
+resume. ``disruptive``: it kills the local engine (Serve replaces it, as after the engine-kill
+test)."""
+
+import asyncio
+import time
+
+import pytest
+import yaml
+
+from serve_app.auth.database import open_database
+from serve_app.auth.keys import KeyStore
+from serve_app.devtools.local_regions import PEER_APP
+from serve_app.faults import redeploy
+from serve_app.faults.engine_kill import engine_kill_resumed
+from serve_app.usage.store import UsageStore
+
+pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
+STREAMS, MAX_TOKENS = 8, 200
+
+
+def _deploy(config: dict, serve_app: dict) -> None:
+    deployed_at = time.time()
+    deploy = redeploy.serve_deploy(config, serve_app["dashboard"])
+    assert deploy.returncode == 0, deploy.stderr
+    assert asyncio.run(redeploy.wait_settled(PEER_APP, deployed_at - 0.5, replaced=None, timeout_s=300)) is not None
+
+
+@pytest.fixture
+def roomy_peer(serve_app, peer_loaded):
+    """The peer region's model runs one request and queues one (easy to overload, for the
+    failover tests): room for the 8 continuations, a Serve knob its running replica keeps."""
+    original = yaml.safe_load(serve_app["deployed_path"].read_text())
+
+    def roomy(settings: dict) -> None:
+        settings["models"][0].update(max_ongoing_requests=16, max_queued_requests=16)
+
+    _deploy(redeploy.with_region(original, PEER_APP, roomy), serve_app)
+    yield
+    _deploy(original, serve_app)
+
+
+def test_an_engine_killed_mid_stream_leaves_every_stream_whole_and_billed_once(serve_app, roomy_peer):
+    keys = KeyStore(serve_app["auth"].key_store(), cache_ttl_s=0)
+    key, record = keys.create_key(owner="it-resume", tier="standard")  # every region: the peer may continue
+    result = asyncio.run(engine_kill_resumed(serve_app["base_url"], key, serve_app["app_name"],
+                                             streams=STREAMS, max_tokens=MAX_TOKENS))
+    print(result)  # the figures docs/reliability.md reports (the seam's pause)
+    assert result["killed_the_reference_replica"] and result["replicas"] == 1
+    assert result["streams_by_outcome"] == {"200 done": STREAMS}  # no error event, one [DONE] each
+    assert result["resumed"] == STREAMS and result["resumed_in"] == {"peer": STREAMS}
+    assert result["killed_mid_stream"] == STREAMS  # content on both sides of each seam
+    assert result["full_length"] == STREAMS
+    assert result["same_text_as_uninterrupted"] == STREAMS  # no gap and no repeat at the seam
+    # One row per stream (and the reference run's), each the whole answer, the resume apart.
+    usage = UsageStore(open_database(serve_app["auth"].key_store()))
+    deadline = time.monotonic() + 15
+    while True:
+        with usage.database.connect() as db:
+            rows = [dict(r) for r in db.execute("SELECT * FROM usage_records WHERE key_id = ?", (record.key_id,))]
+        if len(rows) >= STREAMS + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(rows) == STREAMS + 1
+    resumed = [r for r in rows if r["resumes"]]
+    assert len(resumed) == STREAMS and {r["region"] for r in rows} == {"local"}  # billed here, once
+    assert all(r["status"] == 200 and r["completion_tokens"] == MAX_TOKENS for r in resumed)
+    assert all(r["resumed_in"] == "peer" and r["resume_prompt_tokens"] > r["prompt_tokens"] for r in resumed)
