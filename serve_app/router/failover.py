@@ -22,7 +22,6 @@ router and relay its answer.
   credential from ``headers`` is sent anywhere.
 """
 
-import json
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -34,7 +33,7 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from serve_app.config import Peer  # the peer region as a region file names it: id and router URL
-from serve_app.errors import error_body
+from serve_app.errors import APIError
 from serve_app.surfaces import dialects
 from serve_app.telemetry.logs import module_logger
 
@@ -203,16 +202,15 @@ class Forwarder:
             response: Response = _RelayResponse(_peer_events(peer, upstream, on_done, dialect), status_code=status)
         else:
             try:
-                content = await upstream.aread()
+                response = Response(await upstream.aread(), status_code=status)
             except httpx.HTTPError as err:  # the head came, the body did not: nothing left to relay
                 logger.warning("failover to %s: body read failed (%s)", peer.region, type(err).__name__)
                 attempts[-1].outcome = "error"
                 status, error_type = 502, _PEER_BROKE
-                content = json.dumps(_broke_body(peer)).encode()
-                relayed = [("content-type", "application/json")]
+                response = (dialect or dialects.OPENAI).error_response(_broke(peer))  # in the request's own shape
+                relayed = []
             finally:
                 await upstream.aclose()
-            response = Response(content, status_code=status)
         for key, value in relayed:
             response.headers.append(key, value)
         if REGION_HEADER not in response.headers:
@@ -236,15 +234,15 @@ async def _peer_events(peer: Peer, upstream: httpx.Response, on_done: OnDone, di
         # The status line is sent: end the stream properly so the client never hangs.
         logger.warning("failover to %s: stream broke (%s)", peer.region, type(err).__name__)
         result = (502, _PEER_BROKE)
-        yield dialect.error_event(502, _broke_body(peer), sequence_number=sequence.next)
+        yield dialect.error_event(502, _broke(peer).body(), sequence_number=sequence.next)
     finally:
         _call(on_done, *result)
         with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
             await upstream.aclose()
 
 
-def _broke_body(peer: Peer) -> dict:
-    return error_body(502, f"the peer region {peer.region} failed mid-response", code=_PEER_BROKE)
+def _broke(peer: Peer) -> APIError:
+    return APIError(502, f"the peer region {peer.region} failed mid-response", code=_PEER_BROKE)
 
 
 def _call(on_done: OnDone, status: int, error_type: str | None) -> None:

@@ -1,7 +1,7 @@
 """A resumed stream's continuation in a peer region, read as the relay reads a replica's call.
 
 When no replica of this region can continue a stream whose engine failed (``resume.py``), a peer
-region's router does: it gets the request with the tokens generated so far (``pg_resume``), runs
+region's router does: it gets the request with the tokens generated so far (``polargrid_resume``), runs
 it on one of its replicas as a resume, and streams the continuation back. This router relays
 that stream's chunks to the client, but not its ending: the peer's timing event and ``[DONE]``
 (or its error event) become this call's trailer — the usage the peer counted (for the whole

@@ -13,6 +13,7 @@ what the router enforces. The parse itself (``parse_json_object``, re-exported h
 routes) is ``json_body``'s.
 """
 
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -208,27 +209,21 @@ class DetokenizeBody(Body):
     tokens: list[Annotated[int, Field(ge=0, le=_INT64)]]
 
 
-# The other API surfaces' bodies live beside this module; they import its bases, not its BODIES.
-from serve_app.router.embeddings_schema import EmbeddingsBody  # noqa: E402
-from serve_app.router.messages_schema import CountTokensBody, MessagesBody  # noqa: E402
-from serve_app.router.responses_schema import ResponsesBody  # noqa: E402
+def _bodies() -> tuple[type[BaseModel], ...]:
+    """Every surface's body model, from its row (``serve_app/surfaces``, which imports this
+    module's bodies: read when first needed, not at import)."""
+    from serve_app.surfaces import SURFACES
 
-BODIES: dict[str, type[Body]] = {
-    "chat": ChatCompletionBody,
-    "completions": CompletionBody,
-    "tokenize": TokenizeBody,
-    "detokenize": DetokenizeBody,
-    "messages": MessagesBody,
-    "count_tokens": CountTokensBody,
-    "responses": ResponsesBody,
-    "embeddings": EmbeddingsBody,
-}
+    return tuple(surface.body for surface in SURFACES)
 
 
 def validate_body(method: str, body: dict[str, Any]) -> None:
-    """400 with ``param`` naming the first failing field (every problem listed, up to five)."""
+    """400 with ``param`` naming the first failing field (every problem listed, up to five);
+    ``method``: the surface whose body model it must be."""
+    from serve_app.surfaces import BY_NAME
+
     try:
-        BODIES[method].model_validate(body)
+        BY_NAME[method].body.model_validate(body)
     except ValidationError as err:
         raise describe_validation_errors(err.errors(include_url=False, include_input=False)) from None
 
@@ -255,9 +250,11 @@ def _without_branch_noise(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept or errors
 
 
+@functools.cache
 def _field_names() -> frozenset[str]:
+    """Every field name any surface's body (or a model inside one) has."""
     names: set[str] = set()
-    pending: list[type[BaseModel]] = list(BODIES.values())
+    pending: list[type[BaseModel]] = list(_bodies())
     while pending:
         model = pending.pop()
         for name, field in model.model_fields.items():
@@ -269,9 +266,6 @@ def _field_names() -> frozenset[str]:
     return frozenset(names)
 
 
-_FIELDS = _field_names()
-
-
 def _param(loc: tuple, error_type: str = "") -> str | None:
     """``('messages', 0, 'role')`` → ``messages[0].role``; pydantic's union-branch markers
     (``str``, ``list[ContentPart]``, ``literal['none','auto']``) are dropped. A top-level field
@@ -280,7 +274,7 @@ def _param(loc: tuple, error_type: str = "") -> str | None:
     for part in loc:
         if isinstance(part, int):
             param += f"[{part}]"
-        elif part in _FIELDS or (error_type == "extra_forbidden" and len(loc) == 1):
+        elif part in _field_names() or (error_type == "extra_forbidden" and len(loc) == 1):
             param += f".{part}" if param else part
     return param or None
 

@@ -52,7 +52,7 @@ _UNRESUMABLE_FIELDS = (
 )
 RETRY_S = 0.2  # between tries of a replica that answered engine_unavailable
 # The body field in which a router hands a peer region's router the stream it continues.
-RESUME_FIELD = "pg_resume"
+RESUME_FIELD = "polargrid_resume"  # the product's name: a "pg_" field would read as PostgreSQL
 
 
 def resumable(surface: str, body: dict[str, Any]) -> bool:

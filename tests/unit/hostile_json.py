@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from serve_app.router.request_schema import BODIES
+from serve_app.surfaces import SURFACES as SURFACE_ROWS
 
 MODEL = "qwen-3.6-35b-a3b"
 EMBEDDING_MODEL = "qwen-3-embedding-0.6b"
@@ -133,7 +133,7 @@ _EDGE_VALUES = (
 )
 _SURROGATE_CHARS = st.sampled_from("\ud800\udbff\udc00\udfff")
 TEXT = st.one_of(st.text(max_size=12), st.lists(st.one_of(st.characters(), _SURROGATE_CHARS), max_size=6).map("".join))
-_FIELD_NAMES = sorted({field.alias or name for model in BODIES.values() for name, field in model.model_fields.items()})
+_FIELD_NAMES = sorted({field.alias or name for row in SURFACE_ROWS for name, field in row.body.model_fields.items()})
 KEYS = st.one_of(st.sampled_from(_FIELD_NAMES), TEXT)
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(), st.floats(), TEXT, st.sampled_from(_EDGE_VALUES), OFFENDERS

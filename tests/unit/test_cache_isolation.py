@@ -15,7 +15,8 @@ from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest
 
 from serve_app.errors import APIError
 from serve_app.router.isolation import cache_salt
-from serve_app.router.request_schema import BODIES, validate_body
+from serve_app.router.request_schema import validate_body
+from serve_app.surfaces import BY_NAME
 from tests.conftest import REPO
 
 MODEL = "qwen-3.6-35b-a3b"
@@ -44,7 +45,7 @@ GENERATING = {
 
 
 def test_every_strict_body_is_listed_here():
-    assert set(BODY) == set(BODIES)
+    assert set(BODY) == set(BY_NAME)
 
 
 @pytest.mark.parametrize("method", sorted(BODY))

@@ -483,3 +483,16 @@ def test_is_forwarded_with_dicts_and_starlette_headers():
     assert is_forwarded(Headers(raw=[(HOP_HEADER.encode(), b"yul-02")]))
     assert is_forwarded(Headers({"X-Pg-Forwarded-From": "yul-02"}))
     assert not is_forwarded(Headers({"x-pg-region": "yul-02"}))
+
+
+def test_a_messages_body_breaking_is_an_anthropic_shaped_502():
+    """The request's own dialect, as every other error on Anthropic's routes."""
+    async def chunks():
+        yield b'{"id": '
+        raise httpx.ReadError("peer reset the connection")
+
+    answer = httpx.Response(200, headers={"content-type": "application/json"}, content=chunks())
+    result = forward(forwarder(Peers(yvr=answer)), dialect=dialects.ANTHROPIC)
+    got = asyncio.run(play(result.response))
+    assert got.status_code == 502 and got.json()["type"] == "error"
+    assert got.json()["error"]["type"] == "api_error" and "yvr" in got.json()["error"]["message"]

@@ -209,12 +209,12 @@ def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
     hop = {"x-pg-forwarded-from": "yul-02"}
     for headers in (bearer(key), {**bearer(key), **hop}, bearer(peer_bound)):
         refused = peer.client.post("/v1/chat/completions", headers=headers, json={
-            "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "pg_resume": resume,
+            "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": resume,
         })
-        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "pg_resume")
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
     malformed = {**resume, "token_ids": ["1"]}
     refused = peer.client.post("/v1/chat/completions", headers={**bearer(peer_bound), **hop}, json={
-        "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "pg_resume": malformed,
+        "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": malformed,
     })
-    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "pg_resume")
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
     assert healthy.calls == []
