@@ -74,7 +74,7 @@ async def engine_kill(
 
 def greedy_body(max_tokens: int) -> dict[str, Any]:
     """A stream whose text is the same every run: greedy decoding (no seed: a CPU engine with
-    prefix caching refuses seeds, and greedy needs none), its full length."""
+    prefix caching refuses seeds, and greedy needs none), its full length (and its usage)."""
     return {**chat_body(max_tokens), "temperature": 0}
 
 
@@ -106,8 +106,8 @@ async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8,
         "resumed_in": dict(Counter(o.resumed_in or "this region" for o in resumed)),
         # Killed half-way: each stream had content before the kill and after its seam.
         "killed_mid_stream": sum(0 < o.chunks_before_gap < o.chunks for o in resumed),
-        # Every token arrived (a seam's first chunk may carry the text the broken one still owed).
-        "full_length": sum(o.chunks >= reference.chunks - o.resumes for o in outcomes),
+        # Every token, by the stream's own usage (a seam's chunk may carry text the broken one owed).
+        "full_length": sum(o.completion_tokens == max_tokens for o in outcomes),
         "reference_chunks": reference.chunks,
         "same_text_as_uninterrupted": sum(o.text == reference.text for o in outcomes),
         "resumed_same_text": sum(o.text == reference.text for o in resumed),

@@ -30,6 +30,7 @@ class Outcome:
     error_code: str | None = None  # from the error body or the stream's error event
     retry_after: str | None = None
     chunks: int = 0  # content chunks received
+    completion_tokens: int | None = None  # the stream's usage chunk, when it asked for one
     text: str = ""  # their content, joined (the seam check of a resumed stream)
     max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
     chunks_before_gap: int = 0  # content chunks received before that wait
@@ -81,6 +82,8 @@ async def stream_chat(
                 payload = json.loads(line[6:])
                 if "error" in payload:
                     outcome.error_code = payload["error"].get("code") or payload["error"].get("type")
+                elif payload.get("usage") and not payload.get("choices"):
+                    outcome.completion_tokens = payload["usage"].get("completion_tokens")
                 elif "pg_metadata" in payload:
                     outcome.resumes = payload["pg_metadata"].get("resumes", 0)
                     outcome.resumed_in = payload["pg_metadata"].get("resumed_in")
