@@ -58,6 +58,10 @@ class AgentWorkload:
     think_s: float = 0.2
     stagger_s: float = 0.25
     session_header: bool = True
+    # shared: every session of a batch starts with one context (a system prompt and tools, as
+    # agents of one product do); own: each session its own (agents each on their own repository),
+    # so a turn sent to the replica that did not serve its session prefills its whole context.
+    context: str = "shared"
 
 
 @dataclass
@@ -207,12 +211,17 @@ async def run_session(client: httpx.AsyncClient, url: str, workload: AgentWorklo
 
 async def run_batch(client: httpx.AsyncClient, url: str, workload: AgentWorkload, arm: str, round_: int, tag: str,
                     *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> tuple[list[TurnRun], float]:
-    """One arm's S sessions, interleaved, from a fresh context; its turns and wall time."""
-    context = shared_context(f"{tag}-{arm}-{round_}", workload.system_tokens)
+    """One arm's S sessions, interleaved, from a fresh context (one for the batch, or one each:
+    ``workload.context``); its turns and wall time."""
     ids = session_ids(arm, workload.sessions, f"{tag}-r{round_}")
+    batch = f"{tag}-{arm}-{round_}"
+
+    def context_of(sid: str) -> tuple[str, list]:
+        return shared_context(batch if workload.context == "shared" else f"{batch}-{sid}", workload.system_tokens)
+
     started = time.perf_counter()
     sessions = await asyncio.gather(*(
-        run_session(client, url, workload, context, sid, arm, round_, delay_s=i * workload.stagger_s, sleep=sleep)
+        run_session(client, url, workload, context_of(sid), sid, arm, round_, delay_s=i * workload.stagger_s, sleep=sleep)
         for i, sid in enumerate(ids)
     ))
     return [turn for turns in sessions for turn in turns], time.perf_counter() - started

@@ -127,6 +127,8 @@ def command(
     think_s: Annotated[float, typer.Option(min=0, help="An agent's pause between its turns (its tool run).")] = 0.2,
     stagger_s: Annotated[float, typer.Option(min=0, help="Session i starts i × this after the first.")] = 0.25,
     session_header: Annotated[bool, typer.Option(help="Name each session in x-session-id.")] = True,
+    context: Annotated[str, typer.Option(help="shared: one system prompt and tool schema for a batch's sessions; "
+                                              "own: each session its own (no prefix shared between sessions).")] = "shared",
     routing: Annotated[bool, typer.Option(help="Compare our request router with Serve's default, interleaved "
                                                   "(the deployment runs it with compare_with_default).")] = False,
     rounds: Annotated[int, typer.Option(min=1, help="Batches per arm.")] = 2,
@@ -141,9 +143,11 @@ def command(
         raise typer.BadParameter(str(err)) from None
     if routing and not session_header:
         raise typer.BadParameter("--routing assigns sessions to arms by their x-session-id: drop --no-session-header")
+    if context not in ("shared", "own"):
+        raise typer.BadParameter("--context is shared or own")
     flags = dict(locals())
     workload = AgentWorkload(model, sessions, turns, system_tokens, user_tokens, max_tokens, ignore_eos, think_s,
-                             stagger_s, session_header)
+                             stagger_s, session_header, context)
     meta = {**run_meta(flags), "region": region or detect_region(url), "workload": asdict(workload)}
     result = asyncio.run(bench_agent(url, workload, api_key=api_key, rounds=rounds, compare=routing, quiet_s=quiet_s,
                                      on_batch=lambda r, arm: typer.echo(f"round {r + 1}: {arm}")))

@@ -85,6 +85,14 @@ def test_the_shared_context_is_about_the_asked_size_and_new_for_every_batch():
     assert agent.shared_context("n2", 2000)[0] != system
 
 
+def test_with_their_own_context_sessions_share_no_prefix():
+    server = FakeAgentServer()
+    asyncio.run(agent.bench_agent("http://127.0.0.1:9", agent.AgentWorkload(**{**WORKLOAD.__dict__, "context": "own"}),
+                                  transport=httpx.MockTransport(server), sleep=_no_wait, quiet_s=0, rounds=1))
+    systems = {sid: body["messages"][0]["content"] for sid, _, body in server.seen}
+    assert len(set(systems.values())) == len(systems) == 4  # one context per session, kept over its turns
+
+
 def test_routing_runs_both_arms_interleaved_and_the_prefix_arm_keeps_its_sessions_warm():
     server = FakeAgentServer()
     result = run(server, rounds=2, compare=True)
