@@ -30,7 +30,11 @@ logger = module_logger(__name__)
 # (direct ingress), so no response crosses a Ray hop between the router and the client. Ray runs
 # it through serve_app's launcher, which keeps its stats page and metrics exporter on loopback
 # (Ray binds them to every interface; serve_app/haproxy/).
-RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env()}
+# The Serve controller's loop every 0.5 s, not Ray's 0.1 s: idle, it was the cluster's busiest
+# process (8 % of a core on 2 cores, 3 % at 0.5 s); a replica's health, autoscaling and a deploy
+# are handled half a second later at most (docs/benchmarks.md, "The idle tax").
+CONTROL_LOOP_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **CONTROL_LOOP_ENV}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams).
 LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1"}

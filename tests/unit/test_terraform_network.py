@@ -171,7 +171,10 @@ def test_the_stream_ports_clear_rays_own_port_ranges():
 
 
 def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
+    from serve_app.app import CONTROL_LOOP_ENV
+
     assert MOD(ENV["RAY_SERVE_ENABLE_HA_PROXY"]) == "1"
+    assert {name: MOD(ENV[name]) for name in CONTROL_LOOP_ENV} == CONTROL_LOOP_ENV  # as make run and the tests
     launcher = MOD(ENV[BINARY_PATH_ENV])
     assert Path(launcher).name == LAUNCHER
     dockerfile = (REPO / "terraform" / "image" / "Dockerfile").read_text()

@@ -22,6 +22,8 @@ locals {
     # loopback, not its IP (serve_app/haproxy/; the image links the launcher there).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
     { name = "RAY_SERVE_HAPROXY_BINARY_PATH", value = local.haproxy_launcher },
+    # The Serve controller's loop every 0.5 s, not 0.1 s: its idle cost (serve_app.app.CONTROL_LOOP_ENV).
+    { name = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", value = "0.5" },
     # The model replicas' stream listeners take their port from this range, the one the
     # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
