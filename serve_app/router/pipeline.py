@@ -229,7 +229,6 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
     ctx.release_slot()  # the local model is done with it
     ctx.call = None
     propagation = ctx.telemetry.start_failover(reason)
-    ctx.billed_elsewhere = True  # a client gone meanwhile may have been admitted there
     try:
         # Minted up front in a thread: a key-store cache miss must not block the event loop.
         bound = await asyncio.to_thread(
@@ -240,12 +239,13 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
             on_done=lambda status, code: ctx.settle(forwarded(status, code)),  # a stream: its last byte
             authorization=bound.__getitem__, dialect=ctx.surface.dialect,
         )
-    except Exception:  # not a client gone (CancelledError): nothing reached a peer's engine
-        ctx.billed_elsewhere = False
+    except asyncio.CancelledError:
+        ctx.billed_elsewhere = True  # the client left meanwhile: a peer may have admitted it, and bills it
         raise
+    # The region that took it bills it; none did: this one (any other error: no peer's engine ran it).
+    ctx.billed_elsewhere = result.response is not None
     ctx.telemetry.note_failover(result.attempts, result.region)
     if result.response is None:
-        ctx.billed_elsewhere = False
         return None
     if not result.stream:
         ctx.settle(forwarded(result.status, result.error_type))
