@@ -52,8 +52,8 @@ def _serve_cli() -> str:
 
 
 def _wait_until_running(dashboard: str, base_url: str, deadline: float, names: list[str]) -> float:
-    """Poll ``serve status`` (every application in ``names``) and the router's /health; fail fast
-    if the deploy fails."""
+    """Poll ``serve status`` (every application in ``names``) and the router's /health until every
+    model it serves is loaded; fail fast if the deploy fails."""
     started = time.monotonic()
     while time.monotonic() < deadline:
         status = subprocess.run(
@@ -66,7 +66,10 @@ def _wait_until_running(dashboard: str, base_url: str, deadline: float, names: l
             pytest.fail(f"serve deploy failed:\n{status.stdout}")
         if statuses == {"RUNNING"}:
             try:
-                if httpx.get(f"{base_url}/health", timeout=15).status_code == 200:
+                # Every model of the region serving, not only one: a model that autoscales from
+                # zero is RUNNING in Serve's status while its first replica still loads.
+                health = httpx.get(f"{base_url}/health", timeout=15)
+                if health.status_code == 200 and all(health.json()["models"].values()):
                     return time.monotonic() - started
             except httpx.HTTPError:
                 pass
