@@ -95,6 +95,8 @@ class PeerCall:
 
     # --- the peer's events ----------------------------------------------------------------------
     def _passes(self, event: bytes) -> bool:
+        if event.startswith(b":"):  # the peer's keep-alive comment: nothing to relay or count
+            return False
         if event.startswith(_DONE):
             self._done = True
             return False

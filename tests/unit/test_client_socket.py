@@ -92,6 +92,52 @@ def test_a_client_that_left_stops_the_relay_and_closes_its_source():
     assert cycle.transport.written == [b"3\r\none\r\n"] and closed == [True]
 
 
+def test_a_silent_event_stream_sends_keep_alive_comments_between_events_and_never_inside_one():
+    """A proxy tells the router its client left only when a write fails: a stream the engine is
+    silent on (queued, or a long prefill) writes an SSE comment every ``keepalive_s``, always at
+    an event's end, never while the stream writes, and none once it has ended."""
+    cycle = RequestResponseCycle()
+    period = 0.05
+
+    async def source():
+        await asyncio.sleep(period * 2.5)  # silent before its first byte: comments
+        yield b"data: a\n\n"
+        for _ in range(6):  # busy: a chunk well within every period, so no comment
+            await asyncio.sleep(period / 4)
+            yield b"data: b\n\n"
+        yield b"data: par"  # half an event, then silence: no comment may split it
+        await asyncio.sleep(period * 2.5)
+        yield b"t\n\n"
+
+    async def run():
+        response = RelayedStream(source(), media_type="text/event-stream", keepalive_s=period)
+        await response.stream_response(_wrapped(cycle.send))
+        written = list(cycle.transport.written)
+        await asyncio.sleep(period * 3)  # after the end: nothing more
+        return written
+
+    written = asyncio.run(run())
+    comment = b"e\r\n: keep-alive\n\n\r\n"
+    assert written == cycle.transport.written
+    body = [w for w in written if w != comment]
+    assert body == [b"9\r\ndata: a\n\n\r\n"] + [b"9\r\ndata: b\n\n\r\n"] * 6 + [b"9\r\ndata: par\r\n", b"3\r\nt\n\n\r\n"]
+    first = written.index(b"9\r\ndata: a\n\n\r\n")
+    assert 1 <= written[:first].count(comment) <= 2  # while the engine was silent
+    assert comment not in written[first:]  # busy, then inside an event: none
+
+
+def test_a_stream_that_is_not_an_event_stream_gets_no_comment():
+    cycle = RequestResponseCycle()
+
+    async def source():
+        await asyncio.sleep(0.15)
+        yield b"raw"
+
+    asyncio.run(RelayedStream(source(), media_type="application/octet-stream", keepalive_s=0.05)
+                .stream_response(_wrapped(cycle.send)))
+    assert cycle.transport.written == [b"3\r\nraw\r\n"]
+
+
 def test_without_uvicorn_behind_it_the_same_bytes_go_through_asgi():
     app = FastAPI()
 

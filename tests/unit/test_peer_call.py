@@ -47,7 +47,8 @@ def _read_all(call):
 
 
 def test_chunks_pass_whole_and_the_peers_ending_becomes_the_trailer():
-    stream = (_chunk("t6 ") + _chunk("t7 ", "length") + CLOSING).encode()
+    # The peer's router sends a keep-alive comment while its engine is silent: not relayed.
+    stream = (": keep-alive\n\n" + _chunk("t6 ") + ": keep-alive\n\n" + _chunk("t7 ", "length") + CLOSING).encode()
     parts = [stream[i:i + 7] for i in range(0, len(stream), 7)]  # events split anywhere
     body = Chunks(parts)
     call = PeerCall("yvr-01", httpx.Response(200, stream=body), tokens_before=5)
