@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import outputs, pooling_timing, rendered, token_count, tokenization, trailer
+from serve_app.engine import outputs, pooling_timing, rendered, token_count, tokenization, trailer, vllm_errors
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
@@ -300,17 +300,17 @@ class VLLMEngine:
         try:
             request = request_type.model_validate(body)
         except ValidationError as err:
-            return _validation_error(err)
+            return vllm_errors.validation_answer(err)
         except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
-            return _error(create_error_response(exc), exc)
+            return vllm_errors.error_answer(create_error_response(exc), exc)
         try:
             result = await create(request, None)
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
                 raise  # the engine core died: the replica answers 503, Serve replaces it
-            return _error(create_error_response(exc), exc)
+            return vllm_errors.error_answer(create_error_response(exc), exc)
         if isinstance(result, ErrorResponse):
-            return _error(result)
+            return vllm_errors.error_answer(result)
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
             response = output.dump(result)
             summary = output.summarize(response)
@@ -354,40 +354,6 @@ def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
     kwargs = dict(body.get("chat_template_kwargs") or {})
     kwargs.setdefault("enable_thinking", asked)
     body["chat_template_kwargs"] = kwargs
-
-
-# What a client reads for a server fault. vLLM's own words (an exception's text, a media fetch
-# error naming an internal host and port) go to this replica's log, which Serve stamps with the
-# request id the client got in ``x-request-id``; a 4xx keeps vLLM's message: it says what to fix.
-_SERVER_FAULT = ("the model failed to serve this request; it has been logged", "internal")
-_SERVER_FAULTS = {
-    501: ("the model engine does not support part of this request", "not_implemented"),
-    503: ("the model engine cannot take this request now; retry", None),  # the router may fail over
-}
-
-
-def _error(response, exc: BaseException | None = None) -> Answer:
-    """vLLM's ``ErrorResponse`` as our answer; ``exc``: the exception it was made from, if any."""
-    error = response.error
-    if error.code >= 500:
-        logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
-        message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
-        return Answer(error.code, error_body(error.code, message, code=code))
-    code = rendered.CONTEXT_LENGTH_EXCEEDED if rendered.is_context_overflow(error) else None
-    return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
-
-
-def _validation_error(err) -> Answer:
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
-
-    errors = err.errors()
-    first = errors[0]
-    param = clean_loc_for_param(tuple(first["loc"])) if first.get("loc") else None
-    details = "; ".join(
-        f"{clean_loc_for_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5]
-    )
-    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return Answer(400, error_body(400, f"invalid request: {details}{more}", param=param))
 
 
 def _engine_body(call: Call, request_id: str | None = None) -> Body:

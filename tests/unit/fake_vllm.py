@@ -43,12 +43,12 @@ def validated_responses_request(body: Body):
     from pydantic import ValidationError
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    from serve_app.engine.vllm_engine import _validation_error
+    from serve_app.engine.vllm_errors import validation_answer
 
     try:
         return ResponsesRequest.model_validate(copy.deepcopy(body))
     except ValidationError as err:
-        return _validation_error(err)
+        return validation_answer(err)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int):

@@ -1,0 +1,42 @@
+"""vLLM's errors as our answers: a 4xx keeps vLLM's message (it says what to fix) and its
+``param``; a server fault is told in our words, with vLLM's logged (``vllm_engine.py`` uses these)."""
+
+from serve_app.engine import rendered
+from serve_app.errors import error_body
+from serve_app.telemetry.logs import module_logger
+from serve_app.wire.messages import Answer
+
+logger = module_logger(__name__)
+
+# What a client reads for a server fault. vLLM's own words (an exception's text, a media fetch
+# error naming an internal host and port) go to this replica's log, which Serve stamps with the
+# request id the client got in ``x-request-id``; a 4xx keeps vLLM's message: it says what to fix.
+_SERVER_FAULT = ("the model failed to serve this request; it has been logged", "internal")
+_SERVER_FAULTS = {
+    501: ("the model engine does not support part of this request", "not_implemented"),
+    503: ("the model engine cannot take this request now; retry", None),  # the router may fail over
+}
+
+
+def error_answer(response, exc: BaseException | None = None) -> Answer:
+    """vLLM's ``ErrorResponse`` as our answer; ``exc``: the exception it was made from, if any."""
+    error = response.error
+    if error.code >= 500:
+        logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
+        message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
+        return Answer(error.code, error_body(error.code, message, code=code))
+    code = rendered.CONTEXT_LENGTH_EXCEEDED if rendered.is_context_overflow(error) else None
+    return Answer(error.code, error_body(error.code, error.message, param=error.param, code=code))
+
+
+def validation_answer(err) -> Answer:
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import clean_loc_for_param
+
+    errors = err.errors()
+    first = errors[0]
+    param = clean_loc_for_param(tuple(first["loc"])) if first.get("loc") else None
+    details = "; ".join(
+        f"{clean_loc_for_param(tuple(e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5]
+    )
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return Answer(400, error_body(400, f"invalid request: {details}{more}", param=param))
