@@ -290,3 +290,25 @@ def idle(
     typer.echo(json.dumps(result, indent=2) if as_json else idle_text(result))
     if not result["within_target"]:
         raise typer.Exit(1)
+
+
+def wire_tls(
+    streams: Annotated[int, typer.Option(min=1, help="Streams at once per round (a replica's slots).")] = 32,
+    events: Annotated[int, typer.Option(min=1, help="SSE events per stream (tokens).")] = 200,
+    event_bytes: Annotated[int, typer.Option(min=16, help="Bytes per event (a chat token chunk: ~150).")] = 150,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per side, interleaved.")] = 8,
+    out_dir: OutDir = BENCHMARKS_DIR,
+) -> None:
+    """What TLS on the router-replica byte socket costs: connect time and CPU, plaintext vs TLS."""
+    from serve_app.bench.wire_tls import run as run_wire_tls
+
+    result = run_wire_tls(streams, events, event_bytes, rounds)
+    meta = run_meta(dict(streams=streams, events=events, event_bytes=event_bytes, rounds=rounds))
+    out = write_json(output_dir(out_dir, "local", "wire") / "stream_tls.json", {"meta": meta, "result": result})
+    rows = [[side, *(str(figures[name]) for name in ("connect_ms_p50", "connect_ms_p95", "cpu_us_per_stream",
+                                                      "cpu_us_per_event", "mb_per_s"))]
+            for side, figures in result["sides"].items()]
+    typer.echo(md_table(["side", "connect ms p50", "connect ms p95", "CPU µs per stream", "CPU µs per event", "MB/s"], rows))
+    typer.echo(f"TLS: CPU ×{result['tls_cpu_ratio']}, +{result['tls_extra_cpu_us_per_stream']} µs CPU and "
+               f"+{result['tls_extra_connect_ms_p50']} ms connect per stream (both ends)")
+    typer.echo(f"wrote {out}")

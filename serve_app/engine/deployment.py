@@ -36,6 +36,7 @@ from serve_app.runtime import heap
 from serve_app.surfaces import SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import socket as wire_socket
+from serve_app.wire import tls
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, StreamOpen, Trailer
 from serve_app.wire.socket import Listener
 
@@ -64,7 +65,7 @@ class _ModelServer:
         self.engine = make_engine(args, model_path)
         await self.engine.start()
         # Listening from the start: a replica with no free port in its range fails now, not per request.
-        self._listener = Listener(stream_host())
+        self._listener = Listener(stream_host(), tls.server_context())  # TLS: a region option
         await self._listener.start()
         heap.freeze_startup()  # start-up's objects, out of the collector's reach
 
@@ -95,7 +96,7 @@ class _ModelServer:
         complete, failure = False, None
         try:  # from here on the engine request is under way: every way out closes it
             # Serve may cancel this call at the yield: the finally still runs.
-            yield StreamOpen(listener.address, ticket, _ms_since(started))
+            yield StreamOpen(listener.address, ticket, _ms_since(started), tls=listener.tls)
             connection = await listener.accept(ticket, connected)
             complete = await wire_socket.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
@@ -120,7 +121,7 @@ class _ModelServer:
         ticket, connected = listener.expect()
         work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count
         try:
-            yield Accepted(listener.address, ticket, _ms_since(started))
+            yield Accepted(listener.address, ticket, _ms_since(started), tls=listener.tls)
             connection = await listener.accept(ticket, connected)
             finished = await wire_socket.first_of(work, connection)
         except (TimeoutError, ConnectionError) as err:

@@ -92,6 +92,7 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
             "registry_ca_file": REGISTRY_CA_FILE,
         },
         "registry_read_dsn_env": REGISTRY_READ_DSN_ENV,
+        "stream_tls_secret": region.stream_tls_secret or "",  # "": plaintext
     }
 
 
@@ -233,6 +234,12 @@ variable "registry_ca_bundle" {
   type        = string
 }
 
+variable "stream_tls_secret" {
+  description = "Secret with the byte socket's TLS files; empty: plaintext (generated from regions/@ID@.yaml)."
+  type        = string
+  default     = ""
+}
+
 provider "kubernetes" {
   host                   = var.cluster_host
   cluster_ca_certificate = var.cluster_ca_certificate
@@ -261,6 +268,7 @@ module "region" {
   registry_read_dsn     = var.registry_read_dsn
   registry_read_dsn_env = var.registry_read_dsn_env
   registry_ca_bundle    = var.registry_ca_bundle
+  stream_tls_secret     = var.stream_tls_secret
 }
 
 output "public_endpoint" {

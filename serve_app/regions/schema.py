@@ -21,6 +21,7 @@ from serve_app.config import Autoscaling, MediaPolicy, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import gpu_memory
 from serve_app.settings import FrozenSettings, describe_errors, listed_twice
+from serve_app.wire.tls import STREAM_TLS_NAME
 
 # Blackwell GPUs, spelled as Ray's accelerator types (ray.util.accelerators: NVIDIA_B200,
 # NVIDIA_RTX_PRO_6000), with the CUDA compute capability each reports (the GPU smoke test checks
@@ -30,6 +31,8 @@ BLACKWELL_CAPABILITY = {"B200": (10, 0), "RTX-PRO-6000": (12, 0)}
 BLACKWELL_ACCELERATORS = tuple(BLACKWELL_CAPABILITY)
 
 DNS_ZONE = "edge.polargrid.ai"
+# A Kubernetes object name (DNS-1123 subdomain).
+_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 GLOBAL_HOSTNAME = f"api.{DNS_ZONE}"  # latency-routed across GA regions (terraform/global)
 
 _REGION_ID = re.compile(r"^[a-z]{3}-[0-9]{2}$")  # IATA code of the nearest airport + index
@@ -227,6 +230,19 @@ class Region(FrozenSettings):
         description="Images, audio and video in requests: off (text only), or {allowed_domains: [host, ...]}, "
         "the hosts the engine may fetch them from (docs/regions.md, \"Media\").",
     )
+    stream_tls_secret: str | None = Field(
+        None,
+        description="TLS on the router-replica byte socket: the Kubernetes Secret in the region's namespace "
+        f"holding tls.crt and tls.key (for {STREAM_TLS_NAME}) and ca.crt. Unset: plaintext inside the "
+        "NetworkPolicy (docs/threat-model.md, \"The stream listener\", has the measured cost).",
+    )
+
+    @field_validator("stream_tls_secret")
+    @classmethod
+    def _secret_name(cls, value: str | None) -> str | None:
+        if value is not None and not _K8S_NAME.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes Secret name (lowercase letters, digits, '-', '.')")
+        return value
 
     @field_validator("id")
     @classmethod

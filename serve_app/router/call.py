@@ -28,6 +28,7 @@ from serve_app.errors import APIError, retry_later
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import socket as wire_socket
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, Head, StreamOpen, Trailer
+from serve_app.wire.tls import StreamTLSNotConfigured
 
 logger = module_logger(__name__)
 
@@ -121,8 +122,8 @@ class ReplicaCall:
         """Connect to the listener the head names before any byte goes to the client, so a replica
         that cannot be reached is still a clean 503 (which may fail over), not a broken 200."""
         try:
-            self.socket = await wire_socket.connect(head.address, head.ticket)
-        except (OSError, asyncio.TimeoutError):
+            self.socket = await wire_socket.connect(head.address, head.ticket, tls=head.tls)
+        except (OSError, asyncio.TimeoutError, StreamTLSNotConfigured):
             self.cancel()
             logger.exception("cannot reach the byte socket of %s at %s:%s", self.model, *head.address)
             raise self._vanished() from None

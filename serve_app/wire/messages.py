@@ -116,11 +116,13 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class StreamOpen:
-    """A stream: its SSE bytes come on ``address`` to whoever presents ``ticket``."""
+    """A stream: its SSE bytes come on ``address`` to whoever presents ``ticket`` (over TLS when
+    ``tls``: the region's option, ``wire/tls.py``)."""
 
     address: Address
     ticket: str
     replica_ms: float | None = None
+    tls: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,7 @@ class Accepted:
     address: Address
     ticket: str
     replica_ms: float | None = None
+    tls: bool = False
 
 
 Head = Answer | StreamOpen | Accepted

@@ -18,10 +18,12 @@ keepalive, so a peer that vanished without a FIN or RST (its node lost) is found
 import asyncio
 import secrets
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.wire import tls as tls_options
 from serve_app.wire.listen_port import stream_listen_socket
 from serve_app.wire.messages import Address
 
@@ -53,11 +55,15 @@ def keep_alive(writer: asyncio.StreamWriter) -> None:
 
 
 # --- the router's end ---------------------------------------------------------------------------
-async def connect(address: Address, ticket: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Connect to a replica's listener and present ``ticket``. Raises ``OSError`` (or
-    ``TimeoutError``) when the listener cannot be reached."""
+async def connect(address: Address, ticket: str, *, tls: bool = False) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a replica's listener (over TLS when ``tls``, verified as ``wire/tls.py`` says)
+    and present ``ticket``. Raises ``OSError`` (``ssl.SSLError`` included) or ``TimeoutError``
+    when the listener cannot be reached or proves no identity."""
     host, port = address
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    context, name = tls_options.client_context() if tls else (None, None)
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(host, port, ssl=context, server_hostname=name), CONNECT_TIMEOUT_S
+    )
     keep_alive(writer)
     writer.write(ticket.encode("ascii") + b"\n")
     return reader, writer
@@ -146,10 +152,13 @@ async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None]
 
 
 class Listener:
-    """One per replica; matches each incoming connection to the request that expects it."""
+    """One per replica; matches each incoming connection to the request that expects it.
+    ``ssl_context``: serve TLS only (``tls.server_context``); None, plaintext."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, ssl_context: ssl.SSLContext | None = None):
         self.host = host
+        self.ssl_context = ssl_context
+        self.tls = ssl_context is not None  # what each head says, so that the router connects alike
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._expected: dict[str, asyncio.Future] = {}
@@ -159,7 +168,10 @@ class Listener:
         NetworkPolicy opens to router pods only, ``listen_port.py``) or else any port; call in the
         event loop the requests are served on. OSError when no port of the range is free."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._accept, sock=stream_listen_socket(self.host))
+            self._server = await asyncio.start_server(
+                self._accept, sock=stream_listen_socket(self.host), ssl=self.ssl_context,
+                ssl_handshake_timeout=CONNECT_TIMEOUT_S if self.ssl_context else None,
+            )
             self.port = self._server.sockets[0].getsockname()[1]
 
     @property

@@ -87,6 +87,7 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("id", "montreal"), "is not a region id like 'yul-02'"),
         (with_change("gpus", 4), "gpus: Extra inputs are not permitted"),
         (with_change("models.0.max_model_len", 32768), "models.0.max_model_len: Extra inputs are not permitted"),
+        (with_change("stream_tls_secret", "Stream_TLS"), "is not a Kubernetes Secret name"),
     ],
 )
 def test_bad_region_files_are_rejected_with_a_message_naming_file_field_and_problem(data, fragment):
@@ -314,6 +315,13 @@ def test_an_http_collector_gets_the_traces_url_and_the_http_protocol():
     tracing = serve_config.telemetry_args(regions.Region.model_validate(data))["tracing"]
     assert tracing["endpoint"] == "https://collector.example.internal:4318/v1/traces"
     assert tracing["protocol"] == "http/protobuf" and tracing["enabled"] is True
+
+
+def test_stream_tls_is_plaintext_unless_the_region_names_a_secret_which_reaches_its_terraform():
+    assert region_render.terraform_region_vars(regions.parse_region(base()))["stream_tls_secret"] == ""
+    region = regions.parse_region(with_change("stream_tls_secret", "serve-app-stream-tls"))
+    assert region_render.terraform_region_vars(region)["stream_tls_secret"] == "serve-app-stream-tls"
+    assert "stream_tls_secret     = var.stream_tls_secret" in region_render.render_region_root(region)
 
 
 # --- the key registry's replicas (terraform/global/registry_replicas.tf) ------------------------

@@ -183,7 +183,24 @@ def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
     # Head and GPU workers both get the env (HAProxy runs on every node: proxy_location EveryNode).
     for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
         (container,) = group["template"]["spec"]["containers"]
-        assert container["env"] == "${local.env}"
+        assert container["env"] == "${local.pod_env}"
+
+
+def test_stream_tls_is_off_unless_a_region_names_its_secret_and_then_both_ends_get_the_files():
+    """The byte socket's TLS (serve_app/wire/tls.py): the module's variable defaults to plaintext;
+    given a Secret, every Ray pod (routers and replicas run on both) mounts it read-only and gets
+    the three variables the code reads, pointing at the Secret's files."""
+    from serve_app.wire import tls
+
+    assert MODULE_VARIABLES["stream_tls_secret"]["default"] in ("", "\"\"")  # python-hcl2 keeps the quotes
+    text = (MODULE / "rayservice.tf").read_text()
+    for name, file in ((tls.CERT_ENV, "tls.crt"), (tls.KEY_ENV, "tls.key"), (tls.CA_ENV, "ca.crt")):
+        assert re.search(rf'name = "{name}", value = "\$\{{local.stream_tls_dir\}}/{file}"', text), name
+    assert 'secretName = var.stream_tls_secret' in text and "readOnly = true }] : []" in text
+    for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        assert "local.pod_mounts" in str(container["volumeMounts"]) and "local.pod_volumes" in str(spec["volumes"])
 
 
 def test_the_module_declares_the_range_variable_it_uses():

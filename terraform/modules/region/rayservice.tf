@@ -61,6 +61,24 @@ locals {
     { name = "registry-ca", mountPath = var.auth_mounts.registry_ca_dir, readOnly = true },
   ]
 
+  # TLS on the byte socket, a region option (serve_app/wire/tls.py, docs/threat-model.md): the
+  # Secret's files where the replicas (their certificate) and the routers (the CA) read them.
+  stream_tls_dir = "/etc/serve-app/stream-tls"
+  stream_tls     = var.stream_tls_secret != ""
+  stream_tls_env = local.stream_tls ? [
+    { name = "SERVE_APP_STREAM_TLS_CERT", value = "${local.stream_tls_dir}/tls.crt" },
+    { name = "SERVE_APP_STREAM_TLS_KEY", value = "${local.stream_tls_dir}/tls.key" },
+    { name = "SERVE_APP_STREAM_TLS_CA", value = "${local.stream_tls_dir}/ca.crt" },
+  ] : []
+  # 0440, as the signing keys.
+  stream_tls_volumes = local.stream_tls ? [{ name = "stream-tls", secret = { secretName = var.stream_tls_secret, defaultMode = 288 } }] : []
+  stream_tls_mounts  = local.stream_tls ? [{ name = "stream-tls", mountPath = local.stream_tls_dir, readOnly = true }] : []
+
+  # What every Ray pod gets: routers and replicas may run on the head or a worker.
+  pod_env     = concat(local.env, local.stream_tls_env)
+  pod_volumes = concat(local.auth_volumes, local.stream_tls_volumes)
+  pod_mounts  = concat(local.auth_mounts, local.stream_tls_mounts)
+
   head_resources = {
     cpu    = tostring(var.region.head.cpus)
     memory = "${var.region.head.memory_gib}Gi"
@@ -103,7 +121,7 @@ resource "kubernetes_manifest" "rayservice" {
               containers = [{
                 name  = "ray-head"
                 image = var.image
-                env   = local.env
+                env   = local.pod_env
                 ports = [
                   { name = "gcs", containerPort = 6379 },
                   { name = "dashboard", containerPort = 8265 },
@@ -111,9 +129,9 @@ resource "kubernetes_manifest" "rayservice" {
                   { name = "serve", containerPort = 8000 },
                 ]
                 resources    = { requests = local.head_resources, limits = local.head_resources }
-                volumeMounts = local.auth_mounts
+                volumeMounts = local.pod_mounts
               }]
-              volumes = local.auth_volumes
+              volumes = local.pod_volumes
             }
           }
         }
@@ -155,14 +173,14 @@ resource "kubernetes_manifest" "rayservice" {
               containers = [{
                 name      = "ray-worker"
                 image     = var.image
-                env       = local.env
+                env       = local.pod_env
                 resources = { requests = local.worker_resources, limits = local.worker_resources }
-                volumeMounts = concat(local.auth_mounts, [
+                volumeMounts = concat(local.pod_mounts, [
                   { name = "model-cache", mountPath = "/models" },
                   { name = "shm", mountPath = "/dev/shm" },
                 ])
               }]
-              volumes = concat(local.auth_volumes, [
+              volumes = concat(local.pod_volumes, [
                 # Node-local weight cache: a replica restarting on the same server skips the download.
                 { name = "model-cache", hostPath = { path = var.model_cache_path, type = "DirectoryOrCreate" } },
                 # vLLM's workers exchange tensors through shared memory.

@@ -148,3 +148,9 @@ variable "stream_listener_ports" {
     error_message = "stream_listener_ports must be a range within 20000-29999 (first <= last): below are Ray's worker ports, above Serve's direct ingress and the ephemeral ports."
   }
 }
+
+variable "stream_tls_secret" {
+  description = "Kubernetes Secret (tls.crt and tls.key for stream-listener.serve-app.internal, ca.crt) that puts TLS on the router-replica byte socket; \"\" keeps it plaintext inside the NetworkPolicy (docs/threat-model.md)."
+  type        = string
+  default     = ""
+}

@@ -113,6 +113,12 @@ variable "registry_ca_bundle" {
   type        = string
 }
 
+variable "stream_tls_secret" {
+  description = "Secret with the byte socket's TLS files; empty: plaintext (generated from regions/yvr-01.yaml)."
+  type        = string
+  default     = ""
+}
+
 provider "kubernetes" {
   host                   = var.cluster_host
   cluster_ca_certificate = var.cluster_ca_certificate
@@ -141,6 +147,7 @@ module "region" {
   registry_read_dsn     = var.registry_read_dsn
   registry_read_dsn_env = var.registry_read_dsn_env
   registry_ca_bundle    = var.registry_ca_bundle
+  stream_tls_secret     = var.stream_tls_secret
 }
 
 output "public_endpoint" {
