@@ -180,10 +180,31 @@ def test_an_unload_waits_for_in_flight_requests_but_not_forever():
     cluster.running = cluster.target = 2
     assert cluster.tick(requests=3, now=1001) == 2  # draining
     assert cluster.tick(requests=1, now=1060) == 2
-    assert cluster.tick(requests=0, now=1061) == 1  # drained: down (Serve's 1-then-0 steps)
-    assert cluster.tick(requests=0, now=1061.1) == 0
+    look_back = cluster.config.look_back_period_s
+    assert cluster.tick(requests=0, now=1061) == 2  # idle, but the last request is in the metrics' window
+    assert cluster.tick(requests=0, now=1060 + look_back + 1) == 1  # drained: down (Serve's 1-then-0 steps)
+    assert cluster.tick(requests=0, now=1060 + look_back + 1.1) == 0
     cluster.running = cluster.target = 1
     assert cluster.tick(requests=1, now=1000 + REQUEST_TIMEOUT_S + 1) == 0  # a request stuck longer than any may last
+
+
+def test_an_unload_right_after_traffic_does_not_start_the_replica_it_just_stopped():
+    """Once the last replica is gone, Serve reads what the routers' handles report over the
+    look-back window; a request that ended in that window reads as in flight, and Serve's
+    cold-start fast path (which runs before any policy) starts a replica at once (seen in CI). So
+    the last replica stops only once that window holds no request."""
+    wanted = {("llm", "model-x"): WantedRecord("cold", 1000.0, "admin")}
+    cluster = Cluster(_model(), wanted)
+    cluster.running = cluster.target = 1
+    look_back = cluster.config.look_back_period_s
+    assert cluster.tick(requests=1, now=1000.5) == 1  # the last request of a burst
+    assert cluster.tick(requests=0, now=1001) == 1  # the replicas say idle: still in the window
+    # Were it zero now, the handles' window (still holding that request) would bring it back:
+    cluster.running = cluster.target = 0
+    assert cluster.tick(requests=0.09, now=1002) == 1  # Serve's fast path, not ours: what must not happen
+    cluster.running = cluster.target = 1
+    assert cluster.tick(requests=0, now=1000.5 + look_back + 0.5) == 0  # the window is quiet: zero
+    assert cluster.tick(requests=0, now=1000.5 + look_back + 1) == 0  # and it stays there
 
 
 def test_while_loaded_it_autoscales_with_the_regions_delays():
