@@ -66,7 +66,9 @@ def test_stream_events_follow_the_order_and_both_schemas(base_url, auth_headers)
 
 
 def test_the_sdk_stream_helper_reads_to_the_final_response_and_its_timing(client):
-    with client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=12,
+    # The helper's final response is `response.completed`'s only (a `response.incomplete` is an
+    # error to it): greedy decoding, with which the tiny model ends its turn within six tokens.
+    with client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=12, temperature=0,
                                  safety_identifier="user-1234", prompt_cache_key="greeting") as stream:
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
