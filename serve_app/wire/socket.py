@@ -12,7 +12,8 @@ stream (nothing for a non-stream request), then the replica closes the connectio
 request ended is said by the handle's last item (the trailer), never by the socket.
 
 An unknown, expired or reused ticket gets the connection closed without a byte. Both ends use TCP
-keepalive, so a peer that vanished without a FIN or RST (its node lost) is found in ~25 s.
+keepalive, so a peer that vanished without a FIN or RST (its node lost) is found in ~25 s. A region
+may put TLS 1.3 on the connection (``tls.py``); the head says whether it does.
 """
 
 import asyncio
@@ -158,7 +159,6 @@ class Listener:
     def __init__(self, host: str, ssl_context: ssl.SSLContext | None = None):
         self.host = host
         self.ssl_context = ssl_context
-        self.tls = ssl_context is not None  # what each head says, so that the router connects alike
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._expected: dict[str, asyncio.Future] = {}
@@ -177,6 +177,11 @@ class Listener:
     @property
     def address(self) -> Address:
         return (self.host, self.port)
+
+    @property
+    def tls(self) -> bool:
+        """What each head says, so that the router connects alike."""
+        return self.ssl_context is not None
 
     def expect(self) -> tuple[str, asyncio.Future]:
         """A fresh ticket and the future its connection will resolve."""
