@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from serve_app.bench.stats import percentile
 from serve_app.devtools.stream_certificates import issue
 from serve_app.wire import socket as wire_socket
 from serve_app.wire import tls
@@ -88,13 +89,13 @@ def _summary(runs: dict[str, list[dict[str, Any]]], streams: int, events: int, e
     sides = {}
     for side, rounds in runs.items():
         cpu = statistics.median(r["cpu_s"] for r in rounds)
-        connects = sorted(ms for r in rounds for ms in r["connect_ms"])
+        connects = [ms for r in rounds for ms in r["connect_ms"]]
         sides[side] = {
             "cpu_s_per_round": round(cpu, 4),
             "cpu_us_per_stream": round(cpu / streams * 1e6, 1),
             "cpu_us_per_event": round(cpu / (streams * events) * 1e6, 2),
-            "connect_ms_p50": round(connects[len(connects) // 2], 3),
-            "connect_ms_p95": round(connects[int(len(connects) * 0.95)], 3),
+            "connect_ms_p50": round(percentile(connects, 50), 3),
+            "connect_ms_p95": round(percentile(connects, 95), 3),
             "mb_per_s": round(streams * events * event_len / statistics.median(r["wall_s"] for r in rounds) / 1e6, 1),
         }
     plain, ciphered = sides["plaintext"], sides["tls"]
