@@ -22,7 +22,7 @@ import json
 from typing import Any, NamedTuple
 
 from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
-from serve_app.wire.messages import Trailer
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Trailer
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -46,10 +46,8 @@ class ChatOutput:
         if self._shape is not None:
             self._shape(response, body)
 
-    def watcher(self, body: Body, resumed: trailer.Resumed | None = None) -> trailer.StreamTrailer:
-        return trailer.StreamTrailer(
-            trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")), resumed=resumed
-        )
+    def watcher(self, body: Body) -> trailer.StreamTrailer:
+        return trailer.StreamTrailer(trailer.ask_for_usage(body), token_ids_asked=bool(body.get("return_token_ids")))
 
 
 CHAT = ChatOutput(openai_shape.chat)
@@ -209,6 +207,9 @@ class MessagesStream:
         # message and sends a pydantic complaint as ``internal_error`` instead.
         self.chat_error: tuple[int, str] | None = None
         self.terminal: Body | None = None
+        # The usage is the answer's once message_delta carried it; before (message_start's, for
+        # a stream that broke off) it says nothing of the output, and the replica's count bills it.
+        self._final = False
 
     def pass_on(self, event: str) -> str | None:
         if event.startswith("event: content_block_delta"):
@@ -225,9 +226,15 @@ class MessagesStream:
             self._completion = usage.get("output_tokens", self._completion)
             if stop := (data.get("delta") or {}).get("stop_reason"):
                 self._stop = [stop]
+            self._final = self._final or name == "message_delta"
         elif name == "error":
             status, message = self.chat_error or (500, _FAILED_MID_STREAM)
-            self._error = ("invalid_request" if status < 500 else "stream_failed", status)
+            if self.chat_error is not None and status >= 500:
+                # As for chat: the trailer says the engine failed, and the router resumes the
+                # stream elsewhere or ends it with its own error event (in this dialect).
+                self._error = (ENGINE_UNAVAILABLE, None)
+                return None
+            self._error = ("invalid_request", status)
             return anthropic_shape.error_event(status, message)
         return anthropic_shape.stream_event(event, self._body)
 
@@ -235,8 +242,9 @@ class MessagesStream:
         code, status = self._error or (None, None)
         return Trailer(
             timing=self.timing,
-            usage=_usage(self._prompt, self._completion),
+            usage=_usage(self._prompt, self._completion) if self._final else None,
             finish_reasons=tuple(self._stop),
+            complete=code != ENGINE_UNAVAILABLE,
             error_code=code,
             error_status=status,
             terminal=self.terminal,

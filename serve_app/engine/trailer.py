@@ -13,7 +13,6 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 """
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import error_body
@@ -96,23 +95,10 @@ def _without_vllm_nulls(event: str) -> str:
     return event
 
 
-@dataclass(frozen=True)
-class Resumed:
-    """This replica continues a stream another engine began (``wire.Resume``)."""
-
-    tokens: int  # generated before the seam: in the prompt now, but the client's completion
-    pending_text: str = ""  # text of those tokens the client never got (a detokenizer's hold-back)
-    opened: bool = True  # the client has the first stream's opening (else this one's goes out)
-
-
 class StreamTrailer:
-    """Watches a vLLM SSE stream on its way out and collects the trailer.
+    """Watches a vLLM SSE stream on its way out and collects the trailer."""
 
-    ``resumed``: the stream continues another that broke off; its opening (the role chunk) is
-    the first stream's, so it is dropped (carrying the text that stream still owed the client),
-    and its usage counts the tokens before the seam as completion, not prompt."""
-
-    def __init__(self, client_wants_usage: bool, *, token_ids_asked: bool = False, resumed: Resumed | None = None):
+    def __init__(self, client_wants_usage: bool, *, token_ids_asked: bool = False):
         self.client_wants_usage = client_wants_usage
         self.token_ids_asked = token_ids_asked
         self.usage: dict[str, Any] | None = None
@@ -121,10 +107,6 @@ class StreamTrailer:
         self.error_code: str | None = None  # the stream broke off with an error event...
         self.error_status: int | None = None  # ...whose status the router records
         self.engine_failed = False  # vLLM's own 5xx error event: the router ends (or resumes) it
-        self._resumed = resumed
-        # A resumed stream's first chunk is not passed as it is (unless the first stream broke
-        # before its opening reached the client: then this one's is the client's opening).
-        self._opening = resumed is not None and resumed.opened
 
     def pass_on(self, event: str) -> str | None:
         """The event to forward to the client, or None to drop it."""
@@ -132,49 +114,17 @@ class StreamTrailer:
             return None
         if event.startswith(ERROR_PREFIX):
             return self._our_error(event)
-        if self._opening:
-            self._opening = False
-            return self._seam(event)
         # Cheap substring tests first: most events are plain token deltas, parsed by nobody.
         if '"finish_reason":"' in event:
             self.finish_reasons += _finish_reasons(json.loads(event[5:]).get("choices") or [])
         if '"choices":[]' in event and '"usage":' in event:
             payload = json.loads(event[5:])
-            self.usage = self._as_one_request(payload.get("usage"))
-            if self.usage is not None:
-                payload["usage"] = self.usage
+            self.usage = payload.get("usage")
             self.timing = engine_timing(payload.pop("metrics", None))
             return data_event(payload) if self.client_wants_usage else None
         if not self.token_ids_asked and _PROMPT_TOKEN_IDS in event:
             event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
         return _without_vllm_nulls(event)
-
-    def _seam(self, event: str) -> str | None:
-        """A resumed stream's first chunk: chat's role chunk is the first stream's (dropped);
-        the text the first stream still owed goes out here, in this chunk's shape."""
-        payload = json.loads(event[5:])
-        choices = payload.get("choices") or []
-        if not choices:
-            return self.pass_on(event)
-        choice, pending = choices[0], self._resumed.pending_text
-        if "delta" in choice:  # chat
-            delta = {key: value for key, value in (choice.get("delta") or {}).items() if key != "role"}
-            delta["content"] = pending + (delta.get("content") or "")
-            if not delta["content"] and len(delta) == 1 and not choice.get("finish_reason"):
-                return None  # the role chunk alone: nothing for the client
-            choice["delta"] = delta
-        else:  # completions: the first chunk already carries text
-            choice["text"] = pending + (choice.get("text") or "")
-        return self.pass_on(data_event(payload))
-
-    def _as_one_request(self, usage: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A resumed stream's usage as the client's one request: the tokens before the seam
-        were generated for it, not sent by it."""
-        if usage is None or self._resumed is None:
-            return usage
-        before = self._resumed.tokens
-        return {**usage, "prompt_tokens": usage.get("prompt_tokens", 0) - before,
-                "completion_tokens": usage.get("completion_tokens", 0) + before}
 
     def _our_error(self, event: str) -> str | None:
         """vLLM's mid-stream error. A server-side failure (vLLM's ``EngineCore encountered an

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import outputs, pooling_timing, rendered, token_count, tokenization, trailer, vllm_errors
+from serve_app.engine import outputs, pooling_timing, rendered, replay, token_count, tokenization, vllm_errors
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
-from serve_app.surfaces import BY_NAME
+from serve_app.surfaces import BY_NAME, seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Answer, Body, Call
 
@@ -61,6 +61,8 @@ class VLLMEngine:
         self._engine_context = build_async_engine_client(vllm_args)
         self.engine = await self._engine_context.__aenter__()
         token_count.install(self.engine)  # billing counts what the engine generates
+        # A resumed stream's tokens go through the serving layer first (over the count: not billed twice).
+        replay.install(self.engine, lambda: self._tokenization.renderer.get_tokenizer())
         self.refuses_seeds = splits_seeded_prefills(self.engine.vllm_config)
         state = State()
         self._tasks = await self.engine.get_supported_tasks()
@@ -112,6 +114,8 @@ class VLLMEngine:
         rendered.for_this_request(
             clamp_limit=call.limit_set_by_router, continue_with=call.resume.token_ids if call.resume else ()
         )
+        if call.resume is not None:
+            replay.start(call.resume.token_ids)
         return await HANDLERS[surface](self, call)
 
     # --- one per surface (HANDLERS) ---------------------------------------------------------------
@@ -121,32 +125,18 @@ class VLLMEngine:
         body = _engine_body(call)
         _apply_enable_thinking(body)
         create = self._chat_serving.create_chat_completion
-        return await self._run(ChatCompletionRequest, create, body, outputs.CHAT, watcher=self._watcher(outputs.CHAT, body, call))
+        return await self._run(ChatCompletionRequest, create, body, outputs.CHAT, watcher=self._watcher("chat", outputs.CHAT, body, call))
 
     async def _completions(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         body, create = _engine_body(call), self._completion.create_completion
         return await self._run(CompletionRequest, create, body, outputs.COMPLETIONS,
-                               watcher=self._watcher(outputs.COMPLETIONS, body, call))
+                               watcher=self._watcher("completions", outputs.COMPLETIONS, body, call))
 
-    def _watcher(self, output: outputs.ChatOutput, body: Body, call: Call):
-        """A chat or completions stream's watcher; a resumed one knows where its seam is."""
-        if not body.get("stream"):
-            return None
-        if call.resume is None:
-            return output.watcher(body)
-        resume = call.resume
-        return output.watcher(body, trailer.Resumed(len(resume.token_ids), self._owed_text(resume), resume.opened))
-
-    def _owed_text(self, resume) -> str:
-        """The text of the resumed tokens that the client never received: the first engine's
-        detokenizer holds back a token whose text is not whole yet (part of a UTF-8 sequence)."""
-        text = self._tokenization.renderer.get_tokenizer().decode(list(resume.token_ids))
-        if text.startswith(resume.text):
-            return text[len(resume.text):]
-        logger.warning("a resumed stream's text and tokens disagree at the seam; continuing from the tokens")
-        return ""
+    def _watcher(self, surface: str, output: outputs.ChatOutput, body: Body, call: Call):
+        """A chat or completions stream's watcher (``_resumed`` cuts a continuation's seam)."""
+        return _resumed(surface, output.watcher(body), call) if body.get("stream") else None
 
     async def _responses(self, call: Call) -> Answer | Stream:
         """``POST /v1/responses``, stateless here: the router has already replaced a
@@ -179,7 +169,7 @@ class VLLMEngine:
         async def create(request, raw_request):
             return await self._create_messages(request, priority, call, watcher)
 
-        return await self._run(AnthropicMessagesRequest, create, body, output, watcher=watcher)
+        return await self._run(AnthropicMessagesRequest, create, body, output, watcher=_resumed("messages", watcher, call))
 
     async def _count_tokens(self, call: Call) -> Answer | Stream:
         """``POST /v1/messages/count_tokens``: the prompt as the Messages route would render it."""
@@ -354,6 +344,14 @@ def _reasoning_opt_in(body: dict[str, Any], *, asked: bool) -> None:
     kwargs = dict(body.get("chat_template_kwargs") or {})
     kwargs.setdefault("enable_thinking", asked)
     body["chat_template_kwargs"] = kwargs
+
+
+def _resumed(surface: str, watcher, call: Call):
+    """``watcher`` behind a resumed stream's cut: what the replay emits that the client already
+    has is not sent again (``surfaces/seam.py``)."""
+    if watcher is None or call.resume is None:
+        return watcher
+    return seam.Cut(surface, call.resume.received, watcher, replay.current().is_past_seam)
 
 
 def _engine_body(call: Call, request_id: str | None = None) -> Body:

@@ -78,17 +78,25 @@ def greedy_body(max_tokens: int) -> dict[str, Any]:
     return {**chat_body(max_tokens), "temperature": 0}
 
 
+def thinking_tools_body(max_tokens: int) -> dict[str, Any]:
+    """A coding agent's stream: thinking on and a tool it may call; greedy, as ``greedy_body``."""
+    tool = {"type": "function", "function": {"name": "edit_file", "description": "Replace a file's text.",
+                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+    return {**greedy_body(max_tokens), "tools": [tool], "chat_template_kwargs": {"enable_thinking": True}}
+
+
 async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 200) -> dict[str, Any]:
+    """Half the streams plain, half thinking with a tool list (their seam is in the reasoning)."""
     running_replicas = cluster.model_replicas(model_app(app), MODEL_DEPLOYMENT)
-    body = greedy_body(max_tokens)
+    bodies = [greedy_body(max_tokens), thinking_tools_body(max_tokens)]
     async with _client(key, streams + 4) as client:
-        reference = await stream_chat(client, url, body, idle_timeout_s=120)  # uninterrupted
+        references = [await stream_chat(client, url, body, idle_timeout_s=120) for body in bodies]  # uninterrupted
         # The replica the streams will run on: the one holding the prompt's prefix.
-        (victim, *_) = [r for r in running_replicas if r.replica_id == reference.replica] or running_replicas
+        (victim, *_) = [r for r in running_replicas if r.replica_id == references[0].replica] or running_replicas
         started = [asyncio.Event() for _ in range(streams)]
         running = [
-            asyncio.create_task(stream_chat(client, url, body, first_chunk=first, idle_timeout_s=120))
-            for first in started
+            asyncio.create_task(stream_chat(client, url, bodies[i % 2], first_chunk=first, idle_timeout_s=120))
+            for i, first in enumerate(started)
         ]
         await asyncio.wait_for(asyncio.gather(*(first.wait() for first in started)), 120)
         await asyncio.sleep(0.5)  # every stream is decoding, with content on both sides of the seam
@@ -96,10 +104,12 @@ async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8,
         outcomes = await asyncio.gather(*running)
     resumed = [o for o in outcomes if o.resumes]
     pauses = sorted(o.max_gap_s * 1000 for o in resumed)
+    thinking_pauses = sorted(o.max_gap_s * 1000 for o in outcomes[1::2] if o.resumes)
+    same = [(o.text, o.reasoning) == (references[i % 2].text, references[i % 2].reasoning) for i, o in enumerate(outcomes)]
     return {
         "engine_core_pid": killed_pid,
         "replicas": len(running_replicas),
-        "killed_the_reference_replica": victim.replica_id == reference.replica,
+        "killed_the_reference_replica": victim.replica_id == references[0].replica,
         "streams": streams,
         "streams_by_outcome": count(list(outcomes)),
         "resumed": len(resumed),
@@ -108,10 +118,14 @@ async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8,
         "killed_mid_stream": sum(0 < o.chunks_before_gap < o.chunks for o in resumed),
         # Every token, by the stream's own usage (a seam's chunk may carry text the broken one owed).
         "full_length": sum(o.completion_tokens == max_tokens for o in outcomes),
-        "reference_chunks": reference.chunks,
-        "same_text_as_uninterrupted": sum(o.text == reference.text for o in outcomes),
-        "resumed_same_text": sum(o.text == reference.text for o in resumed),
+        "reference_chunks": [r.chunks for r in references],
+        # The thinking stream's reference: its answer is reasoning (random weights never close </think>).
+        "reference_reasoning_chars": len(references[1].reasoning),
+        "same_text_as_uninterrupted": sum(same),
+        "thinking_same_as_uninterrupted": sum(same[1::2]),
         "seam_pause_ms": {"p50": _rank(pauses, 50), "p95": _rank(pauses, 95), "max": pauses[-1] if pauses else None},
+        # The thinking streams' prompts are longer (the tool list in the template): a longer prefill.
+        "thinking_seam_pause_ms": {"p50": _rank(thinking_pauses, 50), "max": thinking_pauses[-1] if thinking_pauses else None},
     }
 
 

@@ -32,6 +32,7 @@ class Outcome:
     chunks: int = 0  # content chunks received
     completion_tokens: int | None = None  # the stream's usage chunk, when it asked for one
     text: str = ""  # their content, joined (the seam check of a resumed stream)
+    reasoning: str = ""  # their reasoning, joined (the same check, for a stream that thinks)
     max_gap_s: float = 0.0  # the longest wait between two content chunks (a seam's pause)
     chunks_before_gap: int = 0  # content chunks received before that wait
     resumes: int = 0  # pg_metadata.resumes: the stream went on from another replica
@@ -72,7 +73,7 @@ async def stream_chat(
                 outcome.ended, outcome.error_code = "json", _error_code(await response.aread())
                 return outcome
             outcome.ended = "cut"
-            text, last = [], None
+            text, reasoning, last = [], [], None
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -93,8 +94,10 @@ async def stream_chat(
                     if last is not None and now - last > outcome.max_gap_s:
                         outcome.max_gap_s, outcome.chunks_before_gap = now - last, outcome.chunks
                     last = now
-                    text.append((payload["choices"][0].get("delta") or {}).get("content") or "")
-                    outcome.text = "".join(text)
+                    delta = payload["choices"][0].get("delta") or {}
+                    text.append(delta.get("content") or "")
+                    reasoning.append(delta.get("reasoning") or "")
+                    outcome.text, outcome.reasoning = "".join(text), "".join(reasoning)
                     outcome.chunks += 1
                     if outcome.first_chunk_s is None:
                         outcome.first_chunk_s = time.perf_counter() - started

@@ -8,8 +8,10 @@ that stream's chunks to the client, but not its ending: the peer's timing event 
 answer, as the client's one request), its finish reasons, its region — and this router ends the
 stream itself, with its own timing, as for any stream.
 
-Chat and completions only (the surfaces a stream resumes on): their chunks are ``data:`` events,
-the peer's ending is its ``pg_metadata`` event and ``data: [DONE]``.
+Chat and completions: their chunks are ``data:`` events, the peer's ending is its ``pg_metadata``
+event and ``data: [DONE]``. Messages: Anthropic's named events; the usage is in ``message_delta``
+(relayed: the client's), the peer's ending is its ``message_stop`` with the timing inside, which
+this router sends again as its own terminal event with its own timing.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ import json
 import anyio
 import httpx
 
+from serve_app.engine.outputs import anthropic_prompt_tokens
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
 from serve_app.wire.sse import EVENT_END
@@ -28,13 +31,18 @@ PEER_STREAM_FAILED = "peer_stream_failed"
 _DONE = b"data: [DONE]"
 _ERROR = b'data: {"error"'
 _METADATA = b"event: pg_metadata"
+_MESSAGE_DELTA = b"event: message_delta\n"
+_MESSAGE_STOP = b"event: message_stop\n"
+_ANTHROPIC_ERROR = b"event: error\n"
 
 
 class PeerCall:
     """The peer router's response to a resume (status 200, SSE), until its ending."""
 
-    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int):
+    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int, anthropic: bool = False):
         self.region = region
+        self._anthropic = anthropic
+        self._terminal: dict | None = None  # Messages: the peer's message_stop, without its timing
         self.replica = None  # the peer's model replica, from its timing event
         self._upstream = upstream
         self._chunks = upstream.aiter_raw()
@@ -97,6 +105,8 @@ class PeerCall:
     def _passes(self, event: bytes) -> bool:
         if event.startswith(b":"):  # the peer's keep-alive comment: nothing to relay or count
             return False
+        if self._anthropic:
+            return self._passes_anthropic(event)
         if event.startswith(_DONE):
             self._done = True
             return False
@@ -116,6 +126,29 @@ class PeerCall:
         self._relayed += 1
         return True
 
+    def _passes_anthropic(self, event: bytes) -> bool:
+        if event.startswith(_MESSAGE_STOP):
+            payload = json.loads(event.split(b"data: ", 1)[1])
+            self._metadata = payload.pop("pg_metadata", None) or {}
+            self._terminal, self._done = payload, True
+            return False
+        if event.startswith(_ANTHROPIC_ERROR):
+            error = json.loads(event.split(b"data: ", 1)[1]).get("error") or {}
+            # Anthropic's errors carry a type, not our code: overloaded is our engine_unavailable.
+            self._error = ENGINE_UNAVAILABLE if error.get("type") == "overloaded_error" else PEER_STREAM_FAILED
+            logger.warning("the resumed stream from %s ended with %s", self.region, error.get("type"))
+            return False
+        if event.startswith(_MESSAGE_DELTA):
+            payload = json.loads(event.split(b"data: ", 1)[1])
+            usage = payload.get("usage") or {}
+            prompt, completion = anthropic_prompt_tokens(usage) or 0, usage.get("output_tokens") or 0
+            self._usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            if stop := (payload.get("delta") or {}).get("stop_reason"):
+                self._finish_reasons.append(stop)
+        elif event.startswith(b"event: content_block_delta"):
+            self._relayed += 1
+        return True
+
     def _trailer(self) -> Trailer:
         complete = self._done and self._usage is not None and self._error is None
         if not complete:
@@ -131,7 +164,7 @@ class PeerCall:
         timing = EngineTiming(queue_ms=metadata.get("queue_ms"), prefill_ms=prefill,
                               decode_ms=total - prefill if None not in (prefill, total) else None)
         return Trailer(timing=timing, usage=usage, finish_reasons=tuple(self._finish_reasons),
-                       replica=self.replica, generated=generated)
+                       replica=self.replica, generated=generated, terminal=self._terminal)
 
     async def _close(self) -> None:
         self.ended = True

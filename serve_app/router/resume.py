@@ -20,11 +20,17 @@ request goes with a token for that peer alone and the tokens generated so far (`
 the peer runs it as a resume on one of its replicas, does not bill it, and sends the stream back
 with its usage in its closing (``peer_call.py``). This router bills the one request, both attempts.
 
+The continuation replays the tokens before the seam through its serving layer (``engine/replay.py``),
+so a stream resumes in the middle of reasoning or of a tool call's arguments as well as of plain
+text, and only what the client has not got goes out (``surfaces/seam.py``, which also counts what
+the client has from the bytes relayed).
+
 Not resumed (the stream ends with the engine-failure event, as before, and is billed what was
 generated): a replica that vanished with no trailer (no tokens to continue from), more than one
-choice or prompt, tool calls or a tool list, guided decoding (``response_format``, vLLM's
-structured outputs), logprobs, reasoning, completions' ``echo``, and the Responses and Messages
-surfaces — where the continuation cannot be made to read as the same stream (docs/reliability.md).
+choice or prompt, guided decoding (``response_format``, vLLM's structured outputs, a tool choice
+that forces a call: the grammar would restart at the seam), logprobs (the replay has none to
+send), completions' ``echo``, and the Responses surface (its events carry item ids vLLM makes per
+request, which a continuation cannot keep; docs/reliability.md).
 """
 
 import asyncio
@@ -36,20 +42,20 @@ from serve_app.errors import APIError
 from serve_app.router import pricing
 from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
 from serve_app.router.peer_call import PeerCall
+from serve_app.surfaces import seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Call, Resume, StreamOpen, Trailer
-from serve_app.wire.sse import EVENT_END, data_of
 
 logger = module_logger(__name__)
 
-# Surfaces whose continuation reads as the same stream (their chunks carry no per-stream state
-# but the id, which the router's request id keeps).
-RESUMABLE_SURFACES = frozenset({"chat", "completions"})
-# Fields that make a continuation unfaithful: its parser, grammar or per-token extras restart.
+# Fields that make a continuation unfaithful: a grammar restarts at the seam, or per-token extras
+# the replay cannot send again.
 _UNRESUMABLE_FIELDS = (
-    "tools", "tool_choice", "functions", "response_format", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of",
 )
+# Tool choices that leave the model free (any other forces a call through guided decoding).
+_FREE_TOOL_CHOICES = (None, "auto", "none")
 RETRY_S = 0.2  # between tries of a replica that answered engine_unavailable
 # The body field in which a router hands a peer region's router the stream it continues.
 RESUME_FIELD = "polargrid_resume"  # the product's name: a "pg_" field would read as PostgreSQL
@@ -57,24 +63,14 @@ RESUME_FIELD = "polargrid_resume"  # the product's name: a "pg_" field would rea
 
 def resumable(surface: str, body: dict[str, Any]) -> bool:
     """Whether a stream of ``body`` can be resumed faithfully (the module's docstring says why not)."""
-    if surface not in RESUMABLE_SURFACES or body.get("stream") is not True:
+    if surface not in seam.SURFACES or body.get("stream") is not True:
         return False
     if (body.get("n") or 1) != 1 or (surface == "completions" and pricing.prompt_count(body) != 1):
         return False
     if any(body.get(field) not in (None, False, [], 0) for field in _UNRESUMABLE_FIELDS):
         return False
-    thinking = body.get("enable_thinking") or (body.get("chat_template_kwargs") or {}).get("enable_thinking")
-    return not thinking
-
-
-def text_received(relayed: bytes) -> str:
-    """The completion text a chat or completions stream's bytes carried to the client."""
-    text = []
-    for event in relayed.split(EVENT_END):
-        payload = data_of(event.decode("utf-8", "replace"))
-        for choice in (payload or {}).get("choices") or ():
-            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(text)
+    choice = body.get("tool_choice")
+    return (choice.get("type") if isinstance(choice, dict) else choice) in _FREE_TOOL_CHOICES
 
 
 def taken_over(ctx) -> Resume | None:
@@ -89,13 +85,15 @@ def taken_over(ctx) -> Resume | None:
         raise APIError(400, f"{RESUME_FIELD} is set by a peer region's router only", param=RESUME_FIELD,
                        code="unknown_parameter")
     sent = sent if isinstance(sent, dict) else {}
-    ids, text, request_id, opened = sent.get("token_ids"), sent.get("text"), sent.get("request_id"), sent.get("opened", True)
+    ids, received, request_id = sent.get("token_ids"), sent.get("received"), sent.get("request_id")
+    if received is None and isinstance(sent.get("text"), str):  # a peer one release behind
+        received = {"content": len(sent["text"]), "opening": int(sent.get("opened", True))}
+        received = {channel: n for channel, n in received.items() if n}
     if not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)
-            and isinstance(text, str) and isinstance(request_id, str) and 0 < len(request_id) <= 64
-            and isinstance(opened, bool)):
-        raise APIError(400, f"{RESUME_FIELD} needs token_ids, text and request_id", param=RESUME_FIELD)
+            and seam.valid_received(received) and isinstance(request_id, str) and 0 < len(request_id) <= 64):
+        raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
-    return Resume(tuple(ids), text, opened)
+    return Resume(tuple(ids), received)
 
 
 class Resumer:
@@ -131,7 +129,7 @@ class Resumer:
             return False
         self.left -= 1
         started = time.perf_counter()
-        resume = Resume(tuple(broken.token_ids), text_received(relayed), opened=bool(relayed))
+        resume = Resume(tuple(broken.token_ids), seam.received(ctx.surface.name, relayed))
         body = {**ctx.body, field: remaining}
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
         call = peer = None
@@ -204,10 +202,13 @@ class Resumer:
                  if p.region != services.region and caller.allows_region(p.region)]
         if ctx.origin is not None or not peers:
             return None
-        # The peer reports the usage in its closing (it is billed here, with the first attempt's).
-        sent = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True},
-                RESUME_FIELD: {"token_ids": list(resume.token_ids), "text": resume.text, "request_id": ctx.id,
-                               "opened": resume.opened}}
+        # The peer reports the usage in its closing (it is billed here, with the first attempt's);
+        # a Messages stream always carries it (message_delta).
+        anthropic = ctx.surface.name == "messages"
+        sent = {**body, RESUME_FIELD: {"token_ids": list(resume.token_ids), "received": resume.received,
+                                       "request_id": ctx.id}}
+        if not anthropic:
+            sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         bound = await asyncio.to_thread(
             lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
         )
@@ -225,4 +226,4 @@ class Resumer:
             logger.warning("%s refused to resume stream %s: %s %s", peer.region, ctx.telemetry.trace_id,
                            upstream.status_code, detail)
             return None
-        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids))
+        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), anthropic=anthropic)

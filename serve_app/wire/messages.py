@@ -16,7 +16,7 @@ plain dataclasses so that Serve pickles them as it pickled dicts, and both proce
 module without Ray or vLLM.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Body = dict[str, Any]
@@ -28,8 +28,9 @@ class Resume:
     """Where a stream whose engine failed continues from: what its client already has."""
 
     token_ids: tuple[int, ...]  # the tokens generated so far, in order: the new prompt's tail
-    text: str  # the text the client received of them (the seam's check: nothing twice, nothing lost)
-    opened: bool = True  # the client has the stream's opening (chat's role chunk): not sent twice
+    # What the client has of the answer, per channel (``surfaces/seam.py``): the continuation
+    # replays the tokens and sends only the rest — nothing twice, nothing lost.
+    received: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

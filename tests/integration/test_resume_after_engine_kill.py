@@ -1,11 +1,11 @@
-"""A stream survives its engine, on the real engine: the engine core under 8 greedy streams is
-killed half-way, and every stream goes on from the peer region's replica (the local region runs
-one: its replacement is an engine start away, so the router resumes in the peer at once;
-serve_app/router/resume.py, the fault suite's ``resume`` scenario in serve_app/faults/engine_kill.py):
-8 of 8 end normally with their full token count and no error event, the text is an uninterrupted
-run's (the seam checked under greedy decoding), and the ledger holds one row per stream, with its
-resume. ``disruptive``: it kills the local engine (Serve replaces it, as after the engine-kill
-test)."""
+"""A stream survives its engine, on the real engine: the engine core under 8 greedy streams (half
+of them thinking, with a tool list) is killed half-way, and every stream goes on from the peer
+region's replica (the local region runs one: its replacement is an engine start away, so the
+router resumes in the peer at once; serve_app/router/resume.py, the fault suite's ``resume``
+scenario in serve_app/faults/engine_kill.py): 8 of 8 end normally with their full token count and
+no error event, the text (and the reasoning) is an uninterrupted run's (the seam checked under
+greedy decoding), and the ledger holds one row per stream, with its resume. ``disruptive``: it
+kills the local engine (Serve replaces it, as after the engine-kill test)."""
 
 import asyncio
 import time
@@ -57,16 +57,19 @@ def test_an_engine_killed_mid_stream_leaves_every_stream_whole_and_billed_once(s
     assert result["killed_mid_stream"] == STREAMS  # content on both sides of each seam
     assert result["full_length"] == STREAMS
     assert result["same_text_as_uninterrupted"] == STREAMS  # no gap and no repeat at the seam
-    # One row per stream (and the reference run's), each the whole answer, the resume apart.
+    # Half the streams think with a tool list: their seam is inside the reasoning, which goes on
+    # as reasoning (the continuation's parser replayed to where the first one stood).
+    assert result["reference_reasoning_chars"] > 0 and result["thinking_same_as_uninterrupted"] == STREAMS // 2
+    # One row per stream (and the reference runs'), each the whole answer, the resume apart.
     usage = UsageStore(open_database(serve_app["auth"].key_store()))
     deadline = time.monotonic() + 15
     while True:
         with usage.database.connect() as db:
             rows = [dict(r) for r in db.execute("SELECT * FROM usage_records WHERE key_id = ?", (record.key_id,))]
-        if len(rows) >= STREAMS + 1 or time.monotonic() > deadline:
+        if len(rows) >= STREAMS + 2 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert len(rows) == STREAMS + 1
+    assert len(rows) == STREAMS + 2  # and the two uninterrupted references'
     resumed = [r for r in rows if r["resumes"]]
     assert len(resumed) == STREAMS and {r["region"] for r in rows} == {"local"}  # billed here, once
     assert all(r["status"] == 200 and r["completion_tokens"] == MAX_TOKENS for r in resumed)

@@ -24,10 +24,11 @@ from typing import Any
 
 import fake_vllm
 from serve_app.engine import outputs as engine_outputs
-from serve_app.engine import pooling_timing, token_count, trailer
+from serve_app.engine import pooling_timing, replay, token_count, trailer
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
+from serve_app.surfaces import seam
 from serve_app.wire.messages import Answer, Call, Trailer
 
 PROMPT_TOKENS = 5
@@ -61,7 +62,8 @@ class FakeEngine:
         self.closed_early = 0  # generations (or embedding inputs) stopped before their end (aborted)
         self.embedded = 0  # embedding inputs the engine finished
         self.calls: list[tuple[str, Call]] = []
-        self.generate = token_count.counting(self._generate)
+        # As VLLMEngine's: the count under the replay of a resumed stream's tokens.
+        self.generate = replay.replaying(token_count.counting(self._generate), lambda: FAKE_TOKENIZER)
         self.encode = token_count.counting_encode(self._encode)
 
     @property
@@ -112,17 +114,20 @@ class FakeEngine:
             await asyncio.to_thread(fake_vllm.import_vllm)
         if surface == "responses":
             return await self._responses(call, wanted)
-        prompt = [1] * (self.prompt_tokens + before)  # as vLLM's: the prompt, then what was generated
+        if call.resume is not None:  # the replay makes vLLM's outputs: its modules, on a thread
+            await asyncio.to_thread(fake_vllm.import_vllm)
+            replay.start(call.resume.token_ids)
+        # As vLLM's: the prompt, then (a resume) what was generated before the seam.
+        prompt = {"prompt_token_ids": [1] * self.prompt_tokens + list(call.resume.token_ids if call.resume else ())}
         outputs = self.generate(prompt, DELTA, call.request_id, max_tokens=wanted, first=before + 1)
         if body.get("stream") and surface == "messages":
             watcher = engine_outputs.MessagesOutput().watcher(body)
-            events = fake_vllm.messages_events(self._events(outputs, body), watcher)
-            return Stream(Prefetched(events), watcher)
+            events = fake_vllm.messages_events(_failure_as_event(self._events(outputs, body)), watcher)
+            return Stream(Prefetched(events), _resumed("messages", watcher, call))
         if body.get("stream"):
-            resumed = trailer.Resumed(before, opened=call.resume.opened) if call.resume else None
-            watcher = trailer.StreamTrailer(trailer.ask_for_usage(body), resumed=resumed)
-            events = self._events(outputs, body, surface, len(prompt))
-            return Stream(Prefetched(events), watcher)  # under way, as vLLM's
+            watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
+            events = self._events(outputs, body, surface)
+            return Stream(Prefetched(events), _resumed(surface, watcher, call))  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
         if surface == "messages":
             return fake_vllm.messages_answer(body, text, prompt_tokens=self.prompt_tokens, completion_tokens=wanted,
@@ -144,7 +149,7 @@ class FakeEngine:
         if isinstance(request, Answer):
             return request
         shape_body = {**call.body, "previous_response_id": call.previous_response_id}
-        outputs = self.generate([1] * self.prompt_tokens, DELTA, call.request_id, max_tokens=wanted)
+        outputs = self.generate({"prompt_token_ids": [1] * self.prompt_tokens}, DELTA, call.request_id, max_tokens=wanted)
         counts = dict(wanted=wanted, total=self.tokens, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens,
                       metrics=TIMING)
         if not call.stream:
@@ -218,15 +223,16 @@ class FakeEngine:
                 self.generated += 1
                 token = first + produced - 1
                 choice = SimpleNamespace(index=0, token_ids=[token], text=f"t{token} ")
-                yield SimpleNamespace(prompt_token_ids=prompt, num_cached_tokens=self.cached_tokens, outputs=[choice])
+                yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=self.cached_tokens,
+                                      outputs=[choice])
         finally:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
 
-    async def _events(self, outputs, body: dict[str, Any], surface: str = "chat", prompt_tokens: int | None = None):
+    async def _events(self, outputs, body: dict[str, Any], surface: str = "chat"):
         """vLLM's chat (or completions) SSE strings for ``outputs``, each choice with the
-        ``logprobs: null`` vLLM sets; ``prompt_tokens``: the engine's prompt (a resume's is longer)."""
-        prompt_tokens = self.prompt_tokens if prompt_tokens is None else prompt_tokens
+        ``logprobs: null`` vLLM sets; the usage's prompt is the outputs' (as vLLM's)."""
+        prompt_tokens = self.prompt_tokens
         completions = surface == "completions"
         kind = "text_completion" if completions else "chat.completion.chunk"
         chunk = {"id": "cmpl-f" if completions else "chatcmpl-f", "object": kind, "created": 1, "model": body.get("model")}
@@ -244,6 +250,7 @@ class FakeEngine:
         n = 0
         try:
             async for output in outputs:
+                prompt_tokens = len(output.prompt_token_ids)
                 if n == 0 and not completions:  # as vLLM: the role chunk comes with the engine's first output
                     yield event(choice("", role="assistant"))
                 n += 1
@@ -254,6 +261,41 @@ class FakeEngine:
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"
+
+
+async def _failure_as_event(events):
+    """As vLLM's chat stream under its Anthropic converter: an engine failure is its error event."""
+    try:
+        async for event in events:
+            yield event
+    except EngineFailed as failure:
+        error = {"message": f"EngineCore failed: {failure}", "type": "InternalServerError", "param": None, "code": 500}
+        yield f"data: {json.dumps({'error': error})}\n\n"
+
+
+def _resumed(surface: str, watcher, call: Call):
+    """As ``VLLMEngine``'s: a continuation's events behind the seam's cut."""
+    if call.resume is None:
+        return watcher
+    return seam.Cut(surface, call.resume.received, watcher, replay.current().is_past_seam)
+
+
+class FakeTokenizer:
+    """What vLLM's incremental detokenizer asks of a tokenizer, for the fake's tokens: ``t<id> ``."""
+
+    is_fast = True
+
+    def __len__(self) -> int:
+        return 2**20
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):
+        return [f"t{i} " for i in ids]
+
+    def convert_tokens_to_string(self, tokens) -> str:
+        return "".join(tokens)
+
+
+FAKE_TOKENIZER = FakeTokenizer()
 
 
 def embedding_of(entry: str | list[int], size: int) -> list[float]:

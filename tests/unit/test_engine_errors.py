@@ -93,10 +93,13 @@ def _messages_stream_error(status: int, message: str, caplog) -> tuple[str, dict
     return stream.pass_on(f"event: error\ndata: {converted}\n\n"), stream.trailer()
 
 
-def test_a_messages_stream_that_fails_in_the_engine_says_so_in_our_words(caplog):
+def test_a_messages_stream_whose_engine_fails_leaves_the_ending_to_the_router(caplog):
+    """As a chat stream's: vLLM's words go to the log only; the trailer says the engine failed,
+    and the router resumes the stream elsewhere or ends it with its own error event, in
+    Anthropic's shape (``test_terminal_event.py``)."""
     event, trailer = _messages_stream_error(500, f"EngineCore failed: {INTERNAL}", caplog)
-    assert "10.0.0.5" not in event and "retry" in event
-    assert (trailer.error_code, trailer.error_status) == ("stream_failed", 500)
+    assert event is None
+    assert (trailer.complete, trailer.error_code, trailer.error_status) == (False, "engine_unavailable", None)
     assert "10.0.0.5" in caplog.text
 
 

@@ -8,11 +8,19 @@ import httpx
 import pytest
 
 from auth_support import MODEL, bearer, federated_regions
+import fake_vllm
 from fake_engine import FakeEngine
 from router_app import to_router
 from serve_app.config import Peer
 
 ASK = [{"role": "user", "content": "count"}]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def vllm_imported():
+    """A continuation's replay makes vLLM's output objects: its modules are imported here, once,
+    not on the clock of a resume's window (seconds on a busy host)."""
+    fake_vllm.import_vllm()
 
 
 def _stream(app, key, **body):
@@ -56,7 +64,7 @@ def test_an_engine_that_dies_mid_stream_is_resumed_on_another_replica_as_one_str
     # The second engine continued from the first's last token: its prompt held the 5 generated.
     (surface, resumed), = [(s, c) for s, c in healthy.calls]
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_completion_tokens"] == 7
-    assert resumed.resume.text == "t1 t2 t3 t4 t5 "
+    assert resumed.resume.received == {"opening": 1, "content": len("t1 t2 t3 t4 t5 ")}  # what the client had
     # One usage record: the customer's prompt, all 12 tokens, the resume apart.
     (row,) = app.recorded()
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
@@ -83,9 +91,13 @@ def test_the_usage_the_client_asked_for_counts_the_whole_answer(two_replicas):
     assert usage == [{"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}]
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
 @pytest.mark.parametrize("unfaithful", [
-    {"n": 2}, {"logprobs": True}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"response_format": {"type": "json_object"}}, {"enable_thinking": True},
+    {"n": 2}, {"logprobs": True}, {"tools": TOOLS, "tool_choice": "required"},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"response_format": {"type": "json_object"}},
 ])
 def test_a_stream_that_cannot_be_resumed_faithfully_ends_with_the_engine_failure_event(two_replicas, unfaithful):
     app, key, _, healthy = two_replicas
@@ -96,6 +108,48 @@ def test_a_stream_that_cannot_be_resumed_faithfully_ends_with_the_engine_failure
     assert healthy.calls == []  # not retried elsewhere
     (row,) = app.recorded()
     assert (row["status"], row["resumes"]) == (503, 0) and row["completion_tokens"] >= 5  # billed what was generated
+
+
+@pytest.mark.parametrize("body", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}, {"enable_thinking": True}],
+                         ids=["tools", "tool_choice_auto", "thinking"])
+def test_a_stream_with_tools_or_reasoning_resumes_too(two_replicas, body):
+    """The continuation replays the tokens through its serving layer (``engine/replay.py``): its
+    tool and reasoning parsers stand where the first stream's stood (``test_seam.py`` cuts a
+    seam inside reasoning and inside a tool call's arguments)."""
+    app, key, _, healthy = two_replicas
+    response, events = _stream(app, key, **body)
+    assert response.status_code == 200 and _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    assert not any('"error"' in e for e in events)
+    (_, resumed), = healthy.calls
+    assert resumed.resume.token_ids == (1, 2, 3, 4, 5)
+
+
+def _messages(app, key):
+    response = app.client.post("/v1/messages", headers=bearer(key), json={
+        "model": MODEL, "max_tokens": 12, "stream": True, "messages": ASK,
+    })
+    events = [(e.split("\n", 1)[0][len("event: "):], json.loads(e.split("data: ", 1)[1]))
+              for e in response.text.split("\n\n") if e.startswith("event: ")]
+    return response, events
+
+
+def _assert_one_whole_message(response, events):
+    """Every token once across the seam, in one message: one start, one block, one stop, no error."""
+    assert response.status_code == 200
+    names = [name for name, _ in events]
+    assert names.count("message_start") == names.count("content_block_start") == names.count("message_stop") == 1
+    assert "error" not in names and names[-1] == "message_stop"
+    text = "".join(e["delta"].get("text", "") for name, e in events if name == "content_block_delta")
+    assert text == "".join(f"t{i} " for i in range(1, 13))
+
+
+def test_a_messages_stream_resumes_on_another_replica_as_one_message(two_replicas):
+    app, key, _, healthy = two_replicas
+    _assert_one_whole_message(*_messages(app, key))
+    (_, resumed), = healthy.calls
+    assert resumed.resume.received == {"opening": 1, "block0.start": 1, "block0.delta": len("t1 t2 t3 t4 t5 ")}
+    (row,) = app.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumes"]) == (200, 12, 1)
 
 
 @pytest.fixture
@@ -201,11 +255,27 @@ def test_a_peer_continuation_that_breaks_ends_with_the_error_event_and_is_billed
     assert row["status"] == 503 and row["completion_tokens"] >= 8 and peer.recorded() == []
 
 
+def test_a_messages_stream_resumes_in_a_peer_region_as_one_message_billed_once_here(two_regions):
+    home, peer, key, healthy = two_regions
+    response, events = _messages(home, key)
+    _assert_one_whole_message(response, events)
+    # The terminal event is this region's, with the resume in its timing; the usage is the whole answer.
+    metadata = events[-1][1]["pg_metadata"]
+    assert (metadata["region"], metadata["resumes"], metadata["resumed_in"]) == ("yul-02", 1, "yvr-01")
+    (usage,) = [e["usage"] for name, e in events if name == "message_delta"]
+    assert usage["output_tokens"] == 12
+    ((_, resumed),) = healthy.calls
+    assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_tokens"] == 7
+    (row,) = home.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumes"], row["resumed_in"]) == (200, 12, 1, "yvr-01")
+    assert peer.recorded() == []
+
+
 def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
     home, peer, home_key, healthy = two_regions
     key, _ = peer.auth.keys.create_key(owner="alice", tier="standard")
     peer_bound = home.auth.forwarding_token(home.auth.authenticate(f"Bearer {home_key}", scope="inference"), "yvr-01")
-    resume = {"token_ids": [1, 2], "text": "t1 t2 ", "request_id": "x" * 32}
+    resume = {"token_ids": [1, 2], "received": {"opening": 1, "content": 6}, "request_id": "x" * 32}
     hop = {"x-pg-forwarded-from": "yul-02"}
     for headers in (bearer(key), {**bearer(key), **hop}, bearer(peer_bound)):
         refused = peer.client.post("/v1/chat/completions", headers=headers, json={

@@ -33,7 +33,7 @@ def responses_events(body, *, tokens=3, limit=3):
     """vLLM's Responses events for a generation of ``tokens`` tokens (of ``limit`` allowed)."""
     engine = FakeEngine(tokens=tokens)
     request = fake_vllm.validated_responses_request({**body, "store": False})
-    generation = engine.generate([1] * 5, DELTA, "r1", max_tokens=min(tokens, limit))
+    generation = engine.generate({"prompt_token_ids": [1] * 5}, DELTA, "r1", max_tokens=min(tokens, limit))
     return fake_vllm.responses_events(request, generation, wanted=min(tokens, limit), total=tokens, prompt_tokens=5,
                                       cached=0, metrics=TIMING)
 
@@ -69,7 +69,7 @@ def test_the_messages_watcher_holds_back_message_stop_for_the_trailer():
     body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     engine = FakeEngine(tokens=3)
     watcher = outputs.MessagesOutput().watcher(body)
-    chat = engine._events(engine.generate([1] * 5, DELTA, "r1", max_tokens=3), body)
+    chat = engine._events(engine.generate({"prompt_token_ids": [1] * 5}, DELTA, "r1", max_tokens=3), body)
     passed = asyncio.run(_passed_on(watcher, fake_vllm.messages_events(chat, watcher)))
     assert passed[-1] is None and None not in passed[:-1]
     assert named(passed[-2])[0] == "message_delta"

@@ -119,36 +119,3 @@ def test_echoed_prompt_token_ids_are_dropped_unless_asked_for():
     assert json.loads(out[len("data: "):])["choices"][0] == {"index": 0, "text": "Hi", "logprobs": None, "finish_reason": None}
     (kept,) = run(trailer.StreamTrailer(client_wants_usage=False, token_ids_asked=True), [chunk])
     assert json.loads(kept[len("data: "):])["choices"][0]["prompt_token_ids"] == [5, 6]
-
-
-def _chunk(delta=None, text=None, finish=None):
-    choice = {"index": 0, "finish_reason": finish}
-    if text is None:
-        choice["delta"] = delta if delta is not None else {}
-    else:
-        choice["text"] = text
-    return "data: " + json.dumps({"id": "chatcmpl-1", "created": 7, "choices": [choice]}, separators=(",", ":")) + "\n\n"
-
-
-def test_a_resumed_chat_stream_drops_its_role_chunk_and_pays_what_the_first_stream_owed():
-    owed = trailer.StreamTrailer(False, resumed=trailer.Resumed(tokens=3, pending_text="é"))
-    role = _chunk({"role": "assistant", "content": ""})
-    out = [e for e in (owed.pass_on(role), owed.pass_on(_chunk({"content": " next"}))) if e]
-    assert [json.loads(e[5:])["choices"][0]["delta"] for e in out] == [{"content": "é"}, {"content": " next"}]
-    nothing_owed = trailer.StreamTrailer(False, resumed=trailer.Resumed(tokens=3))
-    assert nothing_owed.pass_on(role) is None  # the client has the role already: one stream
-
-
-def test_a_resumed_completion_stream_carries_what_was_owed_on_its_first_text():
-    watcher = trailer.StreamTrailer(False, resumed=trailer.Resumed(tokens=2, pending_text="ab"))
-    first = watcher.pass_on(_chunk(text="c"))
-    assert json.loads(first[5:])["choices"][0]["text"] == "abc"
-
-
-def test_a_resumed_streams_usage_counts_the_tokens_before_the_seam_as_completion():
-    watcher = trailer.StreamTrailer(True, resumed=trailer.Resumed(tokens=40))
-    watcher.pass_on(_chunk({"role": "assistant", "content": ""}))
-    usage_event = 'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":52,"completion_tokens":24,"total_tokens":76}}\n\n'
-    shown = json.loads(watcher.pass_on(usage_event)[5:])["usage"]
-    assert (shown["prompt_tokens"], shown["completion_tokens"], shown["total_tokens"]) == (12, 64, 76)
-    assert watcher.trailer().usage["completion_tokens"] == 64

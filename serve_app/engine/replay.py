@@ -1,0 +1,117 @@
+"""A resumed stream's answer so far, replayed through this replica's serving layer before its
+engine goes on.
+
+vLLM's serving layer keeps state per stream — the detokenizer, the reasoning parser (inside
+``<think>`` or past it), the tool parser (inside which call's arguments), the Anthropic converter
+(which content block is open) — and begins every request at the start of an answer. Prefilling the
+tokens generated before the seam (``rendered.py``) makes the *engine* go on where the first one
+stopped; replaying them first, as outputs of this request, makes the *serving layer* stand where
+the first one stood, so what follows is parsed as the uninterrupted stream's would have been: a
+tool call's arguments go on in the same call, reasoning stays reasoning. What the replay emits
+that the client already has is cut on the way out (``surfaces/seam.py``); the rest is what the
+first stream still owed its client.
+
+The replayed outputs go token by token, with vLLM's own incremental detokenizer, and carry the
+client's prompt (without the tail) as the prompt; the engine's outputs that follow are given the
+same prompt. So the stream's usage is the client's one request: its prompt, and every token of the
+answer as completion. The billing count (``token_count.py``) sits under this wrapper and counts
+what this engine did: the tail as prompt (a resume's prefill), the new tokens as completion.
+
+The engine request starts before the replay runs: its queue and prefill overlap the replay.
+"""
+
+import asyncio
+import contextvars
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from serve_app.wire.socket import until_done
+
+_CURRENT: contextvars.ContextVar["Replay | None"] = contextvars.ContextVar("serve_app_replay", default=None)
+
+
+class Replay:
+    """One resumed request's replay: the tokens before the seam, and whether the stream is past it."""
+
+    def __init__(self, tail: tuple[int, ...]):
+        self.tail = tail
+        self.started = False
+        # True once the engine's second output is asked for: every event of the replay and of the
+        # engine's first output (chat's opening, for an empty tail) has gone out by then.
+        self.past_seam = False
+
+    def is_past_seam(self) -> bool:
+        return self.past_seam
+
+
+def current() -> Replay | None:
+    return _CURRENT.get()
+
+
+def start(tail: tuple[int, ...]) -> Replay:
+    """The replay of the request this task serves (a ``wire.Resume``'s tokens, maybe none)."""
+    replay = Replay(tuple(tail))
+    _CURRENT.set(replay)
+    return replay
+
+
+def install(engine: Any, tokenizer: Callable[[], Any]) -> None:
+    """Wrap ``engine.generate`` (after ``token_count.install``: the count stays under it)."""
+    engine.generate = replaying(engine.generate, tokenizer)
+
+
+def replaying(generate: Callable[..., AsyncIterator[Any]], tokenizer: Callable[[], Any]):
+    def replayed_generate(prompt, sampling_params, request_id, *args, **kwargs):
+        outputs = generate(prompt, sampling_params, request_id, *args, **kwargs)
+        replay = _CURRENT.get()
+        if replay is None or replay.started:  # not resumed, or a second call of the request
+            return outputs
+        replay.started = True
+        ids = list(prompt["prompt_token_ids"])
+        original = ids[: len(ids) - len(replay.tail)]
+        return _replayed(outputs, replay, original, sampling_params, request_id, tokenizer())
+
+    return replayed_generate
+
+
+async def _replayed(outputs, replay: Replay, prompt_ids: list[int], params, request_id: str, tokenizer):
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    first = asyncio.ensure_future(outputs.__anext__())  # vLLM submits the request on the first step
+    try:
+        for token, text in _texts(tokenizer, prompt_ids, replay.tail, params):
+            step = CompletionOutput(index=0, text=text, token_ids=[token], cumulative_logprob=None, logprobs=None)
+            yield RequestOutput(request_id, None, prompt_ids, None, [step], finished=False)
+        try:
+            output = await first
+        except StopAsyncIteration:
+            return
+        finally:
+            first = None
+        output.prompt_token_ids = prompt_ids
+        yield output
+        replay.past_seam = True
+        async for output in outputs:
+            output.prompt_token_ids = prompt_ids
+            yield output
+    finally:
+        replay.past_seam = True
+        if first is not None:
+            first.cancel()
+            await until_done(first)
+        await outputs.aclose()  # the engine aborts an unfinished request
+
+
+def _texts(tokenizer, prompt_ids: list[int], tail: tuple[int, ...], params):
+    """Each token of ``tail`` with the text vLLM's incremental detokenizer gives it after ``prompt_ids``."""
+    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens, detokenize_incrementally
+
+    skip = getattr(params, "skip_special_tokens", True)
+    spaces = getattr(params, "spaces_between_special_tokens", True)
+    ids = list(prompt_ids)
+    tokens, prefix, read = convert_prompt_ids_to_tokens(tokenizer, ids, skip_special_tokens=skip)
+    for token in tail:
+        ids.append(token)
+        new, text, prefix, read = detokenize_incrementally(tokenizer, ids, tokens, prefix, read, skip, spaces)
+        tokens.extend(new)
+        yield token, text

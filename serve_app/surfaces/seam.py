@@ -1,0 +1,250 @@
+"""A resumed stream's seam, on both of its sides: what the client already has, counted per
+channel (the router, from the bytes it relayed), and the continuation cut down to what the client
+has not (the replica).
+
+The replica that continues a stream replays the tokens generated before the seam through vLLM's
+serving layer (``engine/replay.py``), so its detokenizer, reasoning parser, tool parser and
+Anthropic converter stand where the first stream's stood; then its engine goes on. The replay
+emits the answer so far again — at least what the client has, and whatever the first stream still
+held back (part of a character, a tool call's arguments not yet valid JSON) — in chunks grouped
+its own way (vLLM merges deltas when its consumer lags; the replay goes token by token). So the
+cut is made by content, not by counting chunks: per *channel*, one growing part of the answer —
+
+- OpenAI chat and completions: the opening (chat's role chunk), ``content`` (completions'
+  ``text``), ``reasoning``, and per tool call its head (id, type, name) and its arguments;
+- Anthropic Messages: the opening (``message_start``), and per content block its start, its deltas
+  (text, thinking or partial JSON), its signature and its stop.
+
+Text channels count characters, the others 1 once sent. Only choice 0 counts: a resumed stream
+has one choice (``router/resume.py``).
+"""
+
+import json
+from collections import Counter
+from typing import Any
+
+from serve_app.telemetry.logs import module_logger
+from serve_app.wire.sse import EVENT_END, data_event, named_event
+
+logger = module_logger(__name__)
+
+Received = dict[str, int]
+
+_REASONING_KEYS = ("reasoning", "reasoning_content")  # vLLM's name, and the older one clients read
+_ANTHROPIC_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+
+
+class _OpenAIChunks:
+    """Chat and completions chunks: ``data: {...}`` events."""
+
+    @staticmethod
+    def parse(event: str) -> Any:
+        if not event.startswith("data: {"):
+            return None
+        return json.loads(event[6:])
+
+    @staticmethod
+    def frame(payload: dict[str, Any], _event: str) -> str:
+        return data_event(payload)
+
+    @staticmethod
+    def count(payload: dict[str, Any], into: Counter) -> None:
+        for choice in _first_choice(payload):
+            if "text" in choice:
+                into["content"] += len(choice["text"] or "")
+            delta = choice.get("delta") or {}
+            if "role" in delta:
+                into["opening"] = 1
+            into["content"] += len(delta.get("content") or "")
+            into["reasoning"] += sum(len(delta.get(key) or "") for key in _REASONING_KEYS)
+            for call in delta.get("tool_calls") or ():
+                tool, function = f"tool{call.get('index', 0)}", call.get("function") or {}
+                if call.get("id") or function.get("name"):
+                    into[f"{tool}.head"] = 1
+                into[f"{tool}.arguments"] += len(function.get("arguments") or "")
+
+    @staticmethod
+    def cut(payload: dict[str, Any], left: Counter) -> bool:
+        """Take out of ``payload`` what ``left`` says the client has (and count it off); whether
+        anything is left for the client."""
+        choices = payload.get("choices")
+        if not choices:
+            return True  # the usage chunk: nothing of a channel in it
+        for choice in _first_choice(payload):
+            if "text" in choice:
+                choice["text"] = _cut_text(choice["text"] or "", "content", left)
+            delta = choice.get("delta")
+            if not delta:
+                continue
+            if "role" in delta and _take_once("opening", left):
+                del delta["role"]
+            if delta.get("content"):
+                delta["content"] = _cut_text(delta["content"], "content", left)
+            for key in _REASONING_KEYS:
+                if delta.get(key):
+                    delta[key] = _cut_text(delta[key], "reasoning", left)
+            if delta.get("tool_calls"):
+                delta["tool_calls"] = [cut for call in delta["tool_calls"] if (cut := _cut_tool_call(call, left))]
+        return any(_says_something(choice) for choice in choices if isinstance(choice, dict))
+
+
+def _says_something(choice: dict[str, Any]) -> bool:
+    """Whether a chunk's choice still carries anything: text, a delta field, a finish, logprobs."""
+    if choice.get("text") or choice.get("finish_reason") or choice.get("logprobs"):
+        return True
+    return any((choice.get("delta") or {}).values())
+
+
+def _first_choice(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in payload.get("choices") or () if isinstance(c, dict) and c.get("index", 0) == 0]
+
+
+def _cut_tool_call(call: dict[str, Any], left: Counter) -> dict[str, Any] | None:
+    tool, function = f"tool{call.get('index', 0)}", dict(call.get("function") or {})
+    call = {**call}
+    if (call.get("id") or function.get("name")) and _take_once(f"{tool}.head", left):
+        call.pop("id", None)
+        call.pop("type", None)
+        function.pop("name", None)
+    if function.get("arguments"):
+        function["arguments"] = _cut_text(function["arguments"], f"{tool}.arguments", left)
+        if not function["arguments"]:
+            del function["arguments"]
+    if function:
+        call["function"] = function
+    else:
+        call.pop("function", None)
+    return call if set(call) - {"index"} else None
+
+
+class _AnthropicEvents:
+    """Anthropic Messages events: ``event: <name>\\ndata: {...}``."""
+
+    @staticmethod
+    def parse(event: str) -> Any:
+        name, _, data = event.partition("\n")
+        if not name.startswith("event: ") or not data.startswith("data: "):
+            return None
+        payload = json.loads(data[6:])
+        return payload if isinstance(payload, dict) else None
+
+    @staticmethod
+    def frame(payload: dict[str, Any], _event: str) -> str:
+        return named_event(payload.get("type", ""), payload)
+
+    @staticmethod
+    def count(payload: dict[str, Any], into: Counter) -> None:
+        kind, block = payload.get("type"), f"block{payload.get('index', 0)}"
+        if kind == "message_start":
+            into["opening"] = 1
+        elif kind == "content_block_start":
+            into[f"{block}.start"] = 1
+        elif kind == "content_block_stop":
+            into[f"{block}.stop"] = 1
+        elif kind == "content_block_delta":
+            delta = payload.get("delta") or {}
+            if delta.get("type") == "signature_delta":
+                into[f"{block}.signature"] = 1
+            elif (field := _ANTHROPIC_TEXT.get(delta.get("type"))) is not None:
+                into[f"{block}.delta"] += len(delta.get(field) or "")
+
+    @staticmethod
+    def cut(payload: dict[str, Any], left: Counter) -> bool:
+        kind, block = payload.get("type"), f"block{payload.get('index', 0)}"
+        if kind == "message_start":
+            return not _take_once("opening", left)
+        if kind == "content_block_start":
+            return not _take_once(f"{block}.start", left)
+        if kind == "content_block_stop":
+            return not _take_once(f"{block}.stop", left)
+        if kind == "ping":
+            return False  # the replay's: the client is not waiting on it
+        if kind == "content_block_delta":
+            delta = payload.get("delta") or {}
+            if delta.get("type") == "signature_delta":
+                return not _take_once(f"{block}.signature", left)
+            if (field := _ANTHROPIC_TEXT.get(delta.get("type"))) is not None:
+                delta[field] = _cut_text(delta.get(field) or "", f"{block}.delta", left)
+                return bool(delta[field])
+        return True
+
+
+def _cut_text(text: str, channel: str, left: Counter) -> str:
+    have = left.get(channel, 0)
+    if not have:
+        return text
+    taken = min(have, len(text))
+    _count_off(channel, taken, left)
+    return text[taken:]
+
+
+def _take_once(channel: str, left: Counter) -> bool:
+    if not left.get(channel):
+        return False
+    _count_off(channel, 1, left)
+    return True
+
+
+def _count_off(channel: str, amount: int, left: Counter) -> None:
+    left[channel] -= amount
+    if left[channel] <= 0:
+        del left[channel]
+
+
+# The surfaces whose streams have a seam; every other surface's stream is not resumed.
+_BY_SURFACE = {"chat": _OpenAIChunks, "completions": _OpenAIChunks, "messages": _AnthropicEvents}
+SURFACES = frozenset(_BY_SURFACE)
+# A received mapping is small: a few channels per tool call or content block.
+MAX_CHANNELS = 512
+
+
+def received(surface: str, relayed: bytes) -> Received:
+    """What the client has of a ``surface`` stream whose bytes so far were ``relayed``."""
+    events, into = _BY_SURFACE[surface], Counter()
+    for raw in relayed.split(EVENT_END):
+        try:
+            payload = events.parse(raw.decode("utf-8", "replace").lstrip("\n"))
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            events.count(payload, into)
+    return {channel: n for channel, n in into.items() if n > 0}
+
+
+def valid_received(value: Any) -> bool:
+    """A received mapping as a peer region's router may send it (``router/resume.py``)."""
+    return (isinstance(value, dict) and len(value) <= MAX_CHANNELS
+            and all(isinstance(k, str) and len(k) <= 64 and type(n) is int and 0 < n < 2**31 for k, n in value.items()))
+
+
+class Cut:
+    """A continuation's events on their way out of the replica: what the client has is cut out,
+    then ``watcher`` (the surface's own, which reads usage, timing and the end) sees the rest.
+
+    Cutting stops once the client's channels are all counted off, or once the continuation is
+    past its seam (``past_seam()``: the engine's own output is flowing) — if the replay did not
+    cover what the client has (it should always), the rest passes untouched rather than being
+    swallowed, and the replica's log says so."""
+
+    def __init__(self, surface: str, client_has: Received, watcher: Any, past_seam):
+        self.watcher = watcher
+        self._events = _BY_SURFACE[surface]
+        self._left = Counter(client_has)
+        self._past_seam = past_seam
+
+    def pass_on(self, event: str) -> str | None:
+        if self._left:
+            if self._past_seam():
+                logger.warning("a resumed stream's replay did not cover what its client had: %s",
+                                                dict(self._left))
+                self._left.clear()
+            else:
+                payload = self._events.parse(event)
+                if isinstance(payload, dict):
+                    if not self._events.cut(payload, self._left):
+                        return None
+                    event = self._events.frame(payload, event)
+        return self.watcher.pass_on(event)
+
+    def trailer(self):
+        return self.watcher.trailer()
