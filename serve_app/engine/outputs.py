@@ -106,7 +106,7 @@ class ResponsesOutput:
         return Trailer(
             timing=trailer.engine_timing(response.pop("metrics", None)),
             usage=_usage(usage.get("input_tokens"), usage.get("output_tokens")),
-            finish_reasons=(_responses_finish(response),),
+            finish_reasons=(responses_finish(response),),
         )
 
     def shape(self, response: Body, body: Body) -> None:
@@ -116,7 +116,7 @@ class ResponsesOutput:
         return ResponsesStream(self, body)
 
 
-def _responses_finish(response: Body) -> str:
+def responses_finish(response: Body) -> str:
     """``completed``, or why not (``max_output_tokens``), for the request record."""
     details = response.get("incomplete_details") or {}
     return details.get("reason") or response.get("status") or "unknown"

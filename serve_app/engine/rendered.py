@@ -10,7 +10,7 @@
 - **A resumed stream.** A stream whose engine failed elsewhere continues here from exactly where
   it stopped: the same request renders to the same prompt, and the tokens it had generated are
   appended to it (``wire.Resume``), so the engine's next token is the one the first engine would
-  have generated next — no re-tokenized text at the seam.
+  have generated next — no re-tokenized text at the seam (Responses too, ``install_tail``).
 
 Which of these apply is the request's own (``for_this_request``), kept in a context variable of
 the task that serves it.
@@ -48,6 +48,21 @@ def overflow_message(max_model_len: int, prompt_tokens: int, completion_tokens: 
         f"{completion_tokens} in the completion). Please reduce the length of the prompt or "
         "max_tokens."
     )
+
+
+def install_tail(serving: Any, render_method: str) -> None:
+    """Wrap ``serving.<render_method>``, whose result holds one ``engine_input``, to append a
+    resumed stream's tail (Responses: its render answers an object, and its cap is vLLM's own)."""
+    render = getattr(serving, render_method)
+
+    async def render_with_tail(*args, **kwargs):
+        result = await render(*args, **kwargs)
+        tail = _RULES.get().continue_with
+        if tail and hasattr(result, "engine_input"):
+            result.engine_input["prompt_token_ids"] = [*result.engine_input["prompt_token_ids"], *tail]
+        return result
+
+    setattr(serving, render_method, render_with_tail)
 
 
 def install(serving: Any, render_method: str, prompt_param: str) -> None:

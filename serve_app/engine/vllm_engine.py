@@ -93,6 +93,7 @@ class VLLMEngine:
         rendered.install(self._chat_serving, "render_chat_request", prompt_param="messages")
         rendered.install(self._messages_serving, "render_chat_request", prompt_param="messages")
         rendered.install(self._completion, "render_completion_request", prompt_param="prompt")
+        rendered.install_tail(self._responses_serving, "_render_resolved_response_inputs")
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -153,6 +154,8 @@ class VLLMEngine:
         # The stream too is shaped against the client's body: the engine's says `store: false`
         # and has no previous_response_id, which the response objects must not echo.
         watcher = output.watcher(shape_body) if call.stream else None
+        if watcher is not None and call.resume is not None:  # the seam is cut after the watcher frames
+            watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
         return await self._run(ResponsesRequest, create, engine_body, output, shape_body=shape_body, watcher=watcher)
 
     async def _messages(self, call: Call) -> Answer | Stream:

@@ -7,12 +7,14 @@ the resume window ends first); new requests get a 503 with a short ``Retry-After
 queue) until the replacement replica serves; ``/health`` says ``recovering``, not ``failed``; the
 routers never import vLLM.
 
-``engine_kill_resumed``: 8 streams of one greedy prompt run where an uninterrupted run of it ran
-(the request router keeps a shared prefix on one replica), whose engine core is then killed; they
-go on from another replica of the region, or — when that replica was the region's only one — from
-a peer region (``router/resume.py``): every stream ends normally with its full length, its text the
-same as the uninterrupted run's (no gap, no repeat at the seam), and the pause at the seam is
-measured (the longest wait between two chunks of each resumed stream), with where each resumed.
+``engine_kill_resumed``: 8 streams of one greedy prompt, in turn a chat, a chat thinking with a
+tool list and a Responses stream (``KINDS``), run where an uninterrupted run of each
+ran (the request router keeps a shared prefix on one replica), whose engine core is then killed;
+they go on from another replica of the region, or — when that replica was the region's only one —
+from a peer region (``router/resume.py``): every stream ends normally with its full length, its
+text and reasoning the same as its kind's uninterrupted run's (no gap, no repeat at the seam), a
+Responses stream's events numbered without a gap, and the pause at the seam is measured (the
+longest wait between two chunks of each resumed stream), with where each resumed.
 """
 
 import asyncio
@@ -22,7 +24,7 @@ from typing import Any
 
 from serve_app.faults import cluster
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client, model_app
-from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat, transitions
+from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat, stream_typed, transitions
 
 PROBE_TIMEOUT_S = 10.0
 
@@ -85,47 +87,68 @@ def thinking_tools_body(max_tokens: int) -> dict[str, Any]:
     return {**greedy_body(max_tokens), "tools": [tool], "chat_template_kwargs": {"enable_thinking": True}}
 
 
+def responses_body(max_tokens: int) -> dict[str, Any]:
+    """The same prompt as a greedy Responses stream, to its full length (vLLM's ``ignore_eos``)."""
+    chat = greedy_body(max_tokens)
+    return {"model": chat["model"], "input": chat["messages"], "max_output_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+
+
+# The kinds of stream the resume scenario runs, in turn: a plain chat, a chat that thinks with a
+# tool list (its seam is in the reasoning), a Responses stream. Not Messages: Anthropic's API has
+# no ignore_eos, and the local model ends every greedy answer after 3 tokens (its unit tests
+# resume Messages streams on a fake engine, through vLLM's own Anthropic converter).
+KINDS = ("chat", "chat thinking with tools", "responses")
+
+
+def _kind_stream(client, url: str, kind: str, max_tokens: int, first: asyncio.Event | None = None):
+    if kind == "responses":
+        return stream_typed(client, url, kind, responses_body(max_tokens), first_chunk=first, idle_timeout_s=120)
+    body = thinking_tools_body(max_tokens) if kind == "chat thinking with tools" else greedy_body(max_tokens)
+    return stream_chat(client, url, body, first_chunk=first, idle_timeout_s=120)
+
+
 async def engine_kill_resumed(url: str, key: str, app: str, *, streams: int = 8, max_tokens: int = 200) -> dict[str, Any]:
-    """Half the streams plain, half thinking with a tool list (their seam is in the reasoning)."""
+    """Each kind of stream (``KINDS``) in turn, each checked against an uninterrupted run of it."""
     running_replicas = cluster.model_replicas(model_app(app), MODEL_DEPLOYMENT)
-    bodies = [greedy_body(max_tokens), thinking_tools_body(max_tokens)]
+    kinds = [KINDS[i % len(KINDS)] for i in range(streams)]
     async with _client(key, streams + 4) as client:
-        references = [await stream_chat(client, url, body, idle_timeout_s=120) for body in bodies]  # uninterrupted
+        references = {kind: await _kind_stream(client, url, kind, max_tokens) for kind in KINDS}  # uninterrupted
         # The replica the streams will run on: the one holding the prompt's prefix.
-        (victim, *_) = [r for r in running_replicas if r.replica_id == references[0].replica] or running_replicas
+        (victim, *_) = [r for r in running_replicas if r.replica_id == references["chat"].replica] or running_replicas
         started = [asyncio.Event() for _ in range(streams)]
-        running = [
-            asyncio.create_task(stream_chat(client, url, bodies[i % 2], first_chunk=first, idle_timeout_s=120))
-            for i, first in enumerate(started)
-        ]
+        running = [asyncio.create_task(_kind_stream(client, url, kind, max_tokens, first))
+                   for kind, first in zip(kinds, started)]
         await asyncio.wait_for(asyncio.gather(*(first.wait() for first in started)), 120)
         await asyncio.sleep(0.5)  # every stream is decoding, with content on both sides of the seam
         killed_pid = cluster.kill_engine_core(victim)
         outcomes = await asyncio.gather(*running)
     resumed = [o for o in outcomes if o.resumes]
     pauses = sorted(o.max_gap_s * 1000 for o in resumed)
-    thinking_pauses = sorted(o.max_gap_s * 1000 for o in outcomes[1::2] if o.resumes)
-    same = [(o.text, o.reasoning) == (references[i % 2].text, references[i % 2].reasoning) for i, o in enumerate(outcomes)]
+    same = [(o.text, o.reasoning) == (references[kind].text, references[kind].reasoning) for kind, o in zip(kinds, outcomes)]
+    by_kind = {kind: {"streams": kinds.count(kind), "reference_tokens": references[kind].completion_tokens,
+                      "reference_reasoning_chars": len(references[kind].reasoning),
+                      "same_as_uninterrupted": sum(s for k, s in zip(kinds, same) if k == kind),
+                      "seam_pause_ms_max": round(max((o.max_gap_s * 1000 for k, o in zip(kinds, outcomes)
+                                                      if k == kind and o.resumes), default=0), 1)}
+               for kind in KINDS}
     return {
         "engine_core_pid": killed_pid,
         "replicas": len(running_replicas),
-        "killed_the_reference_replica": victim.replica_id == references[0].replica,
+        "killed_the_reference_replica": victim.replica_id == references["chat"].replica,
         "streams": streams,
         "streams_by_outcome": count(list(outcomes)),
         "resumed": len(resumed),
         "resumed_in": dict(Counter(o.resumed_in or "this region" for o in resumed)),
         # Killed half-way: each stream had content before the kill and after its seam.
         "killed_mid_stream": sum(0 < o.chunks_before_gap < o.chunks for o in resumed),
-        # Every token, by the stream's own usage (a seam's chunk may carry text the broken one owed).
+        # Every token, by the stream's own usage (each kind runs to its limit: ignore_eos).
         "full_length": sum(o.completion_tokens == max_tokens for o in outcomes),
-        "reference_chunks": [r.chunks for r in references],
-        # The thinking stream's reference: its answer is reasoning (random weights never close </think>).
-        "reference_reasoning_chars": len(references[1].reasoning),
         "same_text_as_uninterrupted": sum(same),
-        "thinking_same_as_uninterrupted": sum(same[1::2]),
+        # A Responses stream's events numbered without a gap or a repeat across the seam.
+        "responses_numbered": sum(bool(o.numbered) for kind, o in zip(kinds, outcomes) if kind == "responses"),
+        "by_kind": by_kind,
         "seam_pause_ms": {"p50": _rank(pauses, 50), "p95": _rank(pauses, 95), "max": pauses[-1] if pauses else None},
-        # The thinking streams' prompts are longer (the tool list in the template): a longer prefill.
-        "thinking_seam_pause_ms": {"p50": _rank(thinking_pauses, 50), "max": thinking_pauses[-1] if thinking_pauses else None},
     }
 
 

@@ -39,6 +39,7 @@ class Outcome:
     resumed_in: str | None = None  # pg_metadata.resumed_in: the peer region that continued it, if one did
     replica: str | None = None  # pg_metadata.replica: the model replica that served (or ended) it
     first_chunk_s: float | None = None  # request start → first content chunk (TTFT, client's clock)
+    numbered: bool | None = None  # a Responses stream: its events numbered 0, 1, 2… (``stream_typed``)
     started_at: float = 0.0  # time.monotonic() when it was sent
 
     @property
@@ -112,6 +113,80 @@ async def stream_chat(
         outcome.ended = "cut" if outcome.status is not None else "refused"
     outcome.total_s = time.perf_counter() - started
     return outcome
+
+
+# The typed-event surfaces a stream may also run on: their route, and per event name what it
+# carries (text, reasoning) or how it ends.
+TYPED_ROUTES = {"responses": "/v1/responses", "messages": "/v1/messages"}
+_TEXT_EVENTS = {"response.output_text.delta": "text", "response.reasoning_text.delta": "reasoning"}
+_ANTHROPIC_DELTAS = {"text_delta": ("text", "text"), "thinking_delta": ("reasoning", "thinking")}
+_TERMINAL_EVENTS = ("response.completed", "response.incomplete", "message_stop")
+
+
+async def stream_typed(client: httpx.AsyncClient, url: str, surface: str, body: dict[str, Any], *,
+                       idle_timeout_s: float = 60.0, first_chunk: asyncio.Event | None = None) -> Outcome:
+    """One Responses or Messages stream, read as ``stream_chat`` reads a chat: its text and
+    reasoning, the longest wait between two of their events, how it ended (``done``: its terminal
+    event; ``error_event``: an error event), its resume and usage; ``numbered``: a Responses
+    stream's events numbered 0, 1, 2… without a gap."""
+    started = time.perf_counter()
+    outcome = Outcome(status=None, ended="refused", started_at=time.monotonic())
+    parts: dict[str, list[str]] = {"text": [], "reasoning": []}
+    numbers: list[int] = []
+    try:
+        async with client.stream("POST", url + TYPED_ROUTES[surface], json=body, timeout=idle_timeout_s) as response:
+            outcome.status, outcome.status_s = response.status_code, time.perf_counter() - started
+            if response.status_code != 200:
+                outcome.ended, outcome.error_code = "json", _error_code(await response.aread())
+                return outcome
+            outcome.ended, name, last = "cut", None, None
+            async for line in response.aiter_lines():
+                if line.startswith("event: "):
+                    name = line[len("event: "):]
+                if not line.startswith("data: "):
+                    continue
+                payload = json.loads(line[6:])
+                if isinstance(payload.get("sequence_number"), int):
+                    numbers.append(payload["sequence_number"])
+                if (piece := _piece(name, payload)) is not None:
+                    now = time.perf_counter()
+                    if last is not None and now - last > outcome.max_gap_s:
+                        outcome.max_gap_s, outcome.chunks_before_gap = now - last, outcome.chunks
+                    last = now
+                    parts[piece[0]].append(piece[1])
+                    outcome.chunks += 1
+                    if first_chunk is not None:
+                        first_chunk.set()
+                elif name == "message_delta":
+                    outcome.completion_tokens = (payload.get("usage") or {}).get("output_tokens")
+                elif name == "error":
+                    outcome.error_code = payload.get("code") or (payload.get("error") or {}).get("type")
+                    outcome.ended = "error_event"
+                elif name in _TERMINAL_EVENTS:
+                    metadata = payload.get("pg_metadata") or (payload.get("response") or {}).get("pg_metadata") or {}
+                    outcome.resumes, outcome.resumed_in = metadata.get("resumes", 0), metadata.get("resumed_in")
+                    outcome.replica, outcome.ended = metadata.get("replica"), "done"
+                    if "response" in payload:
+                        outcome.completion_tokens = (payload["response"].get("usage") or {}).get("output_tokens")
+    except httpx.TimeoutException:
+        outcome.ended = "hung"
+    except httpx.TransportError:
+        outcome.ended = "cut" if outcome.status is not None else "refused"
+    outcome.text, outcome.reasoning = "".join(parts["text"]), "".join(parts["reasoning"])
+    outcome.numbered = numbers == list(range(len(numbers))) if numbers else None
+    outcome.total_s = time.perf_counter() - started
+    return outcome
+
+
+def _piece(name: str | None, payload: dict[str, Any]) -> tuple[str, str] | None:
+    """The text or reasoning an event carries, if it carries some."""
+    if name in _TEXT_EVENTS:
+        return _TEXT_EVENTS[name], payload.get("delta") or ""
+    delta = payload.get("delta")
+    if name == "content_block_delta" and isinstance(delta, dict) and delta.get("type") in _ANTHROPIC_DELTAS:
+        part, field = _ANTHROPIC_DELTAS[delta["type"]]
+        return part, delta.get(field) or ""
+    return None
 
 
 async def post_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float = 60.0) -> Outcome:

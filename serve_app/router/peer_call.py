@@ -11,7 +11,9 @@ stream itself, with its own timing, as for any stream.
 Chat and completions: their chunks are ``data:`` events, the peer's ending is its ``pg_metadata``
 event and ``data: [DONE]``. Messages: Anthropic's named events; the usage is in ``message_delta``
 (relayed: the client's), the peer's ending is its ``message_stop`` with the timing inside, which
-this router sends again as its own terminal event with its own timing.
+this router sends again as its own terminal event with its own timing. Responses: the peer's
+ending is its terminal event (``response.completed``…) with the usage and the timing in its
+response; this router sends it again with its own timing, and stores that response.
 """
 
 import asyncio
@@ -20,7 +22,7 @@ import json
 import anyio
 import httpx
 
-from serve_app.engine.outputs import anthropic_prompt_tokens
+from serve_app.engine.outputs import ResponsesStream, anthropic_prompt_tokens, responses_finish
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
 from serve_app.wire.sse import EVENT_END
@@ -33,16 +35,17 @@ _ERROR = b'data: {"error"'
 _METADATA = b"event: pg_metadata"
 _MESSAGE_DELTA = b"event: message_delta\n"
 _MESSAGE_STOP = b"event: message_stop\n"
-_ANTHROPIC_ERROR = b"event: error\n"
+_NAMED_ERROR = b"event: error\n"  # Anthropic's and Responses' error event
+_RESPONSES_TERMINAL = tuple(f"event: {name}\n".encode() for name in ResponsesStream.TERMINAL)
 
 
 class PeerCall:
     """The peer router's response to a resume (status 200, SSE), until its ending."""
 
-    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int, anthropic: bool = False):
+    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int, surface: str = "chat"):
         self.region = region
-        self._anthropic = anthropic
-        self._terminal: dict | None = None  # Messages: the peer's message_stop, without its timing
+        self._surface = surface
+        self._terminal: dict | None = None  # Messages, Responses: the peer's terminal event, without its timing
         self.replica = None  # the peer's model replica, from its timing event
         self._upstream = upstream
         self._chunks = upstream.aiter_raw()
@@ -105,8 +108,10 @@ class PeerCall:
     def _passes(self, event: bytes) -> bool:
         if event.startswith(b":"):  # the peer's keep-alive comment: nothing to relay or count
             return False
-        if self._anthropic:
+        if self._surface == "messages":
             return self._passes_anthropic(event)
+        if self._surface == "responses":
+            return self._passes_responses(event)
         if event.startswith(_DONE):
             self._done = True
             return False
@@ -132,7 +137,7 @@ class PeerCall:
             self._metadata = payload.pop("pg_metadata", None) or {}
             self._terminal, self._done = payload, True
             return False
-        if event.startswith(_ANTHROPIC_ERROR):
+        if event.startswith(_NAMED_ERROR):
             error = json.loads(event.split(b"data: ", 1)[1]).get("error") or {}
             # Anthropic's errors carry a type, not our code: overloaded is our engine_unavailable.
             self._error = ENGINE_UNAVAILABLE if error.get("type") == "overloaded_error" else PEER_STREAM_FAILED
@@ -146,6 +151,26 @@ class PeerCall:
             if stop := (payload.get("delta") or {}).get("stop_reason"):
                 self._finish_reasons.append(stop)
         elif event.startswith(b"event: content_block_delta"):
+            self._relayed += 1
+        return True
+
+    def _passes_responses(self, event: bytes) -> bool:
+        if event.startswith(_RESPONSES_TERMINAL):
+            payload = json.loads(event.split(b"data: ", 1)[1])
+            response = dict(payload.get("response") or {})
+            self._metadata = response.pop("pg_metadata", None) or {}
+            usage = response.get("usage") or {}
+            prompt, completion = usage.get("input_tokens") or 0, usage.get("output_tokens") or 0
+            self._usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            self._finish_reasons.append(responses_finish(response))
+            self._terminal, self._done = {**payload, "response": response}, True
+            return False
+        if event.startswith(_NAMED_ERROR):
+            error = json.loads(event.split(b"data: ", 1)[1])
+            self._error = error.get("code") or PEER_STREAM_FAILED
+            logger.warning("the resumed stream from %s ended with %s", self.region, self._error)
+            return False
+        if b".delta\n" in event[:64]:
             self._relayed += 1
         return True
 
@@ -163,8 +188,9 @@ class PeerCall:
         prefill, total = metadata.get("inference_ttft_ms"), metadata.get("inference_total_ms")
         timing = EngineTiming(queue_ms=metadata.get("queue_ms"), prefill_ms=prefill,
                               decode_ms=total - prefill if None not in (prefill, total) else None)
+        response = self._terminal.get("response") if self._surface == "responses" and self._terminal else None
         return Trailer(timing=timing, usage=usage, finish_reasons=tuple(self._finish_reasons),
-                       replica=self.replica, generated=generated, terminal=self._terminal)
+                       replica=self.replica, generated=generated, terminal=self._terminal, response=response)
 
     async def _close(self) -> None:
         self.ended = True

@@ -99,6 +99,8 @@ async def authorize(ctx: Context) -> None:
 
 async def recall(ctx: Context) -> None:
     """Responses: the router continues the stored conversation (the engine is stateless)."""
+    if ctx.surface.stores and ctx.taken_over is not None:
+        return  # a peer's continuation: its router recalled the conversation, and stores the answer
     if ctx.surface.stores:
         ctx.previous_response_id, ctx.client_input = ctx.body.get("previous_response_id"), ctx.body.get("input")
         ctx.keep, ctx.history_bytes = await ctx.services.responses.continue_from(ctx.body, ctx.caller)

@@ -115,6 +115,9 @@ class ResponsesBody(Body):
     include: list[str] | None = None
     # Lower runs first; the router clamps it to the key's tier (docs/api.md, "Priority").
     priority: int | None = Field(None, ge=0, le=INT64)
+    # vLLM's extension, as on chat: generate to the limit whatever the model says (benchmarks,
+    # and the fault suite's full-length streams).
+    ignore_eos: bool | None = None
 
     @field_validator("background")
     @classmethod

@@ -5,32 +5,31 @@ When a stream's trailer says its engine failed (``engine_unavailable``, the repl
 so) and carries the tokens the engine had generated, the router calls the model again with the
 same request and a ``wire.Resume``: the new replica renders the same prompt, appends those tokens
 (``engine/rendered.py``), and the engine continues exactly where the first one stopped — its next
-token is the one the first engine would have generated next. The new stream's opening (the role
-chunk) is dropped, the text the first stream still owed the client goes first, its usage counts
-the tokens before the seam as completion, and its limit is what was left of the request's. The
-chunks keep the stream's id (the router's request id names both engine requests).
+token is the one the first engine would have generated next. Before it, the replica replays those
+tokens through its serving layer (``engine/replay.py``), so its parsers stand where the first
+stream's stood — a stream resumes in the middle of reasoning or of a tool call's arguments as
+well as of plain text — and cuts out what the client already has (``surfaces/seam.py``, which
+also counts, here, what the client has from the bytes relayed; for Responses, with the client's
+item ids and event numbering). Its usage is the client's one request, its limit what was left of
+the request's. The chunks keep the stream's id (the router's request id names both engine
+requests).
 
 Bounded: ``router.max_resumes`` per stream (1 by default), each within ``router.resume_window_s``
 of the failure. The region's other replicas are tried first, for ``router.resume_here_s``
 (replicas that answer ``engine_unavailable`` meanwhile are tried again: Serve stops routing to a
 dead replica once its health check fails, within a few seconds) — unless the failed replica is the
 only one the region runs, whose replacement takes an engine start; then a peer region's router,
-as failover does: the
-request goes with a token for that peer alone and the tokens generated so far (``RESUME_FIELD``);
-the peer runs it as a resume on one of its replicas, does not bill it, and sends the stream back
-with its usage in its closing (``peer_call.py``). This router bills the one request, both attempts.
-
-The continuation replays the tokens before the seam through its serving layer (``engine/replay.py``),
-so a stream resumes in the middle of reasoning or of a tool call's arguments as well as of plain
-text, and only what the client has not got goes out (``surfaces/seam.py``, which also counts what
-the client has from the bytes relayed).
+as failover does: the request goes with a token for that peer alone and the tokens generated so
+far (``RESUME_FIELD``); the peer runs it as a resume on one of its replicas, does not bill (or
+store) it, and sends the stream back with its usage in its closing (``peer_call.py``). This
+router bills the one request, both attempts, and stores a Responses answer.
 
 Not resumed (the stream ends with the engine-failure event, as before, and is billed what was
 generated): a replica that vanished with no trailer (no tokens to continue from), more than one
-choice or prompt, guided decoding (``response_format``, vLLM's structured outputs, a tool choice
-that forces a call: the grammar would restart at the seam), logprobs (the replay has none to
-send), completions' ``echo``, and the Responses surface (its events carry item ids vLLM makes per
-request, which a continuation cannot keep; docs/reliability.md).
+choice or prompt, guided decoding (``response_format``, a Responses ``text.format``, vLLM's
+structured outputs, a tool choice that forces a call: the grammar would restart at the seam),
+logprobs (the replay has none to send), completions' ``echo``, a Responses request in the
+background or with a built-in tool (vLLM's own loop of engine calls); docs/reliability.md.
 """
 
 import asyncio
@@ -69,8 +68,21 @@ def resumable(surface: str, body: dict[str, Any]) -> bool:
         return False
     if any(body.get(field) not in (None, False, [], 0) for field in _UNRESUMABLE_FIELDS):
         return False
+    if surface == "responses" and not _responses_resumable(body):
+        return False
     choice = body.get("tool_choice")
     return (choice.get("type") if isinstance(choice, dict) else choice) in _FREE_TOOL_CHOICES
+
+
+def _responses_resumable(body: dict[str, Any]) -> bool:
+    """A Responses stream: no structured output, no logprobs, no background run, and only
+    function tools (a built-in tool's turns are vLLM's own loop of engine calls)."""
+    text_format = ((body.get("text") or {}).get("format") or {}).get("type")
+    if text_format not in (None, "text") or body.get("background"):
+        return False
+    if "message.output_text.logprobs" in (body.get("include") or ()):
+        return False
+    return all(isinstance(tool, dict) and tool.get("type") == "function" for tool in body.get("tools") or ())
 
 
 def taken_over(ctx) -> Resume | None:
@@ -86,14 +98,18 @@ def taken_over(ctx) -> Resume | None:
                        code="unknown_parameter")
     sent = sent if isinstance(sent, dict) else {}
     ids, received, request_id = sent.get("token_ids"), sent.get("received"), sent.get("request_id")
+    item_ids, previous = sent.get("ids", {}), sent.get("previous_response_id")
     if received is None and isinstance(sent.get("text"), str):  # a peer one release behind
         received = {"content": len(sent["text"]), "opening": int(sent.get("opened", True))}
         received = {channel: n for channel, n in received.items() if n}
     if not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)
-            and seam.valid_received(received) and isinstance(request_id, str) and 0 < len(request_id) <= 64):
+            and seam.valid_received(received) and seam.valid_ids(item_ids)
+            and isinstance(request_id, str) and 0 < len(request_id) <= 64
+            and (previous is None or (isinstance(previous, str) and len(previous) <= 128))):
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
-    return Resume(tuple(ids), received)
+    ctx.previous_response_id = previous  # Responses: the id the answer echoes (the sender recalled it)
+    return Resume(tuple(ids), received, item_ids)
 
 
 class Resumer:
@@ -129,7 +145,9 @@ class Resumer:
             return False
         self.left -= 1
         started = time.perf_counter()
-        resume = Resume(tuple(broken.token_ids), seam.received(ctx.surface.name, relayed))
+        surface = ctx.surface.name
+        resume = Resume(tuple(broken.token_ids), seam.received(surface, relayed),
+                        seam.item_ids(relayed) if surface == "responses" else {})
         body = {**ctx.body, field: remaining}
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
         call = peer = None
@@ -138,7 +156,7 @@ class Resumer:
                 # A limit the router set from its estimate may be lowered by the replica to the
                 # context the real prompt (and the tokens before the seam) leaves, as the first was.
                 body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router, cache_salt=ctx.cache_salt,
-                resume=resume, avoid_replica=broken.replica,
+                resume=resume, avoid_replica=broken.replica, previous_response_id=ctx.previous_response_id,
             ), deadline=started + min(self.window_s, self.here_s))
             if call is None:
                 call = await self._open_in_peer(body, resume, span)
@@ -203,11 +221,12 @@ class Resumer:
         if ctx.origin is not None or not peers:
             return None
         # The peer reports the usage in its closing (it is billed here, with the first attempt's);
-        # a Messages stream always carries it (message_delta).
-        anthropic = ctx.surface.name == "messages"
+        # a Messages or Responses stream always carries it (message_delta, the terminal response).
+        surface = ctx.surface.name
         sent = {**body, RESUME_FIELD: {"token_ids": list(resume.token_ids), "received": resume.received,
-                                       "request_id": ctx.id}}
-        if not anthropic:
+                                       "ids": resume.ids, "request_id": ctx.id,
+                                       "previous_response_id": ctx.previous_response_id}}
+        if surface in ("chat", "completions"):
             sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         bound = await asyncio.to_thread(
             lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
@@ -226,4 +245,4 @@ class Resumer:
             logger.warning("%s refused to resume stream %s: %s %s", peer.region, ctx.telemetry.trace_id,
                            upstream.status_code, detail)
             return None
-        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), anthropic=anthropic)
+        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), surface=surface)

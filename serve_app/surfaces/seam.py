@@ -13,12 +13,20 @@ cut is made by content, not by counting chunks: per *channel*, one growing part 
 - OpenAI chat and completions: the opening (chat's role chunk), ``content`` (completions'
   ``text``), ``reasoning``, and per tool call its head (id, type, name) and its arguments;
 - Anthropic Messages: the opening (``message_start``), and per content block its start, its deltas
-  (text, thinking or partial JSON), its signature and its stop.
+  (text, thinking or partial JSON), its signature and its stop;
+- OpenAI Responses: each event type once (``response.created``, an item's ``added`` and
+  ``done`` events, per output index and content or summary index), and each delta's text.
 
 Text channels count characters, the others 1 once sent. Only choice 0 counts: a resumed stream
 has one choice (``router/resume.py``).
+
+A Responses stream also numbers its events and names each output item with an id vLLM makes per
+request (``msg_…``, ``rs_…``, ``fc_…`` and a ``call_…``): the router sends the client's ids and its
+next sequence number along (``ids``, ``received["sequence"]``), and the continuation's every event,
+its terminal one and the response stored go out under the client's ids and numbers.
 """
 
+import dataclasses
 import json
 from collections import Counter
 from typing import Any
@@ -169,6 +177,57 @@ class _AnthropicEvents:
         return True
 
 
+class _ResponsesEvents:
+    """OpenAI Responses events: ``event: <type>\ndata: {...}``, each with its ``sequence_number``."""
+
+    parse = _AnthropicEvents.parse
+    frame = _AnthropicEvents.frame
+
+    @staticmethod
+    def channel(payload: dict[str, Any]) -> str:
+        key = payload.get("type", "")
+        for index in ("output_index", "content_index", "summary_index"):
+            if index in payload:
+                key += f":{payload[index]}"
+        return key
+
+    @staticmethod
+    def count(payload: dict[str, Any], into: Counter) -> None:
+        if isinstance(payload.get("sequence_number"), int):
+            into["sequence"] = max(into["sequence"], payload["sequence_number"] + 1)
+        channel = _ResponsesEvents.channel(payload)
+        if channel.split(":", 1)[0].endswith(".delta"):
+            into[channel] += len(payload.get("delta") or "")
+        else:
+            into[channel] = 1
+
+    @staticmethod
+    def cut(payload: dict[str, Any], left: Counter) -> bool:
+        channel = _ResponsesEvents.channel(payload)
+        if channel.split(":", 1)[0].endswith(".delta"):
+            payload["delta"] = _cut_text(payload.get("delta") or "", channel, left)
+            return bool(payload["delta"])
+        return not _take_once(channel, left)
+
+
+def item_ids(relayed: bytes) -> dict[str, str]:
+    """The ids of a Responses stream's output items the client has (``item<i>``, and ``call<i>``
+    for a function call), by output index."""
+    ids: dict[str, str] = {}
+    for raw in relayed.split(EVENT_END):
+        try:
+            payload = _ResponsesEvents.parse(raw.decode("utf-8", "replace").lstrip("\n"))
+        except ValueError:
+            continue
+        if isinstance(payload, dict) and payload.get("type") == "response.output_item.added":
+            item, index = payload.get("item") or {}, payload.get("output_index")
+            if isinstance(item.get("id"), str):
+                ids[f"item{index}"] = item["id"]
+            if isinstance(item.get("call_id"), str):
+                ids[f"call{index}"] = item["call_id"]
+    return ids
+
+
 def _cut_text(text: str, channel: str, left: Counter) -> str:
     have = left.get(channel, 0)
     if not have:
@@ -192,7 +251,8 @@ def _count_off(channel: str, amount: int, left: Counter) -> None:
 
 
 # The surfaces whose streams have a seam; every other surface's stream is not resumed.
-_BY_SURFACE = {"chat": _OpenAIChunks, "completions": _OpenAIChunks, "messages": _AnthropicEvents}
+_BY_SURFACE = {"chat": _OpenAIChunks, "completions": _OpenAIChunks, "messages": _AnthropicEvents,
+               "responses": _ResponsesEvents}
 SURFACES = frozenset(_BY_SURFACE)
 # A received mapping is small: a few channels per tool call or content block.
 MAX_CHANNELS = 512
@@ -215,6 +275,12 @@ def valid_received(value: Any) -> bool:
     """A received mapping as a peer region's router may send it (``router/resume.py``)."""
     return (isinstance(value, dict) and len(value) <= MAX_CHANNELS
             and all(isinstance(k, str) and len(k) <= 64 and type(n) is int and 0 < n < 2**31 for k, n in value.items()))
+
+
+def valid_ids(value: Any) -> bool:
+    """Item ids as a peer region's router may send them."""
+    return (isinstance(value, dict) and len(value) <= MAX_CHANNELS
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 128 for k, v in value.items()))
 
 
 class Cut:
@@ -248,3 +314,58 @@ class Cut:
 
     def trailer(self):
         return self.watcher.trailer()
+
+
+class ResponsesCut:
+    """A Responses continuation's events on their way out: the surface's watcher first (it turns
+    vLLM's event objects into frames and holds the terminal event back), then the cut, as
+    ``Cut``'s, and — for every event to the end — the client's item ids and the stream's numbering."""
+
+    def __init__(self, client_has: Received, ids: dict[str, str], watcher: Any, past_seam):
+        self.watcher = watcher
+        self._left = Counter(client_has)
+        self._next = self._left.pop("sequence", 0)
+        self._ids = ids
+        self._past_seam = past_seam
+
+    def pass_on(self, event: Any) -> str | None:
+        frame = self.watcher.pass_on(event)
+        if frame is None:
+            return None
+        payload = _ResponsesEvents.parse(frame)
+        if not isinstance(payload, dict):
+            return frame
+        if self._left and self._past_seam():
+            logger.warning("a resumed stream's replay did not cover what its client had: %s", dict(self._left))
+            self._left.clear()
+        if self._left and not _ResponsesEvents.cut(payload, self._left):
+            return None
+        self._as_the_clients(payload)
+        return _ResponsesEvents.frame(payload, frame)
+
+    def trailer(self):
+        trailer = self.watcher.trailer()
+        if trailer.terminal is None:
+            return trailer
+        terminal = {**trailer.terminal, "response": {**trailer.terminal["response"]}}
+        self._as_the_clients(terminal)
+        response = terminal["response"]
+        response["output"] = [self._item_as_the_clients(i, dict(item)) for i, item in enumerate(response.get("output") or ())]
+        return dataclasses.replace(trailer, terminal=terminal, response=response)
+
+    def _as_the_clients(self, payload: dict[str, Any]) -> None:
+        payload["sequence_number"], self._next = self._next, self._next + 1
+        index = payload.get("output_index")
+        if index is None or f"item{index}" not in self._ids:
+            return
+        if "item_id" in payload:
+            payload["item_id"] = self._ids[f"item{index}"]
+        if isinstance(payload.get("item"), dict):
+            payload["item"] = self._item_as_the_clients(index, dict(payload["item"]))
+
+    def _item_as_the_clients(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
+        if f"item{index}" in self._ids and "id" in item:
+            item["id"] = self._ids[f"item{index}"]
+        if f"call{index}" in self._ids and "call_id" in item:
+            item["call_id"] = self._ids[f"call{index}"]
+        return item

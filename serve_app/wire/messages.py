@@ -31,6 +31,7 @@ class Resume:
     # What the client has of the answer, per channel (``surfaces/seam.py``): the continuation
     # replays the tokens and sends only the rest — nothing twice, nothing lost.
     received: dict[str, int] = field(default_factory=dict)
+    ids: dict[str, str] = field(default_factory=dict)  # Responses: the client's output item ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,13 @@
-"""A stream survives its engine, on the real engine: the engine core under 8 greedy streams (half
-of them thinking, with a tool list) is killed half-way, and every stream goes on from the peer
-region's replica (the local region runs one: its replacement is an engine start away, so the
-router resumes in the peer at once; serve_app/router/resume.py, the fault suite's ``resume``
-scenario in serve_app/faults/engine_kill.py): 8 of 8 end normally with their full token count and
-no error event, the text (and the reasoning) is an uninterrupted run's (the seam checked under
-greedy decoding), and the ledger holds one row per stream, with its resume. ``disruptive``: it
-kills the local engine (Serve replaces it, as after the engine-kill test)."""
+"""A stream survives its engine, on the real engine: the engine core under 9 greedy streams (three
+each of a chat, a chat thinking with a tool list and a Responses stream) is killed half-way, and
+every stream goes on from the peer region's replica (the local region runs one: its replacement
+is an engine start away, so the router resumes in the peer at once; serve_app/router/resume.py,
+the fault suite's ``resume`` scenario in serve_app/faults/engine_kill.py): 9 of 9 end normally
+with their full token count and no error event, the text (and the reasoning) is an uninterrupted
+run's of its kind (the seam checked under greedy decoding), and the ledger holds one row per
+stream, with its resume. ``disruptive``: it kills the local engine (Serve replaces it, as after
+the engine-kill test). Messages streams resume in the unit tests (tests/unit/test_resume.py):
+Anthropic's API has no ``ignore_eos``, and the local model ends every greedy answer in 3 tokens."""
 
 import asyncio
 import time
@@ -21,7 +23,7 @@ from serve_app.faults.engine_kill import engine_kill_resumed
 from serve_app.usage.store import UsageStore
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
-STREAMS, MAX_TOKENS = 8, 200
+STREAMS, MAX_TOKENS = 9, 200  # three of each kind
 
 
 def _deploy(config: dict, serve_app: dict) -> None:
@@ -55,21 +57,25 @@ def test_an_engine_killed_mid_stream_leaves_every_stream_whole_and_billed_once(s
     assert result["streams_by_outcome"] == {"200 done": STREAMS}  # no error event, one [DONE] each
     assert result["resumed"] == STREAMS and result["resumed_in"] == {"peer": STREAMS}
     assert result["killed_mid_stream"] == STREAMS  # content on both sides of each seam
-    assert result["full_length"] == STREAMS
+    assert result["full_length"] == STREAMS  # as many tokens as an uninterrupted run of its kind
     assert result["same_text_as_uninterrupted"] == STREAMS  # no gap and no repeat at the seam
-    # Half the streams think with a tool list: their seam is inside the reasoning, which goes on
-    # as reasoning (the continuation's parser replayed to where the first one stood).
-    assert result["reference_reasoning_chars"] > 0 and result["thinking_same_as_uninterrupted"] == STREAMS // 2
-    # One row per stream (and the reference runs'), each the whole answer, the resume apart.
+    kinds = result["by_kind"]
+    # Three of each kind. The thinking streams' seam is inside the reasoning, which goes on as
+    # reasoning (the continuation's parser replayed to where the first one stood); the Responses
+    # streams' events stay numbered 0, 1, 2… across it.
+    assert all(kind["streams"] == kind["same_as_uninterrupted"] == STREAMS // 3 for kind in kinds.values())
+    assert kinds["chat thinking with tools"]["reference_reasoning_chars"] > 0
+    assert result["responses_numbered"] == STREAMS // 3
+    # One row per stream (and each reference run's), each the whole answer, the resume apart.
     usage = UsageStore(open_database(serve_app["auth"].key_store()))
     deadline = time.monotonic() + 15
     while True:
         with usage.database.connect() as db:
             rows = [dict(r) for r in db.execute("SELECT * FROM usage_records WHERE key_id = ?", (record.key_id,))]
-        if len(rows) >= STREAMS + 2 or time.monotonic() > deadline:
+        if len(rows) >= STREAMS + len(kinds) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert len(rows) == STREAMS + 2  # and the two uninterrupted references'
+    assert len(rows) == STREAMS + len(kinds)
     resumed = [r for r in rows if r["resumes"]]
     assert len(resumed) == STREAMS and {r["region"] for r in rows} == {"local"}  # billed here, once
     assert all(r["status"] == 200 and r["completion_tokens"] == MAX_TOKENS for r in resumed)

@@ -112,11 +112,11 @@ class FakeEngine:
             # vLLM's modules, imported on a thread the first time: seconds on a busy host, which
             # on the event loop the router shares here would time out the replica's socket.
             await asyncio.to_thread(fake_vllm.import_vllm)
-        if surface == "responses":
-            return await self._responses(call, wanted)
         if call.resume is not None:  # the replay makes vLLM's outputs: its modules, on a thread
             await asyncio.to_thread(fake_vllm.import_vllm)
             replay.start(call.resume.token_ids)
+        if surface == "responses":
+            return await self._responses(call, wanted)
         # As vLLM's: the prompt, then (a resume) what was generated before the seam.
         prompt = {"prompt_token_ids": [1] * self.prompt_tokens + list(call.resume.token_ids if call.resume else ())}
         outputs = self.generate(prompt, DELTA, call.request_id, max_tokens=wanted, first=before + 1)
@@ -149,14 +149,19 @@ class FakeEngine:
         if isinstance(request, Answer):
             return request
         shape_body = {**call.body, "previous_response_id": call.previous_response_id}
-        outputs = self.generate({"prompt_token_ids": [1] * self.prompt_tokens}, DELTA, call.request_id, max_tokens=wanted)
-        counts = dict(wanted=wanted, total=self.tokens, prompt_tokens=self.prompt_tokens, cached=self.cached_tokens,
-                      metrics=TIMING)
+        before = call.resume.token_ids if call.resume else ()
+        outputs = self.generate({"prompt_token_ids": [1] * self.prompt_tokens + list(before)}, DELTA, call.request_id,
+                                max_tokens=wanted, first=len(before) + 1)
+        counts = dict(wanted=wanted, total=self.tokens - len(before), prompt_tokens=self.prompt_tokens,
+                      cached=self.cached_tokens, metrics=TIMING)
         if not call.stream:
             _ = [o async for o in outputs]  # the generation the text stands for
             return fake_vllm.responses_answer(request, shape_body, f"answer {self.count}", **counts)
         events = fake_vllm.responses_events(request, outputs, **counts)
-        return Stream(Prefetched(events), engine_outputs.ResponsesOutput().watcher(shape_body))
+        watcher = engine_outputs.ResponsesOutput().watcher(shape_body)
+        if call.resume is not None:
+            watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
+        return Stream(Prefetched(events), watcher)
 
     async def _embeddings(self, body: dict[str, Any]) -> Answer:
         """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;

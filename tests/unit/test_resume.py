@@ -152,6 +152,43 @@ def test_a_messages_stream_resumes_on_another_replica_as_one_message(two_replica
     assert (row["status"], row["completion_tokens"], row["resumes"]) == (200, 12, 1)
 
 
+def _responses(app, key):
+    response = app.client.post("/v1/responses", headers=bearer(key), json={
+        "model": MODEL, "input": "count", "max_output_tokens": 12, "stream": True,
+    })
+    events = [(e.split("\n", 1)[0][len("event: "):], json.loads(e.split("data: ", 1)[1]))
+              for e in response.text.split("\n\n") if e.startswith("event: ")]
+    return response, events
+
+
+def _assert_one_whole_response(app, key, response, events):
+    """Every token once, in one response: one opening, one item under one id (the first stream's),
+    the events numbered 0, 1, 2… across the seam, one terminal event, the stored response whole."""
+    assert response.status_code == 200
+    names = [name for name, _ in events]
+    assert names.count("response.created") == names.count("response.output_item.added") == 1
+    assert names[-1] == "response.completed" and "error" not in names
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for name, e in events if name == "response.output_text.delta")
+    assert text == "".join(f"t{i} " for i in range(1, 13))
+    item_ids = {e.get("item_id") or e["item"]["id"] for _, e in events if "item_id" in e or "item" in e}
+    final = events[-1][1]["response"]
+    assert len(item_ids) == 1 and [item["id"] for item in final["output"]] == list(item_ids)
+    assert final["usage"]["output_tokens"] == 12 and final["pg_metadata"]["resumes"] == 1
+    stored = app.client.get(f"/v1/responses/{final['id']}", headers=bearer(key)).json()
+    assert stored["output"][0]["id"] in item_ids and stored["output"][0]["content"][0]["text"] == text
+
+
+def test_a_responses_stream_resumes_on_another_replica_as_one_response(two_replicas):
+    app, key, _, healthy = two_replicas
+    _assert_one_whole_response(app, key, *_responses(app, key))
+    (_, resumed), = healthy.calls
+    assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_output_tokens"] == 7
+    assert set(resumed.resume.ids) == {"item0"} and resumed.resume.received["response.output_text.delta:0:0"] == 15
+    (row,) = app.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumes"]) == (200, 12, 1)
+
+
 @pytest.fixture
 def observed(monkeypatch):
     """Each request's record as the metrics see it when it closes (``ray_serve_app_resumes_total``)."""
@@ -268,6 +305,16 @@ def test_a_messages_stream_resumes_in_a_peer_region_as_one_message_billed_once_h
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_tokens"] == 7
     (row,) = home.recorded()
     assert (row["status"], row["completion_tokens"], row["resumes"], row["resumed_in"]) == (200, 12, 1, "yvr-01")
+    assert peer.recorded() == []
+
+
+def test_a_responses_stream_resumes_in_a_peer_region_stored_and_billed_once_here(two_regions):
+    home, peer, key, healthy = two_regions
+    response, events = _responses(home, key)
+    _assert_one_whole_response(home, key, response, events)
+    assert events[-1][1]["response"]["pg_metadata"]["resumed_in"] == "yvr-01"
+    (row,) = home.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumed_in"]) == (200, 12, "yvr-01")
     assert peer.recorded() == []
 
 

@@ -129,6 +129,50 @@ def test_a_messages_continuation_sends_only_what_the_client_lacks_at_any_seam(cl
         assert _assembled(client + sent) == whole, seam_at
 
 
+def _responses_events(step, item_id):
+    """A Responses stream's events (reasoning item, message item), deltas in pieces of ``step``."""
+    events = [{"type": "response.created"}, {"type": "response.in_progress"}]
+    for index, (kind, delta_type, text) in enumerate((("reasoning", "response.reasoning_text.delta", REASONING),
+                                                       ("message", "response.output_text.delta", CONTENT))):
+        item = {"id": f"{item_id}{index}", "type": kind}
+        events.append({"type": "response.output_item.added", "output_index": index, "item": item})
+        events.append({"type": "response.content_part.added", "output_index": index, "content_index": 0,
+                       "item_id": item["id"]})
+        events += [{"type": delta_type, "output_index": index, "content_index": 0, "item_id": item["id"],
+                    "delta": text[i:i + step]} for i in range(0, len(text), step)]
+        events.append({"type": "response.output_item.done", "output_index": index, "item": {**item, "text": text}})
+    return [{**event, "sequence_number": n} for n, event in enumerate(events)]
+
+
+class _Frames:
+    """The Responses watcher's part: an event object in, its frame out."""
+
+    def pass_on(self, event):
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def test_a_responses_continuation_keeps_the_clients_ids_and_numbering_at_any_seam():
+    first, replay = _responses_events(3, "msg_first"), _responses_events(1, "msg_replay")
+    whole = _responses_events(1, "msg_first")
+    for seam_at in range(len(first) + 1):
+        frames = [_Frames().pass_on(e) for e in first[:seam_at]]
+        relayed = "".join(frames).encode()
+        cut = seam.ResponsesCut(seam.received("responses", relayed), seam.item_ids(relayed), _Frames(), lambda: False)
+        sent = [json.loads(out.split("data: ", 1)[1]) for event in replay if (out := cut.pass_on(event)) is not None]
+        got = first[:seam_at] + sent
+        assert [e["sequence_number"] for e in got] == list(range(len(got))), seam_at
+        for kind in ("response.reasoning_text.delta", "response.output_text.delta"):
+            assert "".join(e["delta"] for e in got if e["type"] == kind) == "".join(
+                e["delta"] for e in whole if e["type"] == kind), seam_at
+        assert [e["type"] for e in got if not e["type"].endswith(".delta")] == [
+            e["type"] for e in whole if not e["type"].endswith(".delta")], seam_at
+        # Items the client had keep its ids; only ones it never saw carry the continuation's.
+        for event in sent:
+            index, named = event.get("output_index"), event.get("item_id") or (event.get("item") or {}).get("id")
+            if named is not None:
+                assert named == (f"msg_first{index}" if f"item{index}" in seam.item_ids(relayed) else f"msg_replay{index}")
+
+
 def test_past_the_seam_nothing_is_cut_even_if_the_replay_fell_short(caplog):
     """The replay should always cover what the client has; if it did not, the engine's own
     output passes whole (and the log says so) rather than being swallowed."""
