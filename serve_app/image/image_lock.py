@@ -12,10 +12,15 @@ else from an index. Its inputs, ``requirements-gpu.in``, are generated here from
   ``--no-build-isolation`` from the lock alone.
 
 uv resolves them for linux x86-64 (manylinux_2_28) and CPython 3.11 without installing anything.
-``--exclude-newer`` (the timestamp in the lock's header) makes the resolution reproducible: a
-re-resolution sees PyPI as it was then, so ``--check`` fails when an input changed (a pin in
-pyproject.toml, vLLM's version) or the lock was edited, not because some transitive dependency
-published a release since. To move the lock forward, pass a later ``--exclude-newer``.
+``--exclude-newer`` (the timestamp in the lock's header) is meant to make a resolution see PyPI as
+it was then; but a registry may show a release later than it was uploaded (this project's CI
+mirror backfills, with the original upload times: uvicorn 0.55.0, uploaded 2026-11-28, appeared
+there on 2026-12-02 and moved a fresh resolution as of 2026-12-01). So ``--check`` does not
+compare a fresh resolution: it resolves the inputs *held to the committed pins* (uv's
+``--constraint``) and compares pins and hashes. It fails when an input changed (a pin in
+pyproject.toml, vLLM's version: a conflict, or a package added or gone) or a pin or hash of the
+lock was edited — not because a release was published since. Writing resolves afresh; to move the
+lock forward, pass a later ``--exclude-newer``.
 
     serve-app image-lock                                   # rewrite .in and .lock
     serve-app image-lock --exclude-newer 2027-01-15T00:00:00Z
@@ -118,23 +123,43 @@ def uv_binary() -> str:
         return found
 
 
-def resolve(inputs: str, exclude_newer: str) -> str:
-    """The lock's text for ``inputs``, resolved afresh in a scratch copy of terraform/image (the
-    committed lock is never read as a preference, so writing and checking resolve alike)."""
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", re.M)
+
+
+def pins(lock_text: str) -> list[str]:
+    """``name==version`` of every package a lock pins."""
+    return [f"{name}=={version}" for name, version in _PIN.findall(lock_text)]
+
+
+def without_comments(lock_text: str) -> str:
+    """A lock's pins and hashes only: what the image installs (uv words its ``# via`` notes
+    differently when it resolves under constraints)."""
+    return "\n".join(line for line in lock_text.splitlines() if not line.lstrip().startswith("#")) + "\n"
+
+
+def resolve(inputs: str, exclude_newer: str, constraints: list[str] | None = None) -> str:
+    """The lock's text for ``inputs``, resolved in a scratch copy of terraform/image: afresh, or
+    held to ``constraints`` (the committed lock's pins, when checking it)."""
     with tempfile.TemporaryDirectory() as scratch:
         (Path(scratch) / IMAGE_DIR).mkdir(parents=True)
         (Path(scratch) / REQUIREMENTS_IN).write_text(inputs)
+        extra = []
+        if constraints is not None:
+            (Path(scratch) / "constraints.txt").write_text("\n".join(constraints) + "\n")
+            extra = ["--constraint", "constraints.txt"]
         done = subprocess.run(
-            [uv_binary(), *compile_command(exclude_newer)], cwd=scratch, capture_output=True, text=True
+            [uv_binary(), *compile_command(exclude_newer), *extra], cwd=scratch, capture_output=True, text=True
         )
         if done.returncode != 0:
             raise LockError(f"the GPU dependency set does not resolve:\n{done.stderr.strip()}")
         return lock_header(exclude_newer) + done.stdout
 
 
-def drift(path: Path, expected: str) -> list[str]:
-    """A short unified diff between ``path`` and ``expected``; empty when they are the same."""
-    actual = path.read_text() if path.exists() else ""
+def drift(path: Path, expected: str, actual: str | None = None) -> list[str]:
+    """A short unified diff between ``path`` (or ``actual``, its text as compared) and
+    ``expected``; empty when they are the same."""
+    if actual is None:
+        actual = path.read_text() if path.exists() else ""
     if actual == expected:
         return []
     diff = difflib.unified_diff(actual.splitlines(), expected.splitlines(), str(path), "resolved", lineterm="", n=1)
@@ -158,20 +183,24 @@ def command(
         if not _TIMESTAMP.match(exclude_newer):
             raise LockError(f"--exclude-newer {exclude_newer!r}: want a UTC time like 2026-12-01T00:00:00Z")
         inputs = requirements_in(pyproject)
-        lock = resolve(inputs, exclude_newer)
+        committed = lock_path.read_text() if lock_path.exists() else ""
+        # Checking holds the resolution to the committed pins: see the module's docstring.
+        lock = resolve(inputs, exclude_newer, pins(committed) if check else None)
     except LockError as err:
         typer.echo(f"image-lock: {err}", err=True)
+        if check:
+            typer.echo(f"image-lock: the committed lock does not resolve its inputs; run `{COMMAND}`", err=True)
         raise typer.Exit(1) from None
     files = {repo / REQUIREMENTS_IN: inputs, lock_path: lock}
     if check:
-        problems = [line for path, text in files.items() for line in drift(path, text)]
+        problems = drift(repo / REQUIREMENTS_IN, inputs) + drift(
+            lock_path, without_comments(lock), actual=without_comments(committed))
         if problems:
             typer.echo("\n".join(problems), err=True)
             typer.echo(f"image-lock: the committed lock differs from its resolution; run `{COMMAND}`", err=True)
             raise typer.Exit(1)
-        typer.echo(f"image-lock: {LOCK} re-resolves unchanged (PyPI as of {exclude_newer})")
+        typer.echo(f"image-lock: {LOCK} resolves its inputs, pins and hashes unchanged (PyPI as of {exclude_newer})")
         return
     for path, text in files.items():
         path.write_text(text)
-    pins = sum(1 for line in lock.splitlines() if re.match(r"^[A-Za-z0-9]", line))
-    typer.echo(f"wrote {REQUIREMENTS_IN} and {LOCK}: {pins} packages, PyPI as of {exclude_newer}")
+    typer.echo(f"wrote {REQUIREMENTS_IN} and {LOCK}: {len(pins(lock))} packages, PyPI as of {exclude_newer}")

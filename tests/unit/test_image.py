@@ -147,7 +147,10 @@ def fake_uv(monkeypatch, tmp_path, stdout: str = "", exit_code: int = 0, stderr:
     (tmp_path / "out").write_text(stdout)
     (tmp_path / "err").write_text(stderr)
     script = tmp_path / "uv"
-    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'out'}\ncat {tmp_path / 'err'} >&2\nexit {exit_code}\n")
+    # It notes its arguments, and the constraints file it was given, if one.
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\n"
+                      f"[ -f constraints.txt ] && cp constraints.txt {tmp_path / 'constraints'}\n"
+                      f"cat {tmp_path / 'out'}\ncat {tmp_path / 'err'} >&2\nexit {exit_code}\n")
     script.chmod(0o755)
     monkeypatch.setattr(image_lock, "uv_binary", lambda: str(script))
 
@@ -165,7 +168,24 @@ def test_check_passes_when_the_resolution_is_the_committed_lock(repo, monkeypatc
     stamp = image_lock.committed_exclude_newer(LOCK_TEXT)
     fake_uv(monkeypatch, tmp_path, LOCK_TEXT.removeprefix(image_lock.lock_header(stamp)))
     assert run(repo, check=True) == 0
-    assert "re-resolves unchanged" in capsys.readouterr().out
+    assert "unchanged" in capsys.readouterr().out
+
+
+def test_check_holds_the_resolution_to_the_committed_pins_and_ignores_uvs_notes(repo, monkeypatch, tmp_path):
+    """A registry may show a release after its upload time (a backfilling mirror): exclude-newer
+    would not keep it out, so the check resolves under the committed pins (uv's --constraint),
+    and the `# via` notes uv words differently under constraints do not count."""
+    stamp = image_lock.committed_exclude_newer(LOCK_TEXT)
+    noted = LOCK_TEXT.removeprefix(image_lock.lock_header(stamp)).replace("    # via ", "    # via\n    #   -c constraints.txt\n    #   ")
+    fake_uv(monkeypatch, tmp_path, noted)
+    assert run(repo, check=True) == 0
+    assert "--constraint constraints.txt" in (tmp_path / "args").read_text()
+    assert (tmp_path / "constraints").read_text().split() == image_lock.pins(LOCK_TEXT)
+    assert len(image_lock.pins(LOCK_TEXT)) > 100 and "uvicorn==0.54.0" in image_lock.pins(LOCK_TEXT)
+    # Writing resolves afresh: no constraints.
+    (tmp_path / "constraints").unlink()
+    assert run(repo) == 0 and not (tmp_path / "constraints").exists()
+    assert "--constraint" not in (tmp_path / "args").read_text()
 
 
 def test_check_fails_on_drift_and_names_the_file(repo, monkeypatch, tmp_path, capsys):
