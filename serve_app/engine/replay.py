@@ -20,12 +20,11 @@ what this engine did: the tail as prompt (a resume's prefill), the new tokens as
 The engine request starts before the replay runs: its queue and prefill overlap the replay.
 """
 
-import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from serve_app.wire.socket import until_done
+from serve_app.engine.prefetch import Prefetched
 
 _CURRENT: contextvars.ContextVar["Replay | None"] = contextvars.ContextVar("serve_app_replay", default=None)
 
@@ -77,29 +76,18 @@ def replaying(generate: Callable[..., AsyncIterator[Any]], tokenizer: Callable[[
 async def _replayed(outputs, replay: Replay, prompt_ids: list[int], params, request_id: str, tokenizer):
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    first = asyncio.ensure_future(outputs.__anext__())  # vLLM submits the request on the first step
+    engine = Prefetched(outputs)  # vLLM submits the request on its first step: under way during the replay
     try:
         for token, text in _texts(tokenizer, prompt_ids, replay.tail, params):
             step = CompletionOutput(index=0, text=text, token_ids=[token], cumulative_logprob=None, logprobs=None)
             yield RequestOutput(request_id, None, prompt_ids, None, [step], finished=False)
-        try:
-            output = await first
-        except StopAsyncIteration:
-            return
-        finally:
-            first = None
-        output.prompt_token_ids = prompt_ids
-        yield output
-        replay.past_seam = True
-        async for output in outputs:
+        async for output in engine:
             output.prompt_token_ids = prompt_ids
             yield output
+            replay.past_seam = True  # the next output is asked for: this one's events are out
     finally:
         replay.past_seam = True
-        if first is not None:
-            first.cancel()
-            await until_done(first)
-        await outputs.aclose()  # the engine aborts an unfinished request
+        await engine.aclose()  # the engine aborts an unfinished request
 
 
 def _texts(tokenizer, prompt_ids: list[int], tail: tuple[int, ...], params):

@@ -52,7 +52,7 @@ class _OpenAIChunks:
         return json.loads(event[6:])
 
     @staticmethod
-    def frame(payload: dict[str, Any], _event: str) -> str:
+    def frame(payload: dict[str, Any]) -> str:
         return data_event(payload)
 
     @staticmethod
@@ -137,7 +137,7 @@ class _AnthropicEvents:
         return payload if isinstance(payload, dict) else None
 
     @staticmethod
-    def frame(payload: dict[str, Any], _event: str) -> str:
+    def frame(payload: dict[str, Any]) -> str:
         return named_event(payload.get("type", ""), payload)
 
     @staticmethod
@@ -210,16 +210,23 @@ class _ResponsesEvents:
         return not _take_once(channel, left)
 
 
+def _payloads(events, relayed: bytes):
+    """The JSON object of each whole event in ``relayed``, as ``events`` parses its dialect."""
+    for raw in relayed.split(EVENT_END):
+        try:
+            payload = events.parse(raw.decode("utf-8", "replace").lstrip("\n"))
+        except ValueError:
+            continue
+        if isinstance(payload, dict):
+            yield payload
+
+
 def item_ids(relayed: bytes) -> dict[str, str]:
     """The ids of a Responses stream's output items the client has (``item<i>``, and ``call<i>``
     for a function call), by output index."""
     ids: dict[str, str] = {}
-    for raw in relayed.split(EVENT_END):
-        try:
-            payload = _ResponsesEvents.parse(raw.decode("utf-8", "replace").lstrip("\n"))
-        except ValueError:
-            continue
-        if isinstance(payload, dict) and payload.get("type") == "response.output_item.added":
+    for payload in _payloads(_ResponsesEvents, relayed):
+        if payload.get("type") == "response.output_item.added":
             item, index = payload.get("item") or {}, payload.get("output_index")
             if isinstance(item.get("id"), str):
                 ids[f"item{index}"] = item["id"]
@@ -261,13 +268,8 @@ MAX_CHANNELS = 512
 def received(surface: str, relayed: bytes) -> Received:
     """What the client has of a ``surface`` stream whose bytes so far were ``relayed``."""
     events, into = _BY_SURFACE[surface], Counter()
-    for raw in relayed.split(EVENT_END):
-        try:
-            payload = events.parse(raw.decode("utf-8", "replace").lstrip("\n"))
-        except ValueError:
-            continue
-        if isinstance(payload, dict):
-            events.count(payload, into)
+    for payload in _payloads(events, relayed):
+        events.count(payload, into)
     return {channel: n for channel, n in into.items() if n > 0}
 
 
@@ -283,14 +285,22 @@ def valid_ids(value: Any) -> bool:
             and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 128 for k, v in value.items()))
 
 
+def _still_cutting(left: Counter, past_seam) -> bool:
+    """Whether the client still has something the continuation would send again. Past the seam
+    (the engine's own output is flowing) nothing is cut: if the replay fell short of what the
+    client had (it should not), the rest passes rather than being swallowed, and the log says so."""
+    if left and past_seam():
+        logger.warning("a resumed stream's replay did not cover what its client had: %s", dict(left))
+        left.clear()
+    return bool(left)
+
+
 class Cut:
     """A continuation's events on their way out of the replica: what the client has is cut out,
     then ``watcher`` (the surface's own, which reads usage, timing and the end) sees the rest.
 
     Cutting stops once the client's channels are all counted off, or once the continuation is
-    past its seam (``past_seam()``: the engine's own output is flowing) — if the replay did not
-    cover what the client has (it should always), the rest passes untouched rather than being
-    swallowed, and the replica's log says so."""
+    past its seam (``_still_cutting``)."""
 
     def __init__(self, surface: str, client_has: Received, watcher: Any, past_seam):
         self.watcher = watcher
@@ -299,17 +309,12 @@ class Cut:
         self._past_seam = past_seam
 
     def pass_on(self, event: str) -> str | None:
-        if self._left:
-            if self._past_seam():
-                logger.warning("a resumed stream's replay did not cover what its client had: %s",
-                                                dict(self._left))
-                self._left.clear()
-            else:
-                payload = self._events.parse(event)
-                if isinstance(payload, dict):
-                    if not self._events.cut(payload, self._left):
-                        return None
-                    event = self._events.frame(payload, event)
+        if _still_cutting(self._left, self._past_seam):
+            payload = self._events.parse(event)
+            if isinstance(payload, dict):
+                if not self._events.cut(payload, self._left):
+                    return None
+                event = self._events.frame(payload)
         return self.watcher.pass_on(event)
 
     def trailer(self):
@@ -335,13 +340,10 @@ class ResponsesCut:
         payload = _ResponsesEvents.parse(frame)
         if not isinstance(payload, dict):
             return frame
-        if self._left and self._past_seam():
-            logger.warning("a resumed stream's replay did not cover what its client had: %s", dict(self._left))
-            self._left.clear()
-        if self._left and not _ResponsesEvents.cut(payload, self._left):
+        if _still_cutting(self._left, self._past_seam) and not _ResponsesEvents.cut(payload, self._left):
             return None
         self._as_the_clients(payload)
-        return _ResponsesEvents.frame(payload, frame)
+        return _ResponsesEvents.frame(payload)
 
     def trailer(self):
         trailer = self.watcher.trailer()
