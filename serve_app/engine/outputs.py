@@ -66,7 +66,7 @@ class EmbeddingsOutput:
 
     def summarize(self, response: Body) -> Trailer:
         usage = response.get("usage") or {}
-        return Trailer(usage=_usage(usage.get("prompt_tokens"), 0))
+        return Trailer(usage=token_usage(usage.get("prompt_tokens"), 0))
 
     def shape(self, response: Body, body: Body) -> None:
         openai_shape.embeddings(response, body)
@@ -78,7 +78,8 @@ class EmbeddingsOutput:
 EMBEDDINGS = EmbeddingsOutput()
 
 
-def _usage(prompt: int | None, completion: int | None) -> Body | None:
+def token_usage(prompt: int | None, completion: int | None) -> Body | None:
+    """OpenAI's usage object of a prompt and completion count; None when neither is known."""
     if prompt is None and completion is None:
         return None
     prompt, completion = prompt or 0, completion or 0
@@ -105,8 +106,8 @@ class ResponsesOutput:
         usage = response.get("usage") or {}
         return Trailer(
             timing=trailer.engine_timing(response.pop("metrics", None)),
-            usage=_usage(usage.get("input_tokens"), usage.get("output_tokens")),
-            finish_reasons=(responses_finish(response),),
+            usage=token_usage(usage.get("input_tokens"), usage.get("output_tokens")),
+            finish_reasons=(_responses_finish(response),),
         )
 
     def shape(self, response: Body, body: Body) -> None:
@@ -116,7 +117,7 @@ class ResponsesOutput:
         return ResponsesStream(self, body)
 
 
-def responses_finish(response: Body) -> str:
+def _responses_finish(response: Body) -> str:
     """``completed``, or why not (``max_output_tokens``), for the request record."""
     details = response.get("incomplete_details") or {}
     return details.get("reason") or response.get("status") or "unknown"
@@ -176,7 +177,7 @@ class MessagesOutput:
         usage = response.get("usage") or {}
         return Trailer(
             timing=trailer.engine_timing(response.pop("metrics", None)),
-            usage=_usage(anthropic_prompt_tokens(usage), usage.get("output_tokens")),
+            usage=token_usage(anthropic_prompt_tokens(usage), usage.get("output_tokens")),
             finish_reasons=(response["stop_reason"],) if response.get("stop_reason") else (),
         )
 
@@ -242,7 +243,7 @@ class MessagesStream:
         code, status = self._error or (None, None)
         return Trailer(
             timing=self.timing,
-            usage=_usage(self._prompt, self._completion) if self._final else None,
+            usage=token_usage(self._prompt, self._completion) if self._final else None,
             finish_reasons=tuple(self._stop),
             complete=code != ENGINE_UNAVAILABLE,
             error_code=code,

@@ -22,7 +22,7 @@ import json
 import anyio
 import httpx
 
-from serve_app.engine.outputs import ResponsesStream, anthropic_prompt_tokens, responses_finish
+from serve_app.engine.outputs import ResponsesOutput, ResponsesStream, anthropic_prompt_tokens, token_usage
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
 from serve_app.wire.sse import EVENT_END
@@ -146,8 +146,7 @@ class PeerCall:
         if event.startswith(_MESSAGE_DELTA):
             payload = json.loads(event.split(b"data: ", 1)[1])
             usage = payload.get("usage") or {}
-            prompt, completion = anthropic_prompt_tokens(usage) or 0, usage.get("output_tokens") or 0
-            self._usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            self._usage = token_usage(anthropic_prompt_tokens(usage) or 0, usage.get("output_tokens") or 0)
             if stop := (payload.get("delta") or {}).get("stop_reason"):
                 self._finish_reasons.append(stop)
         elif event.startswith(b"event: content_block_delta"):
@@ -159,10 +158,9 @@ class PeerCall:
             payload = json.loads(event.split(b"data: ", 1)[1])
             response = dict(payload.get("response") or {})
             self._metadata = response.pop("pg_metadata", None) or {}
-            usage = response.get("usage") or {}
-            prompt, completion = usage.get("input_tokens") or 0, usage.get("output_tokens") or 0
-            self._usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-            self._finish_reasons.append(responses_finish(response))
+            summary = ResponsesOutput().summarize(dict(response))  # usage and finish, as the replica reads them
+            self._usage = summary.usage or token_usage(0, 0)
+            self._finish_reasons += summary.finish_reasons
             self._terminal, self._done = {**payload, "response": response}, True
             return False
         if event.startswith(_NAMED_ERROR):
