@@ -12,7 +12,12 @@ requests in flight (a fast path that runs before any custom policy). Dropping to
 request still runs would stop the replica and start a new one for that request, minutes of GPU
 for nothing. Routers send nothing new to an unloading model, so the wait is bounded by the longest
 running request plus the metrics' look-back window (``_draining``), and by ``drain_timeout_s`` in
-any case.
+any case. Serve 2.60 counts requests where the routers' handles send them, and a handle records a
+sample every ``look_back_period_s`` x 0.2 and pushes its samples every 10 s: the controller learns
+of a request up to ~16 s after it ran. So the last replica also stays until that lag has passed
+since the unload was asked (``_reports_pending``); a request that ended just before the unload
+would otherwise arrive after the replica stopped, and the fast path would start it again (seen in
+CI: the replica stopped one second after the unload and was back fifteen seconds later).
 
 Its settings (the policy's kwargs in the Serve config) are hashed into the model application's code
 version by Serve 2.60 (``_private/deploy_utils.py:173-177``): changing one restarts that model's
@@ -28,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ray.serve._private import constants as serve_constants
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
 from serve_app.hot_load.state import WantedRecord, read_wanted
@@ -68,7 +74,8 @@ class HotLoadPolicy:
         if ctx.total_num_requests > 0:
             self._busy_at = now
         if wanted.state == "cold":
-            if ctx.current_num_replicas > 0 and self._draining(ctx, now) and now - wanted.since < self.drain_timeout_s:
+            unloading = ctx.current_num_replicas > 0 and now - wanted.since < self.drain_timeout_s
+            if unloading and (self._draining(ctx, now) or self._reports_pending(ctx, now, wanted)):
                 return ctx.target_num_replicas, {}  # unloading: let in-flight requests finish
             return 0, {}
         if ctx.current_num_replicas == 0:  # loading (or every replica died): straight up
@@ -82,6 +89,13 @@ class HotLoadPolicy:
         that ended in it would read as one in flight: Serve's cold-start fast path would start a
         replica of the model just unloaded (seen in CI: a B200 loading 35 GB for nothing)."""
         return ctx.total_num_requests > 0 or now - self._busy_at < ctx.config.look_back_period_s
+
+    def _reports_pending(self, ctx, now: float, wanted: WantedRecord) -> bool:
+        """Handles' samples of a request that ran before the unload may still be on their way:
+        one record interval plus one push interval after it (and a second for the push's RPC)."""
+        record_s = ctx.config.look_back_period_s * serve_constants.RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR
+        lag_s = record_s + serve_constants.RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S + 1.0
+        return now - wanted.since < lag_s
 
     def _wanted_record(self, ctx) -> WantedRecord:
         now = time.monotonic()

@@ -158,6 +158,11 @@ def test_a_change_of_the_model_deployments_config_keeps_its_replicas():
     assert state.register(info(_model(health_check_period_s=3)), scaled_out) == scaled_out
 
 
+# What Serve 2.60's defaults make it: a record interval (look_back_period_s 30 x 0.2), a push
+# interval (10 s) and a second for the push.
+REPORT_LAG_S = 30 * 0.2 + 10 + 1
+
+
 def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero():
     wanted = {}
     cluster = Cluster(_model(initial_state="cold"), wanted)
@@ -168,9 +173,25 @@ def test_a_load_goes_straight_to_the_floor_and_an_unload_straight_to_zero():
     assert cluster.tick() == 1  # no upscale delay for a load
 
     cluster.running = cluster.target = 3  # busy: autoscaled out
-    wanted[("llm", "model-x")] = WantedRecord("cold", time.time(), "admin")
-    assert cluster.tick(requests=0) == 1  # Serve steps down to one first...
-    assert cluster.tick() == 0  # ...and to zero on the next tick, not after downscale_delay_s
+    asked = time.time()
+    wanted[("llm", "model-x")] = WantedRecord("cold", asked, "admin")
+    late = asked + REPORT_LAG_S + 0.1  # the handles' reports from before the unload are in
+    assert cluster.tick(requests=0, now=late) == 1  # Serve steps down to one first...
+    assert cluster.tick(now=late + 0.1) == 0  # ...and to zero on the next tick, not after downscale_delay_s
+
+
+def test_an_unload_waits_for_the_handles_reports_of_what_ran_before_it():
+    """The controller hears of a request up to a record interval plus a push interval after it
+    ran: zero replicas before then, and a report arriving late would restart the model (CI)."""
+    wanted = {("llm", "model-x"): WantedRecord("cold", 1000.0, "admin")}
+    cluster = Cluster(_model(), wanted)
+    cluster.running = cluster.target = 1
+    assert cluster.tick(requests=0, now=1001) == 1  # nothing reported yet: not yet known idle
+    assert cluster.tick(requests=0, now=1000 + REPORT_LAG_S - 0.5) == 1
+    assert cluster.tick(requests=0.2, now=1000 + REPORT_LAG_S - 0.1) == 1  # a late report: draining
+    assert cluster.tick(requests=0, now=1000 + REPORT_LAG_S + 1) == 1  # and its look-back window
+    look_back = cluster.config.look_back_period_s
+    assert cluster.tick(requests=0, now=1000 + REPORT_LAG_S + look_back) == 0
 
 
 def test_an_unload_waits_for_in_flight_requests_but_not_forever():
