@@ -197,7 +197,7 @@ def _timed(path: str, result_type, sent: Sent):
     except ValueError as err:
         raise ServeAppError(f"{path} answered with an unexpected body: {err}") from None
     if isinstance(result, types.Timed):
-        result._timing = server_timing(sent.response.headers, payload.get("pg_metadata"), trace_id=sent.trace_id)
+        result.stamp(server_timing(sent.response.headers, payload.get("pg_metadata"), trace_id=sent.trace_id))
     return result
 
 

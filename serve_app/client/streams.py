@@ -175,7 +175,7 @@ class AsyncStream(Generic[Chunk]):
         if kind in protocol.terminal:
             self.timing, self.ended, self.last = self._timing(protocol.timing_of(payload)), True, chunk
             if isinstance(getattr(chunk, "response", None), Timed):
-                chunk.response._timing = self.timing
+                chunk.response.stamp(self.timing)
         return chunk
 
     def _timing(self, metadata: dict[str, Any] | None) -> ServerTiming:

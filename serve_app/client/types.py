@@ -87,6 +87,10 @@ class Timed(_Open):
         """The server's timing, region and trace id for this response (docs/client.md)."""
         return self._timing
 
+    def stamp(self, timing: ServerTiming) -> None:
+        """The client sets it once it has the server's headers (or a stream's last event)."""
+        self._timing = timing
+
 
 class _Answer(_Open):
     """The envelope every answer and chunk has; ``object`` and ``choices`` differ per kind."""

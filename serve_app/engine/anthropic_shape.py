@@ -24,10 +24,9 @@ as they came (they already validate) after one prefix test; only the few other f
 fix are parsed and re-encoded.
 """
 
-import json
 from typing import Any
 
-from serve_app.wire.sse import named_event
+from serve_app.wire import sse
 
 Body = dict[str, Any]
 
@@ -92,7 +91,7 @@ def error_body(status: int, message: str, request_id: str | None = None) -> Body
 
 def error_event(status: int, message: str) -> str:
     """An Anthropic stream's ``error`` event, whoever noticed the failure (replica or router)."""
-    return named_event("error", error_body(status, message))
+    return sse.named_event("error", error_body(status, message))
 
 
 def _setdefault_none(obj: Body, keys: tuple[str, ...]) -> None:
@@ -172,27 +171,23 @@ _STREAM_FIXES = {
     "error": _error,
 }
 _DELTA_FRAME = "event: content_block_delta\n"
-_EVENT = "event: "
-_DATA = "\ndata: "
 
 
-def stream_event(sse: str, request: Body) -> str:
+def stream_event(frame: str, request: Body) -> str:
     """One SSE frame of vLLM's Anthropic stream, schema-exact. ``content_block_delta`` (one per
     token), ``content_block_stop``, ``message_stop`` and ``ping`` come back as the same string;
     a frame that does not look like ``event: <name>\\ndata: <json>`` too."""
-    if sse.startswith(_DELTA_FRAME):
-        return sse
-    if not sse.startswith(_EVENT):
-        return sse
-    name, sep, data = sse[len(_EVENT) :].partition(_DATA)
+    if frame.startswith(_DELTA_FRAME):
+        return frame
+    name = sse.name_of(frame)
     fix = _STREAM_FIXES.get(name)
-    if fix is None or not sep:
-        return sse
+    if fix is None:
+        return frame
     try:
-        payload = json.loads(data)
+        payload = sse.json_of(frame)
     except ValueError:
-        return sse
+        return frame
     if not isinstance(payload, dict):
-        return sse
+        return frame
     fix(payload, request)
-    return named_event(name, payload)
+    return sse.named_event(name, payload)

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from serve_app.engine import anthropic_shape, openai_shape, responses_shape, trailer
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Trailer
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire import sse
 
 logger = module_logger(__name__)
 
@@ -216,11 +217,11 @@ class MessagesStream:
         if event.startswith("event: content_block_delta"):
             return event  # per token: untouched, unparsed
         if event.startswith(_MESSAGE_STOP):
-            self.terminal = json.loads(event[event.find("data: ") + 6:])
+            self.terminal = sse.json_of(event)
             return None
-        name = event[len("event: "):event.find("\n")]
+        name = sse.name_of(event)
         if name in ("message_start", "message_delta"):
-            data = json.loads(event[event.find("data: ") + 6:])
+            data = sse.json_of(event)
             usage = (data.get("message") or data).get("usage") or {}
             if (prompt := anthropic_prompt_tokens(usage)) is not None:
                 self._prompt = prompt
@@ -265,7 +266,7 @@ async def peek_chat_metrics(chat_events, into: MessagesStream):
             into.chat_error = (status, message)
         elif '"metrics":' in event and '"usage":' in event:
             try:
-                into.timing = trailer.engine_timing(json.loads(event[5:]).get("metrics"))
+                into.timing = trailer.engine_timing(sse.json_of(event).get("metrics"))
             except ValueError:
                 pass
         yield event

@@ -39,7 +39,7 @@ token).
 import time
 from typing import Any
 
-from serve_app.wire.sse import named_event
+from serve_app.wire.sse import named_event, named_frame
 
 Body = dict[str, Any]
 
@@ -293,7 +293,7 @@ def delta_sse(event: Any) -> str:
     data = event.model_dump_json(by_alias=True)
     if event.type == "response.output_text.delta" and '"logprobs":null' in data:
         data = data.replace('"logprobs":null', '"logprobs":[]', 1)
-    return f"event: {event.type}\ndata: {data}\n\n"
+    return named_frame(event.type, data)
 
 
 def sse(event: Body) -> str:

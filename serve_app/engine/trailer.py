@@ -12,17 +12,16 @@ prefill = first token − scheduled (vLLM calls it ``time_to_first_token_ms``), 
 − first token. No clock is mixed with another.
 """
 
-import json
 from typing import Any
 
 from serve_app.errors import error_body
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire import sse
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Trailer
-from serve_app.wire.sse import data_event
 
 logger = module_logger(__name__)
 
-VLLM_DONE = "data: [DONE]"  # vLLM's end of a stream: dropped here, the router ends it (surfaces/dialects.py)
+VLLM_DONE = sse.DONE.rstrip()  # vLLM's end of a stream: dropped here, the router ends it (surfaces/dialects.py)
 ERROR_PREFIX = 'data: {"error"'
 # vLLM-only chunk fields it writes as null when nobody asked for them (`token_ids` on every chat
 # chunk, `stop_reason`, `prompt_token_ids`, `prompt_text`): not in the OpenAI schema, and a null
@@ -56,7 +55,7 @@ def vllm_stream_error(event: str) -> tuple[int, dict[str, Any]]:
     """The HTTP status and error object of vLLM's mid-stream error event (``data: {"error": …}``,
     ``code`` being the status); 500 and no detail when it cannot be read."""
     try:
-        error = json.loads(event[5:])["error"]
+        error = sse.json_of(event)["error"]
         return int(error.get("code") or 500), error
     except (ValueError, KeyError, TypeError):
         return 500, {}
@@ -79,11 +78,11 @@ _PROMPT_TOKEN_IDS = '"prompt_token_ids":['
 
 
 def _without_prompt_token_ids(event: str) -> str:
-    payload = json.loads(event[5:])
+    payload = sse.json_of(event)
     payload.pop("prompt_token_ids", None)
     for choice in payload.get("choices") or ():
         choice.pop("prompt_token_ids", None)
-    return data_event(payload)
+    return sse.data_event(payload)
 
 
 def _without_vllm_nulls(event: str) -> str:
@@ -116,12 +115,12 @@ class StreamTrailer:
             return self._our_error(event)
         # Cheap substring tests first: most events are plain token deltas, parsed by nobody.
         if '"finish_reason":"' in event:
-            self.finish_reasons += _finish_reasons(json.loads(event[5:]).get("choices") or [])
+            self.finish_reasons += _finish_reasons(sse.json_of(event).get("choices") or [])
         if '"choices":[]' in event and '"usage":' in event:
-            payload = json.loads(event[5:])
+            payload = sse.json_of(event)
             self.usage = payload.get("usage")
             self.timing = engine_timing(payload.pop("metrics", None))
-            return data_event(payload) if self.client_wants_usage else None
+            return sse.data_event(payload) if self.client_wants_usage else None
         if not self.token_ids_asked and _PROMPT_TOKEN_IDS in event:
             event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
         return _without_vllm_nulls(event)
@@ -139,7 +138,7 @@ class StreamTrailer:
             return None
         self.error_code, self.error_status = "invalid_request", status
         body = error_body(status, str(error.get("message") or "invalid request"), param=error.get("param"))
-        return data_event(body)
+        return sse.data_event(body)
 
     def trailer(self) -> Trailer:
         return Trailer(

@@ -1,9 +1,10 @@
 """The router deployment: the FastAPI ingress every request enters through, and its routes.
 
 Each route hands its request to the pipeline (``pipeline.py``: every surface that runs on a model
-replica, ``serve_app/surfaces``) or to ``operations.py`` (health, models, hot-load, key admin,
-usage, stored responses, tokens), with the replica's ``Services`` (``services.py``). The router
-never imports vLLM.
+replica) or to ``operations.py`` (health, models, hot-load, key admin, usage, stored responses,
+tokens), with the replica's ``Services`` (``services.py``). The surfaces' routes are made from
+their rows (``serve_app/surfaces``, ``_with_surface_routes``): a new surface needs no route
+written here. The router never imports vLLM.
 """
 
 from typing import Any
@@ -71,8 +72,26 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(500, "internal error; it has been logged"), status_code=500)
 
 
+def _with_surface_routes(cls: type) -> type:
+    """One POST route per surface, made from its row: its request goes through the pipeline with
+    the row. Serve's ingress binds a route to the class by its endpoint's ``__qualname__``."""
+    for surface in surfaces.SURFACES:
+        route = _surface_route(surface)
+        route.__name__, route.__qualname__ = surface.name, f"{cls.__qualname__}.{surface.name}"
+        setattr(cls, surface.name, app.post(surface.route, name=surface.name)(route))
+    return cls
+
+
+def _surface_route(surface: surfaces.Surface):
+    async def route(self, request: Request):
+        return await pipeline.run(self.services, request, surface)
+
+    return route
+
+
 @serve.deployment
 @serve.ingress(app)
+@_with_surface_routes
 class Router:
     """The region's settings reach a replica in two parts (serve_app/regions/layout.py): what it
     reads once, when it starts (its application's args: ``startup``), and the rest as its
@@ -152,42 +171,6 @@ class Router:
     async def issue_token(self, request: Request) -> dict[str, Any]:
         return await operations.issue_token(self.services, request)
 
-    # --- inference: the surfaces ---------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.CHAT)
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.COMPLETIONS)
-
-    @app.post("/v1/responses")
-    async def create_response(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.RESPONSES)
-
-    # Anthropic's API: its x-api-key header is a credential here, and errors come in its shape.
-    @app.post("/v1/messages")
-    async def messages(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.MESSAGES)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.COUNT_TOKENS)
-
-    # Served by an embedding model (its catalog task), on vLLM's pooling runner.
-    @app.post("/v1/embeddings")
-    async def embeddings(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.EMBEDDINGS)
-
-    # vLLM's own spellings (it serves no /v1/ ones); answered by the replica's tokenizer.
-    @app.post("/tokenize")
-    async def tokenize(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.TOKENIZE)
-
-    @app.post("/detokenize")
-    async def detokenize(self, request: Request):
-        return await pipeline.run(self.services, request, surfaces.DETOKENIZE)
-
     # --- models and hot-load ----------------------------------------------------------------------
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:
@@ -232,3 +215,4 @@ class Router:
     @app.post("/v1/admin/keys/{key_id}/revoke")
     async def admin_revoke_key(self, key_id: str, request: Request) -> dict[str, Any]:
         return await operations.revoke_key(self.services, key_id, request)
+

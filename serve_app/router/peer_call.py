@@ -17,7 +17,6 @@ response; this router sends it again with its own timing, and stores that respon
 """
 
 import asyncio
-import json
 
 import anyio
 import httpx
@@ -25,12 +24,13 @@ import httpx
 from serve_app.engine.outputs import ResponsesOutput, ResponsesStream, anthropic_prompt_tokens, token_usage
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
+from serve_app.wire import sse
 from serve_app.wire.sse import EVENT_END
 
 logger = module_logger(__name__)
 
 PEER_STREAM_FAILED = "peer_stream_failed"
-_DONE = b"data: [DONE]"
+_DONE = sse.DONE_BYTES.rstrip()
 _ERROR = b'data: {"error"'
 _METADATA = b"event: pg_metadata"
 _MESSAGE_DELTA = b"event: message_delta\n"
@@ -116,16 +116,16 @@ class PeerCall:
             self._done = True
             return False
         if event.startswith(_METADATA):
-            payload = json.loads(event.split(b"data: ", 1)[1])
+            payload = sse.json_of(event)
             self._usage, self._metadata = payload.get("usage"), payload.get("pg_metadata") or {}
             return False
         if event.startswith(_ERROR):
-            error = json.loads(event[6:]).get("error") or {}
+            error = sse.json_of(event).get("error") or {}
             self._error = error.get("code") or ENGINE_UNAVAILABLE
             logger.warning("the resumed stream from %s ended with %s", self.region, self._error)
             return False
         if b'"finish_reason":"' in event:
-            for choice in json.loads(event[6:]).get("choices") or ():
+            for choice in sse.json_of(event).get("choices") or ():
                 if choice.get("finish_reason"):
                     self._finish_reasons.append(choice["finish_reason"])
         self._relayed += 1
@@ -133,18 +133,18 @@ class PeerCall:
 
     def _passes_anthropic(self, event: bytes) -> bool:
         if event.startswith(_MESSAGE_STOP):
-            payload = json.loads(event.split(b"data: ", 1)[1])
+            payload = sse.json_of(event)
             self._metadata = payload.pop("pg_metadata", None) or {}
             self._terminal, self._done = payload, True
             return False
         if event.startswith(_NAMED_ERROR):
-            error = json.loads(event.split(b"data: ", 1)[1]).get("error") or {}
+            error = sse.json_of(event).get("error") or {}
             # Anthropic's errors carry a type, not our code: overloaded is our engine_unavailable.
             self._error = ENGINE_UNAVAILABLE if error.get("type") == "overloaded_error" else PEER_STREAM_FAILED
             logger.warning("the resumed stream from %s ended with %s", self.region, error.get("type"))
             return False
         if event.startswith(_MESSAGE_DELTA):
-            payload = json.loads(event.split(b"data: ", 1)[1])
+            payload = sse.json_of(event)
             usage = payload.get("usage") or {}
             self._usage = token_usage(anthropic_prompt_tokens(usage) or 0, usage.get("output_tokens") or 0)
             if stop := (payload.get("delta") or {}).get("stop_reason"):
@@ -155,7 +155,7 @@ class PeerCall:
 
     def _passes_responses(self, event: bytes) -> bool:
         if event.startswith(_RESPONSES_TERMINAL):
-            payload = json.loads(event.split(b"data: ", 1)[1])
+            payload = sse.json_of(event)
             response = dict(payload.get("response") or {})
             self._metadata = response.pop("pg_metadata", None) or {}
             summary = ResponsesOutput().summarize(dict(response))  # usage and finish, as the replica reads them
@@ -164,7 +164,7 @@ class PeerCall:
             self._terminal, self._done = {**payload, "response": response}, True
             return False
         if event.startswith(_NAMED_ERROR):
-            error = json.loads(event.split(b"data: ", 1)[1])
+            error = sse.json_of(event)
             self._error = error.get("code") or PEER_STREAM_FAILED
             logger.warning("the resumed stream from %s ended with %s", self.region, self._error)
             return False

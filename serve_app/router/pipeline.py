@@ -264,5 +264,5 @@ def _as_the_client_set_it(ctx: Context) -> dict:
         body = {**body, "input": ctx.client_input, "previous_response_id": ctx.previous_response_id}
     if not ctx.price.limit_set_by_router:
         return body
-    field = pricing.ROUTES[ctx.surface.name].field
+    field = ctx.surface.limit.field
     return {key: value for key, value in body.items() if key != field}

@@ -49,12 +49,9 @@ from typing import Any
 
 from serve_app.errors import APIError
 from serve_app.router.embeddings_schema import token_ids_in
-from serve_app.surfaces import BY_NAME
+from serve_app.surfaces import BY_NAME, Limit
 
 CHARS_PER_TOKEN = 4
-# /v1/completions without max_tokens: OpenAI's documented default, and vLLM's
-# (CompletionRequest.max_tokens = 16). Kept, so the route means what clients expect of it.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -77,25 +74,6 @@ class Price:
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class _Route:
-    field: str  # the limit field the engine obeys, and the one the router writes
-    also_read: str | None = None  # chat's deprecated max_tokens: read when `field` is unset
-    default_cap: int | None = None  # the route's own default limit, below the model's
-
-    @property
-    def ignored(self) -> tuple[str, ...]:
-        return tuple(f for f in LIMIT_FIELDS if f not in (self.field, self.also_read))
-
-
-ROUTES = {
-    "chat": _Route("max_completion_tokens", also_read="max_tokens"),
-    "completions": _Route("max_tokens", default_cap=COMPLETIONS_DEFAULT_MAX_TOKENS),
-    "responses": _Route("max_output_tokens"),
-    "messages": _Route("max_tokens"),
-}
 
 
 def estimate_prompt_tokens(body_bytes: int) -> int:
@@ -123,7 +101,7 @@ def price(
         elif method == "detokenize":  # its tokens are the ids it sends: exact
             prompt = max(prompt, token_ids_in(body.get("tokens")))
         return Price(prompt, 0, 0)
-    route = ROUTES[method]
+    route = BY_NAME[method].limit
     if method in ("chat", "completions"):  # the only requests vLLM runs beam search for
         _refuse_beam_search(body)
     limit = _limit(route, method, body, context_len)
@@ -141,9 +119,14 @@ def price(
     return Price(prompt, sequences, max(1, limit), set_by_router)
 
 
-def _limit(route: _Route, method: str, body: dict[str, Any], context_len: int) -> int | None:
+def ignored_limit_fields(route: Limit) -> tuple[str, ...]:
+    """The limit fields the surface's vLLM request model would silently ignore."""
+    return tuple(f for f in LIMIT_FIELDS if f not in (route.field, route.also_read))
+
+
+def _limit(route: Limit, method: str, body: dict[str, Any], context_len: int) -> int | None:
     """The limit the request set, in the field the engine obeys; None when it set none."""
-    for field in route.ignored:
+    for field in ignored_limit_fields(route):
         if body.get(field) is not None:
             raise APIError(
                 400,

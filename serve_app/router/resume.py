@@ -136,7 +136,7 @@ class Resumer:
         ctx = self.ctx
         if broken.error_code != ENGINE_UNAVAILABLE:
             return False
-        field = pricing.ROUTES[ctx.surface.name].field if self.left > 0 else None
+        field = ctx.surface.limit.field if self.left > 0 else None
         remaining = ctx.body[field] - len(broken.token_ids) if field else 0
         # None: the replica could not say what was generated (it vanished); () is none yet: the
         # continuation is the whole answer, which the client has not seen a token of.

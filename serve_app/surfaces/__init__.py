@@ -12,8 +12,10 @@ operation name) all read it here:
 - ``task``: what the model must do to serve it (``catalog.CatalogModel.task``, vLLM's task
   names): ``generate`` or ``embed``; None: any model (tokenizing). A model of another task is a
   400 naming ``model``;
-- ``generates``: it runs the engine's generation: priced as prompt plus the completion limit
-  (``router/pricing.py``); else priced by its prompt alone;
+- ``limit``: for a surface that generates, the completion limit its vLLM request model obeys
+  (``Limit``): the one field the router prices, writes and refuses the others for
+  (``router/pricing.py``); ``generates`` is whether it has one. A surface without one is priced
+  by its prompt alone;
 - ``billed``: the engine computes for it (generation, or embeddings), for the caller: its price
   is held against the key's token budget, its usage recorded in the ledger, with the tier's
   priority and the owner's prefix-cache salt, and a non-stream request is under way on the
@@ -28,8 +30,8 @@ operation name) all read it here:
 - ``counts``: a counting surface's answer field that holds the tokens the engine counted: what
   its price estimated from size is reconciled with (the key's rate limit is charged the rest).
 
-Adding a surface is its row here, its body model, its vLLM call (``engine/vllm_engine.py``) and
-its route (``router/ingress.py``).
+Adding a surface is its row here, its body model and its vLLM call (``engine/vllm_engine.py``):
+the router's route is made from the row (``router/ingress.py``).
 """
 
 from dataclasses import dataclass
@@ -44,6 +46,21 @@ from serve_app.surfaces import dialects
 from serve_app.surfaces.dialects import Dialect
 
 
+# /v1/completions without max_tokens: OpenAI's documented default, and vLLM's
+# (CompletionRequest.max_tokens = 16). Kept, so the route means what clients expect of it.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The completion limit a generating surface's vLLM request model obeys (vLLM 0.32;
+    ``tests/unit/test_pricing.py`` checks each against vLLM's own models)."""
+
+    field: str  # the field the engine obeys, and the one the router writes
+    also_read: str | None = None  # chat's deprecated max_tokens: read when ``field`` is unset
+    default_cap: int | None = None  # the route's own default limit, below the model's
+
+
 @dataclass(frozen=True)
 class Surface:
     name: str
@@ -52,39 +69,50 @@ class Surface:
     dialect: Dialect
     operation: str
     task: str | None = "generate"
-    generates: bool = True
+    limit: Limit | None = None
     billed: bool = True
     stores: bool = False
     streams: bool = True
     chunk_object: str = "chat.completion.chunk"
     counts: str | None = None
 
+    @property
+    def generates(self) -> bool:
+        return self.limit is not None
+
     def __str__(self) -> str:
         return self.name
 
 
-CHAT = Surface("chat", "/v1/chat/completions", ChatCompletionBody, dialects.OPENAI, "chat")
-COMPLETIONS = Surface(
-    "completions", "/v1/completions", CompletionBody, dialects.OPENAI, "text_completion", chunk_object="text_completion"
+CHAT = Surface(
+    "chat", "/v1/chat/completions", ChatCompletionBody, dialects.OPENAI, "chat",
+    limit=Limit("max_completion_tokens", also_read="max_tokens"),
 )
-RESPONSES = Surface("responses", "/v1/responses", ResponsesBody, dialects.RESPONSES, "chat", stores=True)
-MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat")
+COMPLETIONS = Surface(
+    "completions", "/v1/completions", CompletionBody, dialects.OPENAI, "text_completion",
+    limit=Limit("max_tokens", default_cap=COMPLETIONS_DEFAULT_MAX_TOKENS), chunk_object="text_completion",
+)
+RESPONSES = Surface(
+    "responses", "/v1/responses", ResponsesBody, dialects.RESPONSES, "chat", limit=Limit("max_output_tokens"),
+    stores=True,
+)
+MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat", limit=Limit("max_tokens"))
 COUNT_TOKENS = Surface(
     "count_tokens", "/v1/messages/count_tokens", CountTokensBody, dialects.ANTHROPIC, "count_tokens",
-    generates=False, billed=False, streams=False, counts="input_tokens",
+    billed=False, streams=False, counts="input_tokens",
 )
 # Embeddings generate nothing, but the engine computes them: billed by their input tokens.
 EMBEDDINGS = Surface(
     "embeddings", "/v1/embeddings", EmbeddingsBody, dialects.OPENAI, "embeddings", task="embed",
-    generates=False, streams=False,
+    streams=False,
 )
 TOKENIZE = Surface(
-    "tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", task=None, generates=False, billed=False,
-    streams=False, counts="count",
+    "tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", task=None, billed=False, streams=False,
+    counts="count",
 )
 DETOKENIZE = Surface(
-    "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", task=None, generates=False,
-    billed=False, streams=False,
+    "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", task=None, billed=False,
+    streams=False,
 )
 
 SURFACES: tuple[Surface, ...] = (

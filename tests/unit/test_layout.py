@@ -71,8 +71,13 @@ def test_every_surface_is_one_row_with_its_route_replica_method_and_vllm_handler
     from serve_app.engine.vllm_engine import HANDLERS
     from serve_app.router import ingress
 
-    routes = {route.path for route in ingress.app.routes}
+    surface_routes = {route.path: route for route in ingress.app.routes if route.name in surfaces.BY_NAME}
+    assert {path: route.name for path, route in surface_routes.items()} == {
+        surface.route: surface.name for surface in surfaces.SURFACES
+    }  # made from the rows, one each, and none written beside them
     for surface in surfaces.SURFACES:
-        assert surface.route in routes, surface
+        assert surface_routes[surface.route].methods == {"POST"}, surface
         assert callable(getattr(ModelServer.func_or_class, surface.name)), surface
     assert set(HANDLERS) == set(surfaces.BY_NAME)
+    # The limit a generating surface's engine obeys is in its row, nowhere else.
+    assert {s.name for s in surfaces.SURFACES if s.generates} == {"chat", "completions", "responses", "messages"}

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from serve_app import surfaces
 from serve_app.errors import APIError
 from serve_app.router import pricing
 from serve_app.router.pricing import Price, price
@@ -125,7 +126,7 @@ def test_the_price_is_the_limit_and_the_sequences_vllm_runs_the_normalised_body_
 @pytest.mark.parametrize("method, body", AGREEING)
 def test_the_normalised_body_carries_exactly_one_limit_field(method, body):
     priced(method, body)
-    assert [f for f in pricing.LIMIT_FIELDS if f in body] == [pricing.ROUTES[method].field]
+    assert [f for f in pricing.LIMIT_FIELDS if f in body] == [surfaces.BY_NAME[method].limit.field]
 
 
 def test_a_request_without_a_limit_gets_the_default_or_the_context_left_and_says_so():
@@ -147,7 +148,7 @@ def test_a_request_without_a_limit_gets_the_default_or_the_context_left_and_says
 
 
 def test_the_completions_default_is_vllms_own():
-    assert pricing.COMPLETIONS_DEFAULT_MAX_TOKENS == CompletionRequest.model_fields["max_tokens"].default
+    assert surfaces.COMPLETIONS_DEFAULT_MAX_TOKENS == CompletionRequest.model_fields["max_tokens"].default
 
 
 def test_a_default_below_the_route_default_wins():
@@ -199,7 +200,7 @@ def test_vllm_ignores_the_limit_fields_the_router_refuses(method, body, field):
 def test_a_limit_field_the_route_ignores_is_a_400_naming_it(method, body, field):
     refused = refusal(method, body)
     assert refused.param == field and refused.code == "unsupported_limit_field"
-    assert pricing.ROUTES[method].field in refused.message
+    assert surfaces.BY_NAME[method].limit.field in refused.message
 
 
 def test_a_null_limit_field_is_no_limit_at_all():
