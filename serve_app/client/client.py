@@ -17,7 +17,6 @@ count_tokens), in ``resources.py`` (docs/client.md).
 """
 
 import os
-import weakref
 from typing import Any
 from urllib.parse import quote
 
@@ -26,10 +25,9 @@ import httpx
 from serve_app.client import resources
 from serve_app.client.auth import DEFAULT_REFRESH_MARGIN_S, Auth
 from serve_app.client.embeddings import AsyncEmbeddings
-from serve_app.client.errors import ServeAppError
-from serve_app.client.streams import CHAT, AsyncStream, Protocol
-from serve_app.client.timing import new_traceparent, server_timing, trace_id_of
-from serve_app.client.transport import DEFAULT_TIMEOUT, RetryPolicy, Sent, Transport, json_object
+from serve_app.client.calls import Calls
+from serve_app.client.streams import AsyncStream
+from serve_app.client.transport import DEFAULT_TIMEOUT, RetryPolicy, Transport, json_object
 from serve_app.client import types
 
 API_KEY_ENV, BASE_URL_ENV = "SERVE_APP_API_KEY", "SERVE_APP_BASE_URL"
@@ -46,16 +44,6 @@ def _base_urls(base_url: str | None, base_urls: list[str] | None) -> list[str]:
         return [base_url]
     from_env = [u for u in os.environ.get(BASE_URL_ENV, "").split(",") if u.strip()]
     return from_env or [DEFAULT_BASE_URL]
-
-
-def _body(request: dict[str, Any] | None, params: dict[str, Any], *, stream: bool) -> dict[str, Any]:
-    body = {**(request or {}), **params}
-    if body.pop("stream", stream) != stream:
-        raise ValueError(f"this method {'streams' if stream else 'does not stream'}; use the "
-                         f"{'non-' if stream else ''}stream method instead")
-    if stream:
-        body["stream"] = True
-    return body
 
 
 class AsyncClient:
@@ -88,10 +76,10 @@ class AsyncClient:
             trace_sample_ratio=trace_sample_ratio,
             http_transport=http_transport,
         )
-        self._streams: "weakref.WeakSet[AsyncStream[Any]]" = weakref.WeakSet()
-        self.responses = resources.Responses(self)
-        self.messages = resources.Messages(self)
-        self.embeddings = AsyncEmbeddings(self)
+        self._calls = Calls(self._transport)
+        self.responses = resources.Responses(self._calls)
+        self.messages = resources.Messages(self._calls)
+        self.embeddings = AsyncEmbeddings(self._calls)
 
     @classmethod
     async def create(cls, api_key: str | None = None, **options: Any) -> "AsyncClient":
@@ -124,18 +112,18 @@ class AsyncClient:
 
     # --- the API -------------------------------------------------------------------------------
     async def chat_completion(self, request: dict[str, Any] | None = None, /, **params: Any) -> types.ChatCompletion:
-        return await self._create(CHAT_PATH, types.ChatCompletion, request, params)
+        return await self._calls.create(CHAT_PATH, types.ChatCompletion, request, params)
 
     def chat_completion_stream(
         self, request: dict[str, Any] | None = None, /, **params: Any
     ) -> AsyncStream[types.ChatCompletionChunk]:
-        return self._stream(CHAT_PATH, types.ChatCompletionChunk, request, params)
+        return self._calls.stream(CHAT_PATH, types.ChatCompletionChunk, request, params)
 
     async def completion(self, request: dict[str, Any] | None = None, /, **params: Any) -> types.Completion:
-        return await self._create(COMPLETIONS_PATH, types.Completion, request, params)
+        return await self._calls.create(COMPLETIONS_PATH, types.Completion, request, params)
 
     def completion_stream(self, request: dict[str, Any] | None = None, /, **params: Any) -> AsyncStream[types.CompletionChunk]:
-        return self._stream(COMPLETIONS_PATH, types.CompletionChunk, request, params)
+        return self._calls.stream(COMPLETIONS_PATH, types.CompletionChunk, request, params)
 
     async def models(self, *, timeout: httpx.Timeout | float | None = None) -> types.ModelList:
         """The models this region serves that the caller may use, with their hot-load state."""
@@ -149,8 +137,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Close open streams and the connection pool."""
-        for stream in list(self._streams):
-            await stream.aclose()
+        await self._calls.close_streams()
         await self._transport.aclose()
 
     async def __aenter__(self) -> "AsyncClient":
@@ -158,55 +145,6 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    # --- plumbing ------------------------------------------------------------------------------
-    def _send(self, path: str, body: dict[str, Any], options: dict[str, Any], *, stream: bool):
-        traceparent = options["traceparent"]
-        return self._transport.send(
-            "POST", path, body=body, stream=stream, traceparent=traceparent,
-            timeout=options.get("timeout"), extra_headers=options.get("extra_headers"),
-        )
-
-    async def _create(self, path: str, result_type, request, params):
-        options = _options(params, self._transport.trace_sample_ratio)
-        sent: Sent = await self._send(path, _body(request, params, stream=False), options, stream=False)
-        return _timed(path, result_type, sent)
-
-    async def _get(self, method: str, path: str, result_type, *, timeout: httpx.Timeout | float | None = None):
-        """A bodiless call (``GET``, ``DELETE``), retried and failed over like the others."""
-        sent = await self._transport.send(method, path, timeout=timeout)
-        return _timed(path, result_type, sent)
-
-    def _stream(self, path: str, chunk_type, request, params, protocol: Protocol = CHAT) -> AsyncStream[Any]:
-        options = _options(params, self._transport.trace_sample_ratio)
-        body = _body(request, params, stream=True)
-        stream: AsyncStream[Any] = AsyncStream(
-            lambda: self._send(path, body, options, stream=True), chunk_type, trace_id_of(options["traceparent"]),
-            protocol,
-        )
-        self._streams.add(stream)
-        return stream
-
-
-def _timed(path: str, result_type, sent: Sent):
-    """The typed body of a JSON answer, with the server's timing (``pg_metadata`` and
-    ``Server-Timing``) as ``.timing`` where the type has one."""
-    payload = json_object(sent.response)
-    try:
-        result = result_type.model_validate(payload)
-    except ValueError as err:
-        raise ServeAppError(f"{path} answered with an unexpected body: {err}") from None
-    if isinstance(result, types.Timed):
-        result.stamp(server_timing(sent.response.headers, payload.get("pg_metadata"), trace_id=sent.trace_id))
-    return result
-
-
-def _options(params: dict[str, Any], sample_ratio: float) -> dict[str, Any]:
-    """Take the client's own keywords out of ``params`` (the rest is the request body)."""
-    options = {name: params.pop(name) for name in ("timeout", "traceparent", "extra_headers") if name in params}
-    options["traceparent"] = options.get("traceparent") or new_traceparent(sample_ratio)
-    trace_id_of(options["traceparent"])  # a malformed traceparent fails here, before anything is sent
-    return options
 
 
 # The model card's name for it: ``client = await PolarGrid.create(api_key="pg_...")``.

@@ -7,31 +7,29 @@ As the openai SDK does, a call that names no ``encoding_format`` asks the server
 float32 vector in ~5.3 bytes a dimension instead of ~20 as JSON text) and hands back floats: the
 caller sees ``list[float]`` either way. ``encoding_format="base64"`` returns the server's strings
 as they came; ``"float"`` asks for JSON numbers. The request, retries, failover and timing are the
-client's own (``AsyncClient._create``: a 503 moves to the next region, a 429 waits its
+client's own (``Calls.create``, ``calls.py``: a 503 moves to the next region, a 429 waits its
 ``Retry-After``), and ``reply.timing`` carries the server's (docs/client.md).
 """
 
 import base64
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serve_app.client import types
-
-if TYPE_CHECKING:
-    from serve_app.client.client import AsyncClient
+from serve_app.client.calls import Calls
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 
 
 class AsyncEmbeddings:
-    def __init__(self, client: "AsyncClient"):
-        self._client = client
+    def __init__(self, calls: Calls):
+        self._calls = calls
 
     async def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> types.CreateEmbeddingResponse:
         decode = "encoding_format" not in {**(request or {}), **params}
         if decode:
             params["encoding_format"] = "base64"
-        reply = await self._client._create(EMBEDDINGS_PATH, types.CreateEmbeddingResponse, request, params)
+        reply = await self._calls.create(EMBEDDINGS_PATH, types.CreateEmbeddingResponse, request, params)
         if decode:
             for item in reply.data:
                 item.embedding = floats(item.embedding)

@@ -166,7 +166,7 @@ class Client:
             raise
         self.responses = Responses(self._client.responses, self._loop)
         self.messages = Messages(self._client.messages, self._loop)
-        self.embeddings = Embeddings(self)
+        self.embeddings = Embeddings(self._client.embeddings, self._loop)
 
     def __repr__(self) -> str:
         return repr(self._client).replace("AsyncClient", "Client", 1)
@@ -206,14 +206,11 @@ class Client:
         self.close()
 
 
-class Embeddings:
+class Embeddings(_SyncGroup):
     """``client.embeddings.create(...)``, as ``AsyncClient.embeddings``."""
 
-    def __init__(self, client: Client):
-        self._client = client
-
     def create(self, request: dict[str, Any] | None = None, /, **params: Any) -> CreateEmbeddingResponse:
-        return self._client._loop.run(self._client._client.embeddings.create(request, **params))
+        return self._loop.run(self._group.create(request, **params))
 
 
 async def _on_loop(make_stream: Any, *args: Any, **kwargs: Any) -> AsyncStream[Any]:
