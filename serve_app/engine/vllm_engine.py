@@ -120,7 +120,7 @@ class VLLMEngine:
         return await HANDLERS[surface](self, call)
 
     # --- one per surface (HANDLERS) ---------------------------------------------------------------
-    async def _chat(self, call: Call) -> Answer | Stream:
+    async def on_chat(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         body = _engine_body(call)
@@ -128,7 +128,7 @@ class VLLMEngine:
         create = self._chat_serving.create_chat_completion
         return await self._run(ChatCompletionRequest, create, body, outputs.CHAT, watcher=self._watcher("chat", outputs.CHAT, body, call))
 
-    async def _completions(self, call: Call) -> Answer | Stream:
+    async def on_completions(self, call: Call) -> Answer | Stream:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         body, create = _engine_body(call), self._completion.create_completion
@@ -139,7 +139,7 @@ class VLLMEngine:
         """A chat or completions stream's watcher (``_resumed`` cuts a continuation's seam)."""
         return _resumed(surface, output.watcher(body), call) if body.get("stream") else None
 
-    async def _responses(self, call: Call) -> Answer | Stream:
+    async def on_responses(self, call: Call) -> Answer | Stream:
         """``POST /v1/responses``, stateless here: the router has already replaced a
         ``previous_response_id`` by the conversation it continues, and stores the result."""
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -158,7 +158,7 @@ class VLLMEngine:
             watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
         return await self._run(ResponsesRequest, create, engine_body, output, shape_body=shape_body, watcher=watcher)
 
-    async def _messages(self, call: Call) -> Answer | Stream:
+    async def on_messages(self, call: Call) -> Answer | Stream:
         """``POST /v1/messages`` through vLLM's Anthropic layer, with the tier's priority and the
         router's request id (its request model has neither field), and the engine timing the
         converter would drop."""
@@ -174,13 +174,13 @@ class VLLMEngine:
 
         return await self._run(AnthropicMessagesRequest, create, body, output, watcher=_resumed("messages", watcher, call))
 
-    async def _count_tokens(self, call: Call) -> Answer | Stream:
+    async def on_count_tokens(self, call: Call) -> Answer | Stream:
         """``POST /v1/messages/count_tokens``: the prompt as the Messages route would render it."""
         from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
 
         return await self._run(AnthropicCountTokensRequest, self._messages_serving.count_tokens, dict(call.body), outputs.PLAIN)
 
-    async def _embeddings(self, call: Call) -> Answer | Stream:
+    async def on_embeddings(self, call: Call) -> Answer | Stream:
         """``POST /v1/embeddings`` on vLLM's pooling serving object, with the router's request id,
         the owner's prefix-cache salt and the tier's priority; engine timing from vLLM's own
         per-request stats (``pooling_timing``)."""
@@ -215,7 +215,7 @@ class VLLMEngine:
             return Answer(400, error_body(400, str(err), param="dimensions"))
         return None
 
-    async def _tokenize(self, call: Call) -> Answer | Stream:
+    async def on_tokenize(self, call: Call) -> Answer | Stream:
         """``POST /tokenize``: vLLM's ``TokenizeResponse``, never a stream."""
         from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
 
@@ -226,7 +226,7 @@ class VLLMEngine:
         create = self._tokenization.create_tokenize
         return await self._run(request_type, create, body, outputs.TOKENIZATION)
 
-    async def _detokenize(self, call: Call) -> Answer | Stream:
+    async def on_detokenize(self, call: Call) -> Answer | Stream:
         """``POST /detokenize``: vLLM's ``DetokenizeResponse``, never a stream."""
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest
 
@@ -371,12 +371,12 @@ def _salted(body: Body, call: Call) -> Body:
 
 # The vLLM call of each surface (``serve_app/surfaces``), by the surface's name.
 HANDLERS: dict[str, Callable[[VLLMEngine, Call], Awaitable[Any]]] = {
-    "chat": VLLMEngine._chat,
-    "completions": VLLMEngine._completions,
-    "responses": VLLMEngine._responses,
-    "messages": VLLMEngine._messages,
-    "count_tokens": VLLMEngine._count_tokens,
-    "embeddings": VLLMEngine._embeddings,
-    "tokenize": VLLMEngine._tokenize,
-    "detokenize": VLLMEngine._detokenize,
+    "chat": VLLMEngine.on_chat,
+    "completions": VLLMEngine.on_completions,
+    "responses": VLLMEngine.on_responses,
+    "messages": VLLMEngine.on_messages,
+    "count_tokens": VLLMEngine.on_count_tokens,
+    "embeddings": VLLMEngine.on_embeddings,
+    "tokenize": VLLMEngine.on_tokenize,
+    "detokenize": VLLMEngine.on_detokenize,
 }

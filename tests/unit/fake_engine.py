@@ -141,7 +141,7 @@ class FakeEngine:
         return Answer(200, response, summary)
 
     async def _responses(self, call: Call, wanted: int) -> Answer | Stream:
-        """As ``VLLMEngine._responses``: vLLM validates the body, the answer is shaped against the
+        """As ``VLLMEngine.on_responses``: vLLM validates the body, the answer is shaped against the
         client's body with the id it continued from."""
         request = fake_vllm.validated_responses_request(
             {**call.body, "request_id": f"resp_{call.request_id}", "store": False}

@@ -91,7 +91,7 @@ def test_a_continued_responses_stream_is_shaped_against_the_clients_body():
     call = Call({"model": MODEL, "input": "hi", "stream": True}, "r1", previous_response_id="resp_before")
 
     async def run():
-        stream = await engine._responses(call)
+        stream = await engine.on_responses(call)
         return await _passed_on(stream.watcher, stream.events), stream.watcher.trailer()
 
     passed, trailer = asyncio.run(run())
