@@ -15,8 +15,10 @@
     call          the replica's answer: a whole body, a stream's socket, or a request under way
     relay         the answer to the client, and the surface's closing (``relay.py``)
 
-and the request ends through ``Context.settle``, once. A 503 from ``route`` or ``call`` (not
-loaded, overloaded, replica or engine dead) goes to one peer region first (``fail_over``). What
+and the request ends through ``Context.settle``, once. Telemetry wraps the stages (``run``'s
+loop, ``RequestTelemetry.stage``): it times them and reads what each learned off the context; no
+stage calls it. A 503 from ``route`` or ``call`` (not loaded, overloaded, replica or engine dead)
+goes to one peer region first (``fail_over``). What
 differs between surfaces is their row in ``serve_app/surfaces``; nothing here names one.
 """
 
@@ -44,7 +46,8 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
     ctx = Context.begin(surface, request, services)
     try:
         for stage in STAGES:
-            await stage(ctx)
+            with ctx.telemetry.stage(stage.__name__, ctx):  # the stages never call telemetry
+                await stage(ctx)
         response = await dispatch(ctx)
     except APIError as err:
         ctx.settle(refused(err))
@@ -60,8 +63,7 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
 
 # --- the stages before the model --------------------------------------------------------------
 async def authenticate(ctx: Context) -> None:
-    with ctx.record.measure_auth():
-        ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
+    ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
     # over its limit, a body its tier could never admit), so that it costs no parse.
     declared = ctx.request.headers.get("content-length", "")
@@ -75,11 +77,10 @@ async def parse(ctx: Context) -> None:
     ctx.raw = await read_body(ctx.request, refuse_past=(tier_bytes, _over_tier(ctx)))
     ctx.body = parse_json_object(ctx.raw)
     ctx.taken_over = taken_over(ctx)  # a peer region's stream to continue (its router only)
-    ctx.record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text
 
 
 async def resolve(ctx: Context) -> None:
-    ctx.model = ctx.body["model"] = ctx.record.model = ctx.services.resolve(ctx.body.get("model"))
+    ctx.model = ctx.body["model"] = ctx.services.resolve(ctx.body.get("model"))
 
 
 async def validate(ctx: Context) -> None:
@@ -168,7 +169,8 @@ def _over_tier(ctx: Context) -> APIError:
 async def dispatch(ctx: Context) -> Response:
     try:
         await route(ctx)
-        head = await call(ctx)
+        with ctx.telemetry.stage("call", ctx):
+            head = await call(ctx)
     except APIError as unavailable:
         if unavailable.status != 503:
             raise
@@ -203,9 +205,6 @@ async def call(ctx: Context) -> Head:
     )
     ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
     head = await ctx.call.first()
-    ctx.record.note_routing(routing.take_decision(ctx.id))  # how that replica was chosen
-    # Call → head, less the replica's own work before the head: Serve's queue and its two hops.
-    ctx.record.note_router_queue(ctx.call.waited_ms - (head.replica_ms or 0.0))
     if isinstance(head, Accepted):
         return await ctx.call.answer()
     if isinstance(head, StreamOpen):  # should its engine fail mid-stream, another replica resumes it

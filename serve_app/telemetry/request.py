@@ -1,14 +1,20 @@
 """One request's telemetry around the router's pipeline: its record, its SERVER span (and the
 failover span when it is forwarded), closed exactly once, with the metrics.
 
-The pipeline's stages write what they learn into ``record`` (plain data: timings, model, engine
-report); this object opens the spans when the request arrives and draws them, with the metrics,
-from the one ``Split`` when the request is over (``close``), whatever way it ended.
+It wraps the pipeline rather than running through it: the pipeline's loop runs each stage inside
+``stage``, which times it and, once it ran (raised or not), reads what it learned off the
+request's context into ``record`` (plain data: timings, model, routing). The rest comes from the
+replica's trailer (``note_trailer``) and the relay, which needs the numbers for the response it
+writes (``finish``, ``metadata``, ``server_timing``). The spans open when the request arrives and
+are drawn, with the metrics, from the one ``Split`` when it is over (``close``), whatever way it
+ended.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
+from serve_app import routing
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import RequestRecord, Split, pg_metadata, server_timing_header
@@ -25,6 +31,16 @@ class RequestTelemetry:
     @property
     def trace_id(self) -> str:
         return self.trace.trace_id
+
+    @contextmanager
+    def stage(self, name: str, ctx: Any) -> Iterator[None]:
+        """Around one stage of the pipeline (``ctx``: its ``router.context.Context``)."""
+        try:
+            with self.record.measure_auth() if name == "authenticate" else nullcontext():
+                yield
+        finally:
+            if (learned := _LEARNED.get(name)) is not None:
+                learned(self.record, ctx)
 
     def note_trailer(self, trailer: Trailer | None) -> None:
         """What the replica reported once the engine was done with the request."""
@@ -92,3 +108,24 @@ class RequestTelemetry:
             tracing.end_failover_span(self._failover_span, self.record, split)
         tracing.finish_request_spans(self.trace, split)
         observe(self.record, split)
+
+
+# What a stage learned, read off the context once it ran.
+def _parsed(record: RequestRecord, ctx: Any) -> None:
+    record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text (before resolve renames)
+
+
+def _resolved(record: RequestRecord, ctx: Any) -> None:
+    record.model = ctx.model
+
+
+def _called(record: RequestRecord, ctx: Any) -> None:
+    """How the request router chose the replica, and the call's wait for its first item less the
+    replica's own work before it: Serve's queue and its two hops."""
+    record.note_routing(routing.take_decision(ctx.id))
+    call = ctx.call
+    if call is not None and call.head is not None and call.waited_ms is not None:
+        record.note_router_queue(call.waited_ms - (call.head.replica_ms or 0.0))
+
+
+_LEARNED: dict[str, Callable[[RequestRecord, Any], None]] = {"parse": _parsed, "resolve": _resolved, "call": _called}

@@ -733,3 +733,50 @@ def test_finishing_twice_draws_the_spans_once(exporter):
     first = tracing.finish_request_spans(request_trace)
     assert tracing.finish_request_spans(request_trace) is first
     assert len(exporter.get_finished_spans()) == 5
+
+
+# --- telemetry wraps the pipeline (router/pipeline.py's loop, RequestTelemetry.stage) --------------
+def test_each_stage_is_read_off_the_context_once_it_ran_even_when_it_raised():
+    from types import SimpleNamespace
+
+    from serve_app.routing.decisions import Decision, publish
+    from serve_app.telemetry.request import RequestTelemetry
+    from serve_app.wire.messages import StreamOpen
+
+    telemetry = RequestTelemetry(ROUTE_CHAT, {}, region="local", replica="r")
+    ctx = SimpleNamespace(id="req-1", body={}, model=None, call=None)
+    with pytest.raises(PermissionError), telemetry.stage("authenticate", ctx):
+        time.sleep(0.001)
+        raise PermissionError  # a refused key: its auth time is still on Server-Timing
+    assert telemetry.record.auth_ms >= 1.0
+
+    ctx.body = {"model": "qwen-3.6-a3b", "stream": True, "temperature": 0.5, "messages": [{"content": "secret"}]}
+    with telemetry.stage("parse", ctx):
+        pass
+    with pytest.raises(LookupError), telemetry.stage("resolve", ctx):
+        ctx.model = "qwen-3.6-35b-a3b"
+        ctx.body["model"] = ctx.model  # what resolve does: the alias was read before
+        raise LookupError
+    assert (telemetry.record.alias, telemetry.record.model, telemetry.record.stream) == (
+        "qwen-3.6-a3b", "qwen-3.6-35b-a3b", True
+    )
+    assert "secret" not in json.dumps(telemetry.record.request_params)
+
+    publish("req-1", Decision("prefix", "replica-a", 120, 200))
+    head = StreamOpen(("127.0.0.1", 1), "t", replica_ms=4.0)
+    ctx.call = SimpleNamespace(head=head, waited_ms=10.0)
+    with telemetry.stage("call", ctx):
+        pass
+    assert telemetry.record.routing.reason == "prefix" and telemetry.record.router_queue_ms == 6.0
+
+
+def test_no_stage_calls_telemetry():
+    """The stages write what they learn into the context; only the loop (and the call's wrapper,
+    and a failover's span, whose headers it forwards) touch telemetry."""
+    import inspect
+
+    from serve_app.router import pipeline
+
+    for stage in (*pipeline.STAGES, pipeline.call, pipeline.route):
+        source = inspect.getsource(stage)
+        assert "ctx.record" not in source and "ctx.telemetry" not in source, stage.__name__
