@@ -35,8 +35,8 @@ from serve_app.errors import error_body
 from serve_app.runtime import heap
 from serve_app.surfaces import SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire import handoff, tls
 from serve_app.wire import socket as wire_socket
-from serve_app.wire import tls
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, StreamOpen, Trailer
 from serve_app.wire.socket import Listener
 
@@ -96,7 +96,8 @@ class _ModelServer:
         complete, failure = False, None
         try:  # from here on the engine request is under way: every way out closes it
             # Serve may cancel this call at the yield: the finally still runs.
-            yield StreamOpen(listener.address, ticket, _ms_since(started), tls=listener.tls)
+            yield StreamOpen(listener.address, ticket, _ms_since(started), tls=listener.tls, local=listener.local,
+                             node=handoff.this_node())
             connection = await listener.accept(ticket, connected)
             complete = await wire_socket.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
@@ -108,6 +109,10 @@ class _ModelServer:
             _close(listener, connection, ticket)
         trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
         trailer = dataclasses.replace(trailer, complete=trailer.complete and complete and not failure)
+        client = connection.client if connection is not None else None
+        if client is not None and not trailer.complete:  # a handed-over stream: what its client has
+            written = bytes(client.written) if client.written is not None else None
+            trailer = dataclasses.replace(trailer, written=written, client_gone=client.gone)
         if not trailer.complete and count.token_ids is not None:  # where another replica may resume it
             before = call.resume.token_ids if call.resume else ()
             trailer = dataclasses.replace(trailer, token_ids=(*before, *count.token_ids))
@@ -121,7 +126,8 @@ class _ModelServer:
         ticket, connected = listener.expect()
         work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count
         try:
-            yield Accepted(listener.address, ticket, _ms_since(started), tls=listener.tls)
+            yield Accepted(listener.address, ticket, _ms_since(started), tls=listener.tls, local=listener.local,
+                           node=handoff.this_node())
             connection = await listener.accept(ticket, connected)
             finished = await wire_socket.first_of(work, connection)
         except (TimeoutError, ConnectionError) as err:

@@ -14,6 +14,7 @@ the call still ends with its last item, whose token count bills the request (``h
 import asyncio
 import contextvars
 import dataclasses
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.errors import APIError, retry_later
 from serve_app.telemetry.logs import module_logger
+from serve_app.wire import handoff
 from serve_app.wire import socket as wire_socket
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, Head, StreamOpen, Trailer
 from serve_app.wire.tls import StreamTLSNotConfigured
@@ -46,6 +48,9 @@ class ReplicaCall:
         self.model, self.region = model, region
         self.head: Head | None = None
         self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.handed = False  # the replica writes the stream to the client's connection itself
+        self._local: socket.socket | None = None  # the connection to the replica's Unix listener...
+        self._ticket: str | None = None  # ...and the ticket it is still to present there
         self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
         self.ended = False  # the call's last item has been read (or it was given up)
         self._started = time.perf_counter()
@@ -96,8 +101,27 @@ class ReplicaCall:
         """The replica has started on the request and its last item is still to come."""
         return self.head is not None and not self.ended
 
+    def present(self, client: socket.socket | None, *, keep: bool, stall_s: float) -> bool:
+        """Start a stream's bytes: over the replica's Unix listener, hand ``client`` (the client's
+        connection, its response head written) over to the replica, which writes the stream to it
+        (``wire/handoff.py``; ``keep``: and keeps what it wrote, for a resume); True if handed.
+        Otherwise (``client`` None, or a replica on another node, whose ticket went at connect)
+        the bytes come on the byte socket to relay. OSError: the replica is gone."""
+        if self._ticket is None:
+            return False
+        ticket, self._ticket = self._ticket, None
+        mode = "S" if client is None else "K" if keep else "H"
+        handoff.present(self._local, ticket, mode, stall_s, client)
+        self.handed = client is not None
+        return self.handed
+
     def hang_up(self) -> None:
         """The client left: close the byte socket, the replica's cue to stop the engine now."""
+        if self._ticket is not None:  # the replica waits for the ticket first
+            try:
+                self.present(None, keep=False, stall_s=0)
+            except OSError:
+                pass
         if self.socket is not None:
             self.socket[1].close()
 
@@ -122,7 +146,14 @@ class ReplicaCall:
         """Connect to the listener the head names before any byte goes to the client, so a replica
         that cannot be reached is still a clean 503 (which may fail over), not a broken 200."""
         try:
-            self.socket = await wire_socket.connect(head.address, head.ticket, tls=head.tls)
+            if head.local is not None and head.node == handoff.this_node():  # the replica's node
+                self._local = await asyncio.wait_for(handoff.connect(head.local), wire_socket.CONNECT_TIMEOUT_S)
+                self.socket = await asyncio.open_unix_connection(sock=self._local)
+                self._ticket = head.ticket  # presented with the stream's start (``present``)
+                if isinstance(head, Accepted):  # no bytes will come: the socket is the hang-up line
+                    self.present(None, keep=False, stall_s=0)
+            else:
+                self.socket = await wire_socket.connect(head.address, head.ticket, tls=head.tls)
         except (OSError, asyncio.TimeoutError, StreamTLSNotConfigured):
             self.cancel()
             logger.exception("cannot reach the byte socket of %s at %s:%s", self.model, *head.address)

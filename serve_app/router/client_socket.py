@@ -14,11 +14,13 @@ in front), it falls back to plain ASGI sends: same bytes, slower.
 """
 
 import asyncio
-import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
+
+from serve_app.wire.quiet import KEEPALIVE_FRAME, KEEPALIVE_S, Silent
 
 
 def find_uvicorn_cycle(send: Callable) -> Any | None:
@@ -49,53 +51,19 @@ def find_uvicorn_cycle(send: Callable) -> Any | None:
 DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
-# A stream whose engine is silent (its request waits behind others in the engine, or prefills a
-# long prompt) sends its client an SSE comment about this often. A proxy in front of the router
-# (HAProxy here, and cloud load balancers) passes on a client's departure only once a write to
-# that client fails: with nothing written, a client that left while its request waited held the
-# engine's slot until its first token (measured through HAProxy: 90 streams left at once took
-# 8.5 s to leave the engine, each queued one admitted, prefilled and aborted in turn; with the
-# comments, under a second: docs/reliability.md). Every SSE client skips comment lines (the official SDKs do), and
-# a comment also keeps an idle-timeout proxy from cutting a long prefill.
-KEEPALIVE_S = 1.0
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
-_KEEPALIVE_FRAME = b"%x\r\n%b\r\n" % (len(KEEPALIVE_COMMENT), KEEPALIVE_COMMENT)
+@dataclass
+class ClientLink:
+    """What a stream's response and its body share: the client's connection, once the head is
+    written to it and nothing else is pending (``socket``: a replica on this node may be handed
+    it), and whether a replica writes to it now (``handed``: the router then writes nothing, not
+    even a keep-alive comment, until the replica is done)."""
+
+    socket: Any = None
+    handed: bool = False
 
 
 class ClientStalled(Exception):
     """The client did not drain a write within the stall timeout."""
-
-
-class _Silent:
-    """The event streams open on one event loop; every ``period_s`` each that wrote nothing since
-    the last look, and whose bytes so far end with a whole event, gets a keep-alive comment. One
-    task for all of them, running only while there are any: no timer per stream or per chunk."""
-
-    def __init__(self, period_s: float) -> None:
-        self.period_s = period_s
-        self.streams: set["RelayedStream"] = set()
-        self._task: asyncio.Task | None = None
-
-    @classmethod
-    def of_this_loop(cls, period_s: float) -> "_Silent":
-        loop = asyncio.get_running_loop()
-        if loop not in _SILENT:
-            _SILENT[loop] = cls(period_s)
-        return _SILENT[loop]
-
-    def add(self, stream: "RelayedStream") -> None:
-        self.streams.add(stream)
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._look_every())
-
-    async def _look_every(self) -> None:
-        while self.streams:
-            await asyncio.sleep(self.period_s)
-            for stream in list(self.streams):
-                stream.keep_alive()
-
-
-_SILENT: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Silent]" = weakref.WeakKeyDictionary()
 
 
 class RelayedStream(StreamingResponse):
@@ -109,10 +77,11 @@ class RelayedStream(StreamingResponse):
     (``KEEPALIVE_S``; the first stream on an event loop sets the period for that loop's).
     """
 
-    def __init__(self, *args, on_end: Callable[[], None] | None = None,
+    def __init__(self, *args, link: ClientLink | None = None, on_end: Callable[[], None] | None = None,
                  stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, keepalive_s: float = KEEPALIVE_S, **kwargs):
         super().__init__(*args, **kwargs)
         self._on_end = on_end
+        self.link = link or ClientLink()
         self._stall_timeout_s = stall_timeout_s
         self.keepalive_s = keepalive_s
         self._cycle: Any = None  # uvicorn's, while body chunks go straight to its connection
@@ -131,8 +100,12 @@ class RelayedStream(StreamingResponse):
         cycle = find_uvicorn_cycle(send)
         direct = cycle is not None and getattr(cycle, "chunked_encoding", False) and hasattr(cycle, "flow")
         if direct and self.media_type == "text/event-stream":
+            transport = cycle.transport
+            # Handed over only as plain TCP (behind HAProxy), and once the head is in the kernel.
+            if transport.get_extra_info("sslcontext") is None and not transport.get_write_buffer_size():
+                self.link.socket = transport.get_extra_info("socket")
             self._cycle = cycle
-            silent = _Silent.of_this_loop(self.keepalive_s)
+            silent = Silent.of_this_loop(self.keepalive_s)
             silent.add(self)
         try:
             async for chunk in self.body_iterator:
@@ -155,7 +128,7 @@ class RelayedStream(StreamingResponse):
             cycle.transport.close()  # cut: the client will not read an end of the body anyway
         finally:
             if self._cycle is not None:
-                silent.streams.discard(self)
+                silent.discard(self)
                 self._cycle = None
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -163,11 +136,11 @@ class RelayedStream(StreamingResponse):
         """A comment to the client if nothing went to it since the last look, between two events
         (never inside one), and the connection takes writes (a slow reader is the stall bound's)."""
         cycle = self._cycle
-        if self._wrote or not self._between_events or cycle is None:
+        if self._wrote or not self._between_events or cycle is None or self.link.handed:
             self._wrote = False
             return
         if not cycle.disconnected and not cycle.flow.write_paused:
-            cycle.transport.write(_KEEPALIVE_FRAME)
+            cycle.transport.write(KEEPALIVE_FRAME)
 
     async def _unstalled(self, waiting) -> None:
         try:

@@ -61,6 +61,10 @@ class PeerCall:
         self._closing: asyncio.Future | None = None
 
     # --- what the relay reads ------------------------------------------------------------------
+    def present(self, client, *, keep: bool, stall_s: float) -> bool:
+        """A peer's stream is relayed: never handed over (``ReplicaCall.present``)."""
+        return False
+
     @property
     def reader(self) -> "PeerCall":
         return self

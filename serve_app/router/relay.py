@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 
 from serve_app.errors import engine_failed_mid_stream, error_body
-from serve_app.router.client_socket import RelayedStream
+from serve_app.router.client_socket import ClientLink, ClientStalled, RelayedStream
 from serve_app.router.context import Context, abandoned, failed, served
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Answer
@@ -56,24 +56,33 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
 def stream(ctx: Context) -> RelayedStream:
     """The client's streaming response; however it ends, the request settles (a client gone before
     the first byte included)."""
+    link = ClientLink()
     return RelayedStream(
-        events(ctx), media_type="text/event-stream", headers=ctx.headers, on_end=lambda: ctx.settle(abandoned()),
-        stall_timeout_s=ctx.services.stall_timeout_s,
+        events(ctx, link), link=link, media_type="text/event-stream", headers=ctx.headers,
+        on_end=lambda: ctx.settle(abandoned()), stall_timeout_s=ctx.services.stall_timeout_s,
     )
 
 
-async def events(ctx: Context) -> AsyncIterator[bytes]:
+async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[bytes]:
     """The stream's bytes as the client gets them: the replica's, then the closing (or an error
     event); the request settles when they end, or when the client stops reading them. A stream
     whose engine fails mid-answer goes on from another replica where it can (``resume.py``): the
-    client sees one stream."""
+    client sees one stream.
+
+    A replica on this node gets the client's connection (``link.socket``, once the response's
+    head is written) and writes its bytes there itself (``wire/handoff.py``); only its first
+    write comes here too, and, if its engine fails, what it wrote."""
     dialect = ctx.surface.dialect
     opening = bytearray()  # the stream's bytes until its first event is whole
     first: dict | None = None  # the first event: the timing chunk reuses its id
     relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
     sequence = dialect.sequence_watch()  # Responses: an error event goes on with the numbering
+    link = link or ClientLink()
+    client = link.socket if ctx.services.hand_off else None
     try:
         while True:
+            link.handed = ctx.call.present(client, keep=relayed is not None or sequence.reads,
+                                           stall_s=ctx.services.stall_timeout_s)
             reader = ctx.call.reader
             while data := await reader.read(READ_BYTES):
                 if first is None:
@@ -81,12 +90,22 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
                         ctx.record.mark_first_chunk()
                     opening += data
                     first = first_event(bytes(opening))
+                if link.handed:
+                    continue  # the replica's copy of its first write: the client has it already
                 if relayed is not None:
                     relayed += data  # read again only if the stream is resumed
                 sequence.saw(data)
                 yield data
             trailer = await ctx.call.trailer()  # the handle's last item: the engine is done
+            link.handed = False  # every byte the replica wrote is in the kernel: the router writes again
             ctx.note_trailer(trailer)
+            if trailer.written:  # a handed-over stream cut short: what its client has
+                if relayed is not None:
+                    relayed += trailer.written
+                sequence.saw(trailer.written)
+            if trailer.client_gone:  # the replica found the client gone, or not reading
+                ctx.settle(abandoned())
+                raise ClientStalled
             if trailer.complete:
                 break
             if ctx.resumer is None or not await ctx.resumer.resume(trailer, bytes(relayed or b"")):
@@ -102,6 +121,8 @@ async def events(ctx: Context) -> AsyncIterator[bytes]:
             usage=trailer.usage if client_wants_usage else None, terminal=trailer.terminal,
         )
         ctx.settle(served(status, trailer.error_code))
+    except ClientStalled:
+        raise  # the response cuts the connection
     except Exception as err:
         # The status line is sent already: end the stream with an error event, never a hang.
         if isinstance(err, StreamBrokeOff) and err.code == ENGINE_UNAVAILABLE:

@@ -47,6 +47,8 @@ class SequenceWatch:
     search per read, nothing parsed. (A quote inside a JSON string is escaped, so the key found
     is always a key.)"""
 
+    reads = True  # a handed-over stream keeps its bytes for this (``wire/handoff.py``)
+
     def __init__(self) -> None:
         self._last: int | None = None
         self._tail = b""
@@ -71,6 +73,7 @@ class _NoSequence:
     """For the APIs whose events carry no sequence number."""
 
     next = None
+    reads = False
 
     def saw(self, data: bytes) -> None:
         pass

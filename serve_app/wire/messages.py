@@ -104,6 +104,12 @@ class Trailer:
     # A stream cut short (``complete`` False) with one choice: the tokens its engine generated,
     # in order, so that another replica can resume it from exactly there.
     token_ids: tuple[int, ...] | None = None
+    # A stream the router handed over (``wire/handoff.py``) and cut short: the bytes the replica
+    # wrote to the client, when the router asked it to keep them (a resume starts after them).
+    written: bytes | None = None
+    # A handed-over stream's client left (its connection failed) or read nothing for the stall
+    # time: the request was abandoned, not failed.
+    client_gone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +131,10 @@ class StreamOpen:
     ticket: str
     replica_ms: float | None = None
     tls: bool = False
+    # The replica's Unix listener and Ray node: a router on the same node connects there instead,
+    # and may hand its client's connection over (``wire/handoff.py``).
+    local: str | None = None
+    node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +146,10 @@ class Accepted:
     ticket: str
     replica_ms: float | None = None
     tls: bool = False
+    # The replica's Unix listener and Ray node: a router on the same node connects there instead,
+    # and may hand its client's connection over (``wire/handoff.py``).
+    local: str | None = None
+    node: str | None = None
 
 
 Head = Answer | StreamOpen | Accepted

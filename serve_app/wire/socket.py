@@ -17,13 +17,16 @@ may put TLS 1.3 on the connection (``tls.py``); the head says whether it does.
 """
 
 import asyncio
+import os
 import secrets
 import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve_app.wire import handoff
 from serve_app.wire import tls as tls_options
 from serve_app.wire.listen_port import stream_listen_socket
 from serve_app.wire.messages import Address
@@ -73,27 +76,51 @@ async def connect(address: Address, ticket: str, *, tls: bool = False) -> tuple[
 # --- the replica's end --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StreamConnection:
+    """The router's connection for one request; ``client``: the client's own connection, when
+    the router handed it over (``handoff.py``): the stream's bytes go there."""
+
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    client: handoff.ClientWriter | None = None
 
     def write(self, data: bytes) -> bool:
-        """Queue ``data`` for the router; False when the router has gone (stop generating)."""
+        """Queue ``data`` for the router (or the client); False when it has gone (stop generating)."""
+        if self.client is not None:
+            return self.client.write(data)
         if self.writer.is_closing():
             return False
         self.writer.write(data)
         return True
 
     def must_drain(self) -> bool:
+        if self.client is not None:
+            return self.client.must_drain()
         return self.writer.transport.get_write_buffer_size() > HIGH_WATER_BYTES
 
     async def drain(self) -> None:
-        await self.writer.drain()
+        if self.client is not None:
+            await self.client.drain()
+        else:
+            await self.writer.drain()
+
+    async def flush(self) -> None:
+        """Every byte of a handed-over stream in the kernel before the router writes again (a
+        relayed stream's bytes are ordered by the connection itself)."""
+        if self.client is not None:
+            await self.client.drain()
+
+    @property
+    def client_gone(self) -> bool:
+        """The handed-over client's connection failed, or the client read nothing for too long."""
+        return self.client is not None and self.client.gone
 
     async def hung_up(self) -> None:
         """Returns when the router closes its end (it sends nothing after its ticket)."""
         await self.reader.read(1)
 
     def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
         self.writer.close()
 
 
@@ -146,10 +173,11 @@ async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None]
         if (event := pass_on(event)) is None:
             continue
         if not connection.write(event.encode()):
-            return False  # the router closed the socket: its client left
+            return False  # the router closed the socket (its client left), or the client's failed
         if connection.must_drain():
             await connection.drain()
-    return True
+    await connection.flush()
+    return not connection.client_gone
 
 
 class Listener:
@@ -160,7 +188,10 @@ class Listener:
         self.host = host
         self.ssl_context = ssl_context
         self.port: int | None = None
+        self.local: str | None = None  # the Unix listener for routers on this node (``handoff.py``)
         self._server: asyncio.Server | None = None
+        self._local: socket.socket | None = None
+        self._local_tasks: set[asyncio.Task] = set()
         self._expected: dict[str, asyncio.Future] = {}
 
     async def start(self) -> None:
@@ -173,6 +204,13 @@ class Listener:
                 ssl_handshake_timeout=CONNECT_TIMEOUT_S if self.ssl_context else None,
             )
             self.port = self._server.sockets[0].getsockname()[1]
+        if self._local is None and sys.platform == "linux":  # abstract Unix sockets are Linux's
+            self._local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._local.setblocking(False)
+            self._local.bind(address := handoff.local_address())
+            self._local.listen(256)
+            self.local = address
+            self._local_tasks.add(asyncio.get_running_loop().create_task(self._serve_local()))
 
     @property
     def address(self) -> Address:
@@ -214,6 +252,42 @@ class Listener:
         keep_alive(writer)
         future.set_result(StreamConnection(reader, writer))
 
+    async def _serve_local(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._local)
+            connection.setblocking(False)
+            task = loop.create_task(self._accept_local(connection))
+            self._local_tasks.add(task)
+            task.add_done_callback(self._local_tasks.discard)
+
+    async def _accept_local(self, connection: socket.socket) -> None:
+        """A router on this node: its line says whether it handed its client's connection over."""
+        try:
+            data, fds = await handoff.receive_line(connection, CONNECT_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError):  # ConnectionError included
+            connection.close()
+            return
+        parsed = handoff.parse_line(data)
+        future = self._expected.get(parsed[0]) if parsed else None
+        handed = parsed is not None and parsed[1] != "S"
+        if future is None or future.done() or handed != (len(fds) == 1):  # not ours, or malformed
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            return
+        _, mode, stall_s = parsed
+        reader, writer = await asyncio.open_unix_connection(sock=connection)
+        client = handoff.ClientWriter(fds[0], keep=mode == "K", stall_s=stall_s, first_to=writer) if handed else None
+        if future.done():  # the wait for it ended meanwhile
+            StreamConnection(reader, writer, client).close()
+            return
+        future.set_result(StreamConnection(reader, writer, client))
+
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._local is not None:
+            for task in self._local_tasks:
+                task.cancel()
+            self._local.close()

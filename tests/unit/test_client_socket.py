@@ -27,9 +27,16 @@ RequestResponseCycle.__module__ = "uvicorn.protocols.http.httptools_impl"
 class FakeTransport:
     def __init__(self):
         self.written = []
+        self.socket = object()
 
     def write(self, data):
         self.written.append(data)
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def get_extra_info(self, name):
+        return self.socket if name == "socket" else None
 
 
 class FakeFlow:
