@@ -44,6 +44,7 @@ app.add_typer(regions_app, name="regions", help="Render and check configs/ and t
 app.add_typer(usage_app, name="usage")
 app.command("bench")(bench_cli.stream)
 app.command("bench-capacity")(bench_cli.capacity)
+app.command("bench-setting")(bench_cli.setting)
 app.command("idle")(bench_cli.idle)
 app.command("bench-wire-tls")(bench_cli.wire_tls)
 app.command("bench-agent")(agent_report.command)

@@ -1,7 +1,10 @@
-"""``serve-app bench``, ``serve-app bench-capacity`` and ``serve-app idle`` (wired into ``serve_app.cli``)."""
+"""``serve-app bench``, ``bench-capacity``, ``bench-setting`` and ``idle`` (wired into ``serve_app.cli``)."""
 
 import asyncio
 import json
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -9,6 +12,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+import yaml
 
 from serve_app.bench.capacity import CAPACITY_HEADERS, bench_capacity, capacity_table
 from serve_app.bench.client import DEFAULT_MODEL, Side, check_local
@@ -22,6 +26,7 @@ from serve_app.bench.host import PsutilTable
 from serve_app.bench.procs import DiscoveryError, ProcessTable, discover
 from serve_app.bench.report import detect_region, md_table, output_dir, run_meta, stream_markdown, stream_tables, write_json
 from serve_app.bench.schedule import BASELINE, OURS
+from serve_app.bench.setting import bench_setting, config_with, summary_table
 from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
 from serve_app.paths import REPO_ROOT
@@ -312,3 +317,86 @@ def wire_tls(
     typer.echo(f"TLS: CPU ×{result['tls_cpu_ratio']}, +{result['tls_extra_cpu_us_per_stream']} µs CPU and "
                f"+{result['tls_extra_connect_ms_p50']} ms connect per stream (both ends)")
     typer.echo(f"wrote {out}")
+
+
+def setting(
+    config: Annotated[Path, typer.Option(help="The serve config the service runs (its Router's user_config is changed).")],
+    name: Annotated[str, typer.Option("--setting", help="Dotted path in the Router's user_config, e.g. router.hand_off_streams.")],
+    values: Annotated[str, typer.Option(help="Comma-separated values, each read as YAML (true, 30, off).")],
+    target: Target = "http://127.0.0.1:8000",
+    api_key: ApiKey = None,
+    model: Model = DEFAULT_MODEL,
+    concurrency: Annotated[int, typer.Option(min=1)] = 16,
+    requests_per_worker: Annotated[int, typer.Option(min=1, help="Streams back to back per worker per batch.")] = 10,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each runs every value once, the order turning.")] = 3,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    ignore_eos: Annotated[bool, typer.Option(help="Send vLLM's ignore_eos: always generate max_tokens.")] = True,
+    region: Region = None,
+    out_dir: OutDir = BENCHMARKS_DIR,
+) -> None:
+    """One router setting's values in turn on the running service, interleaved: CPU-s per 1,000
+    tokens per process group, and tok/s. The config is deployed as given again at the end."""
+    url = _local(target)
+    base = yaml.safe_load(config.read_text())
+    parsed = [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+    if len(parsed) < 2:
+        raise typer.BadParameter("give at least two values", param_hint="--values")
+    try:
+        config_with(base, name, parsed[0])
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--config") from None
+    meter = None
+    try:
+        table = process_table()
+        meter = Meter(table, lambda: discover(table, ours_port=_port(url)))
+    except DiscoveryError as err:
+        typer.echo(f"warning: CPU not counted: {err}", err=True)
+
+    async def deploy(document: dict) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
+            yaml.safe_dump(document, file)
+        deployed = await asyncio.to_thread(subprocess.run, [str(Path(sys.executable).with_name("serve")), "deploy",
+                                                           file.name], capture_output=True, text=True)
+        Path(file.name).unlink()
+        if deployed.returncode:
+            raise RuntimeError(f"serve deploy failed: {(deployed.stderr or deployed.stdout)[-800:]}")
+        await _until_healthy(url)
+
+    async def apply(value) -> None:
+        await deploy(config_with(base, name, value))
+
+    async def run() -> dict:
+        if meter is not None:
+            await meter.measure_floor()
+        try:
+            return await bench_setting(
+                url=url, api_key=api_key, model=model, path=name, values=parsed, concurrency=concurrency,
+                requests_per_worker=requests_per_worker, rounds=rounds, max_tokens=max_tokens,
+                ignore_eos=ignore_eos, apply=apply, meter=meter, progress=typer.echo)
+        finally:
+            await deploy(base)
+
+    result = asyncio.run(run())
+    flags = {"config": str(config), "setting": name, "values": values, "concurrency": concurrency, "rounds": rounds,
+             "requests_per_worker": requests_per_worker, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    payload = {**run_meta(flags), **result}
+    where = output_dir(out_dir, region or detect_region(url), model) / f"setting-{name}-c{concurrency}.json"
+    write_json(where, payload)
+    typer.echo(summary_table(result))
+    typer.echo(f"wrote {where}")
+
+
+async def _until_healthy(url: str, timeout_s: float = 120.0) -> None:
+    """After a deploy: Serve applies a user_config within a second or two; wait for that and for
+    /health to answer 200 again."""
+    await asyncio.sleep(3.0)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as client:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1.0)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s of the deploy")
