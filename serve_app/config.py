@@ -350,10 +350,12 @@ class RouterArgs(Settings):
     # A stream's client that reads nothing for this long (its socket open: a half-open client) is
     # cut, and its engine request stopped and billed what it generated (router/client_socket.py).
     stall_timeout_s: float = Field(30, gt=0, le=600)
-    # A stream served by a model replica on the router's node is written by the replica straight
-    # to the client's connection, which the router hands it (wire/handoff.py): no router process
-    # touches its tokens. Off: the router relays every stream's bytes.
-    hand_off_streams: bool = True
+    # On: a stream served by a model replica on the router's node is written by the replica
+    # straight to the client's connection, which the router hands it (wire/handoff.py): no router
+    # process touches its tokens. Off (the default): the router relays them. Measured on the 2-core
+    # host the hand-off moves the per-token socket cost from the router to the replica and gains no
+    # throughput (docs/benchmarks.md, "The hand-off"); it pays where routers are short of CPU.
+    hand_off_streams: bool = False
     # A stream whose engine fails mid-answer is resumed on another replica of the region this
     # many times at most, each within resume_window_s of the failure (router/resume.py). The
     # region's replicas are tried for resume_here_s (longer than a model's health check period,

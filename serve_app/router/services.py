@@ -80,7 +80,7 @@ class Services:
     served: tuple[str, ...] = ()  # the models served now, in the settings' order
     # The stream settings of ``args.router`` (set from it, here so that a test can set them alone).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
-    hand_off: bool = True  # a replica on this node writes a stream to the client itself (wire/handoff.py)
+    hand_off: bool = False  # a replica on this node writes a stream to the client itself (wire/handoff.py)
     max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
     resume_window_s: float = 30.0  # ...each within this long of the failure
     resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's

@@ -1,10 +1,11 @@
 """The hand-off: a router on the replica's node gives the replica its client's connection, and the
 replica writes the stream's bytes to the client itself. No Python process of the router touches
-a token (issue #24, docs/architecture.md "The hand-off").
+a token (issue #24, docs/architecture.md "The hand-off"). A region's option
+(``router.hand_off_streams``), off by default: measured, it moves the per-token socket cost from
+the router to the replica and gains no throughput on a small host (docs/benchmarks.md).
 
-The byte socket (``socket.py``) made the router relay every read: one receive and one write per
-read, ~0.2 CPU-s per 1,000 tokens under load, a third of what the gateway spends per token
-beyond bare vLLM. A router and a replica on one node share a kernel, so the router can pass the
+The byte socket (``socket.py``) makes the router relay every read: one receive and one write per
+read. A router and a replica on one node share a kernel, so the router can pass the
 client's connection itself (``SCM_RIGHTS`` over a Unix socket) and step aside until the engine is
 done. What the router keeps is everything it decides: the request is admitted, priced, routed,
 started and answered with its status line and headers by the router, which still writes the

@@ -108,6 +108,9 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
         }
         if args["region"] == "local":
             args["router"]["num_replicas"] = 2
+            # The local region hands its streams over (off by default: wire/handoff.py), so every
+            # stream test runs through it end to end; the peer region relays them, as by default.
+            args["router"]["hand_off_streams"] = True
 
     config = two_region_config(
         load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"), adjust=for_the_session

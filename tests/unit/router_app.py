@@ -281,7 +281,7 @@ def bare_context(surface=None, *, model: str = "m"):
     from serve_app.router.context import Context
 
     services = SimpleNamespace(
-        region="local", replica="router-1", meter=RecordingMeter(), stall_timeout_s=30.0, hand_off=True,
+        region="local", replica="router-1", meter=RecordingMeter(), stall_timeout_s=30.0, hand_off=False,
         in_flight=InFlight([SimpleNamespace(id=model, max_ongoing_requests=4, max_queued_requests=4)]),
     )
     ctx = Context.begin(surface or surfaces.CHAT, SimpleNamespace(headers={}), services)

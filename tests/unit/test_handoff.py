@@ -46,7 +46,7 @@ def writes(monkeypatch):
     return seen
 
 
-async def _serve(engine: FakeEngine, *, hand_off: bool = True, leave=None):
+async def _serve(engine: FakeEngine, *, hand_off: bool = True):
     """A uvicorn server whose one route runs a stream as the pipeline does (the call, its head,
     the relay); returns the server, its task, its URL and what each request's context was."""
     replica = await model_server(engine)
@@ -223,3 +223,14 @@ def test_the_line_round_trips_and_a_malformed_one_is_refused():
     for bad in (b"short\n", ticket.encode() + b"X10\n", ticket.encode() + b"H\n", ticket.encode() + b"H1x\n"):
         assert handoff.parse_line(bad) is None
     assert handoff.local_address().startswith("\0") and handoff.local_address() != handoff.local_address()
+
+
+def test_the_hand_off_is_off_unless_the_region_turns_it_on_and_the_router_reads_it_from_its_settings():
+    from types import SimpleNamespace
+
+    from serve_app.config import RouterArgs
+    from serve_app.router.services import _stream_settings
+
+    assert RouterArgs().hand_off_streams is False
+    assert _stream_settings(SimpleNamespace(router=RouterArgs()))["hand_off"] is False
+    assert _stream_settings(SimpleNamespace(router=RouterArgs(hand_off_streams=True)))["hand_off"] is True
