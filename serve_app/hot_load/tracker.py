@@ -3,8 +3,9 @@
 A background task refreshes every model's state from the wanted state in the GCS KV store once a
 second (one small KV read per model) and from Serve's status only when it may have changed: every
 ``STATUS_MAX_AGE_S``, or at once while a model is not settled as loaded or its wanted state changed.
-``serve.status()`` builds and pickles every deployment's config in the router's process; polling
-it once a second cost ~8 % of a core under load on the 2-core host (py-spy, docs/benchmarks.md).
+Serve's status is read as the controller's plain details dict (``_serve_status``): ``serve.status()``
+builds pydantic models of it and cloudpickles every deployment's request router class, ~0.2 s of
+the router's CPU a call under load (py-spy, docs/benchmarks.md).
 The request path reads the view from memory. A router replica that takes a load or unload updates
 its own view at once; the others follow within a second.
 
@@ -15,7 +16,10 @@ deployment. The models served change in place when the router is reconfigured (`
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
@@ -231,10 +235,40 @@ def _log_failure(task: asyncio.Task) -> None:
         logger.warning("could not refresh model states", exc_info=task.exception())
 
 
-def _serve_status():
-    from ray import serve
+@dataclass(frozen=True)
+class DeploymentView:
+    """What the tracker reads of one deployment in Serve's status."""
 
-    return serve.status()
+    status: str
+    message: str
+    replica_states: dict[str, int]
+
+
+def status_view(details: dict[str, Any]) -> Any:
+    """``serve.status()``'s shape (``applications[app].deployments[name]``: status, message,
+    replicas by state), made from the controller's details as the plain dict it sends."""
+    applications = {}
+    for app_name, app in (details.get("applications") or {}).items():
+        deployments = {}
+        for name, deployment in (app.get("deployments") or {}).items():
+            states = Counter(str(getattr(r.get("state"), "value", r.get("state"))) for r in deployment.get("replicas") or ())
+            status = deployment.get("status")
+            deployments[name] = DeploymentView(str(getattr(status, "value", status)), deployment.get("message") or "",
+                                                 dict(states))
+        applications[app_name] = SimpleNamespace(deployments=deployments)
+    return SimpleNamespace(applications=applications)
+
+
+def _serve_status():
+    """Serve's status of every deployment, from the controller's details dict. ``serve.status()``
+    asks for the same dict and then builds pydantic models of it, re-serialising each deployment's
+    request router class with cloudpickle on the way: 65 ms of the router's CPU a call on an idle
+    host, ~0.2 s under load (py-spy), where this takes ~2 ms. Serve's client is private API (Ray
+    2.60 as pinned): ``tests/unit/test_hot_load.py`` holds the dict to ``serve.status()``'s reading."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return status_view(client.get_serve_details() if client is not None else {})
 
 
 def _deployments_of(status: Any, locations: dict[str, tuple[str, str]]) -> dict[str, Any]:

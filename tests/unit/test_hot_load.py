@@ -519,3 +519,39 @@ def test_models_joining_and_leaving_the_settings_are_followed_in_place():
         assert set(states.locations) == {SIBLING}
 
     asyncio.run(scenario())
+
+
+def test_the_status_read_from_the_controllers_details_is_what_serve_status_says():
+    """``tracker._serve_status`` reads the controller's details dict instead of ``serve.status()``
+    (which builds pydantic models of it, cloudpickling each request router class): both readings
+    of one details dict must agree on what the tracker uses."""
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
+    from ray.serve.schema import ServeInstanceDetails
+
+    from serve_app.hot_load.tracker import status_view
+
+    def replica(n, state):
+        return {"replica_id": f"r{n}", "state": state, "start_time_s": 1.0}
+
+    def deployment(name, status, message, replicas):
+        return {"name": name, "status": status, "status_trigger": DeploymentStatusTrigger.UPSCALE_COMPLETED,
+                "message": message, "deployment_config": {"name": name}, "target_num_replicas": len(replicas),
+                "required_resources": {}, "replicas": replicas}
+
+    details = {"proxies": {}, "applications": {"llm-m": {
+        "name": "llm-m", "route_prefix": None, "docs_path": None, "status": "RUNNING", "message": "",
+        "last_deployed_time_s": 1.0, "source": "declarative", "external_scaler_enabled": False,
+        "deployments": {
+            "model-m": deployment("model-m", DeploymentStatus.UPDATING, "replacing a replica", [
+                replica(1, ReplicaState.RUNNING), replica(2, ReplicaState.STARTING), replica(3, ReplicaState.RUNNING)]),
+            "ModelEntry": deployment("ModelEntry", DeploymentStatus.HEALTHY, "", []),
+        }}}}
+    theirs = ServeInstanceDetails(**details)._get_status()
+    ours = status_view(details)
+    for name in ("model-m", "ModelEntry"):
+        serve_says, we_read = theirs.applications["llm-m"].deployments[name], ours.applications["llm-m"].deployments[name]
+        assert we_read.status == str(getattr(serve_says.status, "value", serve_says.status))
+        assert we_read.message == serve_says.message
+        assert we_read.replica_states == {str(getattr(k, "value", k)): n for k, n in serve_says.replica_states.items()}
+    assert ours.applications["llm-m"].deployments["model-m"].replica_states == {"RUNNING": 2, "STARTING": 1}
+    assert status_view({}).applications == {}
