@@ -32,8 +32,11 @@ run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 0.5
 # Through serve_app's launcher, which keeps HAProxy's stats (8404) and metrics (9101) on 127.0.0.1
 # and clears stale /tmp/haproxy-serve/<node> directories (serve_app/haproxy/, docs/operations.md).
 run: export RAY_SERVE_HAPROXY_BINARY_PATH := $(abspath $(BIN))/serve-app-haproxy
+# Another local config with the same environment: `make run SERVE_CONFIG=configs/local-bench.yaml`
+# (the benchmark's chat model alone, docs/benchmarks.md).
+SERVE_CONFIG ?= configs/local.yaml
 run: $(VENV)/.installed
-	$(BIN)/serve run configs/local.yaml
+	$(BIN)/serve run $(SERVE_CONFIG)
 
 # The tests also need Debian's PostgreSQL server binaries (the session starts its own cluster).
 test: setup

@@ -79,12 +79,24 @@ class PsutilTable:
             out["error"] = type(err).__name__
             return out
         try:
-            environ = p.environ()
+            environ = _environ(pid)
             out["env"] = {name: environ.get(name) for name in names}
-        except (psutil.AccessDenied, psutil.NoSuchProcess):
+        except OSError:
             out["env"] = None
         out["thread_affinities"] = _thread_affinities(pid)
         return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """A process's environment as its ``/proc/<pid>/environ`` holds it, every ``NAME=value`` entry.
+    psutil stops at the first empty entry, and a process whose title was set (vLLM's engine core:
+    setproctitle) can start its block with empty entries: psutil then reads nothing at all."""
+    with open(f"/proc/{pid}/environ", "rb") as block:
+        return parse_environ(block.read())
+
+
+def parse_environ(block: bytes) -> dict[str, str]:
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in block.split(b"\0") if b"=" in entry)
 
 
 def _thread_affinities(pid: int) -> dict[str, int] | None:

@@ -1,5 +1,6 @@
 """Processes the benchmarks start and wait for: bare vLLM's OpenAI server, health polling, ports."""
 
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,18 @@ from serve_app.devtools.local_services import free_port, wait_healthy
 # the other side still runs idle, so the baseline runs at the same niceness as the engine it is
 # compared with.
 RAY_WORKER_NICENESS = 15
+
+
+def engine_environment(base: dict[str, str], model_env: dict[str, str], num_cpus: float | None) -> dict[str, str]:
+    """The environment the replica's engine gets, for bare vLLM: ``base`` (what started it), the
+    model's own variables, and OpenMP's thread count as Ray sets it in every worker that does not
+    set one (``ray._private.utils.set_omp_num_threads_if_unset``: the floor of the CPUs the actor
+    was given, at least 1). Without it bare vLLM ran torch's default, one OpenMP thread per core,
+    against our engine's one on the 2-core host: the engines compared were not alike (the bench's
+    engine check said so once both sides ran one engine)."""
+    env = {**base, **model_env}
+    env.setdefault("OMP_NUM_THREADS", str(max(math.floor(num_cpus if num_cpus is not None else 1), 1)))
+    return env
 
 
 def vllm_command(flags: list[str], port: int, niceness: int | None) -> list[str]:
@@ -38,7 +51,7 @@ def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS):
     port = free_port()
     flags = model.engine_cli_args(resolve_model_path(model))
     command = vllm_command(flags, port, niceness)
-    env = {**os.environ, **model.resources.env}
+    env = engine_environment(dict(os.environ), model.resources.env, model.resources.num_cpus)
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-vllm-{port}.log", "w")
     started = time.monotonic()
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -206,8 +206,10 @@ LAYOUT_NOTE = (
 )
 LOCAL_SOURCE = "regions/local/serve.yaml"  # the local region's settings, not a GPU region file
 # Every local config and the file its settings come from: the embedded default (`make run`, the
-# tests) and the agent workload's two replicas with prefix caching on (`serve-app bench-agent`).
-LOCAL_SOURCES = {"configs/local.yaml": LOCAL_SOURCE, "configs/local-agent.yaml": "regions/local/agent.yaml"}
+# tests), the agent workload's two replicas with prefix caching on (`serve-app bench-agent`) and
+# the benchmark's chat model alone (`make run-bench`, `serve-app bench`).
+LOCAL_SOURCES = {"configs/local.yaml": LOCAL_SOURCE, "configs/local-agent.yaml": "regions/local/agent.yaml",
+                 "configs/local-bench.yaml": "regions/local/bench.yaml"}
 
 
 def render_local_serve_config(source: str, source_path: str = LOCAL_SOURCE) -> str:

@@ -12,7 +12,7 @@ from serve_app.bench.client import Run, Side, StreamState, chat_body, check_loca
 from serve_app.bench.report import output_dir, redact_argv
 from serve_app.bench.schedule import Batch, plan_batches, run_plan
 from serve_app.bench.stats import capacity_ratios, percentile, server_ttft_ms, stream_ratios, summarize
-from serve_app.bench.vllm import vllm_command
+from serve_app.bench.vllm import engine_environment, vllm_command
 from serve_app.surfaces import CHAT
 from serve_app.surfaces.dialects import pg_metadata_event
 
@@ -238,3 +238,15 @@ def test_bare_vllm_runs_at_ray_worker_niceness(tmp_path):
     assert vllm_command(["--model", "m"], 9, None)[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     when = datetime.datetime(2026, 6, 9, 23, 59, tzinfo=datetime.UTC)
     assert output_dir(tmp_path, "yul-02", "qwen-3.6-35b-a3b", when) == tmp_path / "yul-02-2026-06-09" / "qwen-3.6-35b-a3b"
+
+
+def test_bare_vllm_gets_the_replicas_openmp_threads_as_ray_sets_them_and_the_models_variables():
+    """Ray gives a worker without OMP_NUM_THREADS the floor of its CPUs (at least 1): the local
+    replica's 0.5 CPU runs one OpenMP thread, and so must bare vLLM."""
+    assert engine_environment({"PATH": "/bin"}, {"VLLM_CPU_KVCACHE_SPACE": "1"}, 0.5) == {
+        "PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    assert engine_environment({}, {}, 8.7)["OMP_NUM_THREADS"] == "8"
+    assert engine_environment({}, {}, None)["OMP_NUM_THREADS"] == "1"
+    # Set by whoever started the bench (Ray's workers inherit it too), or by the model: kept.
+    assert engine_environment({"OMP_NUM_THREADS": "2"}, {}, 0.5)["OMP_NUM_THREADS"] == "2"
+    assert engine_environment({}, {"OMP_NUM_THREADS": "4"}, 0.5)["OMP_NUM_THREADS"] == "4"

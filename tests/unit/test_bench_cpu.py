@@ -235,3 +235,12 @@ def test_the_host_table_reads_this_process_its_socket_and_its_cpu():
     env = table.engine_env(me.pid, ["OMP_NUM_THREADS", "PATH"])
     assert env["nice"] == os.nice(0) and set(env["affinity"]) == os.sched_getaffinity(0)
     assert env["env"]["PATH"] == os.environ["PATH"] and sum(env["thread_affinities"].values()) == env["threads"]
+
+
+def test_an_environment_block_is_read_whole_even_when_a_set_title_left_empty_entries_first():
+    """vLLM's engine core sets its title (setproctitle), which can leave its environ block
+    starting with empty entries; psutil reads nothing then, and the engine check read None."""
+    from serve_app.bench.host import parse_environ
+
+    block = b"\0\0\0OMP_NUM_THREADS=1\0VLLM_CPU_KVCACHE_SPACE=1\0A=b=c\0\0"
+    assert parse_environ(block) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "A": "b=c"}

@@ -144,6 +144,15 @@ def test_the_agent_workloads_local_config_runs_two_cached_replicas_compared_with
     assert args.router.num_cpus + 2 * 2 * model.resources.num_cpus <= 2
 
 
+def test_the_benchmarks_local_config_is_the_local_chat_model_alone_with_the_same_settings():
+    """configs/local-bench.yaml (``serve-app bench``): one engine, as bare vLLM runs, and exactly
+    configs/local.yaml's chat model and router, so a figure measured on it holds for ``make run``."""
+    bench = parse_app_args(app_args(load_serve_config("local-bench.yaml")))
+    local = parse_app_args(app_args(load_serve_config("local.yaml")))
+    assert [model.id for model in bench.models] == ["qwen-3.6-35b-a3b"]
+    assert bench.models[0] == local.models[0] and bench.router == local.router and bench.auth == local.auth
+
+
 def test_local_config_serves_the_tiny_models_on_cpu_under_the_canonical_ids():
     config = load_serve_config("local.yaml")
     assert config["http_options"]["host"] == "127.0.0.1"

@@ -249,7 +249,9 @@ def test_every_region_has_its_serve_config_and_terraform_and_nothing_else_does()
         assert (REPO / "configs" / f"{region_id}.yaml").is_file()
         assert (REPO / "terraform" / "regions" / region_id / "main.tf").is_file()
         assert (REPO / "terraform" / "regions" / region_id / "generated.auto.tfvars.json").is_file()
-    configs = {p.stem for p in (REPO / "configs").glob("*.yaml")} - {"local", "local-agent"}
+    local = {Path(config).stem for config in serve_config.LOCAL_SOURCES}
+    assert local == {"local", "local-agent", "local-bench"}
+    configs = {p.stem for p in (REPO / "configs").glob("*.yaml")} - local
     roots = {p.parent.name for p in (REPO / "terraform" / "regions").glob("*/*.tf")}
     assert configs == set(REGIONS), "a GPU Serve config without a region file"
     assert roots == set(REGIONS), "a Terraform region root without a region file"
