@@ -69,9 +69,10 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
     whose engine fails mid-answer goes on from another replica where it can (``resume.py``): the
     client sees one stream.
 
-    A replica on this node gets the client's connection (``link.socket``, once the response's
-    head is written) and writes its bytes there itself (``wire/handoff.py``); only its first
-    write comes here too, and, if its engine fails, what it wrote."""
+    With the hand-off on (``router.hand_off_streams``), a replica on this node gets the client's
+    connection (``link.socket``, once the response's head is written) and writes its bytes there
+    itself (``wire/handoff.py``); only its first write comes here too, and, if its engine fails,
+    what it wrote."""
     dialect = ctx.surface.dialect
     opening = bytearray()  # the stream's bytes until its first event is whole
     first: dict | None = None  # the first event: the timing chunk reuses its id

@@ -1,4 +1,6 @@
-"""The byte socket between a router and a model replica: one TCP connection per request.
+"""The byte socket between a router and a model replica: one TCP connection per request (or,
+for a router on the replica's node, one on the replica's Unix listener, whose line and hand-off
+``handoff.py`` describes).
 
 Tokens never cross a DeploymentHandle (docs/architecture.md, "The token path"). The handle call
 carries control; when the replica has bytes for the router (a stream) or must learn that the
