@@ -29,6 +29,7 @@ from serve_app.bench.schedule import BASELINE, OURS
 from serve_app.bench.setting import bench_setting, config_with, summary_table
 from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
+from serve_app.devtools.local_services import wait_healthy
 from serve_app.paths import REPO_ROOT
 
 # Options both commands take.
@@ -387,16 +388,7 @@ def setting(
 
 
 async def _until_healthy(url: str, timeout_s: float = 120.0) -> None:
-    """After a deploy: Serve applies a user_config within a second or two; wait for that and for
-    /health to answer 200 again."""
+    """After a deploy: Serve applies a user_config within a second or two; wait for that, then for
+    /health to answer 200 (``wait_healthy``: RuntimeError past ``timeout_s``)."""
     await asyncio.sleep(3.0)
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
-        while asyncio.get_running_loop().time() < deadline:
-            try:
-                if (await client.get(f"{url}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(1.0)
-    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s of the deploy")
+    await asyncio.to_thread(wait_healthy, url, timeout_s, poll_s=1.0)

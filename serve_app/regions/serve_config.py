@@ -207,7 +207,7 @@ LAYOUT_NOTE = (
 LOCAL_SOURCE = "regions/local/serve.yaml"  # the local region's settings, not a GPU region file
 # Every local config and the file its settings come from: the embedded default (`make run`, the
 # tests), the agent workload's two replicas with prefix caching on (`serve-app bench-agent`) and
-# the benchmark's chat model alone (`make run-bench`, `serve-app bench`).
+# the benchmark's chat model alone (`make run SERVE_CONFIG=configs/local-bench.yaml`, `serve-app bench`).
 LOCAL_SOURCES = {"configs/local.yaml": LOCAL_SOURCE, "configs/local-agent.yaml": "regions/local/agent.yaml",
                  "configs/local-bench.yaml": "regions/local/bench.yaml"}
 
