@@ -4,7 +4,9 @@
 import os
 from collections.abc import Sequence
 
-from serve_app.bench.procs import Proc
+from serve_app.bench.procs import MAIN_THREAD, Proc
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class PsutilTable:
@@ -67,6 +69,24 @@ class PsutilTable:
         # guest time is already inside user on Linux; counting it twice would invent load
         return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
+    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
+        try:
+            if self._process(pid, create_time) is None:
+                return None
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess, OSError):
+            return None
+        by_name: dict[str, float] = {}
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                    name, seconds = parse_thread_stat(stat.read())
+            except (OSError, ValueError, IndexError):  # the thread ended between the listing and the read
+                continue
+            name = MAIN_THREAD if tid == str(pid) else name
+            by_name[name] = by_name.get(name, 0.0) + seconds
+        return by_name
+
     def engine_env(self, pid: int, names: Sequence[str]) -> dict:
         psutil = self._psutil
         out: dict = {}
@@ -93,6 +113,14 @@ def _environ(pid: int) -> dict[str, str]:
     setproctitle) can start its block with empty entries: psutil then reads nothing at all."""
     with open(f"/proc/{pid}/environ", "rb") as block:
         return parse_environ(block.read())
+
+
+def parse_thread_stat(line: str) -> tuple[str, float]:
+    """``/proc/<pid>/task/<tid>/stat`` → (the thread's name, utime + stime in seconds). The name is
+    between the first ``(`` and the last ``)``: it may hold spaces and parentheses itself."""
+    name = line[line.index("(") + 1:line.rindex(")")]
+    fields = line[line.rindex(")") + 2:].split()
+    return name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def parse_environ(block: bytes) -> dict[str, str]:

@@ -5,16 +5,26 @@ raylet, dashboard and its agents, the Serve controller, proxy and HAProxy manage
 rate-limit actor, the router and model replicas and their vLLM engine cores, the driver),
 sampled twice ``seconds`` apart with no request sent; per process and per group, % of one core
 = 100 × CPU-seconds / seconds. Issue #24's target for the whole service is 5 % of one core.
+
+Each process's CPU is also split by thread (``ProcessTable.thread_cpu``: ``/proc/<pid>/task``,
+threads of one name summed, the first thread called ``main``), so the table says what an idle
+process spends its CPU on: in every Ray worker the ``main`` thread is Ray's core worker waking it
+every 10 ms to check for signals (about 0.7 % of a core per process on the 2-core host, fixed in
+Ray's C++), ``client.poll*`` and ``grpc_global_tim``/``event_engine`` are gRPC's pollers and
+timers, an asyncio actor's event loop runs in a thread named after what the process was before
+its title was set (``ray::IDLE``), ``gloo_tcp_loop`` is torch's process group in vLLM's CPU
+worker (docs/benchmarks.md, "The idle floor").
 """
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from serve_app.bench.cpu import Meter
-from serve_app.bench.procs import GROUPS, OURS, ProcessTable, discover
+from serve_app.bench.procs import GROUPS, MAIN_THREAD, OURS, ProcessTable, Tracked, discover
 
 DEFAULT_TARGET_PCT = 5.0
+THREAD_ROWS = 12  # of the by-name table; a process's column shows its three busiest
 
 
 def measure_idle(
@@ -27,39 +37,71 @@ def measure_idle(
     clock: Callable[[], float] | None = None,
     client_pid: int | None = None,
 ) -> dict[str, Any]:
-    """``{"seconds", "processes": [{"group", "process", "pid", "pct_core"}], "groups", "total_pct",
-    "target_pct", "within_target", "exited", "missed"}``; DiscoveryError if no cluster serves ``port``."""
+    """``{"seconds", "processes": [{"group", "process", "pid", "pct_core", "threads"}], "groups",
+    "threads", "total_pct", "target_pct", "within_target", "exited", "missed"}``; a process's
+    ``threads`` and the top-level ``threads`` (every process's, by name) are % of one core, busiest
+    first. DiscoveryError if no cluster serves ``port``."""
     sleep, clock = sleep or time.sleep, clock or time.monotonic
     meter = Meter(table, lambda: [t for t in discover(table, ours_port=port, client_pid=client_pid)
                                   if t.side == OURS], clock=clock)
     before = meter.snapshot()
+    threads_before = _threads(table, meter.tracked.values())
     sleep(seconds)
-    cpu = meter.cpu_between(before, meter.snapshot())
+    after = meter.snapshot()
+    threads_after = _threads(table, meter.tracked.values())
+    cpu = meter.cpu_between(before, after)
     elapsed = cpu["window_s"]
     pct = (lambda used: 100 * used / elapsed) if elapsed > 0 else (lambda used: 0.0)
     side = cpu["sides"].get(OURS, {"total": 0.0, "groups": {}, "processes": {}})
     tracked = {f"{t.label} [{t.pid}]": t for t in meter.tracked.values()}
-    rows = [{"group": tracked[key].group, "process": tracked[key].label, "pid": tracked[key].pid,
-             "pct_core": pct(used)} for key, used in side["processes"].items()]
+    rows, by_name = [], {}
+    for key, used in side["processes"].items():
+        t = tracked[key]
+        # a process seen at the start is charged what its threads used since; one born in the
+        # window, all of it (as its process total is, Meter.cpu_between)
+        start = threads_before.get(t.pid, {}) if t.pid in before.cpu else {}
+        threads = {name: pct(value - start.get(name, 0.0)) for name, value in threads_after.get(t.pid, {}).items()}
+        threads = {name: value for name, value in threads.items() if value > 0}
+        for name, value in threads.items():
+            by_name[name] = by_name.get(name, 0.0) + value
+        rows.append({"group": t.group, "process": t.label, "pid": t.pid, "pct_core": pct(used),
+                     "threads": _busiest(threads)})
     order = {g: i for i, g in enumerate(GROUPS)}
     groups = {g: pct(v) for g, v in sorted(side["groups"].items(), key=lambda kv: order.get(kv[0], len(order)))}
     total = pct(side["total"])
     return {"seconds": elapsed, "processes": sorted(rows, key=lambda r: -r["pct_core"]), "groups": groups,
-            "total_pct": total, "target_pct": target_pct, "within_target": total <= target_pct,
-            "exited": cpu["exited"], "missed": cpu["missed"]}
+            "threads": _busiest(by_name), "total_pct": total, "target_pct": target_pct,
+            "within_target": total <= target_pct, "exited": cpu["exited"], "missed": cpu["missed"]}
+
+
+def _threads(table: ProcessTable, tracked: Iterable[Tracked]) -> dict[int, dict[str, float]]:
+    return {t.pid: used for t in tracked if (used := table.thread_cpu(t.pid, t.create_time)) is not None}
+
+
+def _busiest(threads: Mapping[str, float]) -> dict[str, float]:
+    return dict(sorted(threads.items(), key=lambda kv: -kv[1]))
 
 
 def idle_text(result: Mapping[str, Any]) -> str:
-    """The table the command prints: every process, busiest first, then the groups and the total."""
+    """The table the command prints: every process, busiest first, with its busiest threads; then
+    the groups, the threads by name across processes, and the total."""
     from serve_app.bench.report import md_table
 
-    rows = [[r["group"], r["process"], str(r["pid"]), f"{r['pct_core']:.2f} %"] for r in result["processes"]]
+    rows = [[r["group"], r["process"], str(r["pid"]), f"{r['pct_core']:.2f} %", _thread_list(r.get("threads", {}))]
+            for r in result["processes"]]
     groups = [[g, f"{v:.2f} %"] for g, v in sorted(result["groups"].items(), key=lambda kv: -kv[1])]
+    threads = [[name, f"{v:.2f} %"] for name, v in list(result.get("threads", {}).items())[:THREAD_ROWS]]
     verdict = "within" if result["within_target"] else "OVER"
     return "\n\n".join([
         f"Idle CPU of the local service over {result['seconds']:.1f} s, % of one core:",
-        md_table(["group", "process", "pid", "CPU"], rows),
+        md_table(["group", "process", "pid", "CPU", "busiest threads"], rows),
         md_table(["group", "CPU"], groups),
+        f"By thread name, every process ({MAIN_THREAD}: a process's first thread):",
+        md_table(["thread", "CPU"], threads),
         f"total {result['total_pct']:.2f} % of one core: {verdict} the target of {result['target_pct']:.1f} %",
         *([f"exited while sampled (last seconds not counted): {', '.join(result['exited'])}"] if result["exited"] else []),
     ])
+
+
+def _thread_list(threads: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {value:.2f}" for name, value in list(threads.items())[:3]) or "—"

@@ -31,6 +31,9 @@ from typing import Protocol
 from serve_app.haproxy.state_dirs import NODE_ID
 
 OURS, BASELINE, CLIENT = "ours", "baseline", "client"
+# A process's first thread: in a Ray worker, the one Ray's core worker wakes every 10 ms to check
+# for signals (``CoreWorker::RunTaskExecutionLoop``), whatever the actor does.
+MAIN_THREAD = "main"
 SESSION = re.compile(r"session_\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d+_\d+")
 # Flags whose value names the session (its name, or a directory inside /tmp/ray/<session>/).
 SESSION_FLAGS = ("--session-name=", "--session_name=", "--session-dir=", "--session_dir=", "--logs-dir=",
@@ -80,6 +83,11 @@ class ProcessTable(Protocol):
 
     def host_busy_s(self) -> float | None:
         """The whole host's busy CPU-seconds since boot (every core, every process)."""
+        ...
+
+    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
+        """utime + stime per thread of that process, summed by thread name (``MAIN_THREAD`` for
+        the thread whose id is the pid); None once it is gone (or its pid is someone else's)."""
         ...
 
     def engine_env(self, pid: int, names: Sequence[str]) -> dict:

@@ -8,7 +8,7 @@ how busy each process is and reads exact CPU-seconds back.
 
 from dataclasses import dataclass, field
 
-from serve_app.bench.procs import Proc
+from serve_app.bench.procs import MAIN_THREAD, Proc
 
 S = "session_2026-12-01_23-15-00_123456_7890"
 S2 = "session_2026-12-02_08-00-00_654321_1111"
@@ -101,6 +101,7 @@ class FakeTable:
     base: dict[int, float] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
     envs: dict[int, dict] = field(default_factory=dict)
+    thread_shares: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: share}
 
     def processes(self) -> list[Proc]:
         return [p for p in self.procs if p.pid not in self.gone]
@@ -117,6 +118,12 @@ class FakeTable:
     def host_busy_s(self) -> float | None:
         every = sum(self.cpu_seconds(p.pid, p.create_time) or 0.0 for p in self.processes())
         return every + self.base.get(OTHER_TENANT, 0.0) + self.rates.get(OTHER_TENANT, 0.0) * self.clock.now
+
+    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
+        used = self.cpu_seconds(pid, create_time)
+        if used is None:
+            return None
+        return {name: share * used for name, share in self.thread_shares.get(pid, {MAIN_THREAD: 1.0}).items()}
 
     def engine_env(self, pid: int, names) -> dict:
         return self.envs.get(pid, {"nice": 15, "affinity": [0, 1], "threads": 4, "thread_affinities": {"0-1": 4},

@@ -3,6 +3,7 @@ the batch's CPU and CPU per 1,000 tokens, the idle command. Fake process tables 
 (tests/unit/fake_processes.py); no Ray, no vLLM."""
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -200,14 +201,22 @@ def test_idle_reports_every_process_in_percent_of_a_core_against_the_target():
     for pid, cores in {220: 0.058, 201: 0.024, 224: 0.022, 203: 0.03, 204: 0.02, 223: 0.017, 225: 0.016,
                        221: 0.012, 227: 0.011, 202: 0.01, 301: 0.5, CLIENT_PID: 0.9}.items():
         table.set_rate(pid, cores)
+    table.thread_shares[220] = {"main": 0.25, "ray::IDLE": 0.75}  # the controller's loop in its own thread
+    table.thread_shares[201] = {"main": 0.5, "client.poll0": 0.5}
     result = measure_idle(table, 8000, 30, sleep=clock.sleep_sync, clock=clock, client_pid=CLIENT_PID)
     assert result["seconds"] == pytest.approx(30)
     assert result["total_pct"] == pytest.approx(22.0)  # bare vLLM and the command itself are not the service
     assert result["processes"][0] == {"group": "controller", "process": "ray::ServeController", "pid": 220,
-                                      "pct_core": pytest.approx(5.8)}
+                                      "pct_core": pytest.approx(5.8),
+                                      "threads": {"ray::IDLE": pytest.approx(4.35), "main": pytest.approx(1.45)}}
     assert result["groups"]["dashboard"] == pytest.approx(5.0) and not result["within_target"]
+    # across processes, by thread name: every other process's CPU is its main thread's here
+    assert list(result["threads"]) == ["main", "ray::IDLE", "client.poll0"]
+    assert result["threads"]["client.poll0"] == pytest.approx(1.2)
+    assert sum(result["threads"].values()) == pytest.approx(result["total_pct"])
     text = idle_text(result)
-    assert "| controller | ray::ServeController | 220 | 5.80 % |" in text
+    assert "| controller | ray::ServeController | 220 | 5.80 % | ray::IDLE 4.35, main 1.45 |" in text
+    assert "| client.poll0 | 1.20 % |" in text
     assert "total 22.00 % of one core: OVER the target of 5.0 %" in text
     quiet = FakeTable(clock)
     quiet.set_rate(220, 0.01)
@@ -235,6 +244,45 @@ def test_the_host_table_reads_this_process_its_socket_and_its_cpu():
     env = table.engine_env(me.pid, ["OMP_NUM_THREADS", "PATH"])
     assert env["nice"] == os.nice(0) and set(env["affinity"]) == os.sched_getaffinity(0)
     assert env["env"]["PATH"] == os.environ["PATH"] and sum(env["thread_affinities"].values()) == env["threads"]
+
+
+def test_the_host_table_splits_a_process_cpu_by_thread_name():
+    import os
+    import threading
+
+    from serve_app.bench.host import PsutilTable
+
+    table = PsutilTable()
+    me = next(p for p in table.processes() if p.pid == os.getpid())
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, name="spinner")
+    worker.start()
+    # Linux names a thread only when asked to (pthread_setname_np); Python's name is not the OS's
+    with open(f"/proc/{os.getpid()}/task/{worker.native_id}/comm", "w") as comm:
+        comm.write("idle-test-spin")
+    deadline = time.monotonic() + 30
+    try:  # read while it runs: a thread that ended is not listed (its CPU stays in the process's)
+        while (threads := table.thread_cpu(me.pid, me.create_time)).get("idle-test-spin", 0) < 0.05:
+            assert time.monotonic() < deadline, threads
+            time.sleep(0.05)
+    finally:
+        done.set()
+        worker.join()
+    assert threads["main"] > 0 and "spinner" not in threads  # this thread, and the OS's name only
+    assert sum(threads.values()) <= table.cpu_seconds(me.pid, me.create_time) + 0.05
+    assert table.thread_cpu(me.pid, me.create_time + 5) is None
+
+
+def test_a_thread_name_may_hold_spaces_and_parentheses():
+    from serve_app.bench.host import CLOCK_TICKS, parse_thread_stat
+
+    fields = ["S"] + ["0"] * 10 + [str(3 * CLOCK_TICKS), str(CLOCK_TICKS)] + ["0"] * 30
+    assert parse_thread_stat(f"1234 (a (b) c) {' '.join(fields)}\n") == ("a (b) c", pytest.approx(4.0))
 
 
 def test_an_environment_block_is_read_whole_even_when_a_set_title_left_empty_entries_first():
