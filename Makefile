@@ -27,8 +27,11 @@ run: export SERVE_APP_DEV_API_KEY := $(SERVE_APP_DEV_API_KEY)
 # to the router's own port (direct ingress): docs/architecture.md, "The token path".
 run: export RAY_SERVE_ENABLE_HA_PROXY := 1
 run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
-# The Serve controller's loop every 0.5 s instead of 0.1 s: its idle cost (serve_app/app.py).
+# What an idle cluster costs (serve_app/app.py IDLE_ENV): the Serve controller's loop every 0.5 s
+# instead of 0.1 s, no idle worker kept in the raylet's pool, Serve's metrics handed on every 1 s.
 run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 0.5
+run: export RAY_num_workers_soft_limit := 0
+run: export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS := 1000
 # Through serve_app's launcher, which keeps HAProxy's stats (8404) and metrics (9101) on 127.0.0.1
 # and clears stale /tmp/haproxy-serve/<node> directories (serve_app/haproxy/, docs/operations.md).
 run: export RAY_SERVE_HAPROXY_BINARY_PATH := $(abspath $(BIN))/serve-app-haproxy

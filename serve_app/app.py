@@ -30,11 +30,20 @@ logger = module_logger(__name__)
 # (direct ingress), so no response crosses a Ray hop between the router and the client. Ray runs
 # it through serve_app's launcher, which keeps its stats page and metrics exporter on loopback
 # (Ray binds them to every interface; serve_app/haproxy/).
-# The Serve controller's loop every 0.5 s, not Ray's 0.1 s: idle, it was the cluster's busiest
-# process (8 % of a core on 2 cores, 3 % at 0.5 s); a replica's health, autoscaling and a deploy
-# are handled half a second later at most (docs/benchmarks.md, "The idle tax").
-CONTROL_LOOP_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
-RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **CONTROL_LOOP_ENV}
+# What an idle cluster costs (docs/benchmarks.md, "The idle tax", "The idle floor"):
+# - the Serve controller's loop every 0.5 s, not Ray's 0.1 s: idle, it was the cluster's busiest
+#   process (8 % of a core on 2 cores, 3 % at 0.5 s); a replica's health, autoscaling and a deploy
+#   are handled half a second later at most;
+# - no idle worker kept in the raylet's pool (Ray keeps up to one per CPU): every process of ours
+#   is an actor with a worker of its own, and Serve builds each application in a one-call task,
+#   so a pooled worker only ever waits, at ~0.7 % of a core (its main thread, which Ray's core
+#   worker wakes every 10 ms); an unused one is now stopped after 1 s;
+# - Serve's cached metrics handed to Ray's metrics API every 1 s, not every 100 ms: every router,
+#   replica and proxy ran that loop ten times a second (their event-loop threads, idle: 2.0 →
+#   1.5 % of a core); Ray's agent exports every 10 s, so a scrape sees the same figures.
+IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_num_workers_soft_limit": "0",
+            "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams).
 LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1"}

@@ -238,8 +238,8 @@ def test_make_run_and_the_package_name_the_same_launcher():
     exports = dict(re.findall(r"^run: export (\w+) := (.*)$", (REPO / "Makefile").read_text(), re.M))
     assert exports["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert exports[BINARY_PATH_ENV] == f"$(abspath $(BIN))/{LAUNCHER}"
-    from serve_app.app import CONTROL_LOOP_ENV
+    from serve_app.app import IDLE_ENV
 
-    assert {name: exports[name] for name in CONTROL_LOOP_ENV} == CONTROL_LOOP_ENV
+    assert {name: exports[name] for name in IDLE_ENV} == IDLE_ENV
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts[LAUNCHER] == "serve_app.haproxy.launch:main"

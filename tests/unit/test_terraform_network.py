@@ -171,10 +171,10 @@ def test_the_stream_ports_clear_rays_own_port_ranges():
 
 
 def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
-    from serve_app.app import CONTROL_LOOP_ENV
+    from serve_app.app import IDLE_ENV
 
     assert MOD(ENV["RAY_SERVE_ENABLE_HA_PROXY"]) == "1"
-    assert {name: MOD(ENV[name]) for name in CONTROL_LOOP_ENV} == CONTROL_LOOP_ENV  # as make run and the tests
+    assert {name: MOD(ENV[name]) for name in IDLE_ENV} == IDLE_ENV  # as make run and the tests
     launcher = MOD(ENV[BINARY_PATH_ENV])
     assert Path(launcher).name == LAUNCHER
     dockerfile = (REPO / "terraform" / "image" / "Dockerfile").read_text()
@@ -184,6 +184,14 @@ def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
     for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
         (container,) = group["template"]["spec"]["containers"]
         assert container["env"] == "${local.pod_env}"
+
+
+def test_no_node_of_a_region_runs_rays_log_monitor():
+    """It only pushes log lines to drivers; a region has none, and it polls every file 10×/s."""
+    params = [{unquote(k): unquote(v) for k, v in group["rayStartParams"].items()}
+              for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP)]
+    assert [p["include-log-monitor"] for p in params] == ["false", "false"]
+    assert params[0]["dashboard-host"] == "0.0.0.0"  # serve deploy reaches the head's dashboard
 
 
 def test_stream_tls_is_off_unless_a_region_names_its_secret_and_then_both_ends_get_the_files():

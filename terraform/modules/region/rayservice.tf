@@ -22,8 +22,12 @@ locals {
     # loopback, not its IP (serve_app/haproxy/; the image links the launcher there).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
     { name = "RAY_SERVE_HAPROXY_BINARY_PATH", value = local.haproxy_launcher },
-    # The Serve controller's loop every 0.5 s, not 0.1 s: its idle cost (serve_app.app.CONTROL_LOOP_ENV).
+    # What an idle cluster costs (serve_app.app.IDLE_ENV): the Serve controller's loop every 0.5 s,
+    # not 0.1 s; no idle worker kept in the raylet's pool (each costs ~0.7 % of a core doing
+    # nothing); Serve's cached metrics handed to Ray's every 1 s, not 100 ms.
     { name = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", value = "0.5" },
+    { name = "RAY_num_workers_soft_limit", value = "0" },
+    { name = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", value = "1000" },
     # The model replicas' stream listeners take their port from this range, the one the
     # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
@@ -112,8 +116,11 @@ resource "kubernetes_manifest" "rayservice" {
         }
 
         # The head runs the Serve controller, the routers and a proxy; no GPU, no model.
+        # No log monitor on any node: it polls every log file ten times a second (~1 % of a core,
+        # idle) to push their lines to a driver's terminal, and a region has no driver (serve
+        # deploy goes through the dashboard; logs are read from files: docs/operations.md).
         headGroupSpec = {
-          rayStartParams = { "dashboard-host" = "0.0.0.0" }
+          rayStartParams = { "dashboard-host" = "0.0.0.0", "include-log-monitor" = "false" }
           template = {
             metadata = { labels = local.labels }
             spec = {
@@ -143,7 +150,7 @@ resource "kubernetes_manifest" "rayservice" {
           replicas       = var.region.gpu_workers.min
           minReplicas    = var.region.gpu_workers.min
           maxReplicas    = var.region.gpu_workers.max
-          rayStartParams = {}
+          rayStartParams = { "include-log-monitor" = "false" }
           template = {
             metadata = { labels = local.labels }
             spec = {
