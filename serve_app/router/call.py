@@ -42,9 +42,10 @@ LAST_ITEM_WAIT_S = 10.0
 
 
 class ReplicaCall:
-    """One call of ``method`` on the model's deployment (``handle`` is ``options(stream=True)``)."""
+    """One call on the model's deployment: ``method`` is its handle's method, ``options(stream=True)``
+    (``Services.method_handle``)."""
 
-    def __init__(self, handle: DeploymentHandle, method: str, call: Call, model: str, region: str):
+    def __init__(self, method: DeploymentHandle, call: Call, model: str, region: str):
         self.model, self.region = model, region
         self.head: Head | None = None
         self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -54,7 +55,7 @@ class ReplicaCall:
         self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
         self.ended = False  # the call's last item has been read (or it was given up)
         self._started = time.perf_counter()
-        self._items = detached(lambda: getattr(handle, method).remote(call))
+        self._items = detached(lambda: method.remote(call))
 
     async def first(self) -> Head:
         """The replica's head; a shed or dead replica is a 503 (``overloaded``, ``replica_unavailable``,

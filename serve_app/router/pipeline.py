@@ -203,7 +203,7 @@ async def call(ctx: Context) -> Head:
         # The conversation it continues: the model's request router keeps it on one replica.
         session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),
     )
-    ctx.call = ReplicaCall(services.handles[ctx.model], ctx.surface.name, wire_call, ctx.model, services.region)
+    ctx.call = ReplicaCall(services.method_handle(ctx.model, ctx.surface.name), wire_call, ctx.model, services.region)
     head = await ctx.call.first()
     if isinstance(head, Accepted):
         return await ctx.call.answer()

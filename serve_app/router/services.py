@@ -85,6 +85,7 @@ class Services:
     resume_window_s: float = 30.0  # ...each within this long of the failure
     resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's
     created: int = field(default_factory=lambda: int(time.time()))
+    _method_handles: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.served = self.served or tuple(model.id for model in self.args.models)
@@ -174,6 +175,15 @@ class Services:
         await self.responses.store.aclose()
         await self.meter.aclose()
         await self.forwarder.aclose()
+
+    def method_handle(self, model: str, method: str) -> Any:
+        """``handles[model]``'s ``method``, made once: Serve builds a new handle for every attribute
+        read (``DeploymentHandle.options``, ~1 % of the router's CPU under load). A model's handle
+        is never replaced (``reconfigure`` only adds), so neither is its methods'."""
+        found = self._method_handles.get((model, method))
+        if found is None:
+            found = self._method_handles[(model, method)] = getattr(self.handles[model], method)
+        return found
 
     async def caller(self, request: Any, scope: str = SCOPE_INFERENCE, *, api_key_header: bool = False) -> Principal:
         """Who sent ``request`` (401 / 403): its one credential, valid here and holding ``scope``."""

@@ -78,6 +78,7 @@ class InProcessHandle:
     def __init__(self, server, *more):
         self.servers = (server, *more)
         self.calls: list[InProcessCall] = []
+        self.methods_made = 0  # attribute reads: Serve builds a new handle for each
 
     @property
     def server(self):
@@ -85,6 +86,7 @@ class InProcessHandle:
 
     def __getattr__(self, method):
         handle = self
+        self.methods_made += 1
 
         class Method:
             def remote(self, call):

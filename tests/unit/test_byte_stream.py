@@ -87,7 +87,7 @@ async def _start(events, *, hold=None, trailer=TRAILER):
     replica = asyncio.create_task(_replica(server, ticket, future, events, done, hold))
     handle_call = FakeHandleCall(StreamOpen(server.address, ticket), done, trailer)
     ctx = bare_context()
-    ctx.call = ReplicaCall(FakeHandle(handle_call), "chat", Call({}, ctx.id), "m", "local")
+    ctx.call = ReplicaCall(FakeHandle(handle_call).chat, Call({}, ctx.id), "m", "local")
     await ctx.call.first()
     return server, replica, handle_call, ctx
 
@@ -181,7 +181,7 @@ def test_an_unreachable_listener_is_a_503_the_router_can_fail_over_on():
         server.close()
         await server._server.wait_closed()
         stream = FakeHandleCall(StreamOpen(address, "t" * 32), asyncio.Event())
-        call = ReplicaCall(FakeHandle(stream), "chat", Call({}, "r"), "m", "local")
+        call = ReplicaCall(FakeHandle(stream).chat, Call({}, "r"), "m", "local")
         with pytest.raises(APIError) as raised:
             await call.first()
         return stream, raised.value

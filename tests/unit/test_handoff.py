@@ -56,7 +56,7 @@ async def _serve(engine: FakeEngine, *, hand_off: bool = True):
         body = json.loads(await request.body())
         ctx = bare_context(model=MODEL)
         ctx.services.hand_off = hand_off
-        ctx.call = ReplicaCall(InProcessHandle(replica), "chat", Call(body, ctx.id), MODEL, "local")
+        ctx.call = ReplicaCall(InProcessHandle(replica).chat, Call(body, ctx.id), MODEL, "local")
         contexts.append(ctx)
         await ctx.call.first()
         return relay.stream(ctx)
@@ -154,7 +154,7 @@ def test_a_router_that_keeps_the_bytes_gets_what_the_client_has_in_the_trailer_o
 
     async def scenario():
         replica = await model_server(FakeEngine(tokens=10, fail_after=3, dies=True))
-        call = ReplicaCall(InProcessHandle(replica), "chat", Call({**STREAM, "max_tokens": 10}, "r1"), MODEL, "local")
+        call = ReplicaCall(InProcessHandle(replica).chat, Call({**STREAM, "max_tokens": 10}, "r1"), MODEL, "local")
         await call.first()
         ours, theirs = socket.socketpair()
         try:

@@ -32,7 +32,7 @@ _server = model_server
 async def _answered(engine: FakeEngine, body: dict):
     """The replica's first item and its answer, read as the router reads them (it connects to the
     hang-up line an ``Accepted`` names)."""
-    call = ReplicaCall(InProcessHandle(await _server(engine)), "chat", Call(body, "req-1"), MODEL, "local")
+    call = ReplicaCall(InProcessHandle(await _server(engine)).chat, Call(body, "req-1"), MODEL, "local")
     first = await call.first()
     return first, await call.answer()
 
@@ -72,8 +72,7 @@ def test_a_refusal_is_a_head_with_its_status_and_no_trailer():
 @pytest.mark.parametrize("dies, status, code", [(True, 503, "engine_unavailable"), (False, 500, "internal")])
 def test_an_engine_failure_before_the_answer_is_an_error_head_never_an_exception(dies, status, code):
     async def scenario():
-        call = ReplicaCall(InProcessHandle(await _server(FakeEngine(fail_before=True, dies=dies))), "chat",
-                           Call(dict(CHAT), "req-1"), MODEL, "local")
+        call = ReplicaCall(InProcessHandle(await _server(FakeEngine(fail_before=True, dies=dies))).chat, Call(dict(CHAT), "req-1"), MODEL, "local")
         first = await call.first()
         return first, await call._items.__anext__()  # read as it comes: the router would fail over on 503
 
@@ -88,7 +87,7 @@ async def _relay(engine: FakeEngine, body: dict, *, leave_after: int | None = No
     server = await _server(engine)
     ctx = bare_context(model=MODEL)
     handle = InProcessHandle(server)
-    ctx.call = ReplicaCall(handle, "chat", Call(body, ctx.id), MODEL, "local")
+    ctx.call = ReplicaCall(handle.chat, Call(body, ctx.id), MODEL, "local")
     await ctx.call.first()
     events = relay.events(ctx)
     chunks = []

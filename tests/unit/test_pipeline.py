@@ -106,3 +106,19 @@ def test_a_half_open_client_frees_its_engine_slot_within_the_stall_bound_and_is_
         client.close()
         server.should_exit = True
         serving.result(timeout=10)
+
+
+def test_a_model_method_handle_is_made_once_not_per_request(router_app):
+    """Serve's ``handle.<method>`` builds a new handle each time (``DeploymentHandle.options``):
+    the router makes each model's method handle once and calls it for every request."""
+    app = router_app()
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True, False):
+        answer = app.client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=bearer(key))
+        assert answer.status_code == 200
+    completions = app.client.post("/v1/completions", json={"model": MODEL, "max_tokens": 4, "prompt": "hi"},
+                                  headers=bearer(key))
+    assert completions.status_code == 200
+    handle = app.handles[MODEL]
+    assert len(handle.calls) == 4 and handle.methods_made == 2  # chat's and completions', once each

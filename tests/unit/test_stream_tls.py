@@ -93,7 +93,7 @@ def test_a_router_without_the_regions_ca_answers_503_replica_unavailable(region,
         await server.start()
         ticket, _ = server.expect()
         stream = FakeHandleCall(StreamOpen(server.address, ticket, tls=True), asyncio.Event())
-        call = ReplicaCall(FakeHandle(stream), "chat", Call({}, "r"), "m", "local")
+        call = ReplicaCall(FakeHandle(stream).chat, Call({}, "r"), "m", "local")
         with pytest.raises(APIError) as raised:
             await call.first()
         server.close()
