@@ -6,7 +6,9 @@ another OpenMP thread count, or pinned to other CPUs. So the benchmark reads, fo
 engine core of each side (``VLLM::EngineCore`` and its ``VLLM::Worker`` processes, where the
 model runs): niceness, the process's CPU affinity, its thread count and the CPU lists its
 threads are pinned to (vLLM's CPU backend binds its OpenMP threads one by one, and torch's
-thread pool shows up as those threads), and the environment variables that set them. Any field
+thread pool shows up as those threads), and the environment variables that set them (a process
+whose title was set can have lost the start of its environ block: what it lacks is read from the
+nearest ancestor that has it, and ``env_inherited`` names that ancestor's pid). Any field
 that differs between the sides is a warning printed on stderr, at the top of the Markdown report
 and in the JSON.
 """

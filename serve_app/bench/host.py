@@ -100,11 +100,49 @@ class PsutilTable:
             return out
         try:
             environ = _environ(pid)
-            out["env"] = {name: environ.get(name) for name in names}
         except OSError:
             out["env"] = None
+        else:
+            own = {name: environ.get(name) for name in names}
+            ancestors = _ancestor_environs(p) if _retitled(pid) else []
+            out["env"], inherited = fill_from_ancestors(own, ancestors)
+            if inherited:
+                out["env_inherited"] = inherited
         out["thread_affinities"] = _thread_affinities(pid)
         return out
+
+
+def fill_from_ancestors(own: dict[str, str | None], ancestors: Sequence[tuple[int, dict[str, str]]]
+                        ) -> tuple[dict[str, str | None], dict[str, int]]:
+    """A retitled process's missing variables, from the nearest ancestor that has them (its title
+    overwrote the start of its environ block, which the kernel still reports; vLLM's worker loses
+    OMP_NUM_THREADS that way under bare vLLM). The values and ``{name: the pid it was read from}``."""
+    env, inherited = dict(own), {}
+    for name, value in own.items():
+        if value is None:
+            found = next(((pid, environ[name]) for pid, environ in ancestors if name in environ), None)
+            if found is not None:
+                inherited[name], env[name] = found
+    return env, inherited
+
+
+def _retitled(pid: int) -> bool:
+    """setproctitle pads the title it writes over argv with NULs: a run of them ends the cmdline."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().endswith(b"\0\0")
+    except OSError:
+        return False
+
+
+def _ancestor_environs(process, levels: int = 3) -> list[tuple[int, dict[str, str]]]:
+    found = []
+    for parent in process.parents()[:levels]:
+        try:
+            found.append((parent.pid, _environ(parent.pid)))
+        except OSError:
+            continue
+    return found
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -292,3 +292,17 @@ def test_an_environment_block_is_read_whole_even_when_a_set_title_left_empty_ent
 
     block = b"\0\0\0OMP_NUM_THREADS=1\0VLLM_CPU_KVCACHE_SPACE=1\0A=b=c\0\0"
     assert parse_environ(block) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "A": "b=c"}
+
+
+def test_a_retitled_process_missing_variables_are_read_from_the_nearest_ancestor_that_has_them():
+    """Bare vLLM's worker: its title overwrote the start of its environ block, so OMP_NUM_THREADS
+    read as missing there while its engine core (its parent) shows it."""
+    from serve_app.bench.host import fill_from_ancestors
+
+    own = {"OMP_NUM_THREADS": None, "VLLM_CPU_KVCACHE_SPACE": None, "MKL_NUM_THREADS": None, "A": "own"}
+    ancestors = [(20, {"VLLM_CPU_KVCACHE_SPACE": "1", "A": "parent"}), (10, {"OMP_NUM_THREADS": "1",
+                                                                             "VLLM_CPU_KVCACHE_SPACE": "9"})]
+    env, inherited = fill_from_ancestors(own, ancestors)
+    assert env == {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "MKL_NUM_THREADS": None, "A": "own"}
+    assert inherited == {"OMP_NUM_THREADS": 10, "VLLM_CPU_KVCACHE_SPACE": 20}
+    assert fill_from_ancestors(own, []) == (own, {})
