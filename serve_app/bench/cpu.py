@@ -58,15 +58,15 @@ class Meter:
         return self.floor_cores + self.margin_cores
 
     def refresh(self) -> None:
-        """Add processes born since (a new Ray worker, a reloaded HAProxy); keep the gone ones' labels."""
+        """Add processes born since (a new Ray worker, a reloaded HAProxy), take a living one's
+        group as it is now (a title set since: a run started while a replica loaded saw its engine
+        worker before vLLM titled it, and counted it as "other"); keep the gone ones' labels."""
         try:
             found = self.find()
         except DiscoveryError:  # e.g. the port between two HAProxy processes: keep what we know
             return
         for t in found:
-            known = self.tracked.get(t.pid)
-            if known is None or known.create_time != t.create_time:
-                self.tracked[t.pid] = t
+            self.tracked[t.pid] = t
 
     def _servers_cpu(self) -> float:
         total = 0.0

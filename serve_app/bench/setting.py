@@ -1,5 +1,6 @@
 """``serve-app bench-setting``: one router setting at two (or more) values, taking turns on one
-running service: what it changes in each process's CPU per 1,000 tokens, and in tokens/s.
+running service: what it changes in each process's CPU per 1,000 tokens, in tokens/s, and in the
+time to first token.
 
 Two services cannot run side by side on a small host (both engines would pin the same cores:
 docs/benchmarks.md), so the values take turns on the one running service. Before each batch the
@@ -8,7 +9,9 @@ Router's ``user_config`` gets the value (``serve deploy`` of the config with it:
 service is left to go quiet, and the batch runs: ``concurrency`` workers, each
 ``requests_per_worker`` streams back to back. The values' order turns every round (A B, B A, …),
 so a drift of the host over the run falls on both. CPU is counted per process of the cluster as
-``serve-app bench`` counts it (``cpu.Meter``); the summary is the mean over rounds per value.
+``serve-app bench`` counts it (``cpu.Meter``); the summary is the mean over rounds per value, and
+the TTFT percentiles of all its counted streams (a setting on the request's way to the engine shows
+there first: at one stream, a handle's transport is milliseconds of a ~25 ms TTFT).
 """
 
 import asyncio
@@ -22,6 +25,7 @@ import httpx
 from serve_app.bench.client import chat_body, stream_once
 from serve_app.bench.cpu import Meter
 from serve_app.bench.procs import OURS
+from serve_app.bench.stats import percentile
 from serve_app.regions.layout import ROUTER_DEPLOYMENT
 
 
@@ -63,7 +67,7 @@ async def batch(url: str, api_key: str | None, body: dict[str, Any], concurrency
     tokens = sum(run.completion_tokens for run in runs if run.ok)
     errors = [run.error for run in runs if not run.ok]
     return {"tokens": tokens, "wall_s": wall_s, "tok_s": tokens / wall_s if wall_s else None,
-            "requests": len(runs), "errors": errors}
+            "requests": len(runs), "errors": errors, "ttft_ms": [run.ttft_ms for run in runs if run.ok]}
 
 
 async def bench_setting(
@@ -100,14 +104,17 @@ async def bench_setting(
 
 
 def summary(batches: Sequence[dict[str, Any]], values: Sequence[Any]) -> list[dict[str, Any]]:
-    """Per value: mean tok/s and mean CPU-seconds per 1,000 tokens per process group over its batches."""
+    """Per value: mean tok/s and mean CPU-seconds per 1,000 tokens per process group over its
+    batches; TTFT p50 and p95 over all its counted streams."""
     out = []
     for value in values:
         mine = [b for b in batches if b["value"] == value]
         groups = sorted({g for b in mine for g in b.get("cpu_per_1k", {})})
+        ttfts = [ttft for b in mine for ttft in b.get("ttft_ms", ())]
         out.append({
             "value": value, "batches": len(mine),
             "tok_s": _mean([b["tok_s"] for b in mine if b["tok_s"]]),
+            "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p95": percentile(ttfts, 95),
             "errors": sum(len(b["errors"]) for b in mine),
             "cpu_per_1k": {g: _mean([b["cpu_per_1k"][g] for b in mine if g in b.get("cpu_per_1k", {})]) for g in groups},
         })
@@ -128,5 +135,8 @@ def summary_table(result: dict[str, Any]) -> str:
         cells = [f"{row['cpu_per_1k'][group]:.3f}" if row["cpu_per_1k"].get(group) is not None else "—" for row in rows]
         lines.append(f"| {group} | " + " | ".join(cells) + " |")
     lines.append("| tok/s (mean) | " + " | ".join(f"{row['tok_s']:.1f}" if row["tok_s"] else "—" for row in rows) + " |")
+    for q in ("p50", "p95"):
+        cells = [f"{row[f'ttft_ms_{q}']:.1f}" if row.get(f"ttft_ms_{q}") is not None else "—" for row in rows]
+        lines.append(f"| TTFT {q}, ms | " + " | ".join(cells) + " |")
     lines.append("| failed requests | " + " | ".join(str(row["errors"]) for row in rows) + " |")
     return "\n".join(lines)

@@ -165,6 +165,23 @@ def test_a_batch_is_charged_every_process_of_each_side_born_and_exited_ones_too(
     assert cpu["window_s"] == pytest.approx(10.5)  # the batch and the one quiet window after it
 
 
+def test_a_process_titled_after_the_meter_first_saw_it_is_counted_in_its_new_group():
+    """vLLM titles its engine processes as the model loads: a run started meanwhile saw one untitled."""
+    table = FakeTable(Clock())
+    worker = next(p for p in table.procs if p.pid == 226)
+    untitled = replace(worker, cmdline=("/usr/bin/python3", "-c", "from multiprocessing.spawn import spawn_main"))
+    table.procs[table.procs.index(worker)] = untitled
+    m = meter(table)
+    assert m.tracked[226].group == "other"
+    table.procs[table.procs.index(untitled)] = worker  # retitled, the same process
+    before = m.snapshot()
+    table.set_rate(226, 1.0)
+    table.clock.now += 10
+    cpu = m.cpu_between(before, m.snapshot())
+    assert cpu["sides"][OURS]["groups"]["EngineCore"] == pytest.approx(10.0)
+    assert cpu["sides"][OURS]["groups"].get("other", 0.0) == 0.0
+
+
 def test_a_process_older_than_the_window_but_unseen_at_its_start_is_not_charged_whole():
     table = FakeTable(Clock())
     m = meter(table)

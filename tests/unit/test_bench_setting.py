@@ -69,3 +69,8 @@ def test_each_value_is_applied_before_its_batches_and_summarised_apart():
     assert (on["value"], on["batches"], on["errors"], off["value"]) == (True, 2, 0, False)
     table = summary_table(result)
     assert "router.hand_off_streams=True" in table and "failed requests | 0 | 0" in table
+    # Every counted stream's TTFT, none of the warm ones': 2 batches × 6 a value.
+    assert [len(b["ttft_ms"]) for b in result["batches"]] == [6, 6, 6, 6]
+    every_on = sorted(t for b in result["batches"] if b["value"] for t in b["ttft_ms"])
+    assert on["ttft_ms_p50"] == every_on[5] and on["ttft_ms_p95"] == every_on[11]  # nearest rank of 12
+    assert "| TTFT p50, ms | " in table and "| TTFT p95, ms | " in table
