@@ -356,6 +356,13 @@ class RouterArgs(Settings):
     # host the hand-off moves the per-token socket cost from the router to the replica and gains no
     # throughput (docs/benchmarks.md, "The hand-off"); it pays where routers are short of CPU.
     hand_off_streams: bool = False
+    # How a request reaches its model replica through Serve's handle: "grpc", Serve's by-value
+    # transport (a gRPC call from the router straight to the replica's inter-deployment server,
+    # ``_by_reference=False``), or "actor", a Ray actor task whose items pass through both
+    # processes' core workers. Measured on the 2-core host, gRPC takes ~1.7 ms off the handle
+    # call's round trip at one stream (docs/benchmarks.md, "The handle's transport"). Serve's
+    # routing, admission (max_ongoing_requests), metrics and cancellation are the same on both.
+    handle_transport: Literal["grpc", "actor"] = "grpc"
     # A stream whose engine fails mid-answer is resumed on another replica of the region this
     # many times at most, each within resume_window_s of the failure (router/resume.py). The
     # region's replicas are tried for resume_here_s (longer than a model's health check period,

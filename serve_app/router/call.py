@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from grpc.aio import AioRpcError
 from ray.exceptions import RayActorError
 from ray.serve import context as serve_context
 from ray.serve.exceptions import BackPressureError
@@ -42,8 +43,8 @@ LAST_ITEM_WAIT_S = 10.0
 
 
 class ReplicaCall:
-    """One call on the model's deployment: ``method`` is its handle's method, ``options(stream=True)``
-    (``Services.method_handle``)."""
+    """One call on the model's deployment: ``method`` is its handle's method, ``options(stream=True)``,
+    on the region's transport (``Services.method_handle``)."""
 
     def __init__(self, method: DeploymentHandle, call: Call, model: str, region: str):
         self.model, self.region = model, region
@@ -67,7 +68,7 @@ class ReplicaCall:
             raise
         except BackPressureError:
             raise retry_later(f"{self.model} is at capacity in region {self.region}", "overloaded") from None
-        except RayActorError:
+        except (RayActorError, AioRpcError):  # died, or its gRPC server did (handle_transport "grpc")
             logger.exception("model replica for %s died", self.model)
             raise self._vanished() from None
         self.waited_ms = (time.perf_counter() - self._started) * 1000

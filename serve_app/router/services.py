@@ -58,7 +58,7 @@ HandleFor = Callable[[str], Any]  # a model id -> its deployment's handle
 def _stream_settings(args: AppArgs) -> dict[str, float]:
     router = args.router
     return {"stall_timeout_s": router.stall_timeout_s, "hand_off": router.hand_off_streams,
-            "max_resumes": router.max_resumes,
+            "handle_transport": router.handle_transport, "max_resumes": router.max_resumes,
             "resume_window_s": router.resume_window_s, "resume_here_s": router.resume_here_s}
 
 
@@ -81,11 +81,12 @@ class Services:
     # The stream settings of ``args.router`` (set from it, here so that a test can set them alone).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     hand_off: bool = False  # a replica on this node writes a stream to the client itself (wire/handoff.py)
+    handle_transport: str = "grpc"  # a call reaches its replica by Serve's gRPC, or as a Ray actor task
     max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
     resume_window_s: float = 30.0  # ...each within this long of the failure
     resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's
     created: int = field(default_factory=lambda: int(time.time()))
-    _method_handles: dict[tuple[str, str], Any] = field(default_factory=dict, repr=False)
+    _method_handles: dict[tuple[str, str, str], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.served = self.served or tuple(model.id for model in self.args.models)
@@ -177,12 +178,15 @@ class Services:
         await self.forwarder.aclose()
 
     def method_handle(self, model: str, method: str) -> Any:
-        """``handles[model]``'s ``method``, made once: Serve builds a new handle for every attribute
-        read (``DeploymentHandle.options``, ~1 % of the router's CPU under load). A model's handle
-        is never replaced (``reconfigure`` only adds), so neither is its methods'."""
-        found = self._method_handles.get((model, method))
+        """``handles[model]``'s ``method`` on the transport set (``handle_transport``), made once:
+        Serve builds a new handle for every attribute read (``DeploymentHandle.options``, ~1 % of
+        the router's CPU under load). A model's handle is never replaced (``reconfigure`` only
+        adds), so neither is its methods'; a transport changed in place gets handles of its own."""
+        key = (model, method, self.handle_transport)
+        found = self._method_handles.get(key)
         if found is None:
-            found = self._method_handles[(model, method)] = getattr(self.handles[model], method)
+            by_value = self.handles[model].options(_by_reference=self.handle_transport == "actor")
+            found = self._method_handles[key] = getattr(by_value, method)
         return found
 
     async def caller(self, request: Any, scope: str = SCOPE_INFERENCE, *, api_key_header: bool = False) -> Principal:

@@ -111,6 +111,10 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
             # The local region hands its streams over (off by default: wire/handoff.py), so every
             # stream test runs through it end to end; the peer region relays them, as by default.
             args["router"]["hand_off_streams"] = True
+        else:
+            # The peer region calls its replicas as Ray actor tasks (router.handle_transport); the
+            # local region by the default, gRPC: both transports run end to end, failover included.
+            args["router"]["handle_transport"] = "actor"
 
     config = two_region_config(
         load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"), adjust=for_the_session

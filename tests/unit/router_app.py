@@ -79,6 +79,11 @@ class InProcessHandle:
         self.servers = (server, *more)
         self.calls: list[InProcessCall] = []
         self.methods_made = 0  # attribute reads: Serve builds a new handle for each
+        self.options_made: list[dict] = []  # each ``options(...)`` call's arguments
+
+    def options(self, **options):
+        self.options_made.append(options)
+        return self
 
     @property
     def server(self):

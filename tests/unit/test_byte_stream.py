@@ -191,6 +191,26 @@ def test_an_unreachable_listener_is_a_503_the_router_can_fail_over_on():
     assert stream.cancelled
 
 
+def test_a_replica_whose_grpc_call_fails_is_a_503_the_router_can_fail_over_on():
+    """On the gRPC transport (``router.handle_transport``) a replica process that died mid-call
+    ends the call with a gRPC status Serve does not translate (it maps UNAVAILABLE only)."""
+    from grpc import StatusCode
+    from grpc.aio import AioRpcError, Metadata
+
+    class FailedCall(FakeHandleCall):
+        async def __anext__(self):
+            raise AioRpcError(StatusCode.INTERNAL, Metadata(), Metadata(), details="Stream removed")
+
+    async def scenario():
+        stream = FailedCall(None, asyncio.Event())
+        with pytest.raises(APIError) as raised:
+            await ReplicaCall(FakeHandle(stream).chat, Call({}, "r"), "m", "local").first()
+        return raised.value
+
+    error = asyncio.run(scenario())
+    assert error.status == 503 and error.code == "replica_unavailable"
+
+
 def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
     from serve_app.engine.prefetch import Prefetched
 

@@ -5,11 +5,13 @@ the engine generates, leaving a stream before its first byte. The real router on
 import asyncio
 import json
 
+import pytest
 from starlette.requests import Request
 
 from auth_support import MODEL, bearer
 from fake_engine import FakeEngine
 from serve_app import surfaces
+from serve_app.config import RouterArgs
 from serve_app.router import pipeline
 
 
@@ -122,3 +124,21 @@ def test_a_model_method_handle_is_made_once_not_per_request(router_app):
     assert completions.status_code == 200
     handle = app.handles[MODEL]
     assert len(handle.calls) == 4 and handle.methods_made == 2  # chat's and completions', once each
+
+
+def test_the_handle_transport_is_the_routers_setting_and_changes_in_place(router_app):
+    """``router.handle_transport``: "grpc" (the default) calls the replica by value over Serve's
+    gRPC, "actor" by reference as a Ray actor task; a change in place gets handles of its own."""
+    app = router_app()
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    handle = app.handles[MODEL]
+    assert app.services.handle_transport == RouterArgs().handle_transport == "grpc"
+    for transport in ("grpc", "grpc", "actor", "grpc"):
+        app.services.handle_transport = transport
+        assert app.client.post("/v1/chat/completions", json=body, headers=bearer(key)).status_code == 200
+    # One method handle a transport, by value then by reference; back on gRPC, its handle again.
+    assert handle.options_made == [{"_by_reference": False}, {"_by_reference": True}]
+    assert len(handle.calls) == 4 and handle.methods_made == 2
+    with pytest.raises(ValueError):
+        RouterArgs(handle_transport="http")
