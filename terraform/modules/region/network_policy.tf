@@ -5,7 +5,8 @@
 #
 # A pod any NetworkPolicy selects is closed to all ingress no policy allows, so the second rule
 # keeps every other port of the GPU workers as open as before (Ray's GCS, raylet, object manager
-# and worker ports, the dashboard agent, HAProxy, Prometheus's scrape): this policy narrows the
+# and worker ports, each Serve replica's inter-deployment gRPC port, which the routers call
+# (router.handle_transport), the dashboard agent, HAProxy, Prometheus's scrape): this policy narrows the
 # stream ports and nothing else. Needs a CNI that enforces NetworkPolicy with endPort (Calico,
 # Cilium; Kubernetes >= 1.25); traffic from the node itself (kubelet, hostNetwork pods) is always
 # allowed by Kubernetes' rules.
