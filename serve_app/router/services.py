@@ -55,7 +55,7 @@ class ModelFacts:
 HandleFor = Callable[[str], Any]  # a model id -> its deployment's handle
 
 
-def _stream_settings(args: AppArgs) -> dict[str, float]:
+def _call_settings(args: AppArgs) -> dict[str, Any]:
     router = args.router
     return {"stall_timeout_s": router.stall_timeout_s, "hand_off": router.hand_off_streams,
             "handle_transport": router.handle_transport, "max_resumes": router.max_resumes,
@@ -78,7 +78,7 @@ class Services:
     models: dict[str, ModelFacts]
     args: AppArgs  # the settings these were built from
     served: tuple[str, ...] = ()  # the models served now, in the settings' order
-    # The stream settings of ``args.router`` (set from it, here so that a test can set them alone).
+    # How calls and streams go, from ``args.router`` (set from it, here so that a test can set them alone).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     hand_off: bool = False  # a replica on this node writes a stream to the client itself (wire/handoff.py)
     handle_transport: str = "grpc"  # a call reaches its replica by Serve's gRPC, or as a Ray actor task
@@ -123,7 +123,7 @@ class Services:
             handles={model.id: handle_for(model.id).options(stream=True) for model in args.models},
             models={model.id: ModelFacts.of(model) for model in args.models},
             args=args,
-            **_stream_settings(args),
+            **_call_settings(args),
         )
 
     async def reconfigure(self, args: AppArgs, handle_for: HandleFor) -> list[str]:
@@ -156,7 +156,7 @@ class Services:
         self.handles = {**self.handles, **added}
         self.models = {**self.models, **{model.id: ModelFacts.of(model) for model in args.models}}
         self.served = tuple(model.id for model in args.models)
-        for name, value in _stream_settings(args).items():
+        for name, value in _call_settings(args).items():
             setattr(self, name, value)
         self.args = args
         return changed

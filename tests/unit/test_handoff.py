@@ -229,8 +229,8 @@ def test_the_hand_off_is_off_unless_the_region_turns_it_on_and_the_router_reads_
     from types import SimpleNamespace
 
     from serve_app.config import RouterArgs
-    from serve_app.router.services import _stream_settings
+    from serve_app.router.services import _call_settings
 
     assert RouterArgs().hand_off_streams is False
-    assert _stream_settings(SimpleNamespace(router=RouterArgs()))["hand_off"] is False
-    assert _stream_settings(SimpleNamespace(router=RouterArgs(hand_off_streams=True)))["hand_off"] is True
+    assert _call_settings(SimpleNamespace(router=RouterArgs()))["hand_off"] is False
+    assert _call_settings(SimpleNamespace(router=RouterArgs(hand_off_streams=True)))["hand_off"] is True
