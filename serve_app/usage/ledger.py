@@ -24,7 +24,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from serve_app.usage.records import UsageRecord
@@ -55,9 +55,9 @@ class UsageLedger:
         self.writer_id = re.sub(r"[^A-Za-z0-9_.-]", "_", writer_id) or "writer"
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
-        # Called in the loop with the key ids of every batch that reached the database (the
-        # budget guard drops its cached spend for them: BudgetGuard.forget).
-        self.on_written: Callable[[set[str]], None] | None = None
+        # Called in the loop with the tokens by key of every batch that reached the database
+        # (the budget guard counts them in its cached spends from then on: BudgetGuard.written).
+        self.on_written: Callable[[Mapping[str, int]], None] | None = None
         self.written = self.spooled = self.replayed = 0  # records, for ops
         self._pending: list[UsageRecord] = []
         self._unwritten: Counter[str] = Counter()  # tokens by key, until the database has them
@@ -225,7 +225,7 @@ class UsageLedger:
                 del self._unwritten[key_id]
         if self.on_written is not None and tokens:
             try:
-                self.on_written(set(tokens))
+                self.on_written(dict(tokens))
             except Exception:
                 logger.exception("usage ledger: on_written failed")
 

@@ -95,7 +95,7 @@ def test_a_daily_budget_admits_below_its_limit_and_refuses_at_it(store):
         "x-budget-reset-tokens-day": "39600.000s",  # 11 h to midnight
     }
     store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
-    guard.forget({"k1"})
+    guard.written({"k1": 100})  # what the ledger says once it wrote a batch: counted at once
     clock.now += 0.5
     refused = _refusal(guard)
     assert refused.status == 429 and refused.code == "budget_exceeded"
@@ -115,15 +115,14 @@ def test_a_monthly_budget_counts_the_whole_utc_month_and_names_the_later_reset(s
     assert headers["x-budget-reset-tokens-month"] == "3600.000s"  # December → 1 January
 
     store.insert([usage_record(day="2026-12-31", prompt=1, completion=0)])
-    guard.forget({"k1"})
+    guard.written({"k1": 1})
     refused = _refusal(guard)
     assert "monthly" in refused.message and "5000 tokens per UTC month" in refused.message
     assert "2027-01-01T00:00:00Z" in refused.message and refused.headers["Retry-After"] == "3600"
 
     store.set_budget("k1", tokens_per_day=1, tokens_per_month=5000)  # both spent: the month is the one to wait for
-    guard.forget({"k1"})
     clock.now = at("2026-12-20T10:00:00")  # 1999 spent today: the day's 1 is spent too
-    refused = _refusal(guard)
+    refused = _refusal(BudgetGuard(store, None, clock=clock))
     assert "monthly" in refused.message and refused.headers["Retry-After"] == str(11 * 86400 + 14 * 3600)
     assert refused.headers["x-budget-reset-tokens-day"] == f"{14 * 3600}.000s"
 
@@ -139,7 +138,7 @@ def test_this_routers_unwritten_spend_counts_at_once_and_only_once(sqlite_store,
     ledger = UsageLedger(sqlite_store, tmp_path / "spool", writer_id="a")
     clock = Clock("2026-12-01T12:00:00")
     guard = BudgetGuard(sqlite_store, ledger, clock=clock)
-    ledger.on_written = guard.forget
+    ledger.on_written = guard.written
 
     async def main():
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "1500"
@@ -147,19 +146,22 @@ def test_this_routers_unwritten_spend_counts_at_once_and_only_once(sqlite_store,
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
         await ledger.flush()  # now in the database, and no longer pending: still 1000 spent, not 2000
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
+        assert sqlite_store.reads == 1  # the write was counted in the cached spend: no read on the way
+        await guard.settle()  # the re-read that check started in the background...
+        assert (sqlite_store.reads, sqlite_store.primary_reads) == (2, 1)  # ...from the primary: a replica may lag
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"  # what it read agrees
         ledger.record(usage_record(day="2026-12-01", prompt=500, completion=0))
         with pytest.raises(APIError):
             await guard.check("k1")
 
     asyncio.run(main())
-    assert sqlite_store.reads == 2  # the first load, and the reload after the write...
-    assert sqlite_store.primary_reads == 1  # ...from the primary: a replica may not have it yet
+    assert sqlite_store.reads == 2
 
 
 def test_a_key_without_a_budget_costs_no_reload_when_its_records_are_written(sqlite_store, tmp_path):
     ledger = UsageLedger(sqlite_store, tmp_path / "spool", writer_id="a")
     guard = BudgetGuard(sqlite_store, ledger, clock=Clock("2026-12-01T12:00:00"))
-    ledger.on_written = guard.forget
+    ledger.on_written = guard.written
 
     async def main():
         for _ in range(3):
@@ -180,10 +182,69 @@ def test_the_cache_serves_checks_for_its_ttl_and_coalesces_concurrent_loads(sqli
 
     assert asyncio.run(concurrent()) == [{}] * 10 and sqlite_store.reads == 1  # no budget: one read for all
     sqlite_store.set_budget("k1", tokens_per_day=10, tokens_per_month=None)
-    clock.now += 4
-    assert _check(guard) == {} and sqlite_store.reads == 1  # within the TTL: the cached answer
-    clock.now += 1.5
+    clock.now += 2
+    assert _check(guard) == {} and sqlite_store.reads == 1  # within the TTL's first half: the cached answer
+    clock.now += 3.5  # expired (an idle key): the check waits for a fresh read
     assert _check(guard)["x-budget-limit-tokens-day"] == "10" and sqlite_store.reads == 2
+
+
+def test_a_busy_key_is_read_again_in_the_background_and_never_waits_for_the_store(sqlite_store):
+    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
+    release = threading.Event()
+    read = sqlite_store.budget_state
+
+    def held_read(key_id, **kwargs):  # answers only once the test lets it
+        release.wait(5)
+        return read(key_id, **kwargs)
+
+    async def main():
+        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "100"  # the first read: waited for
+        sqlite_store.set_budget("k1", tokens_per_day=50, tokens_per_month=None)
+        sqlite_store.budget_state = held_read
+        clock.now += 3  # the entry's second half
+        checks = [await guard.check("k1") for _ in range(3)]  # decided at once, on the entry, the store held
+        assert [c["x-budget-limit-tokens-day"] for c in checks] == ["100"] * 3
+        assert len(guard._loading) == 1  # one read in the background for all of them
+        release.set()
+        await guard.settle()
+        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "50"  # its answer is used after it
+
+    asyncio.run(main())
+    assert sqlite_store.reads == 2
+
+
+def test_written_batches_and_background_reads_never_let_a_key_past_its_budget(sqlite_store, tmp_path):
+    """The adversary: a key spending its budget as fast as the router admits it, the ledger writing
+    batches and the cache reading the spend again at every moment in between. Every request costs
+    exactly its price, so what is admitted must be the budget to the token."""
+    sqlite_store.set_budget("k1", tokens_per_day=10_000, tokens_per_month=None)
+    clock = Clock("2026-12-01T12:00:00")
+    guard, ledger = _guard_with_ledger(sqlite_store, tmp_path, clock=clock)
+
+    async def main():
+        admitted = 0
+        for i in range(200):
+            clock.now += 0.7  # a stream's length: the entry is in its second half every few requests
+            try:
+                held = await guard.reserve("k1", 70)
+            except APIError as refused:
+                assert refused.code == "budget_exceeded"
+                continue
+            admitted += 1
+            ledger.record(usage_record(day="2026-12-01", prompt=50, completion=20))  # 70: its price
+            held.release()
+            if i % 3 == 0:
+                await ledger.flush()  # a batch written: counted in the cached spend, re-read behind it
+            if i % 5 == 0:
+                await asyncio.sleep(0.01)  # and sometimes the background read lands
+        await ledger.flush()
+        return admitted
+
+    admitted = asyncio.run(main())
+    assert admitted == 10_000 // 70  # 142: every token of the budget, and not one more
+    assert sqlite_store.spent("k1", since_day="2026-12-01") == 142 * 70
 
 
 def test_an_entry_read_before_midnight_counts_nothing_for_the_new_day(sqlite_store):
@@ -231,7 +292,7 @@ def test_a_load_that_began_before_a_write_is_not_cached(sqlite_store):
         early = asyncio.create_task(guard.check("k1"))
         await asyncio.sleep(0.05)  # its read is under way, in a thread
         sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
-        guard.forget({"k1"})  # what the ledger does once that batch is written
+        guard.written({"k1": 100})  # what the ledger does once that batch is written
         release.set()
         assert (await early)["x-budget-remaining-tokens-day"] == "100"  # it read before the write
         with pytest.raises(APIError):  # a fresh read, not the early one's answer
@@ -241,14 +302,18 @@ def test_a_load_that_began_before_a_write_is_not_cached(sqlite_store):
     assert sqlite_store.reads == 2
 
 
-def test_a_forgotten_key_keeps_its_entry_as_the_fallback_when_the_reload_fails(sqlite_store):
+def test_a_key_whose_reread_fails_after_a_write_keeps_its_entry_with_the_write_counted(sqlite_store):
     sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
-    sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
-    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
-    _refusal(guard)
-    guard.forget({"k1"})
+    sqlite_store.insert([usage_record(day="2026-12-01", prompt=60, completion=0)])
+    clock = Clock("2026-12-01T12:00:00")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
+    assert _check(guard)["x-budget-remaining-tokens-day"] == "40"
+    sqlite_store.insert([usage_record(day="2026-12-01", prompt=40, completion=0)])
+    guard.written({"k1": 40})
     sqlite_store.database = unreachable(sqlite_store.database)
-    assert _refusal(guard).code == "budget_exceeded"  # not admitted unchecked
+    clock.now += 10  # expired, and the store is away: the last known entry, with the write in it
+    refused = _refusal(guard)
+    assert refused.code == "budget_exceeded" and refused.headers["x-budget-remaining-tokens-day"] == "0"
 
 
 def test_any_database_error_on_a_miss_admits_rather_than_failing_the_request(sqlite_store):
@@ -264,7 +329,7 @@ def test_any_database_error_on_a_miss_admits_rather_than_failing_the_request(sql
 def _guard_with_ledger(store, tmp_path, name="a", clock=None):
     ledger = UsageLedger(store, tmp_path / f"spool-{name}", writer_id=name)
     guard = BudgetGuard(store, ledger, clock=clock or Clock("2026-12-01T12:00:00"))
-    ledger.on_written = guard.forget
+    ledger.on_written = guard.written
     return guard, ledger
 
 
@@ -368,8 +433,9 @@ def test_the_overshoot_left_is_other_routers_reservations_in_flight(sqlite_store
     limit, the key can get what the other router admitted in flight — at most the remaining
     budget that router saw — and nothing more once their records are written."""
     sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
-    a, ledger_a = _guard_with_ledger(sqlite_store, tmp_path, "a")
-    b, ledger_b = _guard_with_ledger(sqlite_store, tmp_path, "b")
+    clock = Clock("2026-12-01T12:00:00")
+    a, ledger_a = _guard_with_ledger(sqlite_store, tmp_path, "a", clock)
+    b, ledger_b = _guard_with_ledger(sqlite_store, tmp_path, "b", clock)
 
     async def main():
         on_a = await a.reserve("k1", 800)
@@ -381,8 +447,7 @@ def test_the_overshoot_left_is_other_routers_reservations_in_flight(sqlite_store
             ledger.record(usage_record(day="2026-12-01", prompt=700, completion=100))
             held.release()
             await ledger.flush()
-        a.forget({"k1"})
-        b.forget({"k1"})  # b's cache TTL has passed, as far as a's write goes
+        clock.now += 6  # each router's cache TTL has passed: each reads the other's write
         for guard in (a, b):
             with pytest.raises(APIError):  # 1600 spent: neither router admits more
                 await guard.reserve("k1", 1)
