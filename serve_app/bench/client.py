@@ -10,7 +10,7 @@ import ipaddress
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,6 +24,8 @@ PROMPT = "Say hi in one short sentence."  # the model card's prompt
 DEFAULT_MODEL = "qwen-3.6-35b-a3b"
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_MODELS = "/v1/models"
+# An answer's header prefix -> the admission step it shows (docs/api.md, "Rate limits", "Budgets").
+ADMISSION_HEADERS = {"x-ratelimit-": "rate_limit", "x-budget-": "budget"}
 
 
 @dataclass
@@ -36,6 +38,9 @@ class Run:
     completion_tokens: int = 0
     decode_tokens_per_s: float | None = None  # (tokens − 1) / (last token − first token)
     server: dict[str, Any] = field(default_factory=dict)  # the pg_metadata event, if any
+    # Which admission the answer's headers show it went through (``ADMISSION_HEADERS``): a run
+    # with the dev key, or a key without a budget, does not measure the budget's path.
+    admission: list[str] = field(default_factory=list)
     error: str | None = None  # short reason, the key errors are counted by
     detail: str | None = None  # the start of an error body, for the raw runs
     # For the sustained window (``serve_app.bench.stats.sustained``): which worker of the batch
@@ -208,7 +213,14 @@ async def stream_once(client: httpx.AsyncClient, url: str, body: dict[str, Any])
         return Run(ok=False, trace_id=trace_id, error=f"broken stream: {type(err).__name__}", detail=str(err)[:200],
                    started_at=started, ended_at=time.perf_counter())
     state.flush(time.perf_counter())
-    return state.run(trace_id, started, time.perf_counter())
+    run = state.run(trace_id, started, time.perf_counter())
+    run.admission = admission_of(response.headers)
+    return run
+
+
+def admission_of(headers: Mapping[str, str]) -> list[str]:
+    """The admission steps an answer's headers show (``ADMISSION_HEADERS``), sorted."""
+    return sorted({step for name in headers for prefix, step in ADMISSION_HEADERS.items() if name.lower().startswith(prefix)})
 
 
 async def call_once(client: httpx.AsyncClient, method: str, url: str, body: dict[str, Any] | None = None) -> Run:

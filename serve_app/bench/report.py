@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,21 @@ def _rounds_line(flags: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
             "request(s) per worker")
 
 
+def admission_line(results: Mapping[str, Any]) -> str:
+    """What admission our side's answers went through, over every concurrency: a run with the dev
+    key or a key without a budget measures neither the budget's path nor a registry key's."""
+    summaries = [entry[OURS]["summary"] for entry in results.values() if OURS in entry]
+    answers = sum(s.get("ok", 0) for s in summaries)
+    counts = Counter()
+    for s in summaries:
+        counts.update(s.get("admission") or {})
+    steps = ", ".join(f"{step.replace('_', ' ')} on {counts[step]}" for step in ("rate_limit", "budget"))
+    missing = [step.replace("_", " ") for step in ("rate_limit", "budget") if counts[step] < answers]
+    warning = f" (**not measured on every answer: {', '.join(missing)}**; give `--api-key` a registry key with a budget)" \
+        if missing else ""
+    return f"- admission on {OURS}, from its answers' headers: {steps} of {answers} answers{warning}"
+
+
 def stream_markdown(document: Mapping[str, Any]) -> str:
     """``llm_bench.md``: how it was measured, the card's table per side and concurrency, summary,
     ratios, then the rounds, CPU, quiet and engine sections (``serve_app.bench.cpu_report``)."""
@@ -181,6 +197,7 @@ def stream_markdown(document: Mapping[str, Any]) -> str:
         f"- streaming chat completions at concurrency {flags['concurrency']}, "
         f"max_tokens {flags['max_tokens']}, ignore_eos {flags['ignore_eos']}, prompt \"{meta['prompt']}\"",
         _rounds_line(flags, meta),
+        admission_line(document["results"]),
         f"- machine: {meta['machine']['nproc']} CPUs, {meta['machine']['platform']}; "
         f"commit {(meta['git'] or {}).get('commit', 'unknown')}{' (dirty)' if (meta['git'] or {}).get('dirty') else ''}",
         f"- command: `{' '.join(meta['command'])}`", "",

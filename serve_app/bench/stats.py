@@ -53,6 +53,7 @@ def summarize(runs: list[Run], wall_s: float) -> dict[str, Any]:
     summary["completion_tokens"] = tokens
     summary["wall_s"] = wall_s
     summary["aggregate_tokens_per_s"] = tokens / wall_s if wall_s > 0 else None
+    summary["admission"] = dict(Counter(step for r in good for step in r.admission))  # answers per step
     # The rest of the server's split, where it sends one (p50 of each field).
     for key in ("queue_ms", "network_ms", "server_ms", "inference_total_ms"):
         summary[f"pg_{key}_p50"] = percentile([r.server.get(key) for r in good], 50)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from serve_app.bench.client import Run, Side, StreamState, chat_body, check_local, side_clients, stream_once
-from serve_app.bench.report import output_dir, redact_argv
+from serve_app.bench.report import admission_line, output_dir, redact_argv
 from serve_app.bench.schedule import Batch, plan_batches, run_plan
 from serve_app.bench.stats import capacity_ratios, percentile, server_ttft_ms, stream_ratios, summarize
 from serve_app.bench.vllm import engine_environment, vllm_command
@@ -108,6 +108,30 @@ def test_stream_once_sends_a_fresh_traceparent_and_the_body():
     assert seen[0].headers["authorization"] == "Bearer sk-test"
     body = json.loads(seen[0].content)
     assert body["ignore_eos"] is True and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 8
+
+
+def test_a_run_records_which_admission_its_answer_went_through_and_the_report_says_what_was_not():
+    headers = {"budgeted": {"x-ratelimit-limit-requests": "6000", "x-budget-limit-tokens-day": "1000"},
+               "rate limited only": {"X-RateLimit-Limit-Requests": "100000"}, "bare": {}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        key = request.headers["authorization"].removeprefix("Bearer ")
+        return httpx.Response(200, text=sse_stream(), headers={"content-type": "text/event-stream", **headers[key]})
+
+    async def go(key):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), headers={"authorization": f"Bearer {key}"}) as client:
+            return [await stream_once(client, "http://127.0.0.1:1", chat_body("m", 4)) for _ in range(2)]
+
+    runs = {key: asyncio.run(go(key)) for key in headers}
+    assert [r.admission for r in runs["budgeted"]] == [["budget", "rate_limit"]] * 2
+    assert runs["rate limited only"][0].admission == ["rate_limit"] and runs["bare"][0].admission == []
+    budgeted, dev = summarize(runs["budgeted"], 1.0), summarize(runs["rate limited only"], 1.0)
+    assert budgeted["admission"] == {"budget": 2, "rate_limit": 2} and dev["admission"] == {"rate_limit": 2}
+
+    line = admission_line({"1": {"ours": {"summary": budgeted}}, "16": {"ours": {"summary": budgeted}}})
+    assert "rate limit on 4, budget on 4 of 4 answers" in line and "not measured" not in line
+    line = admission_line({"1": {"ours": {"summary": budgeted}}, "16": {"ours": {"summary": dev}}})
+    assert "budget on 2 of 4 answers" in line and "not measured on every answer: budget**" in line
 
 
 @pytest.mark.parametrize(
