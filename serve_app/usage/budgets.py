@@ -44,6 +44,7 @@ import asyncio
 import datetime as dt
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -148,6 +149,8 @@ class BudgetGuard:
         self.cache_ttl_s, self.clock = cache_ttl_s, clock
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Task] = {}
+        # Reads a written batch overtook: the tokens it wrote, which their answer may lack.
+        self._overtaken: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
         # Keys whose records this router just wrote: their next load reads the primary, since
         # the region's read replica may lag behind it (their pending tokens stopped counting).
         self._written: set[str] = set()
@@ -209,8 +212,8 @@ class BudgetGuard:
         ``UsageLedger.on_written``): they count in the entry's spends from now on, as they stop
         counting in the ledger's pending tokens, and the entry is read again, from the primary,
         by the next check, in the background. A read already under way may have read the spend
-        from before the write: its answer still serves the checks waiting on it but is not
-        cached. A key known to have no budget is left alone: its spend decides nothing (a budget
+        from before the write: its answer serves the checks waiting on it with the written tokens
+        added (twice counted, if it read after the write: the safe side) and is not cached. A key known to have no budget is left alone: its spend decides nothing (a budget
         set meanwhile is seen within ``cache_ttl_s``), and its traffic should not cost a query
         per write."""
         if len(self._written) >= MAX_ENTRIES:
@@ -227,7 +230,9 @@ class BudgetGuard:
                     entry, spent_day=entry.spent_day + tokens, spent_month=entry.spent_month + tokens,
                     refresh_at=-math.inf,
                 )
-            self._loading.pop(key_id, None)
+            overtaken = self._loading.pop(key_id, None)
+            if overtaken is not None:
+                self._overtaken[overtaken] = self._overtaken.get(overtaken, 0) + tokens
 
     async def settle(self) -> None:
         """Wait for the reads under way (tests; a background read has nobody else waiting on it)."""
@@ -274,6 +279,8 @@ class BudgetGuard:
                 del self._loading[key_id]
         if current:
             self._cache(key_id, entry)
+        elif (written := self._overtaken.pop(this, 0)) and entry.known:
+            entry = replace(entry, spent_day=entry.spent_day + written, spent_month=entry.spent_month + written)
         return entry
 
     def _lifetime(self, read_at: float) -> tuple[float, float]:

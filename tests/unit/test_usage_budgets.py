@@ -275,8 +275,8 @@ def test_an_unreachable_store_fails_open_for_unknown_keys_and_keeps_known_ones(s
     assert _check(guard, "k2") == {} and store.reads == reads + 1
 
 
-def test_a_load_that_began_before_a_write_is_not_cached(sqlite_store):
-    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+def test_a_read_overtaken_by_a_write_answers_its_waiters_with_the_write_and_is_not_cached(sqlite_store, tmp_path):
+    sqlite_store.set_budget("k1", tokens_per_day=300, tokens_per_month=None)
     release = threading.Event()
     read = sqlite_store.budget_state
 
@@ -285,21 +285,21 @@ def test_a_load_that_began_before_a_write_is_not_cached(sqlite_store):
         release.wait(5)
         return answer
 
-    sqlite_store.budget_state = slow_read
-    guard = BudgetGuard(sqlite_store, None, clock=Clock("2026-12-01T12:00:00"))
+    guard, ledger = _guard_with_ledger(sqlite_store, tmp_path)
 
     async def main():
+        ledger.record(usage_record(day="2026-12-01", prompt=100, completion=0))  # pending: counted as this router's
+        sqlite_store.budget_state = slow_read
         early = asyncio.create_task(guard.check("k1"))
-        await asyncio.sleep(0.05)  # its read is under way, in a thread
-        sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
-        guard.written({"k1": 100})  # what the ledger does once that batch is written
+        await asyncio.sleep(0.05)  # its read is under way, in a thread, and has not seen the record
+        await ledger.flush()  # written: no longer pending, and not in what that read saw
         release.set()
-        assert (await early)["x-budget-remaining-tokens-day"] == "100"  # it read before the write
-        with pytest.raises(APIError):  # a fresh read, not the early one's answer
-            await guard.check("k1")
+        # Its waiters get the write added: 100 spent, not 0 (which would admit 100 tokens too many).
+        assert (await early)["x-budget-remaining-tokens-day"] == "200"
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "200"  # a fresh read, not the early one's
+        assert sqlite_store.reads == 2
 
     asyncio.run(main())
-    assert sqlite_store.reads == 2
 
 
 def test_a_key_whose_reread_fails_after_a_write_keeps_its_entry_with_the_write_counted(sqlite_store):
