@@ -25,26 +25,37 @@ The overshoot that remains (docs/usage.md):
 Each check reads the cache in the event loop; a miss loads the budget and both spends in one
 thread call (one connection), shared by every check of that key waiting on it. Keys without a
 budget are cached too: for them a reservation costs one cached lookup and holds nothing. A busy
-key never waits for the store after its first check: a check that finds its entry in the second
-half of ``cache_ttl_s`` decides on it and starts the next read in the background (at c=1 the
-foreground re-read every few seconds was 1–2 ms on one request in ~7). When the ledger writes a
-batch it tells the guard (``written``): the tokens it wrote are added to the entry's spends at
-once, exactly as they stop counting as this router's pending tokens, and the entry is read again
-(from the primary) in the background.
+key never waits for the store after its first check: a check that finds its entry past
+``REFRESH_AFTER`` of ``cache_ttl_s`` decides on it and starts the next read in the background (a
+read in the foreground is 1–2 ms of the request's admission); an expired entry (an idle key) is
+waited for, so every decision rests on a read at most ``cache_ttl_s`` old.
 
-Bounded grace: when the store cannot be reached on a miss, the guard keeps the key's last known
-entry (budget and spend, still counting this router's new spend and reservations on top) for
-another ``cache_ttl_s`` and tries again after that. A key it has no entry for is admitted (fail
+This router's own writes: the ledger tells the guard what each batch it wrote holds
+(``written``), in the step where those tokens stop counting as pending, and the guard keeps a
+running total per key. An entry remembers the total when its read began, and a check adds what
+was written since: tokens the read may not have seen are never counted zero times, whatever the
+order of reads, batches (several per flush, one per replayed spool file), the waiters' wake-ups
+and midnight (added to the day and the month being checked: a record of yesterday written after
+midnight counts against today, as it did while pending). A read that saw a batch whose total
+came after its start counts that batch twice until the next read (the safe side, ≤ ``cache_ttl_s``).
+A key this router wrote in the last ``PRIMARY_AFTER_WRITE_S`` is read from the primary: the
+region's read replica may not have those records yet, and they are in the total already. Before,
+each batch expired the key's entry, so a key with a budget waited for a read after every batch
+(each second while it sent).
+
+Bounded grace: when the store cannot be reached, the guard keeps the key's last known entry
+(budget and spend, still counting this router's writes, new spend and reservations on top) for
+another ``cache_ttl_s`` past each failed read, and tries again in the background while the key is
+busy (in the foreground once the entry has expired). A key it has no entry for is admitted (fail
 open, nothing reserved) until the store answers again: a ledger outage must not stop inference,
 and the records of what it admits are spooled and reach the ledger afterwards (``ledger.py``), so
-the spend is counted late, never lost. Each failed reload is logged.
+the spend is counted late, never lost. Each failed read is logged.
 """
 
 import asyncio
 import datetime as dt
 import math
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +70,10 @@ logger = module_logger(__name__)
 MAX_ENTRIES = 50_000  # keys cached; bounded like the key store's cache
 # Retry-After when the budget is held by the key's own requests in flight: they end, and release it.
 HELD_RETRY_AFTER_S = 1
+# A check past this share of the entry's life reads it again in the background.
+REFRESH_AFTER = 0.8
+# A key this router wrote records of in the last this-many seconds is read from the primary.
+PRIMARY_AFTER_WRITE_S = 30.0
 
 
 # --- reset math (pure: unit-tested with fixed times) ---------------------------------------------
@@ -126,14 +141,19 @@ class _Entry:
     month: str
     spent_day: int
     spent_month: int
+    written: int  # this router's running total of the key's written tokens when the read began
     expires: float  # past it, a check waits for a fresh read
     refresh_at: float  # past it, a check starts a fresh read in the background and does not wait
     known: bool = True  # False: the store could not be read and the key is admitted unchecked
 
-    def spent(self, day: str, month: str) -> tuple[int, int]:
+    def spent(self, day: str, month: str, written_since: int) -> tuple[int, int]:
         """Spends for the current period: an entry read before midnight says nothing about the
-        new day (or month), whose database spend was 0 then."""
-        return (self.spent_day if day == self.day else 0, self.spent_month if month == self.month else 0)
+        new day (or month), whose database spend was 0 then; what this router wrote since the
+        read began counts in both, whatever day its records are of (the safe side)."""
+        return (
+            (self.spent_day if day == self.day else 0) + written_since,
+            (self.spent_month if month == self.month else 0) + written_since,
+        )
 
 
 class BudgetGuard:
@@ -149,11 +169,11 @@ class BudgetGuard:
         self.cache_ttl_s, self.clock = cache_ttl_s, clock
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Task] = {}
-        # Reads a written batch overtook: the tokens it wrote, which their answer may lack.
-        self._overtaken: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
-        # Keys whose records this router just wrote: their next load reads the primary, since
-        # the region's read replica may lag behind it (their pending tokens stopped counting).
-        self._written: set[str] = set()
+        # This router's written tokens by key (a running total; see the module's docstring), and
+        # when it last wrote each key's records (read from the primary until PRIMARY_AFTER_WRITE_S).
+        self._written_tokens: dict[str, int] = {}
+        self._written_at: dict[str, float] = {}
+        self._prune_at = MAX_ENTRIES  # the totals' count that makes the next write prune them
         self._held: dict[str, int] = {}  # tokens reserved by requests in flight, by key
 
     async def check(self, key_id: str) -> dict[str, str]:
@@ -173,10 +193,13 @@ class BudgetGuard:
             self._read(key_id, now)  # for the checks after this one: this one decides on the entry
         if entry.budget is None:  # no budget, or admitted unchecked while the store is away
             return Reservation({})
-        # From here to the end, no await: concurrent reservations of this router see each other.
+        # From here to the end, no await: concurrent reservations of this router see each other,
+        # and the ledger's pending tokens and the written total are read in one step.
         pending = self.ledger.pending_tokens(key_id) if self.ledger is not None else 0
         held = self._held.get(key_id, 0)
-        spent_day, spent_month = entry.spent(utc_day(now), month_start(now))
+        # (Never negative: a total is pruned only once nothing refers to it.)
+        written_since = max(0, self._written_tokens.get(key_id, 0) - entry.written)
+        spent_day, spent_month = entry.spent(utc_day(now), month_start(now), written_since)
         headers: dict[str, str] = {}
         refusal = None
         for period, limit, spent, reset_at in (
@@ -209,33 +232,17 @@ class BudgetGuard:
 
     def written(self, tokens_by_key: Mapping[str, int]) -> None:
         """The ledger wrote these tokens of these keys to the store (hook it to
-        ``UsageLedger.on_written``): they count in the entry's spends from now on, as they stop
-        counting in the ledger's pending tokens, and the entry is read again, from the primary,
-        by the next check, in the background. A read already under way may have read the spend
-        from before the write: its answer serves the checks waiting on it with the written tokens
-        added (twice counted, if it read after the write: the safe side) and is not cached. A key known to have no budget is left alone: its spend decides nothing (a budget
-        set meanwhile is seen within ``cache_ttl_s``), and its traffic should not cost a query
-        per write."""
-        if len(self._written) >= MAX_ENTRIES:
-            self._written.clear()
+        ``UsageLedger.on_written``, which calls it as they stop counting as pending): from now on
+        they count through the running total until a read sees them in the store."""
+        now = self.clock()
         for key_id, tokens in tokens_by_key.items():
-            entry = self._entries.get(key_id)
-            if entry is not None and entry.known and entry.budget is None:
-                continue
-            self._written.add(key_id)
-            if entry is not None:  # (an entry admitting unchecked has no budget: its spends are not read)
-                # Counted in both periods, whatever day the records are of: a record of yesterday
-                # written after midnight was counted against today while pending too (the safe side).
-                self._entries[key_id] = replace(
-                    entry, spent_day=entry.spent_day + tokens, spent_month=entry.spent_month + tokens,
-                    refresh_at=-math.inf,
-                )
-            overtaken = self._loading.pop(key_id, None)
-            if overtaken is not None:
-                self._overtaken[overtaken] = self._overtaken.get(overtaken, 0) + tokens
+            self._written_tokens[key_id] = self._written_tokens.get(key_id, 0) + tokens
+            self._written_at[key_id] = now
+        if len(self._written_tokens) > self._prune_at:
+            self._prune_written(now)
 
     async def settle(self) -> None:
-        """Wait for the reads under way (tests; a background read has nobody else waiting on it)."""
+        """Wait for the reads under way (tests: a background read has nobody waiting on it)."""
         while running := [task for task in self._loading.values() if not task.done()]:
             await asyncio.wait(running)
 
@@ -251,41 +258,45 @@ class BudgetGuard:
         this = asyncio.current_task()
         day, month = utc_day(now), month_start(now)
         stale = self._entries.get(key_id)
+        written = self._written_tokens.get(key_id, 0)  # before the read: what it may not see comes after
         try:
             try:
-                primary = key_id in self._written
+                primary = self.clock() - self._written_at.get(key_id, -math.inf) < PRIMARY_AFTER_WRITE_S
                 budget, spent_day, spent_month = await asyncio.to_thread(
                     self.store.budget_state, key_id, day=day, month_start=month, primary=primary
                 )
-                if primary and self._loading.get(key_id) is this:  # no batch written again meanwhile
-                    self._written.discard(key_id)
                 read_at = self.clock()
-                entry = _Entry(budget, day, month, spent_day, spent_month, *self._lifetime(read_at))
+                entry = _Entry(budget, day, month, spent_day, spent_month, written, *self._lifetime(read_at))
             except Exception as err:  # RegistryUnavailable, or any error of the database's: never a 500
                 lifetime = self._lifetime(self.clock())
                 if stale is None or not stale.known:
                     logger.warning(
                         "budget check: usage store unavailable (%s); admitting key %s unchecked", err, key_id
                     )
-                    entry = _Entry(None, day, month, 0, 0, *lifetime, known=False)
+                    entry = _Entry(None, day, month, 0, 0, written, *lifetime, known=False)
                 else:
                     logger.warning(
                         "budget check: usage store unavailable (%s); key %s keeps its last known budget", err, key_id
                     )
-                    entry = replace(stale, expires=lifetime[0], refresh_at=lifetime[1])
-        finally:  # whatever happened, the next check after this one starts a load of its own
-            current = self._loading.get(key_id) is this  # False: a batch was written meanwhile
-            if current:
+                    entry = replace(stale, expires=lifetime[0], refresh_at=lifetime[1])  # its own total
+        finally:  # whatever happened, the next check after this one starts a read of its own
+            if self._loading.get(key_id) is this:
                 del self._loading[key_id]
-        if current:
-            self._cache(key_id, entry)
-        elif (written := self._overtaken.pop(this, 0)) and entry.known:
-            entry = replace(entry, spent_day=entry.spent_day + written, spent_month=entry.spent_month + written)
+        self._cache(key_id, entry)
         return entry
 
     def _lifetime(self, read_at: float) -> tuple[float, float]:
         """When an entry read at ``read_at`` expires, and when its background re-read is due."""
-        return read_at + self.cache_ttl_s, read_at + self.cache_ttl_s / 2
+        return read_at + self.cache_ttl_s, read_at + self.cache_ttl_s * REFRESH_AFTER
+
+    def _prune_written(self, now: float) -> None:
+        """Forget the running totals no entry and no read under way refer to (a read begun later
+        takes the total then), once they are too many; a recent write's time is kept."""
+        keep = {k for k, at in self._written_at.items() if now - at < PRIMARY_AFTER_WRITE_S}
+        keep.update(k for k in self._written_tokens if k in self._entries or k in self._loading)
+        self._written_tokens = {k: v for k, v in self._written_tokens.items() if k in keep}
+        self._written_at = {k: v for k, v in self._written_at.items() if k in keep}
+        self._prune_at = max(MAX_ENTRIES, 2 * len(self._written_tokens))  # all in use: not at every write
 
     def _cache(self, key_id: str, entry: _Entry) -> None:
         if len(self._entries) >= MAX_ENTRIES:

@@ -56,7 +56,7 @@ class UsageLedger:
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         # Called in the loop with the tokens by key of every batch that reached the database
-        # (the budget guard counts them in its cached spends from then on: BudgetGuard.written).
+        # (the budget guard counts them in its running total from then on: BudgetGuard.written).
         self.on_written: Callable[[Mapping[str, int]], None] | None = None
         self.written = self.spooled = self.replayed = 0  # records, for ops
         self._pending: list[UsageRecord] = []

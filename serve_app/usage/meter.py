@@ -36,7 +36,7 @@ class Meter:
         self.region = region
         self.ledger = UsageLedger(store, spool_dir, writer_id=writer_id, flush_interval_s=flush_interval_s)
         self.budgets = BudgetGuard(store, self.ledger, cache_ttl_s=cache_ttl_s)
-        self.ledger.on_written = self.budgets.written  # a written batch counts in the cached spends
+        self.ledger.on_written = self.budgets.written  # a written batch counts in its running total
         self.store = store
 
     def start(self) -> None:
