@@ -27,8 +27,10 @@ thread call (one connection), shared by every check of that key waiting on it. K
 budget are cached too: for them a reservation costs one cached lookup and holds nothing. A busy
 key never waits for the store after its first check: a check that finds its entry past
 ``REFRESH_AFTER`` of ``cache_ttl_s`` decides on it and starts the next read in the background (a
-read in the foreground is 1–2 ms of the request's admission); an expired entry (an idle key) is
-waited for, so every decision rests on a read at most ``cache_ttl_s`` old.
+read in the foreground is 1–2 ms of the request's admission) — unless that read takes longer than
+the rest of the entry's life (a database in trouble). An expired entry (an idle key) is waited
+for, so every decision rests on a read that answered at most ``cache_ttl_s`` before (during an
+outage, on the last known entry: below).
 
 This router's own writes: the ledger tells the guard what each batch it wrote holds
 (``written``), in the step where those tokens stop counting as pending, and the guard keeps a
@@ -36,10 +38,12 @@ running total per key. An entry remembers the total when its read began, and a c
 was written since: tokens the read may not have seen are never counted zero times, whatever the
 order of reads, batches (several per flush, one per replayed spool file), the waiters' wake-ups
 and midnight (added to the day and the month being checked: a record of yesterday written after
-midnight counts against today, as it did while pending). A read that saw a batch whose total
-came after its start counts that batch twice until the next read (the safe side, ≤ ``cache_ttl_s``).
-A key this router wrote in the last ``PRIMARY_AFTER_WRITE_S`` is read from the primary: the
-region's read replica may not have those records yet, and they are in the total already. Before,
+midnight counts against today, as it did while pending). Counted twice at times, the safe side:
+a batch whose total came after a read began that still saw it (until the next read), and a spool
+file another replica replayed (until this router's ledger notices, ``ledger.py``). A key this
+router wrote in the last ``PRIMARY_AFTER_WRITE_S`` is read from the primary: the region's read
+replica may not have those records yet, and they are in the total already (a replica more than
+that behind would let them count zero times until it catches up). Before,
 each batch expired the key's entry, so a key with a budget waited for a read after every batch
 (each second while it sent).
 
@@ -70,8 +74,9 @@ logger = module_logger(__name__)
 MAX_ENTRIES = 50_000  # keys cached; bounded like the key store's cache
 # Retry-After when the budget is held by the key's own requests in flight: they end, and release it.
 HELD_RETRY_AFTER_S = 1
-# A check past this share of the entry's life reads it again in the background.
-REFRESH_AFTER = 0.8
+# A check past this share of the entry's life reads it again in the background: the read has the
+# rest of it (2.5 s of 5) to answer before a check would wait for it.
+REFRESH_AFTER = 0.5
 # A key this router wrote records of in the last this-many seconds is read from the primary.
 PRIMARY_AFTER_WRITE_S = 30.0
 
@@ -197,7 +202,9 @@ class BudgetGuard:
         # and the ledger's pending tokens and the written total are read in one step.
         pending = self.ledger.pending_tokens(key_id) if self.ledger is not None else 0
         held = self._held.get(key_id, 0)
-        # (Never negative: a total is pruned only once nothing refers to it.)
+        # Negative only if the total was pruned while this check waited on a read (a read over
+        # PRIMARY_AFTER_WRITE_S long, and 50,000 other keys meanwhile): then what was written
+        # during that read is not counted by this one check.
         written_since = max(0, self._written_tokens.get(key_id, 0) - entry.written)
         spent_day, spent_month = entry.spent(utc_day(now), month_start(now), written_since)
         headers: dict[str, str] = {}
@@ -290,8 +297,9 @@ class BudgetGuard:
         return read_at + self.cache_ttl_s, read_at + self.cache_ttl_s * REFRESH_AFTER
 
     def _prune_written(self, now: float) -> None:
-        """Forget the running totals no entry and no read under way refer to (a read begun later
-        takes the total then), once they are too many; a recent write's time is kept."""
+        """Forget the running totals no cached entry, no read under way and no write in the last
+        ``PRIMARY_AFTER_WRITE_S`` refer to (a read begun later takes the total then), once they
+        are too many."""
         keep = {k for k, at in self._written_at.items() if now - at < PRIMARY_AFTER_WRITE_S}
         keep.update(k for k in self._written_tokens if k in self._entries or k in self._loading)
         self._written_tokens = {k: v for k, v in self._written_tokens.items() if k in keep}

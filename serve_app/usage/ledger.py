@@ -171,6 +171,8 @@ class UsageLedger:
     async def _replay(self) -> None:
         self._replayed_at = time.monotonic()
         names = await asyncio.to_thread(self._spool_files)
+        if names is None:  # unlisted: none of this writer's files can be said to be gone
+            return
         # This writer's files that are gone were replayed by another replica: they are written.
         for name in [n for n in self._own_spool if n not in names]:
             self._settle(self._own_spool.pop(name))
@@ -187,15 +189,16 @@ class UsageLedger:
             self._settle(own if own is not None else _tokens_by_key(records), unwritten=own is not None)
             logger.info("usage ledger: replayed %d records from %s", len(records), name)
 
-    def _spool_files(self) -> list[str]:
-        """Every writer's spool files, oldest first (by the time in their names)."""
+    def _spool_files(self) -> list[str] | None:
+        """Every writer's spool files, oldest first (by the time in their names); None when the
+        spool cannot be listed (EMFILE, EIO): its files are not gone, only unseen this time."""
         try:
             names = [n for n in os.listdir(self.spool_dir) if n.endswith(SUFFIX)]
         except FileNotFoundError:  # nothing was ever spooled
             return []
         except OSError as err:  # unusable (not a directory, no permission): spooling fails loudly too
             logger.warning("usage ledger: cannot list the spool %s (%s)", self.spool_dir, err)
-            return []
+            return None
         return sorted(names, key=lambda n: (_stamp(n), n))
 
     def _replay_file(self, path: Path) -> list[UsageRecord] | None:

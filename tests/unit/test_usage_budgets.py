@@ -4,8 +4,10 @@ router's unwritten spend, the cache, and what happens when the store is away."""
 import asyncio
 import datetime as dt
 import logging
+import os
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -148,7 +150,7 @@ def test_this_routers_unwritten_spend_counts_at_once_and_only_once(sqlite_store,
         await ledger.flush()  # now in the database, and no longer pending: still 1000 spent, not 2000
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
         assert sqlite_store.reads == 1  # the write counts through this router's total: no read for it
-        clock.now += 4.5  # the entry's last fifth: this check starts a read in the background...
+        clock.now += 3  # the entry's second half: this check starts a read in the background...
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "500"
         await guard.settle()
         assert (sqlite_store.reads, sqlite_store.primary_reads) == (2, 1)  # ...from the primary: a replica may lag
@@ -189,7 +191,7 @@ def test_the_cache_serves_checks_for_its_ttl_and_coalesces_concurrent_loads(sqli
     assert asyncio.run(concurrent()) == [{}] * 10 and sqlite_store.reads == 1  # no budget: one read for all
     sqlite_store.set_budget("k1", tokens_per_day=10, tokens_per_month=None)
     clock.now += 2
-    assert _check(guard) == {} and sqlite_store.reads == 1  # within the TTL's first half: the cached answer
+    assert _check(guard) == {} and sqlite_store.reads == 1  # the TTL's first half: the cached answer, no read
     clock.now += 3.5  # expired (an idle key): the check waits for a fresh read
     assert _check(guard)["x-budget-limit-tokens-day"] == "10" and sqlite_store.reads == 2
 
@@ -209,7 +211,9 @@ def test_a_busy_key_is_read_again_in_the_background_and_never_waits_for_the_stor
         assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "100"  # the first read: waited for
         sqlite_store.set_budget("k1", tokens_per_day=50, tokens_per_month=None)
         sqlite_store.budget_state = held_read
-        clock.now += 4.5  # the entry's last fifth
+        clock.now += 2.4  # still the entry's first half: no read
+        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "100" and not guard._loading
+        clock.now += 0.6  # its second half
         checks = [await guard.check("k1") for _ in range(3)]  # decided at once, on the entry, the store held
         assert [c["x-budget-limit-tokens-day"] for c in checks] == ["100"] * 3
         assert len(guard._loading) == 1  # one read in the background for all of them
@@ -354,6 +358,55 @@ def test_records_spooled_in_an_outage_and_replayed_count_once(sqlite_store, tmp_
     assert sqlite_store.reads == 2
 
 
+def test_a_spool_that_cannot_be_listed_keeps_its_records_pending(sqlite_store, tmp_path, monkeypatch):
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    guard, ledger = _guard_with_ledger(sqlite_store, tmp_path)
+    database = sqlite_store.database
+
+    async def main():
+        sqlite_store.database = unreachable(database)
+        ledger.record(usage_record(day="2026-12-01", prompt=300, completion=0))
+        await ledger.flush()  # spooled
+        sqlite_store.database = database
+        real_listdir = os.listdir
+        monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+        ledger.record(usage_record(day="2026-12-01", prompt=100, completion=0))
+        await ledger.flush()  # the 100 is written; the spool cannot be listed: its file is not "gone"
+        assert ledger.pending_tokens("k1") == 300
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "600"
+        monkeypatch.setattr(os, "listdir", real_listdir)
+        ledger.record(usage_record(day="2026-12-01", prompt=1, completion=0))
+        await ledger.flush()  # listed again: replayed, counted once
+        assert ledger.replayed == 1 and ledger.pending_tokens("k1") == 0
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "599"
+
+    asyncio.run(main())
+
+
+def test_a_batch_written_between_a_reads_answer_and_its_waiters_waking_is_counted(sqlite_store, tmp_path):
+    sqlite_store.set_budget("k1", tokens_per_day=300, tokens_per_month=None)
+    guard, ledger = _guard_with_ledger(sqlite_store, tmp_path)
+    cache = guard._cache
+
+    def cache_then_write(key_id, entry):  # the read is cached; its waiters wake two loop steps later
+        cache(key_id, entry)
+        asyncio.get_running_loop().call_soon(write_batch)
+
+    def write_batch():  # what the ledger's flush does, in one step: insert, then settle
+        batch, ledger._pending = ledger._pending, []
+        sqlite_store.insert(batch)
+        ledger._settle(Counter(r.key_id for r in batch for _ in range(r.total_tokens)))
+
+    guard._cache = cache_then_write
+
+    async def main():
+        ledger.record(usage_record(day="2026-12-01", prompt=100, completion=0))  # pending
+        headers = await guard.check("k1")  # waits on the read; the batch lands before it decides
+        assert ledger.pending_tokens("k1") == 0 and headers["x-budget-remaining-tokens-day"] == "200"
+
+    asyncio.run(main())
+
+
 def test_a_batch_written_after_midnight_counts_against_the_new_day_at_once(sqlite_store, tmp_path):
     sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
     clock = Clock("2026-12-01T23:59:58")
@@ -388,17 +441,33 @@ def test_a_budget_set_on_a_busy_key_counts_what_this_router_wrote_before(sqlite_
 
 
 def test_the_written_totals_are_pruned_only_where_nothing_refers_to_them(sqlite_store, monkeypatch):
-    monkeypatch.setattr(budgets, "MAX_ENTRIES", 3)
+    monkeypatch.setattr(budgets, "MAX_ENTRIES", 4)
     clock = Clock("2026-12-01T12:00:00")
     guard = BudgetGuard(sqlite_store, None, clock=clock)
     sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
-    guard._prune_at = 3
-    assert _check(guard, "k1")["x-budget-remaining-tokens-day"] == "1000"
-    guard.written({"k1": 100, "old1": 1, "old2": 1})
-    clock.now += 60  # the writes are old now; k1 still has its entry
-    guard.written({"new": 1})  # four totals: pruned
-    assert sorted(guard._written_tokens) == ["k1", "new"]
-    assert _check(guard, "k1")["x-budget-remaining-tokens-day"] == "1000"  # expired: re-read (the write was direct)
+    release = threading.Event()
+    read = sqlite_store.budget_state
+
+    def held_read(key_id, **kwargs):
+        if key_id == "reading":
+            release.wait(5)
+        return read(key_id, **kwargs)
+
+    sqlite_store.budget_state = held_read
+
+    async def main():
+        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "1000"  # k1: a cached entry
+        reading = asyncio.create_task(guard.check("reading"))  # a read under way
+        await asyncio.sleep(0.05)
+        guard.written({"k1": 100, "reading": 7, "old1": 1, "old2": 1})
+        clock.now += 31  # those writes are old now
+        guard.written({"new": 1})  # five totals: pruned to those something refers to
+        assert guard._written_tokens == {"k1": 100, "reading": 7, "new": 1}
+        assert guard._prune_at == 6  # all three in use: the next prune waits for twice as many
+        release.set()
+        await reading
+
+    asyncio.run(main())
 
 
 def test_a_key_whose_reread_fails_after_a_write_keeps_its_entry_with_the_write_counted(sqlite_store):
