@@ -27,10 +27,12 @@ thread call (one connection), shared by every check of that key waiting on it. K
 budget are cached too: for them a reservation costs one cached lookup and holds nothing. A busy
 key never waits for the store after its first check: a check that finds its entry past
 ``REFRESH_AFTER`` of ``cache_ttl_s`` decides on it and starts the next read in the background (a
-read in the foreground is 1–2 ms of the request's admission) — unless that read takes longer than
-the rest of the entry's life (a database in trouble). An expired entry (an idle key) is waited
-for, so every decision rests on a read that answered at most ``cache_ttl_s`` before (during an
-outage, on the last known entry: below).
+read in the foreground is 1–2 ms of the request's admission). A read slower than the rest of the
+entry's life (a database in trouble) does not stall the key either: the expired entry keeps
+deciding while that read is under way, for at most another ``cache_ttl_s``. An expired entry with
+no read under way (an idle key) is waited for. So a decision rests on a read that answered at
+most ``cache_ttl_s`` before, or twice that while reads are slow (during an outage, on the last
+known entry: below).
 
 This router's own writes: the ledger tells the guard what each batch it wrote holds
 (``written``), in the step where those tokens stop counting as pending, and the guard keeps a
@@ -50,7 +52,7 @@ each batch expired the key's entry, so a key with a budget waited for a read aft
 Bounded grace: when the store cannot be reached, the guard keeps the key's last known entry
 (budget and spend, still counting this router's writes, new spend and reservations on top) for
 another ``cache_ttl_s`` past each failed read, and tries again in the background while the key is
-busy (in the foreground once the entry has expired). A key it has no entry for is admitted (fail
+busy (an idle key's next check tries in the foreground). A key it has no entry for is admitted (fail
 open, nothing reserved) until the store answers again: a ledger outage must not stop inference,
 and the records of what it admits are spooled and reach the ledger afterwards (``ledger.py``), so
 the spend is counted late, never lost. Each failed read is logged.
@@ -192,7 +194,7 @@ class BudgetGuard:
         month's budget. A key without a budget holds nothing (``headers`` empty)."""
         now = self.clock()
         entry = self._entries.get(key_id)
-        if entry is None or entry.expires <= now:
+        if entry is None or entry.expires <= now and not self._read_on_its_way(key_id, entry, now):
             entry = await asyncio.shield(self._read(key_id, now))  # a client gone must not cancel it
         elif entry.refresh_at <= now:
             self._read(key_id, now)  # for the checks after this one: this one decides on the entry
@@ -252,6 +254,13 @@ class BudgetGuard:
         """Wait for the reads under way (tests: a background read has nobody waiting on it)."""
         while running := [task for task in self._loading.values() if not task.done()]:
             await asyncio.wait(running)
+
+    def _read_on_its_way(self, key_id: str, entry: _Entry, now: float) -> bool:
+        """An expired entry still decides while its re-read is under way, for one more
+        ``cache_ttl_s``: a slow database (or an outage's connect timeout) must not stall every
+        request of a busy key; an idle key's expired entry has no read under way and is waited for."""
+        task = self._loading.get(key_id)
+        return task is not None and not task.done() and now < entry.expires + self.cache_ttl_s
 
     def _read(self, key_id: str, now: float) -> asyncio.Task:
         """The read of the key's entry under way, or a new one: one at a time per key."""

@@ -196,7 +196,7 @@ def test_the_cache_serves_checks_for_its_ttl_and_coalesces_concurrent_loads(sqli
     assert _check(guard)["x-budget-limit-tokens-day"] == "10" and sqlite_store.reads == 2
 
 
-def test_a_busy_key_is_read_again_in_the_background_and_never_waits_for_the_store(sqlite_store):
+def test_a_busy_key_is_read_again_in_the_background_and_waits_for_no_slow_read_for_one_more_ttl(sqlite_store):
     sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
     clock = Clock("2026-12-01T12:00:00")
     guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=clock)
@@ -217,9 +217,15 @@ def test_a_busy_key_is_read_again_in_the_background_and_never_waits_for_the_stor
         checks = [await guard.check("k1") for _ in range(3)]  # decided at once, on the entry, the store held
         assert [c["x-budget-limit-tokens-day"] for c in checks] == ["100"] * 3
         assert len(guard._loading) == 1  # one read in the background for all of them
+        clock.now += 3  # expired, the read still on its way (a database in trouble): still at once
+        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "100"
+        clock.now += 4.5  # past one more TTL: this check waits for the read
+        waiting = asyncio.create_task(guard.check("k1"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
         release.set()
-        await guard.settle()
-        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "50"  # its answer is used after it
+        assert (await waiting)["x-budget-limit-tokens-day"] == "50"  # its answer, and used after it
+        assert (await guard.check("k1"))["x-budget-limit-tokens-day"] == "50"
 
     asyncio.run(main())
     assert sqlite_store.reads == 2
@@ -249,9 +255,15 @@ def test_concurrent_requests_written_batches_and_reads_never_let_a_key_past_its_
     guard = BudgetGuard(sqlite_store, ledger, cache_ttl_s=5, clock=Ticking("2026-12-01T12:00:00"))
     ledger.on_written = guard.written
     admitted = []
+    full = 10_000 // 70  # 142 requests: every token of the budget
+    # The adversary keeps asking for 0.3 s more once the budget is full (an overshoot would show),
+    # and gives up after 10 s (a count that never comes back down would show).
+    deadline = [time.monotonic() + 10]
 
     async def stream(worker: int):
-        for attempt in range(80):
+        attempt = 0
+        while time.monotonic() < deadline[0]:
+            attempt += 1
             try:
                 held = await guard.reserve("k1", 70)
             except APIError as refused:
@@ -259,6 +271,8 @@ def test_concurrent_requests_written_batches_and_reads_never_let_a_key_past_its_
                 await asyncio.sleep(0.002)
                 continue
             admitted.append(worker)
+            if len(admitted) == full:
+                deadline[0] = min(deadline[0], time.monotonic() + 0.3)
             await asyncio.sleep(0.001 * (attempt % 3))  # in flight
             ledger.record(usage_record(day="2026-12-01", prompt=50, completion=20))  # 70: its price
             held.release()
@@ -270,7 +284,7 @@ def test_concurrent_requests_written_batches_and_reads_never_let_a_key_past_its_
         await guard.settle()
 
     asyncio.run(main())
-    assert len(admitted) == 10_000 // 70  # 142: every token of the budget, and not one more
+    assert len(admitted) == full  # every token of the budget, and not one more
     assert sqlite_store.spent("k1", since_day="2026-12-01") == 142 * 70 and len(set(admitted)) > 1
 
 
