@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.bench.client import PROMPT
+from serve_app.bench.client import ADMISSION_HEADERS, PROMPT
 from serve_app.bench.schedule import BASELINE, OURS
 from serve_app.bench.stats import stream_ratios
 from serve_app.paths import REPO_ROOT
@@ -174,8 +174,8 @@ def admission_line(results: Mapping[str, Any]) -> str:
     counts = Counter()
     for s in summaries:
         counts.update(s.get("admission") or {})
-    steps = ", ".join(f"{step.replace('_', ' ')} on {counts[step]}" for step in ("rate_limit", "budget"))
-    missing = [step.replace("_", " ") for step in ("rate_limit", "budget") if counts[step] < answers]
+    steps = ", ".join(f"{step.replace('_', ' ')} on {counts[step]}" for step in ADMISSION_HEADERS.values())
+    missing = [step.replace("_", " ") for step in ADMISSION_HEADERS.values() if counts[step] < answers]
     warning = f" (**not measured on every answer: {', '.join(missing)}**; give `--api-key` a registry key with a budget)" \
         if missing else ""
     return f"- admission on {OURS}, from its answers' headers: {steps} of {answers} answers{warning}"

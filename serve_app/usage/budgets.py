@@ -149,7 +149,7 @@ class _Entry:
     spent_day: int
     spent_month: int
     written: int  # this router's running total of the key's written tokens when the read began
-    expires: float  # past it, a check waits for a fresh read
+    expires: float  # past it, a check waits for a fresh read (one more TTL if one is under way)
     refresh_at: float  # past it, a check starts a fresh read in the background and does not wait
     known: bool = True  # False: the store could not be read and the key is admitted unchecked
 
