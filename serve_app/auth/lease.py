@@ -42,7 +42,7 @@ under-estimate per request served during the outage).
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -109,11 +109,7 @@ class LeasedRateLimiter:
                 return decision
             left = self._leases.pop(key_id, None)
             ask = self.clock() >= self._ask_actor_at
-            answer = await self.source.lease(
-                key_id, rpm, tpm, tokens,
-                int(rpm * LEASE_FRACTION), int(tpm * LEASE_FRACTION),
-                left.requests if left else 0, left.tokens if left else 0,
-            ) if ask else None
+            answer = await self._ask_for_lease(key_id, rpm, tpm, tokens, left) if ask else None
             if answer is None:  # the limiter is unavailable (it logged why): decide alone
                 if ask:
                     self._ask_actor_at = self.clock() + OUTAGE_RETRY_S
@@ -168,10 +164,7 @@ class LeasedRateLimiter:
             if left is None or left.expires - self.clock() >= LEASE_TTL_S / 2:
                 return  # expired and dropped, or renewed meanwhile
             del self._leases[key_id]  # from here its requests wait for the answer: none is used twice
-            answer = await self.source.lease(
-                key_id, rpm, tpm, 0, int(rpm * LEASE_FRACTION), int(tpm * LEASE_FRACTION),
-                left.requests, left.tokens,
-            )
+            answer = await self._ask_for_lease(key_id, rpm, tpm, 0, left)
             if answer is None:  # the actor is away: nothing was returned, the lease is still ours
                 self._ask_actor_at = self.clock() + OUTAGE_RETRY_S
                 self._leases.setdefault(key_id, left)
@@ -180,6 +173,16 @@ class LeasedRateLimiter:
             self._remember(key_id, decision)
             if decision.allowed:  # the request the actor admitted for it is the lease's too
                 self._leases[key_id] = _Lease(requests + 1, granted_tokens, self.clock() + LEASE_TTL_S, decision)
+
+    def _ask_for_lease(
+        self, key_id: str, rpm: int, tpm: int, tokens: int, left: _Lease | None
+    ) -> Awaitable[tuple[Decision, int, int] | None]:
+        """The actor's call for a request of ``tokens`` and a new lease, returning what ``left``
+        (the old lease, taken out) did not use."""
+        return self.source.lease(
+            key_id, rpm, tpm, tokens, int(rpm * LEASE_FRACTION), int(tpm * LEASE_FRACTION),
+            left.requests if left else 0, left.tokens if left else 0,
+        )
 
     async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> None:
         """Charge ``tokens`` more to ``key_id``, never refused: from its live lease here first,
