@@ -356,13 +356,20 @@ class RouterArgs(Settings):
     # host the hand-off moves the per-token socket cost from the router to the replica and gains no
     # throughput (docs/benchmarks.md, "The hand-off"); it pays where routers are short of CPU.
     hand_off_streams: bool = False
-    # How a request reaches its model replica through Serve's handle: "grpc", Serve's by-value
-    # transport (a gRPC call from the router straight to the replica's inter-deployment server,
-    # ``_by_reference=False``), or "actor", a Ray actor task whose items pass through both
-    # processes' core workers. Measured on the 2-core host, gRPC takes ~1.7 ms off the handle
-    # call's round trip at one stream (docs/benchmarks.md, "The handle's transport"). Serve's
-    # routing, admission (max_ongoing_requests), metrics and cancellation are the same on both.
-    handle_transport: Literal["grpc", "actor"] = "grpc"
+    # How a request reaches its model replica. "direct" (the default): on the replica's own direct
+    # line, a connection to its byte listener that the router keeps open (wire/line.py), once a
+    # head has named it; through Serve's handle over gRPC for a conversation (Serve's request
+    # router keeps it on one replica), a resumed stream, one call in eight (Serve keeps routing,
+    # the router finds new replicas) and any call the line does not take (a full or stopping
+    # replica). Measured on the 2-core host it takes ~3 ms (the handle call's cost) off a stream's
+    # TTFT at one stream (docs/benchmarks.md, "The direct line"); what it gives up and how each is
+    # kept: docs/architecture.md.
+    # "grpc": every call through the handle, by Serve's by-value transport (a gRPC call to the
+    # replica's inter-deployment server, ``_by_reference=False``); "actor": as a Ray actor task,
+    # whose items pass through both processes' core workers (gRPC is ~1.7 ms faster at one
+    # stream, "The handle's transport"). Both keep Serve's routing, admission
+    # (max_ongoing_requests), metrics and cancellation for every call.
+    handle_transport: Literal["direct", "grpc", "actor"] = "direct"
     # A stream whose engine fails mid-answer is resumed on another replica of the region this
     # many times at most, each within resume_window_s of the failure (router/resume.py). The
     # region's replicas are tried for resume_here_s (longer than a model's health check period,

@@ -16,6 +16,11 @@ The handle call stays open until the request is over, so Serve counts it as ongo
 life (admission, autoscaling, drain). When the router hangs up (its client left) the engine
 request is aborted and the last item still comes, with the tokens generated so far: they are billed.
 
+The same methods also answer calls on the replica's direct line (``wire/line.py``, named in each
+head), which no handle counts: the replica holds calls of both kinds to its
+``max_ongoing_requests`` (``counted``), reports the line's to the autoscaling policy
+(``record_autoscaling_stats``) and waits for them when Serve stops it (``__del__``).
+
 What this class knows is Serve and that wire; what it asks of an engine is ``protocol.Engine`` —
 so it is unit-tested on a fake engine, without Ray or vLLM.
 """
@@ -24,25 +29,33 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 
 from ray import serve
 
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import token_count
 from serve_app.engine.protocol import Engine
+from serve_app.hot_load.autoscaling import LINE_CALLS_METRIC
 from serve_app.errors import error_body
 from serve_app.runtime import heap
 from serve_app.surfaces import SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import handoff, tls
+from serve_app.wire import line as wire_line
 from serve_app.wire import socket as wire_socket
-from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, Answer, Call, StreamOpen, Trailer
+from serve_app.wire.messages import (
+    ENGINE_UNAVAILABLE, Accepted, Answer, Call, DirectLine, Refused, StreamOpen, Trailer,
+)
 from serve_app.wire.socket import Listener
 
 logger = module_logger(__name__)
 
 Item = Answer | StreamOpen | Accepted | Trailer
+SURFACES_BY_NAME = {surface.name: surface for surface in SURFACES}
+# How long a stopping replica waits for the calls its direct lines took (Serve drained the handle's
+# before it asks this replica to stop; its graceful_shutdown_timeout_s ends the wait in any case).
+DRAIN_S = 600.0
 
 
 def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
@@ -62,11 +75,20 @@ class _ModelServer:
         ``make_engine``: the engine to serve with (a fake one in unit tests)."""
         self.model_id = args.id
         self.replica = _replica_id()
+        self.in_flight = 0  # calls under way, through the handle or a direct line (or waiting: ``counted``)
+        self.line_calls = 0  # of which on a direct line: no handle counts them for the autoscaler
+        # Serve admits handle calls up to max_ongoing_requests by its own count, which has no line
+        # calls in it: these slots hold the replica's calls of both kinds to that number.
+        self._slots = asyncio.Semaphore(args.max_ongoing_requests)
+        self.stopping = False  # Serve is stopping this replica: the direct lines take no new call
         self.engine = make_engine(args, model_path)
         await self.engine.start()
         # Listening from the start: a replica with no free port in its range fails now, not per request.
-        self._listener = Listener(stream_host(), tls.server_context())  # TLS: a region option
-        await self._listener.start()
+        listener = self._listener = Listener(stream_host(), tls.server_context(), on_line=self._serve_line)
+        await listener.start()  # TLS: a region option
+        # Named in every head: a router whose region calls directly learns it there (wire/line.py).
+        self.line = DirectLine(self.replica, listener.line_key, listener.address, tls=listener.tls,
+                               local=listener.local, node=handoff.this_node(), capacity=args.max_ongoing_requests)
         heap.freeze_startup()  # start-up's objects, out of the collector's reach
 
     async def _answer(self, surface: Surface, call: Call) -> AsyncIterator[Item]:
@@ -97,7 +119,7 @@ class _ModelServer:
         try:  # from here on the engine request is under way: every way out closes it
             # Serve may cancel this call at the yield: the finally still runs.
             yield StreamOpen(listener.address, ticket, _ms_since(started), tls=listener.tls, local=listener.local,
-                             node=handoff.this_node())
+                             node=handoff.this_node(), line=self._advertised())
             connection = await listener.accept(ticket, connected)
             complete = await wire_socket.pump(outcome.events, outcome.watcher.pass_on, connection)
         except (TimeoutError, ConnectionError) as err:
@@ -127,7 +149,7 @@ class _ModelServer:
         work = asyncio.ensure_future(self.engine.answer(surface.name, call))  # shares this count
         try:
             yield Accepted(listener.address, ticket, _ms_since(started), tls=listener.tls, local=listener.local,
-                           node=handoff.this_node())
+                           node=handoff.this_node(), line=self._advertised())
             connection = await listener.accept(ticket, connected)
             finished = await wire_socket.first_of(work, connection)
         except (TimeoutError, ConnectionError) as err:
@@ -171,8 +193,74 @@ class _ModelServer:
     def engine_stats(self) -> dict[str, int]:
         return {"unfinished_requests": self.engine.unfinished_requests()}
 
-    def __del__(self) -> None:
-        """Serve calls this when it stops the replica."""
+    def _advertised(self) -> DirectLine | None:
+        """The line a head names: none once Serve is stopping this replica."""
+        return None if self.stopping else self.line
+
+    async def counted(self, items: AsyncIterator[Item], *, line: bool = False) -> AsyncIterator[Item]:
+        """``items``, the call counted in flight while they last (``line``: and as a line call),
+        once it holds one of the replica's slots.
+
+        Serve admits a handle call by its own count of them (``max_ongoing_requests``), which the
+        direct lines' calls are not in. A handle call that finds every slot taken by calls of both
+        kinds waits here, first come first served, still counted as ongoing by Serve — so once a
+        replica is full its lines refuse new calls (``_take``: the waiting count too), Serve's
+        count climbs to its limit, and Serve queues and sheds as it does without lines. The engine
+        never runs more than ``max_ongoing_requests`` calls of this replica's."""
+        self.in_flight += 1
+        self.line_calls += line
+        try:
+            async with self._slots:
+                async for item in items:
+                    yield item
+        finally:
+            self.in_flight -= 1
+            self.line_calls -= line
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve samples this for the autoscaling policy: the calls no handle counted."""
+        return {LINE_CALLS_METRIC: self.line_calls}
+
+    async def _serve_line(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await wire_line.serve(reader, writer, self._take)
+
+    def _take(self, method: str, call: Call) -> AsyncIterator[Item] | Refused:
+        """A call on a direct line: its items, or why this replica does not take it (the router
+        then calls through Serve's handle). Full is this replica's calls from every router and the
+        handle, running or waiting for a slot, at its ``max_ongoing_requests``; a call that passes
+        it in the same loop turn as others waits for a slot (``counted``)."""
+        surface = SURFACES_BY_NAME.get(method)
+        if surface is None:
+            return Refused("unknown method")
+        if self.stopping:
+            return Refused("stopping")
+        if self.in_flight >= self.line.capacity:
+            return Refused("full")
+        return self.counted(self._answer(surface, call), line=True)
+
+    def __del__(self) -> Coroutine | None:
+        """Serve calls this when it stops the replica, once the handle's calls are drained, and
+        awaits what it returns: with calls its direct lines took still under way, a wait for them
+        (the lines take nothing new meanwhile), then the close. Not ``async def``: the garbage
+        collector also calls it, and would drop the coroutine unawaited."""
+        self.stopping = True
+        if getattr(self, "in_flight", 0) > 0:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop to wait on (the collector's call)
+                pass
+            else:
+                return self._close_when_done()
+        self._close()
+        return None
+
+    async def _close_when_done(self) -> None:
+        deadline = time.monotonic() + DRAIN_S
+        while self.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        self._close()
+
+    def _close(self) -> None:
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
         if getattr(self, "engine", None) is not None:
@@ -183,7 +271,7 @@ def _replica_method(surface: Surface):
     """The replica method the router calls for ``surface``: ``_answer`` for it."""
 
     async def replica_method(self, call: Call) -> AsyncIterator[Item]:
-        async for item in self._answer(surface, call):
+        async for item in self.counted(self._answer(surface, call)):
             yield item
 
     replica_method.__name__ = replica_method.__qualname__ = surface.name

@@ -23,6 +23,11 @@ Its settings (the policy's kwargs in the Serve config) are hashed into the model
 version by Serve 2.60 (``_private/deploy_utils.py:173-177``): changing one restarts that model's
 replicas, new ones first (docs/operations.md, "What a change restarts").
 
+Calls a router sent on a replica's direct line (``router.handle_transport: direct``,
+``wire/line.py``) pass no handle, so no handle counts them: each replica reports its own
+(``record_autoscaling_stats``, ``LINE_CALLS_METRIC``) and the policy adds them to Serve's count
+(``_with_line_calls``), for scaling and for an unload's wait alike.
+
 Serve runs the policy in its controller, once per control-loop tick (~0.1 s). The wanted state is
 read from the GCS key-value store at most once a second. The policy class is pickled by value when
 the config is deployed; what it imports is imported in the controller, so it stays small.
@@ -39,6 +44,8 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from serve_app.hot_load.state import WantedRecord, read_wanted
 
 WANTED_REFRESH_S = 1.0  # the config names this class as serve_app.regions.layout.POLICY_PATH
+# A model replica's calls in flight that came on its direct line (ModelServer.record_autoscaling_stats).
+LINE_CALLS_METRIC = "line_calls"
 
 
 class HotLoadPolicy:
@@ -69,6 +76,7 @@ class HotLoadPolicy:
         self._busy_at = float("-inf")  # when requests were last in flight (``_draining``)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        _with_line_calls(ctx)
         wanted = self._wanted_record(ctx)
         now = ctx.current_time or time.time()
         if ctx.total_num_requests > 0:
@@ -122,3 +130,14 @@ class HotLoadPolicy:
         if now - since >= delay:
             return desired, {}
         return target, {"direction": direction, "since": since}
+
+
+def _with_line_calls(ctx) -> None:
+    """Add the replicas' direct-line calls (each replica's mean over the look-back window, as
+    Serve aggregates any replica metric) to ``ctx.total_num_requests``, which counts what the
+    handles sent. ``total_num_requests`` is a cached property of Serve's context: the sum is
+    cached in its place, so Serve's own policy, called with this context, reads it too."""
+    per_replica = (ctx.aggregated_metrics or {}).get(LINE_CALLS_METRIC) or {}
+    line_calls = sum(per_replica.values())
+    if line_calls > 0:
+        ctx.total_num_requests = ctx.total_num_requests + line_calls

@@ -27,6 +27,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.errors import APIError, retry_later
+from serve_app.router.lines import LineCall, Lines, LineUnavailable
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import handoff
 from serve_app.wire import socket as wire_socket
@@ -44,10 +45,15 @@ LAST_ITEM_WAIT_S = 10.0
 
 class ReplicaCall:
     """One call on the model's deployment: ``method`` is its handle's method, ``options(stream=True)``,
-    on the region's transport (``Services.method_handle``)."""
+    on the region's transport (``Services.method_handle``). With ``lines`` (the region's transport is
+    ``direct``, ``router/lines.py``) the call goes on the replica's direct line when the model has
+    one running replica (``replicas``) whose line is known, and through ``method`` otherwise or when
+    the line does not start it; heads name lines to learn."""
 
-    def __init__(self, method: DeploymentHandle, call: Call, model: str, region: str):
+    def __init__(self, method: DeploymentHandle, call: Call, model: str, region: str, *,
+                 surface: str = "", lines: Lines | None = None, replicas: int = 0):
         self.model, self.region = model, region
+        self._method, self._call, self._lines = method, call, lines
         self.head: Head | None = None
         self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.handed = False  # the replica writes the stream to the client's connection itself
@@ -56,13 +62,32 @@ class ReplicaCall:
         self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
         self.ended = False  # the call's last item has been read (or it was given up)
         self._started = time.perf_counter()
-        self._items = detached(lambda: method.remote(call))
+        line = lines.call(model, surface, call, replicas=replicas) if lines is not None else None
+        self._items: Any = line if line is not None else self._by_handle()
+
+    def _by_handle(self) -> Any:
+        return detached(lambda: self._method.remote(self._call))
+
+    async def _first_item(self) -> Any:
+        if not isinstance(self._items, LineCall):
+            return await self._items.__anext__()
+        try:
+            return await self._items.__anext__()
+        except LineUnavailable as err:  # nothing started: through Serve's handle instead
+            logger.info("%s: %s; calling through the handle", self.model, err)
+            self._items = self._by_handle()
+            return await self._items.__anext__()
+
+    @property
+    def by_line(self) -> bool:
+        """The call went on a replica's direct line (not Serve's handle)."""
+        return isinstance(self._items, LineCall)
 
     async def first(self) -> Head:
         """The replica's head; a shed or dead replica is a 503 (``overloaded``, ``replica_unavailable``,
         ``engine_unavailable``)."""
         try:
-            head = await self._items.__anext__()
+            head = await self._first_item()
         except asyncio.CancelledError:  # the client left before the head: the engine may stop
             self.cancel()
             raise
@@ -73,6 +98,8 @@ class ReplicaCall:
             raise self._vanished() from None
         self.waited_ms = (time.perf_counter() - self._started) * 1000
         self.head = head
+        if self._lines is not None:
+            self._learn(head)
         if isinstance(head, Answer):
             self.ended = True
             raise_if_engine_died(head)
@@ -82,7 +109,12 @@ class ReplicaCall:
 
     async def answer(self) -> Answer:
         """An ``Accepted`` request's answer (the engine's whole body)."""
-        answer = await self._items.__anext__()
+        try:
+            answer = await self._items.__anext__()
+        except ConnectionError:  # its direct line closed: the replica is gone, and its engine request
+            logger.exception("model replica for %s vanished", self.model)
+            self.ended = True
+            raise self._vanished() from None
         self.ended = True
         raise_if_engine_died(answer)
         return answer
@@ -163,6 +195,15 @@ class ReplicaCall:
         except asyncio.CancelledError:  # the client left while connecting: the engine may stop
             self.cancel()
             raise
+
+    def _learn(self, head: Head) -> None:
+        """A head names its replica's line; one whose engine died, its line is forgotten (Serve
+        stops routing to it once its health check fails; the line, at once)."""
+        if isinstance(head, Answer):
+            if head.status == 503 and self.by_line:
+                self._items.forget_line()
+        elif head.line is not None and not self.by_line:
+            self._lines.learn(self.model, head.line)
 
     def _vanished(self) -> APIError:
         return retry_later(f"{self.model} replica became unavailable", "replica_unavailable")

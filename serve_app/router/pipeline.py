@@ -31,7 +31,7 @@ from serve_app import routing
 from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
-from serve_app.router.call import REPLICA_FAILURES, ReplicaCall
+from serve_app.router.call import REPLICA_FAILURES
 from serve_app.router.context import Context, abandoned, failed, forwarded, refused
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
@@ -203,7 +203,7 @@ async def call(ctx: Context) -> Head:
         # The conversation it continues: the model's request router keeps it on one replica.
         session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),
     )
-    ctx.call = ReplicaCall(services.method_handle(ctx.model, ctx.surface.name), wire_call, ctx.model, services.region)
+    ctx.call = services.replica_call(ctx.model, ctx.surface.name, wire_call)
     head = await ctx.call.first()
     if isinstance(head, Accepted):
         return await ctx.call.answer()

@@ -193,7 +193,7 @@ class Resumer:
                 services.states.require_serving(ctx.model, services.region)
             except APIError:
                 return None
-            replica_call = ReplicaCall(services.method_handle(ctx.model, ctx.surface.name), call, ctx.model, services.region)
+            replica_call = services.replica_call(ctx.model, ctx.surface.name, call)
             try:
                 head = await asyncio.wait_for(replica_call.first(), left)
             except asyncio.TimeoutError:

@@ -27,12 +27,15 @@ from serve_app.errors import APIError
 from serve_app.hot_load.tracker import ModelStates
 from serve_app.regions.layout import split_startup
 from serve_app.router.client_socket import DEFAULT_STALL_TIMEOUT_S
+from serve_app.router.call import ReplicaCall
 from serve_app.router.failover import Forwarder
 from serve_app.router.in_flight import InFlight
+from serve_app.router.lines import Lines
 from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
 from serve_app.usage.meter import Meter
 from serve_app.usage.store import UsageStore
+from serve_app.wire.messages import Call
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,15 @@ class Services:
     # How calls and streams go, from ``args.router`` (set from it, here so that a test can set them alone).
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a stream's client that reads nothing this long is cut
     hand_off: bool = False  # a replica on this node writes a stream to the client itself (wire/handoff.py)
-    handle_transport: str = "grpc"  # a call reaches its replica by Serve's gRPC, or as a Ray actor task
+    # A call reaches its replica by Serve's gRPC, as a Ray actor task, or on the replica's direct line
+    # (``router/lines.py``; through Serve's gRPC when the line does not take it).
+    handle_transport: str = "direct"
     max_resumes: int = 1  # a stream whose engine fails is resumed on another replica this often...
     resume_window_s: float = 30.0  # ...each within this long of the failure
     resume_here_s: float = 5.0  # this region's replicas first, this long; then a peer region's
     created: int = field(default_factory=lambda: int(time.time()))
-    _method_handles: dict[tuple[str, str, str], Any] = field(default_factory=dict, repr=False)
+    _method_handles: dict[tuple[str, str, bool], Any] = field(default_factory=dict, repr=False)
+    lines: Lines = field(default_factory=Lines, repr=False)  # the replicas' direct lines known here
 
     def __post_init__(self) -> None:
         self.served = self.served or tuple(model.id for model in self.args.models)
@@ -176,16 +182,27 @@ class Services:
         await self.responses.store.aclose()
         await self.meter.aclose()
         await self.forwarder.aclose()
+        self.lines.close()
+
+    def replica_call(self, model: str, surface: str, call: Call) -> ReplicaCall:
+        """``call`` to a replica of ``model``, for ``surface``, on the region's transport."""
+        lines = self.lines if self.handle_transport == "direct" else None
+        state = self.states.get(model)
+        # A replica stopping (a redeploy, a scale-down): Serve knows which one serves, the line may not.
+        replicas = state.running if not state.stopping else 0
+        return ReplicaCall(self.method_handle(model, surface), call, model, self.region, surface=surface, lines=lines,
+                           replicas=replicas)
 
     def method_handle(self, model: str, method: str) -> Any:
         """``handles[model]``'s ``method`` on the transport set (``handle_transport``), made once:
         Serve builds a new handle for every attribute read (``DeploymentHandle.options``, ~1 % of
         the router's CPU under load). A model's handle is never replaced (``reconfigure`` only
         adds), so neither is its methods'; a transport changed in place gets handles of its own."""
-        key = (model, method, self.handle_transport)
+        by_reference = self.handle_transport == "actor"  # "direct" calls through the handle by gRPC
+        key = (model, method, by_reference)
         found = self._method_handles.get(key)
         if found is None:
-            by_value = self.handles[model].options(_by_reference=self.handle_transport == "actor")
+            by_value = self.handles[model].options(_by_reference=by_reference)
             found = self._method_handles[key] = getattr(by_value, method)
         return found
 

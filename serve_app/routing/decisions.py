@@ -18,11 +18,14 @@ MAX_PENDING = 10_000
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    reason: str  # policy.py: session | prefix | least_loaded | shed | fallback | default
+    # policy.py: session | prefix | least_loaded | shed | fallback | default; a direct line's
+    # call (router/lines.py): only_replica
+    reason: str
     replica: str  # the Serve replica id (the trailer's ``replica``)
     matched_chars: int  # how much of the prompt's prefix the chosen replica was known to hold
     prompt_chars: int
-    policy: str = "prefix_affinity"  # or "default" (Serve's power of two, the comparison arm)
+    # or "default" (Serve's power of two, the comparison arm), or "direct_line" (no handle call)
+    policy: str = "prefix_affinity"
 
 
 _pending: OrderedDict[str, Decision] = OrderedDict()

@@ -135,6 +135,7 @@ class StreamOpen:
     # and may hand its client's connection over (``wire/handoff.py``).
     local: str | None = None
     node: str | None = None
+    line: "DirectLine | None" = None  # where this replica also takes calls without the handle
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +151,31 @@ class Accepted:
     # and may hand its client's connection over (``wire/handoff.py``).
     local: str | None = None
     node: str | None = None
+    line: "DirectLine | None" = None  # where this replica also takes calls without the handle
+
+
+@dataclass(frozen=True, slots=True)
+class DirectLine:
+    """A replica's direct line (``wire/line.py``): its listener takes calls there from whoever
+    presents ``key``, which only its heads carry (they cross Serve's handle, inside the Ray
+    cluster's trust boundary). A router whose region sets ``handle_transport: direct`` learns
+    the line from a head and sends later calls on it, without the handle."""
+
+    replica: str  # Serve's replica id
+    key: str  # 32 hex characters, this replica's for its life
+    address: Address
+    tls: bool = False
+    local: str | None = None  # its Unix listener, for a router on its node
+    node: str | None = None
+    capacity: int = 1  # calls in flight it takes at most (its max_ongoing_requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A direct line's answer to a call it does not take: the replica is full or stopping. The
+    router sends the call through Serve's handle instead (nothing has started)."""
+
+    reason: str  # "full" or "stopping"
 
 
 Head = Answer | StreamOpen | Accepted

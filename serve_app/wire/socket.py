@@ -19,6 +19,7 @@ may put TLS 1.3 on the connection (``tls.py``); the head says whether it does.
 """
 
 import asyncio
+import hmac
 import os
 import secrets
 import socket
@@ -184,11 +185,16 @@ async def _write_all(events: AsyncIterator, pass_on: Callable[[Any], str | None]
 
 class Listener:
     """One per replica; matches each incoming connection to the request that expects it.
-    ``ssl_context``: serve TLS only (``tls.server_context``); None, plaintext."""
+    ``ssl_context``: serve TLS only (``tls.server_context``); None, plaintext. ``on_line``: serves
+    a connection that presents ``line_key`` (a router's direct line, ``line.py``)."""
 
-    def __init__(self, host: str, ssl_context: ssl.SSLContext | None = None):
+    def __init__(self, host: str, ssl_context: ssl.SSLContext | None = None,
+                 on_line: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any] | None = None):
         self.host = host
         self.ssl_context = ssl_context
+        self._on_line = on_line
+        self.line_key = secrets.token_hex(TICKET_BYTES) if on_line is not None else None
+        self._lines: set[asyncio.Task] = set()
         self.port: int | None = None
         self.local: str | None = None  # the Unix listener for routers on this node (``handoff.py``)
         self._server: asyncio.Server | None = None
@@ -247,7 +253,12 @@ class Listener:
         except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
             writer.close()
             return
-        future = self._expected.get(line[:-1].decode("ascii", "replace"))
+        ticket = line[:-1].decode("ascii", "replace")
+        if self._is_line_key(ticket):
+            keep_alive(writer)
+            self._serve_line(reader, writer)
+            return
+        future = self._expected.get(ticket)
         if future is None or future.done():  # unknown, expired or reused ticket: not ours to serve
             writer.close()
             return
@@ -271,6 +282,9 @@ class Listener:
             connection.close()
             return
         parsed = handoff.parse_line(data)
+        if parsed is not None and self._is_line_key(parsed[0]) and parsed[1] == "S" and not fds:
+            self._serve_line(*await asyncio.open_unix_connection(sock=connection))
+            return
         future = self._expected.get(parsed[0]) if parsed else None
         handed = parsed is not None and parsed[1] != "S"
         if future is None or future.done() or handed != (len(fds) == 1):  # not ours, or malformed
@@ -286,7 +300,17 @@ class Listener:
             return
         future.set_result(StreamConnection(reader, writer, client))
 
+    def _is_line_key(self, ticket: str) -> bool:
+        return self.line_key is not None and hmac.compare_digest(ticket, self.line_key)
+
+    def _serve_line(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._on_line(reader, writer))
+        self._lines.add(task)
+        task.add_done_callback(self._lines.discard)
+
     def close(self) -> None:
+        for task in self._lines:  # the routers' direct lines: they find the connection closed
+            task.cancel()
         if self._server is not None:
             self._server.close()
         if self._local is not None:

@@ -113,7 +113,8 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
             args["router"]["hand_off_streams"] = True
         else:
             # The peer region calls its replicas as Ray actor tasks (router.handle_transport); the
-            # local region by the default, gRPC: both transports run end to end, failover included.
+            # local region by the default, its replicas' direct lines (and gRPC for what goes
+            # through the handle): both run end to end, failover included.
             args["router"]["handle_transport"] = "actor"
 
     config = two_region_config(

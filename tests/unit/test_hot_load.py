@@ -99,7 +99,9 @@ class Cluster:
         self.target = max(self.config.min_replicas, min(self.config.max_replicas, -1))
         self.running = self.target
 
-    def tick(self, requests: float = 0, now: float | None = None) -> int:
+    def tick(self, requests: float = 0, now: float | None = None, line_calls: dict | None = None) -> int:
+        """One control-loop tick: ``requests`` as the handles count them, ``line_calls`` the
+        replicas' direct-line calls (their ``record_autoscaling_stats``, by replica)."""
         ctx = AutoscalingContext(
             deployment_id=None,
             deployment_name="model-x",
@@ -109,7 +111,7 @@ class Cluster:
             running_replicas=[],
             total_num_requests=requests,
             total_queued_requests=0,
-            aggregated_metrics={},
+            aggregated_metrics={"line_calls": line_calls} if line_calls else {},
             raw_metrics={},
             capacity_adjusted_min_replicas=self.config.min_replicas,
             capacity_adjusted_max_replicas=self.config.max_replicas,
@@ -239,6 +241,27 @@ def test_while_loaded_it_autoscales_with_the_regions_delays():
     assert cluster.tick(requests=0, now=start + 500) == 4
     assert cluster.tick(requests=0, now=start + 621) == 1  # never below min_replicas while loaded
     assert cluster.tick(requests=0, now=start + 2000) == 1
+
+
+def test_calls_on_the_replicas_direct_lines_count_as_requests_for_scaling_and_an_unloads_wait():
+    """No handle counts a direct-line call (wire/line.py): the replicas report them, and the
+    policy adds them to what the handles counted."""
+    cluster = Cluster(_model(), {})
+    start = 1000.0
+    assert cluster.tick(now=start) == 1
+    assert cluster.tick(requests=2, line_calls={"r1": 28.0}, now=start + 1) == 1  # wants 4: waits
+    assert cluster.tick(requests=2, line_calls={"r1": 28.0}, now=start + 16) == 4
+    handles_only = Cluster(_model(), {})
+    handles_only.tick(now=start)
+    handles_only.tick(requests=2, now=start + 1)
+    assert handles_only.tick(requests=2, now=start + 16) == 1  # the same load, the line calls unseen
+    wanted = {}
+    unloading = Cluster(_model(), wanted)
+    unloading.tick(now=start)
+    wanted[("llm", "model-x")] = WantedRecord("cold", start + 100)
+    # Long after the handles' reports could lag, a line call still under way holds the replica.
+    assert unloading.tick(line_calls={"r1": 1.0}, now=start + 150) == 1
+    assert unloading.tick(now=start + 250) == 0
 
 
 def test_a_kv_outage_keeps_the_last_known_state():

@@ -114,6 +114,7 @@ def test_a_model_method_handle_is_made_once_not_per_request(router_app):
     """Serve's ``handle.<method>`` builds a new handle each time (``DeploymentHandle.options``):
     the router makes each model's method handle once and calls it for every request."""
     app = router_app()
+    app.services.handle_transport = "grpc"  # every call through the handle (not a direct line)
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     for stream in (False, True, False):
@@ -127,18 +128,19 @@ def test_a_model_method_handle_is_made_once_not_per_request(router_app):
 
 
 def test_the_handle_transport_is_the_routers_setting_and_changes_in_place(router_app):
-    """``router.handle_transport``: "grpc" (the default) calls the replica by value over Serve's
-    gRPC, "actor" by reference as a Ray actor task; a change in place gets handles of its own."""
+    """``router.handle_transport``: "grpc" calls the replica by value over Serve's gRPC, "actor"
+    by reference as a Ray actor task; a change in place gets handles of its own. "direct" (the
+    default) calls through the gRPC handle until a head names a line (test_direct_line.py)."""
     app = router_app()
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     handle = app.handles[MODEL]
-    assert app.services.handle_transport == RouterArgs().handle_transport == "grpc"
-    for transport in ("grpc", "grpc", "actor", "grpc"):
+    assert app.services.handle_transport == RouterArgs().handle_transport == "direct"
+    for transport in ("direct", "grpc", "grpc", "actor", "grpc"):
         app.services.handle_transport = transport
         assert app.client.post("/v1/chat/completions", json=body, headers=bearer(key)).status_code == 200
     # One method handle a transport, by value then by reference; back on gRPC, its handle again.
     assert handle.options_made == [{"_by_reference": False}, {"_by_reference": True}]
-    assert len(handle.calls) == 4 and handle.methods_made == 2
+    assert len(handle.calls) == 5 and handle.methods_made == 2
     with pytest.raises(ValueError):
         RouterArgs(handle_transport="http")
