@@ -356,12 +356,12 @@ class RouterArgs(Settings):
     # host the hand-off moves the per-token socket cost from the router to the replica and gains no
     # throughput (docs/benchmarks.md, "The hand-off"); it pays where routers are short of CPU.
     hand_off_streams: bool = False
-    # How a request reaches its model replica. "direct" (the default): on the replica's own direct
-    # line, a connection to its byte listener that the router keeps open (wire/line.py), once a
-    # head has named it; through Serve's handle over gRPC for a conversation (Serve's request
-    # router keeps it on one replica), a resumed stream, one call in eight (Serve keeps routing,
-    # the router finds new replicas) and any call the line does not take (a full or stopping
-    # replica). Measured on the 2-core host it takes ~3 ms (the handle call's cost) off a stream's
+    # How a request reaches its model replica. "direct" (the default): for a model with one running
+    # replica and none stopping, on that replica's own direct line, a connection to its byte
+    # listener that the router keeps open (wire/line.py, router/lines.py), once a head has named
+    # it; through Serve's handle over gRPC otherwise — two replicas or more (Serve's request router
+    # places each call by prefix affinity and session), a resumed stream, and any call the line
+    # does not take (a full or stopping replica). Measured on the 2-core host it takes ~3 ms (the handle call's cost) off a stream's
     # TTFT at one stream (docs/benchmarks.md, "The direct line"); what it gives up and how each is
     # kept: docs/architecture.md.
     # "grpc": every call through the handle, by Serve's by-value transport (a gRPC call to the

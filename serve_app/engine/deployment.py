@@ -26,6 +26,7 @@ so it is unit-tested on a fake engine, without Ray or vLLM.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -53,9 +54,6 @@ logger = module_logger(__name__)
 
 Item = Answer | StreamOpen | Accepted | Trailer
 SURFACES_BY_NAME = {surface.name: surface for surface in SURFACES}
-# How long a stopping replica waits for the calls its direct lines took (Serve drained the handle's
-# before it asks this replica to stop; its graceful_shutdown_timeout_s ends the wait in any case).
-DRAIN_S = 600.0
 
 
 def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
@@ -81,6 +79,8 @@ class _ModelServer:
         # calls in it: these slots hold the replica's calls of both kinds to that number.
         self._slots = asyncio.Semaphore(args.max_ongoing_requests)
         self.stopping = False  # Serve is stopping this replica: the direct lines take no new call
+        # How long a stopping replica waits for its line calls: Serve kills it at this from the stop.
+        self._drain_s = args.graceful_shutdown_timeout_s
         self.engine = make_engine(args, model_path)
         await self.engine.start()
         # Listening from the start: a replica with no free port in its range fails now, not per request.
@@ -210,7 +210,7 @@ class _ModelServer:
         self.in_flight += 1
         self.line_calls += line
         try:
-            async with self._slots:
+            async with self._slots, contextlib.aclosing(items):  # closed here, not by a finalizer later
                 async for item in items:
                     yield item
         finally:
@@ -255,7 +255,7 @@ class _ModelServer:
         return None
 
     async def _close_when_done(self) -> None:
-        deadline = time.monotonic() + DRAIN_S
+        deadline = time.monotonic() + self._drain_s
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._close()
@@ -271,8 +271,9 @@ def _replica_method(surface: Surface):
     """The replica method the router calls for ``surface``: ``_answer`` for it."""
 
     async def replica_method(self, call: Call) -> AsyncIterator[Item]:
-        async for item in self.counted(self._answer(surface, call)):
-            yield item
+        async with contextlib.aclosing(self.counted(self._answer(surface, call))) as items:
+            async for item in items:
+                yield item
 
     replica_method.__name__ = replica_method.__qualname__ = surface.name
     return replica_method

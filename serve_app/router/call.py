@@ -197,12 +197,13 @@ class ReplicaCall:
             raise
 
     def _learn(self, head: Head) -> None:
-        """A head names its replica's line; one whose engine died, its line is forgotten (Serve
-        stops routing to it once its health check fails; the line, at once)."""
+        """A head names its replica's line (learnt, or seen again: it stays in use); one whose
+        engine died, its line is forgotten (Serve stops routing to it once its health check fails;
+        the line, at once)."""
         if isinstance(head, Answer):
             if head.status == 503 and self.by_line:
                 self._items.forget_line()
-        elif head.line is not None and not self.by_line:
+        elif head.line is not None:
             self._lines.learn(self.model, head.line)
 
     def _vanished(self) -> APIError:

@@ -17,6 +17,7 @@ is lost or run twice; the line is forgotten unless the replica was only full.
 """
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,9 @@ from serve_app.wire.messages import Answer, Call, DirectLine, Refused
 
 STALE_S = 60.0  # a line no head has named for this long is dropped (the next call re-learns it)
 IDLE_PER_LINE = 32  # connections kept open per line for the next calls
+# A call written to a TCP line whose replica's node vanished (no FIN, no RST) stays unacknowledged:
+# TCP keepalive does not apply then, only retransmission (~15 min). Past this, the line's socket fails.
+USER_TIMEOUT_MS = 25_000
 
 
 class LineUnavailable(Exception):
@@ -43,6 +47,7 @@ class _Line:
     seen: float  # when a head last named it
     in_flight: int = 0  # this router's calls on it
     idle: list[Connection] = field(default_factory=list)
+    forgotten: bool = False  # no longer in the table: its calls under way keep no connection
 
     async def connection(self) -> Connection:
         """An open connection to the replica's line: a kept one, or a new one."""
@@ -58,6 +63,9 @@ class _Line:
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         else:
             reader, writer = await wire_socket.connect(line.address, line.key, tls=line.tls)
+            sock = writer.get_extra_info("socket")
+            if sock is not None and hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
         try:
             ready = await asyncio.wait_for(reader.readexactly(1), wire_socket.CONNECT_TIMEOUT_S)
         except BaseException:
@@ -69,12 +77,13 @@ class _Line:
         return reader, writer
 
     def keep(self, connection: Connection) -> None:
-        if len(self.idle) < IDLE_PER_LINE and not connection[1].is_closing():
+        if not self.forgotten and len(self.idle) < IDLE_PER_LINE and not connection[1].is_closing():
             self.idle.append(connection)
         else:
             connection[1].close()
 
     def close(self) -> None:
+        self.forgotten = True
         for _, writer in self.idle:
             writer.close()
         self.idle.clear()
@@ -137,6 +146,7 @@ class LineCall:
         self._lines, self._model, self._entry = lines, model, entry
         self._request = (method, call)
         self._connection: Connection | None = None
+        self._reading: asyncio.Future | None = None  # the frame being read (``_next_frame``)
         self._done = False
         entry.in_flight += 1
 
@@ -153,21 +163,39 @@ class LineCall:
         if self._connection is None:
             return await self._first()
         try:
-            item = await wire_line.read_frame(self._connection[0])
-        except (asyncio.IncompleteReadError, OSError, ValueError) as err:
+            item = await self._next_frame()
+        except asyncio.CancelledError:
+            raise  # the frame's read goes on: the next wait for it (``ReplicaCall.last``) takes it
+        except Exception as err:  # closed, reset, or not a frame: the replica is gone
             self._end(keep=False)
             raise ConnectionError(f"the direct line to replica {self.replica} closed mid-call") from err
         if wire_line.is_last(item):
             self._end(keep=True)
         return item
 
+    async def _next_frame(self):
+        """The next frame, read by one task that a cancelled wait does not stop: a frame half read
+        when the client left is read whole by the router's next wait, for the call's last item
+        (its usage is the bill), instead of its rest being taken for a length."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(wire_line.read_frame(self._connection[0]))
+        reading = self._reading
+        try:
+            return await asyncio.shield(reading)
+        finally:
+            if reading.done():
+                self._reading = None
+
     async def _first(self):
-        """The call's head; LineUnavailable when the call did not start on the line."""
+        """The call's head; LineUnavailable when the call did not start on the line (nothing of it
+        reached the client or the bill: a replica that had begun it aborts it as the line closes)."""
         try:
             self._connection = await self._entry.connection()
             self._connection[1].write(wire_line.frame(self._request))
-            item = await wire_line.read_frame(self._connection[0])
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as err:
+            item = await self._next_frame()
+        except asyncio.CancelledError:
+            raise  # the client left: ``ReplicaCall`` cancels the call
+        except Exception as err:  # unreachable, closed, TLS it cannot verify, a frame it cannot read
             self._end(keep=False)
             self.forget_line()
             raise LineUnavailable(f"replica {self.replica} not reachable on its line: {err!r}") from None
@@ -192,6 +220,9 @@ class LineCall:
             return
         self._done = True
         self._entry.in_flight -= 1
+        if self._reading is not None:  # a read under way when the call was given up
+            self._reading.cancel()
+            self._reading = None
         if self._connection is not None:
             if keep:
                 self._entry.keep(self._connection)

@@ -28,7 +28,10 @@ import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Answer, Call, Refused, Trailer
+
+logger = module_logger(__name__)
 
 LENGTH = struct.Struct(">I")
 READY = b"+"
@@ -40,10 +43,10 @@ def frame(obj: Any) -> bytes:
     return LENGTH.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Any:
-    """The next object; ``asyncio.IncompleteReadError`` when the peer closed, ValueError for an
-    oversized frame."""
-    (length,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
+async def read_frame(reader: asyncio.StreamReader, early: bytes = b"") -> Any:
+    """The next object (``early``: its first bytes, read already); ``asyncio.IncompleteReadError``
+    when the peer closed, ValueError for an oversized frame."""
+    (length,) = LENGTH.unpack(early + await reader.readexactly(LENGTH.size - len(early)))
     if length > MAX_FRAME_BYTES:
         raise ValueError(f"a frame of {length} bytes on a direct line")
     return pickle.loads(await reader.readexactly(length))
@@ -61,45 +64,66 @@ Taker = Callable[[str, Call], AsyncIterator | Refused]
 
 async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, take: Taker) -> None:
     """Serve one router's line: call after call, until it closes the connection."""
+    early = b""  # the next call's first byte, when the watch for a hang-up read it
     try:
         writer.write(READY)
         while True:
             try:
-                method, call = await read_frame(reader)
+                method, call = await read_frame(reader, early)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # the router closed its idle line
+            except Exception:  # not a frame of ours (oversized, or a pickle this code cannot read)
+                logger.exception("a direct line sent what is not a call; closing it")
+                return
             items = take(method, call)
             if isinstance(items, Refused):
                 writer.write(frame(items))
+                early = b""
                 continue
-            if not await _answer(items, reader, writer):
+            early = await _answer(items, reader, writer)
+            if early is None:
                 return
     finally:
         writer.close()
 
 
-async def _answer(items: AsyncIterator, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-    """Write the call's items; False if the router cancelled it (closed the line) first."""
-    sending = asyncio.ensure_future(_send_all(items, writer))
-    cancelled = asyncio.ensure_future(reader.read(1))  # the router writes nothing mid-call: EOF
+async def _answer(items: AsyncIterator, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes | None:
+    """Write the call's items, watching the line meanwhile: the router writes nothing mid-call,
+    so end-of-file there is its cancel (the generator is closed, which aborts the engine
+    request), and None is returned, as when the line fails. Once the last item is written the
+    router may send its next call while that item still drains: the watch's byte is that call's
+    first, and is returned to be read with it (else b"")."""
+    wrote_last = [False]
+    sending = asyncio.ensure_future(_send_all(items, writer, wrote_last))
+    watching = asyncio.ensure_future(reader.read(1))
     try:
-        await asyncio.wait((sending, cancelled), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((sending, watching), return_when=asyncio.FIRST_COMPLETED)
+        if watching.done() and not sending.done() and _read(watching) and wrote_last[0]:
+            await asyncio.wait([sending])  # the next call came while the last item drained
     finally:
-        if not sending.done():
-            sending.cancel()
-            await asyncio.wait([sending])
-        if not cancelled.done():
-            cancelled.cancel()
-            await asyncio.wait([cancelled])
+        for task in (sending, watching):
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task])
     if sending.cancelled() or sending.exception() is not None:
-        return False
-    return True
+        return None
+    if not watching.done() or watching.cancelled():
+        return b""
+    return _read(watching) or None  # end-of-file right after the last item: the router closed
 
 
-async def _send_all(items: AsyncIterator, writer: asyncio.StreamWriter) -> None:
+def _read(watching: asyncio.Future) -> bytes:
+    """What the watch read; b"" for end-of-file or a failed line."""
+    if watching.cancelled() or watching.exception() is not None:
+        return b""
+    return watching.result()
+
+
+async def _send_all(items: AsyncIterator, writer: asyncio.StreamWriter, wrote_last: list[bool]) -> None:
     try:
         async for item in items:
             writer.write(frame(item))
+            wrote_last[0] = is_last(item)
             await writer.drain()
     finally:
         await items.aclose()  # cancelled between items: the generator's own cleanup still runs

@@ -162,7 +162,7 @@ class DirectLine:
     the line from a head and sends later calls on it, without the handle."""
 
     replica: str  # Serve's replica id
-    key: str  # 32 hex characters, this replica's for its life
+    key: str = field(repr=False)  # 32 hex characters, this replica's for its life: never logged
     address: Address
     tls: bool = False
     local: str | None = None  # its Unix listener, for a router on its node

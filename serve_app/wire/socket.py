@@ -301,7 +301,8 @@ class Listener:
         future.set_result(StreamConnection(reader, writer, client))
 
     def _is_line_key(self, ticket: str) -> bool:
-        return self.line_key is not None and hmac.compare_digest(ticket, self.line_key)
+        # Bytes: a line of non-ASCII garbage decodes to a str compare_digest refuses.
+        return self.line_key is not None and hmac.compare_digest(ticket.encode(), self.line_key.encode())
 
     def _serve_line(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.get_running_loop().create_task(self._on_line(reader, writer))

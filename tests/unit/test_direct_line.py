@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,9 +19,10 @@ from serve_app.engine.deployment import ModelServer
 from serve_app.router import lines as router_lines
 from serve_app.router.call import ReplicaCall
 from serve_app.router.lines import Lines
+from serve_app.routing import decisions
 from serve_app.wire import handoff
 from serve_app.wire import line as wire_line
-from serve_app.wire.messages import Call, DirectLine, StreamOpen, Trailer
+from serve_app.wire.messages import Answer, Call, DirectLine, StreamOpen, Trailer
 from serve_app.wire.socket import Listener
 
 ASK = [{"role": "user", "content": "count"}]
@@ -30,6 +32,8 @@ STREAM_BODY = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True}
 @pytest.fixture(autouse=True)
 def loopback(monkeypatch):
     monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+    yield
+    decisions._pending.clear()  # what line calls made outside the pipeline published and none took
 
 
 @pytest.fixture
@@ -161,7 +165,8 @@ def _run(scenario):
     return asyncio.run(scenario())
 
 
-def test_a_connection_that_presents_another_key_is_closed_unread():
+@pytest.mark.parametrize("line", [b"f" * 32, "é".encode() * 16], ids=["another-key", "not-ascii"])
+def test_a_connection_that_presents_another_key_is_closed_unread(line):
     served = []
 
     async def scenario():
@@ -169,12 +174,76 @@ def test_a_connection_that_presents_another_key_is_closed_unread():
         await listener.start()
         try:
             reader, writer = await asyncio.open_connection(*listener.address)
-            writer.write(b"f" * 32 + b"\n" + wire_line.frame(("chat", Call({}, "r"))))
+            writer.write(line + b"\n" + wire_line.frame(("chat", Call({}, "line-r"))))
             return await asyncio.wait_for(reader.read(), 5)
         finally:
             listener.close()
 
     assert _run(scenario) == b"" and served == []
+
+
+def test_the_line_key_is_never_in_a_repr():
+    line = DirectLine("r1", "k" * 32, ("127.0.0.1", 1))
+    assert "k" * 32 not in repr(line) and "k" * 32 not in repr(StreamOpen(("h", 1), "t", line=line))
+
+
+def test_a_call_sent_while_the_last_item_still_drains_is_read_whole():
+    """The replica watches the line for a hang-up while it answers; once its last item is written
+    the router may already send its next call, whose first byte the watch then holds."""
+    async def scenario():
+        reader, release, written, taken = asyncio.StreamReader(), asyncio.Event(), [], []
+
+        class SlowWriter:  # the last item's drain waits until the next call is in
+            def write(self, data):
+                written.append(data)
+
+            async def drain(self):
+                await release.wait()
+
+            def close(self):
+                pass
+
+        async def answer(call):
+            yield Answer(200, {"id": call.request_id})
+
+        def take(method, call):
+            taken.append(call.request_id)
+            return answer(call)
+
+        reader.feed_data(wire_line.frame(("chat", Call({}, "line-one"))))
+        serving = asyncio.ensure_future(wire_line.serve(reader, SlowWriter(), take))
+        while len(written) < 2:  # READY, then the first answer: draining
+            await asyncio.sleep(0.001)
+        reader.feed_data(wire_line.frame(("chat", Call({}, "line-two"))))
+        await asyncio.sleep(0.05)  # the watch reads the next call's first byte
+        release.set()
+        while len(taken) < 2 and not serving.done():
+            await asyncio.sleep(0.001)
+        reader.feed_eof()
+        await asyncio.wait_for(serving, 5)
+        return taken
+
+    assert _run(scenario) == ["line-one", "line-two"]
+
+
+def test_a_frame_half_read_when_the_client_left_is_read_whole_by_the_wait_for_the_last_item():
+    """The usage in a call's last item is the bill: a cancelled wait must not cost its frame."""
+    async def scenario():
+        lines = Lines()
+        lines.learn(MODEL, DirectLine("r1", "0" * 32, ("127.0.0.1", 1)))
+        call = lines.call(MODEL, "chat", Call(dict(STREAM_BODY), "line-r"), replicas=1)
+        reader = asyncio.StreamReader()
+        call._connection = (reader, SimpleNamespace(is_closing=lambda: False, close=lambda: None))
+        trailer = wire_line.frame(Trailer(usage={"completion_tokens": 7}, complete=False))
+        reader.feed_data(trailer[:9])  # the length and a few bytes of the pickle
+        waiting = asyncio.ensure_future(call.__anext__())
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the client left: the stream's wait is cancelled mid-frame
+        await asyncio.gather(waiting, return_exceptions=True)
+        reader.feed_data(trailer[9:])
+        return await asyncio.wait_for(call.__anext__(), 5)
+
+    assert _run(scenario).usage == {"completion_tokens": 7}
 
 
 async def _replica_and_lines(engine: FakeEngine, **args):
@@ -207,7 +276,7 @@ def test_a_lines_connection_is_kept_for_the_next_call(monkeypatch, node):
         server, lines = await _replica_and_lines(FakeEngine(tokens=3))
         try:
             for n in range(2):
-                data, trailer = await _stream_on_line(server, lines, Call(dict(STREAM_BODY), f"req-{n}"))
+                data, trailer = await _stream_on_line(server, lines, Call(dict(STREAM_BODY), f"line-{n}"))
                 # 3 + 2 events: the role, a token each, the finish.
                 assert data.count(b"data: {") == 3 + 2 and isinstance(trailer, Trailer) and trailer.complete
             idle = lines._by_model[MODEL][server.line.key].idle
@@ -227,7 +296,7 @@ def test_a_call_the_router_cancels_on_its_line_aborts_the_engine_request():
     async def scenario():
         server, lines = await _replica_and_lines(engine)
         try:
-            replica_call = ReplicaCall(InProcessHandle(server).chat, Call({**STREAM_BODY, "max_tokens": 1000}, "r"),
+            replica_call = ReplicaCall(InProcessHandle(server).chat, Call({**STREAM_BODY, "max_tokens": 1000}, "line-r"),
                                        MODEL, "local", surface="chat", lines=lines, replicas=1)
             await replica_call.first()
             assert replica_call.by_line and server.in_flight == 1
@@ -250,12 +319,12 @@ def test_a_stopping_replica_finishes_what_its_lines_took_before_it_closes():
 
     async def scenario():
         server, lines = await _replica_and_lines(engine)
-        streaming = asyncio.ensure_future(_stream_on_line(server, lines, Call({**STREAM_BODY, "max_tokens": 40}, "r")))
+        streaming = asyncio.ensure_future(_stream_on_line(server, lines, Call({**STREAM_BODY, "max_tokens": 40}, "line-r")))
         while server.in_flight == 0:
             await asyncio.sleep(0.005)
         stopping = asyncio.ensure_future(server.__del__())  # a wait: a call is under way
         await asyncio.sleep(0.05)
-        refused = lines.call(MODEL, "chat", Call(dict(STREAM_BODY), "late"), replicas=1)
+        refused = lines.call(MODEL, "chat", Call(dict(STREAM_BODY), "line-late"), replicas=1)
         try:
             await refused.__anext__()
             late = "taken"
@@ -280,18 +349,18 @@ def test_a_handle_call_that_finds_the_slots_taken_by_line_calls_waits_and_lines_
 
     async def scenario():
         server, lines = await _replica_and_lines(engine, max_ongoing_requests=1)
-        on_line = asyncio.ensure_future(_stream_on_line(server, lines, Call({**STREAM_BODY, "max_tokens": 30}, "a")))
+        on_line = asyncio.ensure_future(_stream_on_line(server, lines, Call({**STREAM_BODY, "max_tokens": 30}, "line-a")))
         while engine.count == 0:
             await asyncio.sleep(0.005)
-        by_handle = ReplicaCall(InProcessHandle(server).chat, Call(dict(STREAM_BODY), "b"), MODEL, "local")
+        by_handle = ReplicaCall(InProcessHandle(server).chat, Call(dict(STREAM_BODY), "line-b"), MODEL, "local")
         head = asyncio.ensure_future(by_handle.first())
         await asyncio.sleep(0.1)
         waited = not head.done() and engine.count == 1 and server.in_flight == 2
-        assert lines.call(MODEL, "chat", Call(dict(STREAM_BODY), "c"), replicas=1) is None  # this router's own count
+        assert lines.call(MODEL, "chat", Call(dict(STREAM_BODY), "line-c"), replicas=1) is None  # this router's own count
         other_router = Lines()
         other_router.learn(MODEL, server.line)
         try:
-            await other_router.call(MODEL, "chat", Call(dict(STREAM_BODY), "c"), replicas=1).__anext__()
+            await other_router.call(MODEL, "chat", Call(dict(STREAM_BODY), "line-c"), replicas=1).__anext__()
             third = "taken"
         except router_lines.LineUnavailable as err:
             third = str(err)
