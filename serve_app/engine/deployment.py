@@ -40,7 +40,7 @@ from serve_app.engine.protocol import Engine
 from serve_app.hot_load.autoscaling import LINE_CALLS_METRIC
 from serve_app.errors import error_body
 from serve_app.runtime import heap
-from serve_app.surfaces import SURFACES, Surface
+from serve_app.surfaces import BY_NAME, SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import handoff, tls
 from serve_app.wire import line as wire_line
@@ -53,7 +53,6 @@ from serve_app.wire.socket import Listener
 logger = module_logger(__name__)
 
 Item = Answer | StreamOpen | Accepted | Trailer
-SURFACES_BY_NAME = {surface.name: surface for surface in SURFACES}
 
 
 def vllm_engine(args: ModelDeploymentArgs, model_path: str) -> Engine:
@@ -229,7 +228,7 @@ class _ModelServer:
         then calls through Serve's handle). Full is this replica's calls from every router and the
         handle, running or waiting for a slot, at its ``max_ongoing_requests``; a call that passes
         it in the same loop turn as others waits for a slot (``counted``)."""
-        surface = SURFACES_BY_NAME.get(method)
+        surface = BY_NAME.get(method)
         if surface is None:
             return Refused("unknown method")
         if self.stopping:
