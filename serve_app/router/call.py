@@ -69,8 +69,6 @@ class ReplicaCall:
         return detached(lambda: self._method.remote(self._call))
 
     async def _first_item(self) -> Any:
-        if not isinstance(self._items, LineCall):
-            return await self._items.__anext__()
         try:
             return await self._items.__anext__()
         except LineUnavailable as err:  # nothing started: through Serve's handle instead
