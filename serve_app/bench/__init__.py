@@ -44,12 +44,16 @@ Fairness on a small machine (2 cores here, shared by client, router, proxy and e
   sampled until it is at most the idle floor measured at the start plus ``--quiet-cpu-pct``
   (``serve_app.bench.cpu``), with a timeout the record keeps.
 - **CPU**: every process of each side (``serve_app.bench.procs``) is sampled before and after
-  each counted batch: CPU-seconds per 1,000 completion tokens per process group and side, and
-  ours / baseline (``serve_app.bench.cpu.per_1k_tokens``). Both engines' niceness and thread
-  settings are compared (``serve_app.bench.engine_env``).
+  each counted batch, and every ``--quiet-window-s`` during it: CPU-seconds per 1,000 completion
+  tokens per process group and side, and ours / baseline (``serve_app.bench.cpu.per_1k_tokens``),
+  twice: under *steady load* (the samples inside the sustained window, over the tokens that
+  arrived between them: ``cpu.steady_cpu``) and over the *whole batch* (ramp-up, tail and the
+  quiet after it included). Both engines' niceness and thread settings are compared
+  (``serve_app.bench.engine_env``).
 - Ratios per concurrency: ours / baseline for aggregate, sustained and per-stream tok/s p50;
   TTFT overhead = ours − baseline at p50 and p95, in ms and in % of the baseline. Per round:
-  sustained tok/s and CPU per token ours / baseline, with median and range over rounds
+  sustained tok/s and CPU per token (steady load, whole batch) ours / baseline, with median and
+  range over rounds
   (``stats.round_ratios``), which ``--gate`` compares with its floors (``serve_app.bench.gate``).
 
 Targets must be 127.0.0.1 / localhost. Results go to ``docs/benchmarks/<region>-<UTC date>/<model>/``

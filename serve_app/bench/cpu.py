@@ -12,7 +12,14 @@ utime + stime (``/proc/<pid>/stat`` through psutil):
 - **the batch's CPU** (``Meter.snapshot`` before, and after the batch *and* the quiet after it,
   ``cpu_between``): what the load caused, the engine's post-batch spin and deferred work (the
   ledger's writes) included. A process that appeared meanwhile counts whole (it was born in the
-  window); one that exited is listed, its last seconds lost (``exited``).
+  window); one that exited is listed, its last seconds lost (``exited``). This window also
+  charges each side's idle cost for as long as the quiet takes to come, which is longer for a
+  side whose idle rate is noisier (ours: Ray's), however fast the batch was.
+- **the steady-load CPU** (``steady_cpu``): snapshots every ``window_s`` during the batch, and the
+  CPU between the first and the last of them inside the batch's sustained window (every worker
+  streaming: ``serve_app.bench.stats.sustained``), over the tokens that arrived between the same
+  two instants. It is what a server under constant load spends per token, every process counted,
+  its idle cost at the rate it runs under load, with neither ramp-up, tail nor the quiet after.
 
 ``per_1k_tokens`` turns the batches of one concurrency into CPU-seconds per 1,000 completion
 tokens per side and group: the gateway's cost as a ratio independent of the host's speed.
@@ -46,6 +53,7 @@ class Meter:
     timeout_s: float = 15.0
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
+    run_clock: Callable[[], float] = time.perf_counter  # the client's runs' clock (bench.client)
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     floor_cores: float = 0.0
     tracked: dict[int, Tracked] = field(default_factory=dict)
@@ -97,8 +105,11 @@ class Meter:
                 return {"waited_s": waited, "cores": cores, "threshold_cores": self.threshold_cores,
                         "timed_out": cores > self.threshold_cores}
 
-    def snapshot(self) -> Snapshot:
-        self.refresh()
+    def snapshot(self, refresh: bool = True) -> Snapshot:
+        """Every tracked process's CPU now; ``refresh`` first looks for new processes (a scan of
+        the host's process table: skipped by the samples taken during a batch)."""
+        if refresh:
+            self.refresh()
         snap = Snapshot(self.clock(), self.wall(), host_busy_s=self.table.host_busy_s())
         for t in self.tracked.values():
             if (value := self.table.cpu_seconds(t.pid, t.create_time)) is not None:
@@ -135,25 +146,59 @@ class Meter:
                 "exited": exited, "missed": missed}
 
 
-async def measured(meter: Meter, run: Callable[[], Awaitable[Any]]) -> tuple[Any, dict[str, Any]]:
-    """``run()`` between two snapshots; the second after the servers are quiet again."""
+# (client clock, snapshot): taken every ``window_s`` while a batch runs, for ``steady_cpu``
+Samples = list[tuple[float, Snapshot]]
+
+
+async def measured(meter: Meter, run: Callable[[], Awaitable[Any]]) -> tuple[Any, dict[str, Any], Samples]:
+    """``run()`` between two snapshots, the second after the servers are quiet again; and the
+    snapshots sampled while it ran (its start and end included)."""
     before = meter.snapshot()
-    result = await run()
+    samples: Samples = [(meter.run_clock(), before)]
+
+    async def sample() -> None:
+        while True:
+            await meter.sleep(meter.window_s)
+            samples.append((meter.run_clock(), meter.snapshot(refresh=False)))
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        result = await run()
+    finally:
+        sampler.cancel()
+    samples.append((meter.run_clock(), meter.snapshot(refresh=False)))
     settle = await meter.wait_quiet()
     cpu = meter.cpu_between(before, meter.snapshot())
     cpu["settle"] = settle
-    return result, cpu
+    return result, cpu, samples
 
 
-def _per_1k(cpu_s: float, tokens: int) -> float | None:
+def steady_cpu(meter: Meter, samples: Samples, window: Mapping[str, float] | None,
+               tokens_between: Callable[[float, float], float]) -> dict[str, Any] | None:
+    """The CPU between the first and the last sample inside ``window`` (the batch's sustained
+    ``{"start", "end"}``, client clock) and ``tokens_between`` the same two instants; None when
+    fewer than two samples fall inside (a window shorter than the sampling period)."""
+    if not window:
+        return None
+    inside = [(at, snap) for at, snap in samples if window["start"] <= at <= window["end"]]
+    if len(inside) < 2:
+        return None
+    (start, first), (end, last) = inside[0], inside[-1]
+    cpu = meter.cpu_between(first, last)
+    cpu["tokens"] = tokens_between(start, end)
+    return cpu
+
+
+def _per_1k(cpu_s: float, tokens: float) -> float | None:
     return 1000 * cpu_s / tokens if tokens else None
 
 
 def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The counted batches of one concurrency (``{"side", "completion_tokens", "cpu"}`` each) →
-    per loaded side: CPU-s per 1,000 completion tokens of its own processes (by group and in
-    total), of the client, and the other server's CPU-seconds meanwhile (its idle tax); plus
-    ``ratio_total`` = ours / baseline."""
+    """The counted batches of one concurrency (``{"side", "completion_tokens", "cpu"}`` each, and
+    ``"steady_cpu"`` when measured) → per loaded side: CPU-s per 1,000 completion tokens of its
+    own processes (by group and in total), of the client, and the other server's CPU-seconds
+    meanwhile (its idle tax); ``steady``: the same per group and in total over the batches'
+    steady-load windows (``steady_cpu``); plus ``ratio_total`` and ``ratio_steady`` = ours / baseline."""
     out: dict[str, Any] = {}
     for batch in batches:
         cpu = batch.get("cpu")
@@ -161,24 +206,44 @@ def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         loaded = batch["side"]
         entry = out.setdefault(loaded, {"tokens": 0, "cpu_s": 0.0, "groups_cpu_s": {}, "processes_cpu_s": {},
-                                        "client_cpu_s": 0.0, "other_server_cpu_s": 0.0, "window_s": 0.0})
+                                        "client_cpu_s": 0.0, "other_server_cpu_s": 0.0, "window_s": 0.0,
+                                        "steady": {"tokens": 0.0, "cpu_s": 0.0, "groups_cpu_s": {}, "window_s": 0.0}})
         entry["tokens"] += batch["completion_tokens"]
         entry["window_s"] += cpu["window_s"]
         own = cpu["sides"].get(loaded, {})
         entry["cpu_s"] += own.get("total", 0.0)
         for name, key in (("groups", "groups_cpu_s"), ("processes", "processes_cpu_s")):
-            for item, value in own.get(name, {}).items():
-                entry[key][item] = entry[key].get(item, 0.0) + value
+            _add(entry[key], own.get(name, {}))
         entry["client_cpu_s"] += cpu["sides"].get(CLIENT, {}).get("total", 0.0)
         entry["other_server_cpu_s"] += sum(cpu["sides"].get(s, {}).get("total", 0.0) for s in SERVERS if s != loaded)
+        if steady := batch.get("steady_cpu"):
+            mine, acc = steady["sides"].get(loaded, {}), entry["steady"]
+            acc["tokens"] += steady["tokens"]
+            acc["window_s"] += steady["window_s"]
+            acc["cpu_s"] += mine.get("total", 0.0)
+            _add(acc["groups_cpu_s"], mine.get("groups", {}))
     for entry in out.values():
         tokens = entry["tokens"]
         entry["total"] = _per_1k(entry["cpu_s"], tokens)
         entry["client"] = _per_1k(entry["client_cpu_s"], tokens)
-        order = {g: i for i, g in enumerate(GROUPS)}
-        entry["groups"] = {g: _per_1k(v, tokens) for g, v in
-                           sorted(entry["groups_cpu_s"].items(), key=lambda kv: order.get(kv[0], len(order)))}
+        entry["groups"] = _groups_per_1k(entry["groups_cpu_s"], tokens)
         entry["processes"] = {p: _per_1k(v, tokens) for p, v in sorted(entry["processes_cpu_s"].items())}
-    if OURS in out and BASELINE in out and out[OURS]["total"] and out[BASELINE]["total"]:
-        out["ratio_total"] = out[OURS]["total"] / out[BASELINE]["total"]
+        steady = entry["steady"]
+        steady["total"] = _per_1k(steady["cpu_s"], steady["tokens"])
+        steady["groups"] = _groups_per_1k(steady["groups_cpu_s"], steady["tokens"])
+    if OURS in out and BASELINE in out:
+        for key, pick in (("ratio_total", lambda e: e["total"]), ("ratio_steady", lambda e: e["steady"]["total"])):
+            ours, base = pick(out[OURS]), pick(out[BASELINE])
+            if ours and base:
+                out[key] = ours / base
     return out
+
+
+def _add(into: dict[str, float], values: Mapping[str, float]) -> None:
+    for item, value in values.items():
+        into[item] = into.get(item, 0.0) + value
+
+
+def _groups_per_1k(groups_cpu_s: Mapping[str, float], tokens: float) -> dict[str, float | None]:
+    order = {g: i for i, g in enumerate(GROUPS)}
+    return {g: _per_1k(v, tokens) for g, v in sorted(groups_cpu_s.items(), key=lambda kv: order.get(kv[0], len(order)))}

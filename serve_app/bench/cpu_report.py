@@ -33,37 +33,52 @@ def spread_rows(results: Mapping[str, Any]) -> list[list[str]]:
     for concurrency, entry in results.items():
         if "spread" in entry:
             tok, cpu = entry["spread"]["tokens_per_s_ratio"], entry["spread"]["cpu_ratio"]
-            rows.append([concurrency, str(tok["n"]), _x(tok["median"]), _range(tok), _x(cpu["median"]), _range(cpu)])
+            steady = entry["spread"].get("steady_cpu_ratio") or spread([])
+            rows.append([concurrency, str(tok["n"]), _x(tok["median"]), _range(tok),
+                         _x(steady["median"]), _range(steady), _x(cpu["median"]), _range(cpu)])
     return rows
 
 
-SPREAD_HEADERS = ["concurrency", "rounds", "sustained tok/s ratio, median", "range", "CPU per token ratio, median",
+SPREAD_HEADERS = ["concurrency", "rounds", "sustained tok/s ratio, median", "range",
+                  "CPU per token ratio under steady load, median", "range", "CPU per token ratio, whole batch, median",
                   "range"]
 
 
 def rounds_table(entry: Mapping[str, Any]) -> str:
     rows = [[str(r["round"]), fmt(r["ours_tokens_per_s"]), fmt(r["baseline_tokens_per_s"]), _x(r["tokens_per_s_ratio"]),
+             fmt(r.get("ours_steady_cpu_per_1k"), "", 2), fmt(r.get("baseline_steady_cpu_per_1k"), "", 2),
+             _x(r.get("steady_cpu_ratio")),
              fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"]]
             for r in entry["spread"]["rounds"]]
-    return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "ours CPU-s/1k tok", "baseline CPU-s/1k tok",
-                     "CPU ratio", "rate over"], rows)
+    return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "steady: ours CPU-s/1k tok", "bare", "ratio",
+                     "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over"], rows)
 
 
 def cpu_table(cpu: Mapping[str, Any]) -> str:
     """CPU-seconds per 1,000 completion tokens, per group and side, with the totals and ratio."""
     ours, base = cpu.get(OURS, {}), cpu.get(BASELINE, {})
+    steady_o, steady_b = ours.get("steady", {}), base.get("steady", {})
     present = set(ours.get("groups", {})) | set(base.get("groups", {}))
-    rows = [[g, fmt(ours.get("groups", {}).get(g), "", 3), fmt(base.get("groups", {}).get(g), "", 3)]
+
+    def row(label, o, b, so, sb, unit="", places=3):
+        return [label, fmt(so, unit, places), fmt(sb, unit, places), fmt(o, unit, places), fmt(b, unit, places)]
+
+    rows = [row(g, ours.get("groups", {}).get(g), base.get("groups", {}).get(g),
+                steady_o.get("groups", {}).get(g), steady_b.get("groups", {}).get(g))
             for g in (*GROUPS, *sorted(present - set(GROUPS))) if g in present]
     rows += [
-        ["**whole side**", f"**{fmt(ours.get('total'), '', 3)}**", f"**{fmt(base.get('total'), '', 3)}**"],
-        ["ratio ours / baseline", _x(cpu.get("ratio_total")), ""],
-        ["bench client (not in the totals)", fmt(ours.get("client"), "", 3), fmt(base.get("client"), "", 3)],
-        ["the other server during this side's batches (CPU-s)", fmt(ours.get("other_server_cpu_s"), " s", 2),
+        ["**whole side**", f"**{fmt(steady_o.get('total'), '', 3)}**", f"**{fmt(steady_b.get('total'), '', 3)}**",
+         f"**{fmt(ours.get('total'), '', 3)}**", f"**{fmt(base.get('total'), '', 3)}**"],
+        ["ratio ours / baseline", _x(cpu.get("ratio_steady")), "", _x(cpu.get("ratio_total")), ""],
+        ["bench client (not in the totals)", "", "", fmt(ours.get("client"), "", 3), fmt(base.get("client"), "", 3)],
+        ["the other server during this side's batches (CPU-s)", "", "", fmt(ours.get("other_server_cpu_s"), " s", 2),
          fmt(base.get("other_server_cpu_s"), " s", 2)],
-        ["tokens counted", str(ours.get("tokens", "—")), str(base.get("tokens", "—"))],
+        row("seconds measured", ours.get("window_s"), base.get("window_s"), steady_o.get("window_s"),
+            steady_b.get("window_s"), " s", 1),
+        row("tokens counted", ours.get("tokens"), base.get("tokens"), steady_o.get("tokens"), steady_b.get("tokens"),
+            "", 0),
     ]
-    return md_table(["process", "ours", "bare vLLM"], rows)
+    return md_table(["process", "steady load: ours", "bare vLLM", "whole batch: ours", "bare vLLM"], rows)
 
 
 def quiet_rows(results: Mapping[str, Any]) -> list[list[str]]:
@@ -105,8 +120,13 @@ def markdown_sections(document: Mapping[str, Any]) -> list[str]:
             lines += [f"### Rounds at concurrency {concurrency}", "", rounds_table(entry), ""]
     if any("cpu" in entry for entry in results.values()):
         lines += ["## CPU-seconds per 1,000 completion tokens", "",
-                  "Every process of each side (utime + stime, from a snapshot before each counted batch to one after "
-                  "it once the servers are quiet again), divided by the side's completion tokens.", ""]
+                  "Every process of each side (utime + stime). *Steady load*: between the first and the last snapshot "
+                  "(one every quiet window) inside each batch's sustained window — every worker streaming — divided "
+                  "by the tokens that arrived between the same two instants: what a server under constant load "
+                  "spends per token, its idle cost at the rate it runs under load. *Whole batch*: from a snapshot "
+                  "before each counted batch to one after it once the servers are quiet again, divided by the "
+                  "batch's completion tokens: ramp-up, tail and the wait for quiet included, so a side's idle cost "
+                  "is charged for as long as its quiet takes to come.", ""]
         for concurrency, entry in results.items():
             if "cpu" in entry:
                 lines += [f"### Concurrency {concurrency}", "", cpu_table(entry["cpu"]), ""]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.bench.client import Run
-from serve_app.bench.cpu import Meter, measured
+from serve_app.bench.cpu import Meter, measured, steady_cpu
 from serve_app.bench.procs import BASELINE, OURS
-from serve_app.bench.stats import sustained
+from serve_app.bench.stats import sustained, tokens_between
 
 Request = Callable[[], Awaitable[Run]]
 __all__ = ["BASELINE", "OURS", "Batch", "SideRuns", "collect", "plan_batches", "run_batch", "run_plan"]
@@ -33,7 +33,8 @@ class SideRuns:
     runs: list[Run] = field(default_factory=list)
     wall_s: float = 0.0  # summed wall time of the side's counted batches
     batches: int = 0
-    # One per counted batch: round, requests, tokens, wall and sustained window, quiet, CPU.
+    # One per counted batch: round, requests, tokens, wall and sustained window, quiet, CPU (the
+    # whole batch's, and its steady-load window's).
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -122,18 +123,23 @@ async def run_plan(
             deadline = time.perf_counter() + min(limits) if limits else None
             return run_batch(requests[batch.side], size, concurrency, tick, deadline)
 
+        samples = []
         if meter:
-            (runs, wall_s), cpu = await measured(meter, one_batch)
+            (runs, wall_s), cpu, samples = await measured(meter, one_batch)
         else:
             (runs, wall_s), cpu = await one_batch(), None
         if batch.counted:
+            window = sustained(runs)
+            steady = None
+            if meter:
+                steady = steady_cpu(meter, samples, window, lambda a, b, runs=runs: tokens_between(runs, a, b))
             side.runs += runs
             side.wall_s += wall_s
             side.batches += 1
             side.records.append({
                 "round": counted // len(requests), "side": batch.side, "requests": len(runs),
                 "ok": sum(r.ok for r in runs), "completion_tokens": sum(r.completion_tokens for r in runs if r.ok),
-                "wall_s": wall_s, "sustained": sustained(runs), "quiet": quiet, "cpu": cpu,
+                "wall_s": wall_s, "sustained": window, "quiet": quiet, "cpu": cpu, "steady_cpu": steady,
             })
             counted += 1
     return results

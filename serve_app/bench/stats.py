@@ -127,12 +127,20 @@ def sustained(runs: Sequence[Run]) -> dict[str, float] | None:
     start, end = max(firsts), min(lasts)
     if end <= start:
         return None
+    tokens = tokens_between(runs, start, end)
+    return {"seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start),
+            "start": start, "end": end}
+
+
+def tokens_between(runs: Sequence[Run], start: float, end: float) -> float:
+    """Completion tokens of the successful streams whose chunks arrived in [start, end] (client
+    clock), each chunk counted as completion_tokens / chunks of its stream."""
     tokens = 0.0
     for run in runs:
         if run.ok and run.token_times:
             inside = sum(start <= t <= end for t in run.token_times)
             tokens += inside * run.completion_tokens / len(run.token_times)
-    return {"seconds": end - start, "tokens": tokens, "tokens_per_s": tokens / (end - start)}
+    return tokens
 
 
 def spread(values: Iterable[float | None]) -> dict[str, Any]:
@@ -165,15 +173,19 @@ def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         (ours, basis_o), (base, basis_b) = batch_rate(pair[OURS]), batch_rate(pair[BASELINE])
         cpu = {side: _own_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
+        steady = {side: _steady_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
         rounds.append({
             "round": number, "ours_tokens_per_s": ours, "baseline_tokens_per_s": base,
             "tokens_per_s_ratio": _ratio(ours, base),
             "basis": "sustained" if basis_o == basis_b == "sustained" else "batch",
             "ours_cpu_per_1k": cpu[OURS], "baseline_cpu_per_1k": cpu[BASELINE],
             "cpu_ratio": _ratio(cpu[OURS], cpu[BASELINE]),
+            "ours_steady_cpu_per_1k": steady[OURS], "baseline_steady_cpu_per_1k": steady[BASELINE],
+            "steady_cpu_ratio": _ratio(steady[OURS], steady[BASELINE]),
         })
     return {"rounds": rounds, "tokens_per_s_ratio": spread(r["tokens_per_s_ratio"] for r in rounds),
-            "cpu_ratio": spread(r["cpu_ratio"] for r in rounds)}
+            "cpu_ratio": spread(r["cpu_ratio"] for r in rounds),
+            "steady_cpu_ratio": spread(r["steady_cpu_ratio"] for r in rounds)}
 
 
 def _own_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
@@ -181,6 +193,13 @@ def _own_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
     if not cpu or not tokens:
         return None
     return 1000 * cpu["sides"].get(batch["side"], {}).get("total", 0.0) / tokens
+
+
+def _steady_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
+    steady = batch.get("steady_cpu")
+    if not steady or not steady["tokens"]:
+        return None
+    return 1000 * steady["sides"].get(batch["side"], {}).get("total", 0.0) / steady["tokens"]
 
 
 def sustained_tokens_per_s(batches: Sequence[Mapping[str, Any]]) -> float | None:

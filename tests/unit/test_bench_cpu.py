@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from serve_app.bench.cpu import Meter, measured, per_1k_tokens
+from serve_app.bench.cpu import Meter, measured, per_1k_tokens, steady_cpu
 from serve_app.bench.idle import idle_text, measure_idle
 from serve_app.bench.procs import BASELINE, CLIENT, OURS, DiscoveryError, Proc, discover, group_of
 from tests.unit.fake_processes import CLIENT as CLIENT_PID
@@ -86,7 +86,7 @@ def test_discovery_refuses_what_is_not_there():
 def meter(table: FakeTable, **kwargs) -> Meter:
     clock = table.clock
     return Meter(table, lambda: discover(table, ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID),
-                 clock=clock, wall=clock, sleep=clock.sleep, **kwargs)
+                 clock=clock, wall=clock, run_clock=clock, sleep=clock.sleep, **kwargs)
 
 
 def test_quiet_waits_until_the_spinning_engine_stops_and_measures_the_idle_floor():
@@ -151,8 +151,9 @@ def test_a_batch_is_charged_every_process_of_each_side_born_and_exited_ones_too(
         table.set_rate(OTHER_TENANT, 0.0)
         return "done"
 
-    result, cpu = asyncio.run(measured(m, batch))
+    result, cpu, samples = asyncio.run(measured(m, batch))
     assert result == "done" and not cpu["settle"]["timed_out"]
+    assert [at for at, _ in samples] == [1000.0, 1010.0]  # the batch never yielded: its start and end only
     ours = cpu["sides"][OURS]
     assert ours["groups"]["HAProxy"] == pytest.approx(2.0) and ours["groups"]["router replica"] == pytest.approx(5.0)
     assert ours["groups"]["model replica actor"] == pytest.approx(8.0) and ours["groups"]["EngineCore"] == pytest.approx(10.0)
@@ -163,6 +164,51 @@ def test_a_batch_is_charged_every_process_of_each_side_born_and_exited_ones_too(
     # host busy − everything counted = the other tenant (plus what the exited worker used: nothing here)
     assert cpu["host_other_s"] == pytest.approx(2.5)
     assert cpu["window_s"] == pytest.approx(10.5)  # the batch and the one quiet window after it
+
+
+def test_steady_load_cpu_is_what_the_sustained_window_used_without_ramp_up_tail_or_the_quiet_after():
+    """Samples while the batch runs; the steady figure is the CPU and the tokens between the first
+    and the last sample inside the sustained window: a side's idle cost at its rate under load,
+    not for as long as the quiet after the batch takes to come."""
+    table = FakeTable(Clock())
+    clock = table.clock
+
+    async def yield_only(_seconds):  # the batch below moves the clock; the sampler just takes turns
+        await asyncio.sleep(0)
+
+    m = Meter(table, lambda: discover(table, ours_port=8000, baseline_port=8100, client_pid=CLIENT_PID),
+              window_s=0.5, clock=clock, wall=clock, run_clock=clock, sleep=yield_only)
+
+    async def batch():
+        for step in range(16):  # 8 s in half-second steps: ramp-up 0–2 s, steady 2–6 s, tail 6–8 s
+            steady = 4 <= step < 12
+            table.set_rate(224, 0.5 if steady else 0.1)  # the router
+            table.set_rate(226, 1.0 if steady else 0.2)  # the engine core
+            table.set_rate(220, 0.05)  # the controller's idle loop, all along
+            clock.now += 0.5
+            await asyncio.sleep(0)
+        table.set_rate(224, 0.0), table.set_rate(226, 0.0), table.set_rate(220, 0.0)
+
+    _, whole, samples = asyncio.run(measured(m, batch))
+    assert [at for at, _ in samples][:3] == [1000.0, 1001.0, 1001.5] and samples[-1][0] == 1008.0
+    asked = []
+
+    def tokens_between(start, end):
+        asked.append((start, end))
+        return 100 * (end - start)
+
+    steady = steady_cpu(m, samples, {"start": 1002.2, "end": 1006.0}, tokens_between)
+    # the first sample inside is 1002.5, the last 1006.0: 3.5 s at the steady rates
+    assert asked == [(1002.5, 1006.0)] and steady["tokens"] == pytest.approx(350.0)
+    groups = steady["sides"][OURS]["groups"]
+    assert groups["router replica"] == pytest.approx(0.5 * 3.5) and groups["EngineCore"] == pytest.approx(1.0 * 3.5)
+    assert groups["controller"] == pytest.approx(0.05 * 3.5)
+    assert steady["window_s"] == pytest.approx(3.5)
+    # the whole batch's figure has the ramp-up and the tail in it (4 s at the low rates)
+    assert whole["sides"][OURS]["groups"]["router replica"] == pytest.approx(0.5 * 4 + 0.1 * 4)
+    # a window shorter than the sampling period has no steady figure; nor has a batch without one
+    assert steady_cpu(m, samples, {"start": 1002.6, "end": 1002.9}, tokens_between) is None
+    assert steady_cpu(m, samples, None, tokens_between) is None
 
 
 def test_a_process_titled_after_the_meter_first_saw_it_is_counted_in_its_new_group():
@@ -209,6 +255,28 @@ def test_cpu_per_thousand_tokens_per_group_side_and_ratio():
     assert cpu[OURS]["groups"]["router replica"] == pytest.approx(0.75) and cpu[OURS]["client"] == pytest.approx(0.5)
     assert cpu[BASELINE]["total"] == pytest.approx(4.0) and cpu["ratio_total"] == pytest.approx(1.25)
     assert cpu[BASELINE]["other_server_cpu_s"] == pytest.approx(1.2)  # ours' idle tax during bare vLLM's batch
+    # no batch measured a steady window: no steady figure, no steady ratio
+    assert cpu[OURS]["steady"]["total"] is None and "ratio_steady" not in cpu
+
+
+def test_steady_cpu_per_thousand_tokens_sums_the_batches_steady_windows():
+    def batch(side, tokens, own, steady_tokens, steady_own):
+        return {"side": side, "completion_tokens": tokens,
+                "cpu": {"window_s": 20.0, "sides": {side: {"total": sum(own.values()), "groups": own}}},
+                "steady_cpu": None if steady_own is None else {"window_s": 5.0, "tokens": steady_tokens, "sides": {
+                    side: {"total": sum(steady_own.values()), "groups": steady_own}}}}
+
+    cpu = per_1k_tokens([
+        batch(OURS, 1000, {"EngineCore": 4.0, "controller": 1.0}, 400.0, {"EngineCore": 1.6, "controller": 0.1}),
+        batch(OURS, 1000, {"EngineCore": 4.0, "controller": 1.0}, 600.0, {"EngineCore": 2.4, "controller": 0.1}),
+        batch(OURS, 1000, {"EngineCore": 4.0}, 0.0, None),  # no steady window: whole-batch figures only
+        batch(BASELINE, 2000, {"EngineCore": 8.0}, 1000.0, {"EngineCore": 4.0}),
+    ])
+    steady = cpu[OURS]["steady"]
+    assert steady["tokens"] == pytest.approx(1000.0) and steady["window_s"] == pytest.approx(10.0)
+    assert steady["total"] == pytest.approx(4.2) and steady["groups"]["controller"] == pytest.approx(0.2)
+    assert cpu[OURS]["total"] == pytest.approx(14.0 / 3)  # the whole batches: idle windows charged
+    assert cpu["ratio_steady"] == pytest.approx(4.2 / 4.0) and cpu["ratio_total"] == pytest.approx((14.0 / 3) / 4.0)
 
 
 # --- serve-app idle -----------------------------------------------------------------------------

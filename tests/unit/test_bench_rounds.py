@@ -30,7 +30,7 @@ def test_sustained_counts_only_while_every_worker_streams():
     window = sustained(runs)
     # from 2.5 (the last worker's first token) to 6.5 (the first worker's last end): tokens at
     # 3, 4, 5, 6 (worker 0) and 2.5, 3.5, 4.5, 5.5, 6.5 (worker 1)
-    assert window == {"seconds": 4.0, "tokens": 9.0, "tokens_per_s": 2.25}
+    assert window == {"seconds": 4.0, "tokens": 9.0, "tokens_per_s": 2.25, "start": 2.5, "end": 6.5}
     # ramp-up and tail are what the whole batch's rate includes and this one does not
     assert window["tokens_per_s"] != pytest.approx(12 / (8 - 0.5))
 
@@ -47,7 +47,8 @@ def test_no_sustained_window_when_there_is_no_steady_state():
     assert sustained([run(0, [1, 2], 5), Run(ok=False, worker=1, ended_at=2.0)]) is None  # 1 never streamed
     # at concurrency 1 the window is the first token to the end of the last request
     assert sustained([run(0, [1, 2, 3], 3.2), run(0, [4, 5, 6], 6.5)]) == {"seconds": 5.5, "tokens": 6.0,
-                                                                            "tokens_per_s": pytest.approx(6 / 5.5)}
+                                                                            "tokens_per_s": pytest.approx(6 / 5.5),
+                                                                            "start": 1, "end": 6.5}
 
 
 # --- rounds and their spread --------------------------------------------------------------------
@@ -135,14 +136,22 @@ def test_an_engine_not_found_is_said_not_silently_passed():
 class StubMeter:
     """Records the order of calls; every batch costs the loaded side 2 CPU-seconds."""
 
+    window_s = 0.5
+    run_clock = staticmethod(time.perf_counter)
+
     def __init__(self):
         self.log, self.n = [], 0
+
+    async def sleep(self, _seconds):
+        await asyncio.Event().wait()  # no samples during a batch here: start and end only
 
     async def wait_quiet(self):
         self.log.append("quiet")
         return {"waited_s": 0.5, "cores": 0.01, "threshold_cores": 0.05, "timed_out": False}
 
-    def snapshot(self):
+    def snapshot(self, refresh=True):
+        if not refresh:  # a sample during the batch (or its end), not a measured boundary
+            return None
         self.log.append("snapshot")
         self.n += 1
         return self.n
