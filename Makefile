@@ -38,8 +38,13 @@ run: export RAY_SERVE_HAPROXY_BINARY_PATH := $(abspath $(BIN))/serve-app-haproxy
 # Another local config with the same environment: `make run SERVE_CONFIG=configs/local-bench.yaml`
 # (the benchmark's chat model alone, docs/benchmarks.md).
 SERVE_CONFIG ?= configs/local.yaml
+# On a CPU host every process of the Ray node but the engine keeps off the cores vLLM's worker
+# computes on (serve_app/runtime/cpus.py): Ray starts on the last CPU, the one vLLM reserves, and
+# the model replica gives its engine the whole host; SERVE_APP_GATEWAY_CPUS names other CPUs, or
+# none (empty).
 run: $(VENV)/.installed
-	$(BIN)/serve run $(SERVE_CONFIG)
+	SERVE_APP_GATEWAY_CPUS=$${SERVE_APP_GATEWAY_CPUS-$$($(BIN)/python -m serve_app.runtime.cpus)} \
+	  $(BIN)/python -m serve_app.runtime.cpus $(BIN)/serve run $(SERVE_CONFIG)
 
 # The tests also need Debian's PostgreSQL server binaries (the session starts its own cluster).
 test: setup

@@ -19,6 +19,7 @@ from serve_app import catalog, haproxy
 from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, ModelDeploymentArgs, RouterArgs
 from serve_app.engine.deployment import ModelServer
 from serve_app.router.ingress import Router
+from serve_app.runtime import cpus
 from serve_app.settings import describe_errors
 from serve_app.telemetry.logs import module_logger
 
@@ -45,8 +46,9 @@ IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_num_workers_soft_li
             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
-# Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams).
-LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
+# Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams);
+# HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py).
+LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1", cpus.GATEWAY_CPUS_ENV: cpus.local_default()}
 # The router replica's own process. Its FastAPI code, Serve's handle router and the direct-ingress
 # HTTP server share one event loop, so a relayed read is one ASGI send on the loop that owns the
 # client socket, not a message handed across threads (-25 % router CPU, docs/architecture.md).

@@ -39,7 +39,7 @@ from serve_app.engine import token_count
 from serve_app.engine.protocol import Engine
 from serve_app.hot_load.autoscaling import LINE_CALLS_METRIC
 from serve_app.errors import error_body
-from serve_app.runtime import heap
+from serve_app.runtime import cpus, heap
 from serve_app.surfaces import BY_NAME, SURFACES, Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire import handoff, tls
@@ -81,7 +81,10 @@ class _ModelServer:
         # How long a stopping replica waits for its line calls: Serve kills it at this from the stop.
         self._drain_s = args.graceful_shutdown_timeout_s
         self.engine = make_engine(args, model_path)
-        await self.engine.start()
+        # On a CPU host (SERVE_APP_GATEWAY_CPUS, runtime/cpus.py): the engine's processes are born
+        # with the whole host, this one goes back to the gateway's cores once they are.
+        with cpus.engine_start("model replica actor"):
+            await self.engine.start()
         # Listening from the start: a replica with no free port in its range fails now, not per request.
         listener = self._listener = Listener(stream_host(), tls.server_context(), on_line=self._serve_line)
         await listener.start()  # TLS: a region option

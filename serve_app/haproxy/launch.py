@@ -20,6 +20,7 @@ from pathlib import Path
 from serve_app.haproxy import BINARY_PATH_ENV
 from serve_app.haproxy.admin_binds import admin_hosts, pin_admin_binds
 from serve_app.haproxy.state_dirs import sweep_stale_state_dirs
+from serve_app.runtime.cpus import keep_off_engine_cores
 
 
 def _say(message: str) -> None:
@@ -86,6 +87,7 @@ def main() -> None:
     except ValueError as err:
         raise SystemExit(f"serve-app-haproxy: {err}") from None
     binary = real_haproxy()
+    keep_off_engine_cores("HAProxy")  # on a CPU host (runtime/cpus.py); the exec keeps the mask
     os.execv(binary, [binary, *args])
 
 

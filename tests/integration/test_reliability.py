@@ -12,9 +12,11 @@ import os
 import httpx
 import pytest
 
+from serve_app.app import LOCAL_RAY_ENV
 from serve_app.faults import cluster, fuzz, scenarios
 from serve_app.faults.cli import SIZES
 from serve_app.faults.engine_kill import engine_kill
+from serve_app.runtime.cpus import gateway_cpus
 
 pytestmark = pytest.mark.integration
 QUICK = SIZES["quick"]
@@ -100,6 +102,33 @@ def test_schemathesis_over_the_published_schema_finds_no_5xx(base_url, dev_key):
     result = fuzz.schemathesis_run(base_url, dev_key, max_examples=QUICK["fuzz_examples"], max_time_s=QUICK["fuzz_s"])
     assert result["cases"] > 0, result["schemathesis_tail"]
     assert result["server_errors"] == 0, result
+
+
+def _thread_masks(pid: int) -> set[frozenset[int]]:
+    masks = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            masks.add(frozenset(os.sched_getaffinity(int(tid))))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return masks
+
+
+def test_on_one_host_the_gateway_keeps_off_the_engine_workers_cores(serve_app):
+    """The session runs with LOCAL_RAY_ENV, which names the host's last CPU (runtime/cpus.py):
+    every thread of the router and model replica actors is there; the engine core, born before
+    its replica pinned itself, keeps the whole host, so vLLM binds its worker as it would."""
+    gateway = gateway_cpus(LOCAL_RAY_ENV)
+    if gateway is None:
+        pytest.skip("a one-CPU host: nothing to keep off")
+    app = serve_app["app_name"]
+    models = cluster.model_replicas(scenarios.model_app(app), scenarios.MODEL_DEPLOYMENT)
+    actors = [*cluster.routers(app), *models]
+    assert len(actors) >= 2
+    for actor in actors:
+        assert _thread_masks(actor.pid) == {frozenset(gateway)}, actor.deployment
+    core = models[0].engine_core()
+    assert core is not None and os.sched_getaffinity(core.pid) > gateway
 
 
 def test_trace_is_405_with_allow(base_url):

@@ -1,6 +1,7 @@
 import pytest
 
 from router_app import build_router_app, close_open_routers, close_router_app
+from serve_app.runtime.cpus import GATEWAY_CPUS_ENV
 
 
 @pytest.fixture
@@ -24,3 +25,10 @@ def _close_router_clients():
     """Routers a test opened with ``router_app.router_client`` end with the test."""
     yield
     close_open_routers()
+
+
+@pytest.fixture(autouse=True)
+def _stay_unpinned(monkeypatch):
+    """A router or model replica a unit test builds in this process must not pin the test run to
+    the gateway's CPUs (the integration session exports SERVE_APP_GATEWAY_CPUS for its cluster)."""
+    monkeypatch.delenv(GATEWAY_CPUS_ENV, raising=False)

@@ -18,6 +18,7 @@ import pytest
 
 from serve_app.haproxy import BINARY_PATH_ENV, LAUNCHER, is_launcher
 from serve_app.haproxy.admin_binds import METRICS_HOST_ENV, STATS_HOST_ENV, admin_hosts, pin_admin_binds
+from serve_app.runtime.cpus import GATEWAY_CPUS_ENV
 from tests.conftest import free_port
 
 NODE = "ab" * 28  # a Ray node id's shape: 56 hex characters
@@ -185,6 +186,24 @@ def test_haproxy_run_through_the_launcher_keeps_its_pid_and_refuses_stats_and_me
         for port in (stats, metrics):
             assert _connects("127.0.0.1", port)
             assert not _connects(outward, port), f"port {port} answers on {outward}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning is only visible with two CPUs or more")
+def test_haproxy_run_through_the_launcher_runs_on_the_gateway_cpu(node_dir):
+    """On a CPU host HAProxy keeps off the engine worker's cores (serve_app/runtime/cpus.py):
+    the launcher pins itself before the exec, and HAProxy, the same process, keeps the mask."""
+    last = max(os.sched_getaffinity(0))
+    path = render_rays_config(node_dir, stats_port=free_port(), metrics_port=free_port(), http_port=free_port())
+    env = {**os.environ, GATEWAY_CPUS_ENV: str(last)}
+    proc = subprocess.Popen([*LAUNCH, "-db", "-f", str(path), "-dR"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        assert _show_info_pid(node_dir / "admin.sock", time.monotonic() + 30) == proc.pid
+        assert os.sched_getaffinity(proc.pid) == {last}
     finally:
         proc.terminate()
         proc.wait(timeout=30)

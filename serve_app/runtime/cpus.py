@@ -1,0 +1,138 @@
+"""On a CPU host: every process of the Ray node but the engine, off the cores the engine computes on.
+
+vLLM's CPU worker binds its OpenMP threads, one per core, to the cores it may use but the ones it
+reserves for its scheduler (one on x86 with one worker, the last: ``core ids=[0]``,
+``reserved_cpus=[1]`` on a 2-core host). Nothing keeps other processes off the worker's cores, and
+a decode step waits every time one of them runs there. Bare vLLM has two other processes (its API
+server and engine core); a Ray node has some thirty, most of them at nice 0 where the worker runs
+at a Ray worker's nice 15, and each wakes every few milliseconds even idle (Ray's core worker,
+gRPC pollers: docs/benchmarks.md, "The idle floor").
+
+``SERVE_APP_GATEWAY_CPUS`` (a CPU list: ``1``, ``2-3``, ``0,4``) names the cores for all of them:
+
+- the node starts on them (``python -m serve_app.runtime.cpus <command>`` pins itself, then execs
+  the command: `make run` starts ``serve run`` so), and every process Ray starts inherits them;
+- a model replica gives its engine the whole host while it starts it (``engine_start``): the
+  engine's processes keep the mask they were born with, so vLLM binds its worker as it would
+  without us; then the replica goes back to the gateway's cores;
+- the router replica and HAProxy (its launcher, before the exec) pin themselves on start too
+  (``keep_off_engine_cores``), which holds where the node was started otherwise (``ray start``).
+
+On one host (`make run`, the integration tests) its value is ``local_default()``: the last CPU,
+the one vLLM reserves on a single-socket x86 host. Empty: nothing is pinned. Unset (every GPU
+region, whose worker computes on the GPU): nothing is pinned. Measured: docs/benchmarks.md,
+"Where the gateway runs".
+"""
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+GATEWAY_CPUS_ENV = "SERVE_APP_GATEWAY_CPUS"
+
+# serve_app.telemetry.logs.module_logger's name (a replica's log), without importing telemetry:
+# `make run` and HAProxy's launcher import this module.
+logger = logging.getLogger(f"ray.serve.{__name__}")
+
+
+def local_default() -> str:
+    """The gateway's CPU on one host: the last one this process may use; empty on one CPU (the
+    engine's own: nothing to keep off it) and where the OS has no CPU affinity (macOS)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return ""
+    allowed = os.sched_getaffinity(0)
+    return str(max(allowed)) if len(allowed) > 1 else ""
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """``"1"``, ``"0,2-3"`` → the CPU numbers (the kernel's cpulist format); ValueError otherwise."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{GATEWAY_CPUS_ENV}={text!r} is not a CPU list (e.g. 1, 2-3, 0,4)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"{GATEWAY_CPUS_ENV}={text!r}: the range {part} is empty")
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
+def gateway_cpus(env: dict[str, str] | None = None) -> set[int] | None:
+    """The CPUs named by ``SERVE_APP_GATEWAY_CPUS`` that this host has; None when it is unset or
+    empty. Raises ValueError on a value that is not a CPU list or names none of this host's CPUs."""
+    text = (os.environ if env is None else env).get(GATEWAY_CPUS_ENV, "").strip()
+    if not text:
+        return None
+    cpus = parse_cpu_list(text) & _host()
+    if not cpus:
+        raise ValueError(f"{GATEWAY_CPUS_ENV}={text!r} names none of this host's {os.cpu_count()} CPUs")
+    return cpus
+
+
+def _host() -> set[int]:
+    # The kernel narrows a mask to the CPUs the process's cpuset allows (a container's).
+    return set(range(os.cpu_count() or 1))
+
+
+def pin_threads(cpus: set[int], pid: int | None = None) -> int:
+    """Every thread of process ``pid`` (this one by default) on ``cpus``; the threads pinned. A
+    thread started later inherits the mask of the thread that starts it, so all of them keep it."""
+    pinned = 0
+    for tid in os.listdir(f"/proc/{pid or os.getpid()}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+            pinned += 1
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return pinned
+
+
+def keep_off_engine_cores(process: str) -> set[int] | None:
+    """Pin this process to the gateway's CPUs when ``SERVE_APP_GATEWAY_CPUS`` names them; a bad
+    value is logged and changes nothing (a serving process does not fail over its placement)."""
+    try:
+        cpus = gateway_cpus()
+        if cpus is None:
+            return None
+        threads = pin_threads(cpus)
+    except (ValueError, OSError, AttributeError) as err:  # AttributeError: no affinity on this OS
+        logger.warning("%s left where the kernel puts it: %s", process, err)
+        return None
+    logger.info("%s: %d threads on CPUs %s (%s)", process, threads, sorted(cpus), GATEWAY_CPUS_ENV)
+    return cpus
+
+
+@contextlib.contextmanager
+def engine_start(process: str) -> Iterator[None]:
+    """Around an engine's start: the whole host while the engine's processes are born (they keep
+    that mask), then this process back on the gateway's CPUs. Nothing when the variable is unset."""
+    try:
+        if gateway_cpus() is not None:
+            pin_threads(_host())
+    except (ValueError, OSError, AttributeError):
+        pass  # keep_off_engine_cores logs it once the engine is up
+    yield
+    keep_off_engine_cores(process)
+
+
+def exec_pinned(argv: list[str]) -> None:
+    """``python -m serve_app.runtime.cpus <command> [args]``: this process on the gateway's CPUs
+    (when the variable names them), then the command in its place, which every process it starts
+    inherits."""
+    cpus = gateway_cpus()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        try:
+            exec_pinned(sys.argv[1:])
+        except ValueError as err:
+            raise SystemExit(f"serve_app.runtime.cpus: {err}") from None
+    else:  # `make run`: the value it runs with unless SERVE_APP_GATEWAY_CPUS is set
+        print(local_default())

@@ -1,0 +1,126 @@
+"""The gateway's processes off the engine worker's cores (serve_app/runtime/cpus.py): the mask is
+read back from /proc for every thread of a real process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serve_app.runtime.cpus import GATEWAY_CPUS_ENV, gateway_cpus, local_default, parse_cpu_list
+from tests.conftest import REPO
+
+HOST = sorted(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(len(HOST) < 2, reason="pinning is only visible with two CPUs or more")
+
+
+def thread_masks(pid: int) -> dict[int, str]:
+    """Every thread's ``Cpus_allowed_list`` (the kernel's own account of the mask)."""
+    masks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        masks[int(tid)] = next(line.split(":")[1].strip() for line in status.splitlines()
+                               if line.startswith("Cpus_allowed_list"))
+    return masks
+
+
+@pytest.mark.parametrize("text, cpus", [("1", {1}), ("0,2-3", {0, 2, 3}), (" 4 , 6-6 ", {4, 6})])
+def test_a_cpu_list_reads_as_the_kernel_writes_it(text, cpus):
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["one", "1-", "-1", "3-1", "1,,2", "0x1"])
+def test_a_value_that_is_not_a_cpu_list_names_the_variable(text):
+    with pytest.raises(ValueError, match=GATEWAY_CPUS_ENV):
+        parse_cpu_list(text)
+
+
+def test_unset_or_empty_pins_nothing_and_cpus_the_host_lacks_are_dropped():
+    assert gateway_cpus({}) is None and gateway_cpus({GATEWAY_CPUS_ENV: " "}) is None
+    beyond = (os.cpu_count() or 1) + 7
+    assert gateway_cpus({GATEWAY_CPUS_ENV: f"0,{beyond}"}) == {0}
+    with pytest.raises(ValueError, match="names none of this host"):
+        gateway_cpus({GATEWAY_CPUS_ENV: str(beyond)})
+
+
+def test_one_host_reserves_its_last_cpu_as_vllm_does():
+    assert local_default() == (str(HOST[-1]) if len(HOST) > 1 else "")
+
+
+def _run_pinned(value: str) -> subprocess.Popen:
+    """A process with a thread started before the call and one after, calling what a router or
+    model replica calls when it starts; it prints its pid and waits for stdin to close."""
+    script = (
+        "import sys, threading\n"
+        "from serve_app.runtime.cpus import keep_off_engine_cores\n"
+        "stop = threading.Event()\n"
+        "threading.Thread(target=stop.wait).start()\n"
+        "print(keep_off_engine_cores('test'), flush=True)\n"
+        "threading.Thread(target=stop.wait).start()\n"
+        "print(len(threading.enumerate()), flush=True)\n"
+        "sys.stdin.read(); stop.set()\n"
+    )
+    env = {**os.environ, GATEWAY_CPUS_ENV: value}
+    return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@needs_two
+def test_every_thread_of_a_gateway_process_is_on_the_gateway_cpu_before_and_after_the_call():
+    last = HOST[-1]
+    proc = _run_pinned(str(last))
+    try:
+        assert proc.stdout.readline().strip() == f"{{{last}}}"
+        assert int(proc.stdout.readline()) == 3
+        masks = thread_masks(proc.pid)
+        assert len(masks) >= 3 and set(masks.values()) == {str(last)}
+    finally:
+        proc.communicate("", timeout=30)
+    assert proc.returncode == 0
+
+
+@needs_two
+def test_a_bad_value_is_logged_and_leaves_the_process_where_it_was():
+    proc = _run_pinned("engine")
+    try:
+        assert proc.stdout.readline().strip() == "None"
+        proc.stdout.readline()
+        assert set(thread_masks(proc.pid).values()) == {thread_masks(os.getpid())[os.getpid()]}
+    finally:
+        _, stderr = proc.communicate("", timeout=30)
+    assert "test left where the kernel puts it" in stderr and GATEWAY_CPUS_ENV in stderr
+
+
+@needs_two
+def test_a_node_started_pinned_gives_its_engine_the_whole_host_and_keeps_the_rest_pinned():
+    """``python -m serve_app.runtime.cpus <command>`` (how `make run` starts Ray): the command runs
+    on the gateway's CPU; inside it, a process born in ``engine_start`` (the engine core) has the
+    whole host, and the starting process is back on the gateway's CPU afterwards, every thread."""
+    last = HOST[-1]
+    script = (
+        "import json, os, subprocess, sys, threading\n"
+        "from serve_app.runtime.cpus import engine_start\n"
+        "before = sorted(os.sched_getaffinity(0))\n"
+        "stop = threading.Event()\n"
+        "threading.Thread(target=stop.wait).start()\n"
+        "with engine_start('test'):\n"
+        "    engine = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+        "masks = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')}\n"
+        "print(json.dumps([before, sorted(os.sched_getaffinity(engine.pid)), [sorted(m) for m in masks]]), flush=True)\n"
+        "engine.communicate(b''); stop.set()\n"
+    )
+    env = {**os.environ, GATEWAY_CPUS_ENV: str(last)}
+    done = subprocess.run([sys.executable, "-m", "serve_app.runtime.cpus", sys.executable, "-c", script],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True)
+    started_on, engine, threads = json.loads(done.stdout)
+    assert started_on == [last]  # the command (Ray, in `make run`) on the gateway's CPU
+    assert engine == HOST  # the engine's process born with the whole host
+    assert threads == [[last]]  # and every thread of the starting process back on the gateway's
+
+
+def test_a_node_start_with_a_bad_value_fails_before_the_command_runs():
+    done = subprocess.run([sys.executable, "-m", "serve_app.runtime.cpus", "true"], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, GATEWAY_CPUS_ENV: "first"}, timeout=60)
+    assert done.returncode != 0 and GATEWAY_CPUS_ENV in done.stderr and "Traceback" not in done.stderr
