@@ -12,14 +12,15 @@ gRPC pollers: docs/benchmarks.md, "The idle floor").
 
 - the node starts on them (``python -m serve_app.runtime.cpus <command>`` pins itself, then execs
   the command: `make run` starts ``serve run`` so), and every process Ray starts inherits them;
-- a model replica gives its engine the whole host while it starts it (``engine_start``): the
-  engine's processes keep the mask they were born with, so vLLM binds its worker as it would
-  without us; then the replica goes back to the gateway's cores;
+- a model replica gives its engine the CPUs the node's starter had (``SERVE_APP_HOST_CPUS``) while
+  it starts it (``engine_start``): the engine's processes keep the mask they were born with, so
+  vLLM binds its worker as it would without us; then the replica goes back to the gateway's cores;
 - the router replica and HAProxy (its launcher, before the exec) pin themselves on start too
   (``keep_off_engine_cores``), which holds where the node was started otherwise (``ray start``).
 
 On one host (`make run`, the integration tests) its value is ``local_default()``: the last CPU,
-the one vLLM reserves on a single-socket x86 host. Empty: nothing is pinned. Unset (every GPU
+the one vLLM reserves on a single-socket x86 host with two physical cores or more (none on one
+core: vLLM would bind its worker there). Empty: nothing is pinned. Unset (every GPU
 region, whose worker computes on the GPU): nothing is pinned. Measured: docs/benchmarks.md,
 "Where the gateway runs".
 """
@@ -31,19 +32,38 @@ import sys
 from collections.abc import Iterator
 
 GATEWAY_CPUS_ENV = "SERVE_APP_GATEWAY_CPUS"
+# The CPUs the node's starter had before it pinned itself (``exec_pinned``): what an engine is
+# given back, never more than the operator allowed (``taskset -c 0-3 make run``).
+HOST_CPUS_ENV = "SERVE_APP_HOST_CPUS"
+SYS_CPU = "/sys/devices/system/cpu"
 
 # serve_app.telemetry.logs.module_logger's name (a replica's log), without importing telemetry:
 # `make run` and HAProxy's launcher import this module.
 logger = logging.getLogger(f"ray.serve.{__name__}")
 
 
-def local_default() -> str:
-    """The gateway's CPU on one host: the last one this process may use; empty on one CPU (the
-    engine's own: nothing to keep off it) and where the OS has no CPU affinity (macOS)."""
+def local_default(sys_cpu: str = SYS_CPU) -> str:
+    """The gateway's CPU on one host: the last one this process may use, which vLLM reserves when
+    it binds one logical CPU per physical core and has two cores or more to choose from. Empty
+    where it would bind the worker there itself (one physical core, e.g. a 2-vCPU VM made of one
+    core's two hyperthreads) and where the OS has no CPU affinity (macOS)."""
     if not hasattr(os, "sched_getaffinity"):
         return ""
     allowed = os.sched_getaffinity(0)
-    return str(max(allowed)) if len(allowed) > 1 else ""
+    return str(max(allowed)) if physical_cores(allowed, sys_cpu) > 1 else ""
+
+
+def physical_cores(cpus: set[int], sys_cpu: str = SYS_CPU) -> int:
+    """How many physical cores ``cpus`` span (sysfs topology); one per CPU where sysfs says nothing."""
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = [open(f"{sys_cpu}/cpu{cpu}/topology/{name}").read().strip()
+                        for name in ("physical_package_id", "core_id")]
+        except OSError:
+            topology = ["cpu", str(cpu)]
+        cores.add(tuple(topology))
+    return len(cores)
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -66,28 +86,33 @@ def gateway_cpus(env: dict[str, str] | None = None) -> set[int] | None:
     text = (os.environ if env is None else env).get(GATEWAY_CPUS_ENV, "").strip()
     if not text:
         return None
-    cpus = parse_cpu_list(text) & _host()
+    host = host_cpus()
+    cpus = parse_cpu_list(text) & host
     if not cpus:
-        raise ValueError(f"{GATEWAY_CPUS_ENV}={text!r} names none of this host's {os.cpu_count()} CPUs")
+        raise ValueError(f"{GATEWAY_CPUS_ENV}={text!r} names none of the CPUs this node may use ({sorted(host)})")
     return cpus
 
 
-def _host() -> set[int]:
-    # The kernel narrows a mask to the CPUs the process's cpuset allows (a container's).
-    return set(range(os.cpu_count() or 1))
+def host_cpus() -> set[int]:
+    """The CPUs the node may use: its starter's before it pinned itself, else this process's."""
+    saved = os.environ.get(HOST_CPUS_ENV, "").strip()
+    return parse_cpu_list(saved) if saved else os.sched_getaffinity(0)
 
 
 def pin_threads(cpus: set[int], pid: int | None = None) -> int:
     """Every thread of process ``pid`` (this one by default) on ``cpus``; the threads pinned. A
     thread started later inherits the mask of the thread that starts it, so all of them keep it."""
-    pinned = 0
-    for tid in os.listdir(f"/proc/{pid or os.getpid()}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-            pinned += 1
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-    return pinned
+    done: set[int] = set()
+    while True:  # again while new threads appear: one started by a thread not yet pinned has its mask
+        new = {int(tid) for tid in os.listdir(f"/proc/{pid or os.getpid()}/task")} - done
+        if not new:
+            return len(done)
+        for tid in new:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        done |= new
 
 
 def keep_off_engine_cores(process: str) -> set[int] | None:
@@ -111,11 +136,13 @@ def engine_start(process: str) -> Iterator[None]:
     that mask), then this process back on the gateway's CPUs. Nothing when the variable is unset."""
     try:
         if gateway_cpus() is not None:
-            pin_threads(_host())
+            pin_threads(host_cpus())
     except (ValueError, OSError, AttributeError):
         pass  # keep_off_engine_cores logs it once the engine is up
-    yield
-    keep_off_engine_cores(process)
+    try:
+        yield
+    finally:
+        keep_off_engine_cores(process)
 
 
 def exec_pinned(argv: list[str]) -> None:
@@ -124,6 +151,7 @@ def exec_pinned(argv: list[str]) -> None:
     inherits."""
     cpus = gateway_cpus()
     if cpus is not None:
+        os.environ[HOST_CPUS_ENV] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         os.sched_setaffinity(0, cpus)
     os.execvp(argv[0], argv)
 
@@ -132,7 +160,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         try:
             exec_pinned(sys.argv[1:])
-        except ValueError as err:
+        except (ValueError, OSError, AttributeError) as err:  # CPUs outside a container's cpuset; macOS
             raise SystemExit(f"serve_app.runtime.cpus: {err}") from None
     else:  # `make run`: the value it runs with unless SERVE_APP_GATEWAY_CPUS is set
         print(local_default())

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.runtime.cpus import GATEWAY_CPUS_ENV, gateway_cpus, local_default, parse_cpu_list
+from serve_app.runtime.cpus import (
+    GATEWAY_CPUS_ENV,
+    HOST_CPUS_ENV,
+    gateway_cpus,
+    local_default,
+    parse_cpu_list,
+    physical_cores,
+)
 from tests.conftest import REPO
 
 HOST = sorted(os.sched_getaffinity(0))
@@ -37,16 +44,43 @@ def test_a_value_that_is_not_a_cpu_list_names_the_variable(text):
         parse_cpu_list(text)
 
 
-def test_unset_or_empty_pins_nothing_and_cpus_the_host_lacks_are_dropped():
+def test_unset_or_empty_pins_nothing_and_cpus_the_node_may_not_use_are_dropped(monkeypatch):
     assert gateway_cpus({}) is None and gateway_cpus({GATEWAY_CPUS_ENV: " "}) is None
     beyond = (os.cpu_count() or 1) + 7
-    assert gateway_cpus({GATEWAY_CPUS_ENV: f"0,{beyond}"}) == {0}
-    with pytest.raises(ValueError, match="names none of this host"):
+    assert gateway_cpus({GATEWAY_CPUS_ENV: f"{HOST[0]},{beyond}"}) == {HOST[0]}
+    with pytest.raises(ValueError, match="names none of the CPUs this node may use"):
         gateway_cpus({GATEWAY_CPUS_ENV: str(beyond)})
+    # A node started on fewer CPUs than the host has (``taskset -c 0 make run``): never beyond them.
+    monkeypatch.setenv(HOST_CPUS_ENV, str(HOST[0]))
+    with pytest.raises(ValueError, match="names none of the CPUs this node may use"):
+        gateway_cpus({GATEWAY_CPUS_ENV: str(beyond - 1)})
 
 
-def test_one_host_reserves_its_last_cpu_as_vllm_does():
-    assert local_default() == (str(HOST[-1]) if len(HOST) > 1 else "")
+def _topology(tmp_path: Path, cores: dict[int, tuple[int, int]]) -> str:
+    """A sysfs ``cpu`` directory: CPU number → (package, core)."""
+    for cpu, (package, core) in cores.items():
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{package}\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    return str(tmp_path)
+
+
+def test_hyperthreads_of_one_core_are_one_core_and_unknown_cpus_count_alone(tmp_path):
+    sys_cpu = _topology(tmp_path, {0: (0, 0), 1: (0, 0), 2: (0, 1), 3: (1, 0)})
+    assert physical_cores({0, 1}, sys_cpu) == 1
+    assert physical_cores({0, 1, 2, 3}, sys_cpu) == 3  # package 1's core 0 is another core
+    assert physical_cores({0, 8, 9}, sys_cpu) == 3  # no topology for 8 and 9: one core each
+
+
+def test_one_host_keeps_its_last_cpu_for_the_gateway_only_with_two_physical_cores(tmp_path):
+    if len(HOST) < 2:
+        assert local_default() == ""
+        return
+    two_cores = _topology(tmp_path / "two", {cpu: (0, n) for n, cpu in enumerate(HOST)})
+    one_core = _topology(tmp_path / "one", {cpu: (0, 0) for cpu in HOST})  # a VM's two hyperthreads
+    assert local_default(two_cores) == str(HOST[-1])
+    assert local_default(one_core) == ""  # vLLM would bind its worker to that last CPU itself
 
 
 def _run_pinned(value: str) -> subprocess.Popen:
@@ -118,6 +152,24 @@ def test_a_node_started_pinned_gives_its_engine_the_whole_host_and_keeps_the_res
     assert started_on == [last]  # the command (Ray, in `make run`) on the gateway's CPU
     assert engine == HOST  # the engine's process born with the whole host
     assert threads == [[last]]  # and every thread of the starting process back on the gateway's
+
+
+@needs_two
+def test_an_engine_is_given_back_the_starters_cpus_not_the_whole_host():
+    """A node whose starter could use only the gateway's CPU: the engine gets that, no more."""
+    last = HOST[-1]
+    script = (
+        "import os, subprocess, sys\n"
+        "from serve_app.runtime.cpus import engine_start\n"
+        "with engine_start('test'):\n"
+        "    engine = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+        "print(sorted(os.sched_getaffinity(engine.pid)), flush=True)\n"
+        "engine.communicate(b'')\n"
+    )
+    env = {**os.environ, GATEWAY_CPUS_ENV: str(last), HOST_CPUS_ENV: str(last)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert json.loads(done.stdout) == [last]
 
 
 def test_a_node_start_with_a_bad_value_fails_before_the_command_runs():
