@@ -7,6 +7,7 @@ idle, and the batch's CPU-seconds per process.
 """
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -132,7 +133,7 @@ async def run_plan(
             window = sustained(runs)
             steady = None
             if meter:
-                steady = steady_cpu(meter, samples, window, lambda a, b, runs=runs: tokens_between(runs, a, b))
+                steady = steady_cpu(meter, samples, window, functools.partial(tokens_between, runs))
             side.runs += runs
             side.wall_s += wall_s
             side.batches += 1

@@ -189,17 +189,21 @@ def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def _own_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
-    cpu, tokens = batch.get("cpu"), batch["completion_tokens"]
-    if not cpu or not tokens:
-        return None
-    return 1000 * cpu["sides"].get(batch["side"], {}).get("total", 0.0) / tokens
+    """The batch's side's CPU-seconds per 1,000 tokens over the whole batch."""
+    cpu = batch.get("cpu")
+    return _side_cpu_per_1k(batch, cpu, batch["completion_tokens"]) if cpu else None
 
 
 def _steady_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:
+    """The same over the sustained window only (``steady_cpu``: its own token count)."""
     steady = batch.get("steady_cpu")
-    if not steady or not steady["tokens"]:
+    return _side_cpu_per_1k(batch, steady, steady["tokens"]) if steady else None
+
+
+def _side_cpu_per_1k(batch: Mapping[str, Any], cpu: Mapping[str, Any], tokens: float) -> float | None:
+    if not tokens:
         return None
-    return 1000 * steady["sides"].get(batch["side"], {}).get("total", 0.0) / steady["tokens"]
+    return 1000 * cpu["sides"].get(batch["side"], {}).get("total", 0.0) / tokens
 
 
 def sustained_tokens_per_s(batches: Sequence[Mapping[str, Any]]) -> float | None:
