@@ -43,7 +43,7 @@ SERVE_CONFIG ?= configs/local.yaml
 # the model replica gives its engine the whole host; SERVE_APP_GATEWAY_CPUS names other CPUs, or
 # none (empty).
 run: $(VENV)/.installed
-	SERVE_APP_GATEWAY_CPUS=$${SERVE_APP_GATEWAY_CPUS-$$($(BIN)/python -m serve_app.runtime.cpus)} \
+	SERVE_APP_GATEWAY_CPUS=$$($(BIN)/python -m serve_app.runtime.cpus) \
 	  $(BIN)/python -m serve_app.runtime.cpus $(BIN)/serve run $(SERVE_CONFIG)
 
 # The tests also need Debian's PostgreSQL server binaries (the session starts its own cluster).

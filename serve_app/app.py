@@ -47,8 +47,9 @@ IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_num_workers_soft_li
 RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams);
-# HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py).
-LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1", cpus.GATEWAY_CPUS_ENV: cpus.local_default()}
+# HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py;
+# SERVE_APP_GATEWAY_CPUS set empty pins nothing, as for `make run`).
+LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1", cpus.GATEWAY_CPUS_ENV: cpus.local_setting()}
 # The router replica's own process. Its FastAPI code, Serve's handle router and the direct-ingress
 # HTTP server share one event loop, so a relayed read is one ASGI send on the loop that owns the
 # client socket, not a message handed across threads (-25 % router CPU, docs/architecture.md).

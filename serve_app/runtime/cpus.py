@@ -53,6 +53,12 @@ def local_default(sys_cpu: str = SYS_CPU) -> str:
     return str(max(allowed)) if physical_cores(allowed, sys_cpu) > 1 else ""
 
 
+def local_setting() -> str:
+    """The value one host runs with (`make run`, the integration tests): ``SERVE_APP_GATEWAY_CPUS``
+    as the caller set it (empty: nothing pinned), else ``local_default()``."""
+    return os.environ.get(GATEWAY_CPUS_ENV, local_default())
+
+
 def physical_cores(cpus: set[int], sys_cpu: str = SYS_CPU) -> int:
     """How many physical cores ``cpus`` span (sysfs topology); one per CPU where sysfs says nothing."""
     cores = set()
@@ -162,5 +168,5 @@ if __name__ == "__main__":
             exec_pinned(sys.argv[1:])
         except (ValueError, OSError, AttributeError) as err:  # CPUs outside a container's cpuset; macOS
             raise SystemExit(f"serve_app.runtime.cpus: {err}") from None
-    else:  # `make run`: the value it runs with unless SERVE_APP_GATEWAY_CPUS is set
-        print(local_default())
+    else:  # `make run`: the value it runs with
+        print(local_setting())

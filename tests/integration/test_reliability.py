@@ -120,7 +120,7 @@ def test_on_one_host_the_gateway_keeps_off_the_engine_workers_cores(serve_app):
     its replica pinned itself, keeps the whole host, so vLLM binds its worker as it would."""
     gateway = gateway_cpus(LOCAL_RAY_ENV)
     if gateway is None:
-        pytest.skip("a one-CPU host: nothing to keep off")
+        pytest.skip("nothing to keep off: a one-core host, or SERVE_APP_GATEWAY_CPUS set empty")
     app = serve_app["app_name"]
     models = cluster.model_replicas(scenarios.model_app(app), scenarios.MODEL_DEPLOYMENT)
     actors = [*cluster.routers(app), *models]

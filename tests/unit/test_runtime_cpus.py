@@ -14,6 +14,7 @@ from serve_app.runtime.cpus import (
     HOST_CPUS_ENV,
     gateway_cpus,
     local_default,
+    local_setting,
     parse_cpu_list,
     physical_cores,
 )
@@ -81,6 +82,19 @@ def test_one_host_keeps_its_last_cpu_for_the_gateway_only_with_two_physical_core
     one_core = _topology(tmp_path / "one", {cpu: (0, 0) for cpu in HOST})  # a VM's two hyperthreads
     assert local_default(two_cores) == str(HOST[-1])
     assert local_default(one_core) == ""  # vLLM would bind its worker to that last CPU itself
+
+
+def test_a_value_set_by_the_caller_wins_and_empty_pins_nothing(monkeypatch):
+    """`make run` and the integration session run with what the caller set, else the default."""
+    monkeypatch.delenv(GATEWAY_CPUS_ENV, raising=False)
+    assert local_setting() == local_default()
+    monkeypatch.setenv(GATEWAY_CPUS_ENV, "")
+    assert local_setting() == ""
+    monkeypatch.setenv(GATEWAY_CPUS_ENV, "0")
+    assert local_setting() == "0"
+    shown = subprocess.run([sys.executable, "-m", "serve_app.runtime.cpus"], capture_output=True, text=True,
+                           env={**os.environ, GATEWAY_CPUS_ENV: ""}, check=True)
+    assert shown.stdout == "\n"  # what `make run` exports: nothing pinned
 
 
 def _run_pinned(value: str) -> subprocess.Popen:
