@@ -1,11 +1,13 @@
 """Where the key registry lives: a SQLite file (the embedded default) or PostgreSQL (regions).
 
-One small adapter so ``KeyStore`` and ``UsageStore`` are written once: both give a connection per
-operation, in a transaction, whose ``execute(sql, params)`` takes ``?`` placeholders and returns
-rows readable by column name. ``connect(read=True)`` is for a read that may be a little stale:
-PostgreSQL sends it to the region's nearest read replica when one is named (key lookups,
-revocation checks, reports, budget spend), every write goes to the primary. The SQL the store runs is the subset both speak (``INSERT … ON CONFLICT … DO
-UPDATE``, ``COALESCE``); only the DDL differs (``BLOB`` / ``BYTEA``, ``INTEGER`` / ``BIGINT``).
+One small adapter so ``KeyStore`` and ``UsageStore`` are written once: both give each operation
+a connection (SQLite: the thread's own, kept; PostgreSQL: a new one) in a transaction, whose
+``execute(sql, params)`` takes ``?`` placeholders and returns rows readable by column name.
+``connect(read=True)`` is for a read that may be a little stale: PostgreSQL sends it to the
+region's nearest read replica when one is named (key lookups, revocation checks, reports, budget
+spend), every write goes to the primary. The SQL the store runs is the subset both speak
+(``INSERT … ON CONFLICT … DO UPDATE``, ``COALESCE``); only the DDL differs (``BLOB`` / ``BYTEA``,
+``INTEGER`` / ``BIGINT``).
 A column a release adds to an existing table comes through ``add_columns``.
 
 PostgreSQL is reached with psycopg 3, synchronously: every call already runs off the event loop
@@ -18,6 +20,7 @@ registry is read on cache misses only (``cache_ttl_s``), so the connect cost (~2
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,25 +51,47 @@ class SqliteDatabase:
                 )
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.path.touch(mode=0o600)
+        self._kept = threading.local()  # each thread's connection (``_connection``)
 
     def describe(self) -> str:
         return str(self.path)
 
     @contextmanager
     def connect(self, read: bool = False) -> Iterator[sqlite3.Connection]:
-        # One file: reads and writes alike. mode=rw never creates a file by accident.
-        try:
-            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
-        except sqlite3.OperationalError as err:
-            raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
-        db.row_factory = sqlite3.Row
+        # One file: reads and writes alike, each operation a transaction on this thread's connection.
+        db = self._connection()
         try:
             with db:
                 yield db
         except sqlite3.OperationalError as err:  # "database is locked" past the 5 s busy timeout
             raise RegistryUnavailable(f"key store {self.path}: {err}") from err
-        finally:
-            db.close()
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection, opened on first use and kept: opening one (and parsing the
+        schema again) cost more CPU than the usage ledger's insert it was opened for, once a
+        second in a busy router (docs/benchmarks.md). Opened again when the path no longer names
+        the file it opened (deleted, or replaced by a restore): a kept connection would go on
+        writing into the old one. mode=rw never creates a file by accident."""
+        try:
+            stat = self.path.stat()
+        except OSError as err:
+            raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
+        file, kept = (stat.st_dev, stat.st_ino), getattr(self._kept, "connection", None)
+        if kept is not None and self._kept.file == file:
+            return kept
+        if kept is not None:
+            kept.close()
+            self._kept.connection = None
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
+        except sqlite3.OperationalError as err:
+            raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
+        db.row_factory = sqlite3.Row
+        # The rollback journal stays (no write-ahead log): the store remains the one file an
+        # operator copies or restores; a -wal file left beside a restored copy would be replayed
+        # into it.
+        self._kept.file, self._kept.connection = file, db
+        return db
 
     def create_schema(self, ddl: str) -> None:
         with self.connect() as db:
