@@ -58,40 +58,56 @@ class SqliteDatabase:
 
     @contextmanager
     def connect(self, read: bool = False) -> Iterator[sqlite3.Connection]:
-        # One file: reads and writes alike, each operation a transaction on this thread's connection.
-        db = self._connection()
+        # One file: reads and writes alike, each operation a transaction on this thread's
+        # connection; one nested in another gets its own, whose commit is not the outer one's.
+        nested = getattr(self._kept, "depth", 0) > 0
+        db = self._open() if nested else self._connection()
+        self._kept.depth = getattr(self._kept, "depth", 0) + 1
         try:
             with db:
                 yield db
         except sqlite3.OperationalError as err:  # "database is locked" past the 5 s busy timeout
             raise RegistryUnavailable(f"key store {self.path}: {err}") from err
+        finally:
+            self._kept.depth -= 1
+            if nested:
+                db.close()
+            elif db.in_transaction:  # neither its commit nor its rollback went through: not kept
+                self._forget()
 
     def _connection(self) -> sqlite3.Connection:
         """This thread's connection, opened on first use and kept: opening one (and parsing the
         schema again) cost more CPU than the usage ledger's insert it was opened for, once a
-        second in a busy router (docs/benchmarks.md). Opened again when the path no longer names
-        the file it opened (deleted, or replaced by a restore): a kept connection would go on
-        writing into the old one. mode=rw never creates a file by accident."""
+        second in a busy router (docs/benchmarks.md, "The local key store's connection"). Opened
+        again when the path no longer names the file it opened (deleted, or replaced by a
+        restore): a kept connection would go on writing into the old one."""
         try:
             stat = self.path.stat()
         except OSError as err:
+            self._forget()
             raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
-        file, kept = (stat.st_dev, stat.st_ino), getattr(self._kept, "connection", None)
-        if kept is not None and self._kept.file == file:
-            return kept
-        if kept is not None:
-            kept.close()
-            self._kept.connection = None
+        file = (stat.st_dev, stat.st_ino)
+        if getattr(self._kept, "file", None) != file:
+            self._forget()
+            self._kept.connection, self._kept.file = self._open(), file
+        return self._kept.connection
+
+    def _open(self) -> sqlite3.Connection:
+        # mode=rw never creates a file by accident. The rollback journal stays (no write-ahead
+        # log): the store remains the one file an operator copies or restores; a -wal file left
+        # beside a restored copy would be replayed into it.
         try:
             db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=rw", uri=True, timeout=5)
         except sqlite3.OperationalError as err:
             raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
         db.row_factory = sqlite3.Row
-        # The rollback journal stays (no write-ahead log): the store remains the one file an
-        # operator copies or restores; a -wal file left beside a restored copy would be replayed
-        # into it.
-        self._kept.file, self._kept.connection = file, db
         return db
+
+    def _forget(self) -> None:
+        """Close this thread's kept connection, if any."""
+        if (kept := getattr(self._kept, "connection", None)) is not None:
+            kept.close()
+        self._kept.connection = self._kept.file = None
 
     def create_schema(self, ddl: str) -> None:
         with self.connect() as db:

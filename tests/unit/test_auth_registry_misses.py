@@ -30,7 +30,7 @@ class Clock:
 
 
 class CountingDatabase:
-    """The registry's database, counting every connection (one per query) and able to go down."""
+    """The registry's database, counting every operation (one per query) and able to go down."""
 
     def __init__(self, database):
         self.inner, self.queries, self.down = database, 0, False

@@ -33,6 +33,22 @@ def test_writes_commit_for_every_other_connection_and_a_failed_one_rolls_back(da
     assert _notes(database) == ["kept"]
 
 
+def test_the_store_stays_one_file(database):
+    with database.connect() as conn:  # no write-ahead log beside it that a restore would miss
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def test_an_operation_nested_in_another_neither_sees_nor_commits_its_writes(database):
+    with pytest.raises(RuntimeError), database.connect() as outer:
+        outer.execute("INSERT INTO notes (text) VALUES ('outer, never committed')")
+        assert _notes(database) == []  # its own connection: the outer write is not visible yet
+        raise RuntimeError("the outer operation fails after the inner one ended")
+    assert _notes(database) == []  # rolled back: the inner block's end did not commit it
+    with database.connect() as conn:
+        conn.execute("INSERT INTO notes (text) VALUES ('after')")
+    assert _notes(database) == ["after"]
+
+
 def test_a_deleted_store_is_unavailable_not_written_into_the_old_file(database):
     assert _notes(database) == []  # this thread's connection is open now
     database.path.unlink()
@@ -49,7 +65,7 @@ def test_a_restored_store_is_read_at_once(database, tmp_path):
     assert _notes(database) == []
     shutil.copy(backup.path, tmp_path / "restored.sqlite3")
     (tmp_path / "restored.sqlite3").replace(database.path)  # a new file at the store's path
-    assert not list(tmp_path.glob("*-wal"))  # the store is one file: nothing else to restore
+
     assert _notes(database) == ["from the backup"]
 
 
