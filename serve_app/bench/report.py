@@ -25,6 +25,8 @@ SUMMARY_HEADERS = ["concurrency", "side", "runs", "errors", "TTFT p50", "TTFT p9
 # Ratio = ours / baseline; overhead = ours − baseline, in ms and in % of the baseline.
 RATIO_HEADERS = ["concurrency", "aggregate tok/s ratio", "sustained tok/s ratio", "tok/s per stream p50 ratio",
                  "TTFT overhead p50", "TTFT overhead p95"]
+# Nearest-rank p95 of n values is the largest one while ceil(0.95 n) == n, i.e. n < 20.
+TAIL_STREAMS = 20
 RATIO_CAPTION = "Ours vs baseline: ratio = ours / baseline; overhead = ours − baseline (% of baseline)."
 
 
@@ -145,7 +147,24 @@ def stream_tables(results: Mapping[str, Any]) -> str:
                for c, entry in results.items() for side in (OURS, BASELINE) if side in entry]
     text = md_table(SUMMARY_HEADERS, summary)
     ratios = [ratio_row(c, entry["ratios"]) for c, entry in results.items() if "ratios" in entry]
-    return text + (f"\n\n{RATIO_CAPTION}\n\n" + md_table(RATIO_HEADERS, ratios) if ratios else "")
+    text += f"\n\n{RATIO_CAPTION}\n\n" + md_table(RATIO_HEADERS, ratios) if ratios else ""
+    return text + "".join(f"\n\n{line}" for line in thin_tails(results))
+
+
+def thin_tails(results: Mapping[str, Any]) -> list[str]:
+    """A warning per concurrency whose p95 is one stream's: nearest-rank, fewer than 20 answered
+    streams make it the slowest of them (a c=1 run of 3 rounds × 5 requests has 15)."""
+    lines = []
+    for concurrency, entry in results.items():
+        counts = {side: entry[side]["summary"]["runs"] - entry[side]["summary"]["errors"]
+                  for side in (OURS, BASELINE) if side in entry}
+        if counts and min(counts.values()) < TAIL_STREAMS:
+            lines.append(
+                f"> p95 at concurrency {concurrency} is the slowest stream of "
+                f"{' and '.join(f'{n} ({side})' for side, n in counts.items())}, not a percentile: "
+                f"{TAIL_STREAMS} or more a side make one (`--batch-s`, `--requests-per-worker`, `--rounds`)."
+            )
+    return lines
 
 
 def _rounds_line(flags: Mapping[str, Any], meta: Mapping[str, Any]) -> str:

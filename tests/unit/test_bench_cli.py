@@ -23,6 +23,7 @@ from starlette.routing import Route
 from typer.testing import CliRunner
 
 from serve_app.bench import cli as bench_cli
+from serve_app.bench.report import thin_tails
 from serve_app.bench.procs import Proc
 from serve_app.surfaces import CHAT
 from serve_app.surfaces.dialects import pg_metadata_event
@@ -144,6 +145,7 @@ def test_stream_bench_writes_json_md_png(fake, tmp_path):
     markdown = (out / "llm_bench.md").read_text()
     assert "| End-to-end (with network) |" in markdown and "TTFT overhead p50" in markdown
     assert "TTFT overhead p50" in result.output  # the tables go to stdout too
+    assert "> p95 at concurrency 2 is the slowest stream of 3 (ours) and 3 (baseline)" in markdown
 
     # 2 levels × 2 sides × (warm-up of 1 per worker + 3 counted)
     chats = [r for r in sides.requests if r["path"].endswith(ROUTE_CHAT)]
@@ -153,6 +155,16 @@ def test_stream_bench_writes_json_md_png(fake, tmp_path):
     assert len({r["headers"]["traceparent"] for r in chats}) == len(chats)
     assert {r["headers"].get("authorization") for r in chats if r["side"] == "ours"} == {"Bearer sk-test"}
     assert not any("authorization" in r["headers"] for r in chats if r["side"] == "base")
+
+
+def test_a_p95_is_called_one_streams_below_20_answered_streams_a_side():
+    def level(ours: int, ours_errors: int, baseline: int) -> dict:
+        return {"ours": {"summary": {"runs": ours, "errors": ours_errors}},
+                "baseline": {"summary": {"runs": baseline, "errors": 0}}}
+
+    lines = thin_tails({"1": level(21, 2, 40), "16": level(240, 0, 240), "32": level(20, 0, 20)})
+    assert lines == ["> p95 at concurrency 1 is the slowest stream of 19 (ours) and 40 (baseline), not a "
+                     "percentile: 20 or more a side make one (`--batch-s`, `--requests-per-worker`, `--rounds`)."]
 
 
 def test_capacity_bench_writes_router_capacity(fake, tmp_path):
