@@ -19,8 +19,8 @@ registry is read on cache misses only (``cache_ttl_s``), so the connect cost (~2
 
 import re
 import sqlite3
-from collections.abc import Iterator, Mapping
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,6 +38,15 @@ class Connection(Protocol):
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any: ...
 
 
+class _Kept(threading.local):
+    """One thread's kept connection (``SqliteDatabase._connection``), the file it opened, and how
+    many of its operations are under way (a nested one gets a connection of its own)."""
+
+    connection: sqlite3.Connection | None = None
+    file: tuple[int, int] | None = None
+    depth = 0
+
+
 class SqliteDatabase:
     kind = "sqlite"
 
@@ -51,7 +60,7 @@ class SqliteDatabase:
                 )
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.path.touch(mode=0o600)
-        self._kept = threading.local()  # each thread's connection (``_connection``)
+        self._kept = _Kept()
 
     def describe(self) -> str:
         return str(self.path)
@@ -60,9 +69,9 @@ class SqliteDatabase:
     def connect(self, read: bool = False) -> Iterator[sqlite3.Connection]:
         # One file: reads and writes alike, each operation a transaction on this thread's
         # connection; one nested in another gets its own, whose commit is not the outer one's.
-        nested = getattr(self._kept, "depth", 0) > 0
+        nested = self._kept.depth > 0
         db = self._open() if nested else self._connection()
-        self._kept.depth = getattr(self._kept, "depth", 0) + 1
+        self._kept.depth += 1
         try:
             with db:
                 yield db
@@ -87,7 +96,7 @@ class SqliteDatabase:
             self._forget()
             raise RegistryUnavailable(f"cannot open the key store {self.path}: {err}") from err
         file = (stat.st_dev, stat.st_ino)
-        if getattr(self._kept, "file", None) != file:
+        if self._kept.file != file:
             self._forget()
             self._kept.connection, self._kept.file = self._open(), file
         return self._kept.connection
@@ -105,8 +114,8 @@ class SqliteDatabase:
 
     def _forget(self) -> None:
         """Close this thread's kept connection, if any."""
-        if (kept := getattr(self._kept, "connection", None)) is not None:
-            kept.close()
+        if self._kept.connection is not None:
+            self._kept.connection.close()
         self._kept.connection = self._kept.file = None
 
     def create_schema(self, ddl: str) -> None:

@@ -147,7 +147,8 @@ def stream_tables(results: Mapping[str, Any]) -> str:
                for c, entry in results.items() for side in (OURS, BASELINE) if side in entry]
     text = md_table(SUMMARY_HEADERS, summary)
     ratios = [ratio_row(c, entry["ratios"]) for c, entry in results.items() if "ratios" in entry]
-    text += f"\n\n{RATIO_CAPTION}\n\n" + md_table(RATIO_HEADERS, ratios) if ratios else ""
+    if ratios:
+        text += f"\n\n{RATIO_CAPTION}\n\n" + md_table(RATIO_HEADERS, ratios)
     return text + "".join(f"\n\n{line}" for line in thin_tails(results))
 
 
