@@ -32,11 +32,14 @@ SCENARIOS = ("overload", "disconnect", "engine_kill", "soak", "fuzz", "redeploy"
 # (with short answers: the burst's length is the engine's, not the router's).
 SIZES = {
     "full": {"overload": 160, "overload_tokens": 64, "disconnect": 8, "kill": 8, "soak": 64, "soak_s": 60.0,
-             "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 32, "redeploy_model": 32},
+             "fuzz_examples": 20, "fuzz_s": 180, "redeploy": 32, "redeploy_model": 32,
+             "redeploy_model_changes_together": False},
     # A model change's new engine starts while the streams run: on 2 cores, 32 of them starve it
-    # for minutes (218 s measured), 8 let it start in about half that.
+    # for minutes (218 s measured), 8 let it start in about half that; and the engine flag and the
+    # weights change in one deploy (one engine start fewer: CI's time).
     "quick": {"overload": 120, "overload_tokens": 16, "disconnect": 4, "kill": 4, "soak": 16, "soak_s": 8.0,
-              "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 32, "redeploy_model": 8},
+              "fuzz_examples": 3, "fuzz_s": 20, "redeploy": 32, "redeploy_model": 8,
+              "redeploy_model_changes_together": True},
 }
 
 
@@ -61,7 +64,7 @@ def run_suite(
         },
         "redeploy": lambda: asyncio.run(redeploy.redeploy(
             url, key, config_path=config_path, app=app, dashboard=dashboard, streams=n["redeploy"],
-            model_streams=n["redeploy_model"],
+            model_streams=n["redeploy_model"], model_changes_together=n["redeploy_model_changes_together"],
         )),
         "resume": lambda: asyncio.run(engine_kill_resumed(url, key, app, streams=n["kill"])),
     }

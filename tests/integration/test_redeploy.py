@@ -1,7 +1,7 @@
 """``serve deploy`` while clients stream, the fault suite's redeploy scenario
 (serve_app/faults/redeploy.py) against the session's two regions: a router setting (32 clients),
-an engine flag and new weights (8 here, 32 in the full suite: a new engine starts meanwhile), then
-the original config again. Nothing may drop a stream; only a model
+an engine flag and new weights in one deploy (8 clients here; the full suite deploys each alone,
+with 32: a new engine starts meanwhile), then the original config again. Nothing may drop a stream; only a model
 change may replace the model's replica, and then only after its replacement serves
 (docs/operations.md, "What a change restarts"). ``disruptive``: it runs after every other test and
 leaves the original config deployed and settled."""
@@ -14,7 +14,8 @@ from serve_app.faults import redeploy
 from serve_app.faults.cli import SIZES
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
-STREAMS, MODEL_STREAMS = SIZES["quick"]["redeploy"], SIZES["quick"]["redeploy_model"]
+QUICK = SIZES["quick"]
+STREAMS, MODEL_STREAMS = QUICK["redeploy"], QUICK["redeploy_model"]
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,7 @@ def redeployed(serve_app, base_url, dev_key):
         redeploy.redeploy(
             base_url, dev_key, config_path=serve_app["deployed_path"], app=serve_app["app_name"],
             dashboard=serve_app["dashboard"], streams=STREAMS, model_streams=MODEL_STREAMS,
+            model_changes_together=QUICK["redeploy_model_changes_together"],
         )
     )
     print(result)  # the figures docs/reliability.md reports
@@ -44,7 +46,11 @@ def test_a_router_setting_reconfigures_the_routers_and_leaves_the_model_replica_
     assert change["router_pids_after"] == change["router_pids_before"]  # reconfigured in place
 
 
-@pytest.mark.parametrize("name", ["engine flag", "weights"])
+def test_the_model_changes_are_the_engine_flag_and_the_weights_in_one_deploy(redeployed):
+    assert [name for name, change in redeployed.items() if change.get("restarts_model")] == ["engine flag and weights"]
+
+
+@pytest.mark.parametrize("name", ["engine flag and weights"])
 def test_a_model_change_replaces_its_replica_only_after_the_new_one_serves(redeployed, name):
     change = redeployed[name]
     _every_stream_finished(change, MODEL_STREAMS)  # the old replica drained: its streams ran to their end

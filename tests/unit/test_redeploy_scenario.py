@@ -49,6 +49,14 @@ def test_the_changes_build_on_each_other_and_the_original_comes_back(deployed):
     assert what_a_redeploy_does(config, deployed)[LOCAL_MODEL] == RESTART  # the restore
 
 
+def test_the_model_changes_together_are_each_of_them_in_one_config(deployed):
+    together = redeploy.with_region(deployed, "llm", redeploy.all_of(redeploy.change_engine_flag, redeploy.new_weights("/w")))
+    one_after_the_other = deployed
+    for change in (redeploy.change_engine_flag, redeploy.new_weights("/w")):
+        one_after_the_other = redeploy.with_region(one_after_the_other, "llm", change)
+    assert together == one_after_the_other != deployed
+
+
 def _status(app_status="RUNNING", replicas=None, deployed=100.0, entry=None):
     deployments = {"d": SimpleNamespace(replica_states=replicas or {"RUNNING": 1})}
     if entry is not None:  # a model application's ingress entry, which never runs a replica
