@@ -6,11 +6,14 @@ own code, in this process, without a cluster: the build task's code version and 
 helper breaks, and with it the tests that say what a change restarts (docs/operations.md).
 """
 
+import json
 from typing import Any
 from unittest import mock
 
 from ray._common.utils import import_attr
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+from ray.serve._private import application_state
+from ray.serve._private import build_app as build_app_module
 from ray.serve._private.application_state import override_deployment_info
 from ray.serve._private.build_app import build_app
 from ray.serve._private.deploy_utils import deploy_args_to_deployment_info, get_app_code_version, get_deploy_args
@@ -20,9 +23,23 @@ from ray.serve.schema import ServeDeploySchema
 SAME, IN_PLACE, RECONFIGURE, RESTART = "same", "in place", "reconfigure", "restart"
 
 
+_BUILT: dict[str, dict[tuple[str, str], Any]] = {}
+
+
 def deployments(config: dict[str, Any]) -> dict[tuple[str, str], Any]:
     """Every deployment of ``config`` as the controller would hold it: (app, deployment) → its
-    ``DeploymentInfo`` with the config's options applied."""
+    ``DeploymentInfo`` with the config's options applied. Built once per config's content and
+    kept for the session (read-only: building one pickles every deployment's class, ~1.5 s, and
+    most tests compare a change with the same deployed config). Serve's HAProxy switch, which a
+    test may patch, is part of what it is kept by."""
+    key = json.dumps([config, application_state.RAY_SERVE_ENABLE_HA_PROXY, build_app_module.RAY_SERVE_ENABLE_HA_PROXY],
+                     sort_keys=True, default=str)
+    if key not in _BUILT:
+        _BUILT[key] = _build(config)
+    return _BUILT[key]
+
+
+def _build(config: dict[str, Any]) -> dict[tuple[str, str], Any]:
     infos = {}
     with mock.patch("serve_app.app.resolve_model_path", lambda model: model.engine.source or "weights"), \
             mock.patch("ray.get_runtime_context") as context:  # the build task's job id
