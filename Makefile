@@ -8,6 +8,10 @@ TOOLS_VENV := .venv-tools
 
 .PHONY: setup run test unit clean
 
+# The two venvs install side by side (each is pip, mostly one busy core: 140 s for the tools
+# alone); a target's output is printed whole when it ends.
+MAKEFLAGS += --jobs=2 --output-sync=target
+
 setup: $(VENV)/.installed $(TOOLS_VENV)/.installed
 
 # Re-run the installer whenever the dependencies or the installer change.
