@@ -12,14 +12,18 @@ A column a release adds to an existing table comes through ``add_columns``.
 
 PostgreSQL is reached with psycopg 3, synchronously: every call already runs off the event loop
 (the authenticator's cache answers in the loop; a miss retries the whole check in a thread), and
-the CLI is synchronous. A connection per operation keeps that correct across threads; the
-registry is read on cache misses only (``cache_ttl_s``), so the connect cost (~2 ms on loopback,
-~1 RTT + TLS to a managed primary's nearest replica) is paid once per key per TTL, not per request.
+the CLI is synchronous. Each operation has a connection of its own for its transaction; one that
+ended cleanly is kept for the next (``_KeptConnections``): a router writes its ledger every second
+and a stored response on every Responses call, and a new connection costs a backend process on
+the server and, to a managed primary, a TLS handshake and several round trips. A connection that
+cannot be made fails at once (``RegistryUnavailable``), as before: nothing waits for a pool.
 """
 
 import re
+import select
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,6 +140,60 @@ class SqliteDatabase:
                         db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
 
 
+class _KeptConnections:
+    """PostgreSQL connections whose operation ended cleanly, kept for the next one: the most recent
+    first (a quiet spell lets the others age out), at most ``MAX_KEPT``. One is handed out again
+    only while it is still good: not closed, in no transaction, used within ``MAX_IDLE_S`` (below
+    the idle timeouts of the load balancers and poolers in front of managed servers, and a multiple
+    of the ledger's one-second flush), and with nothing to read on its socket — a server that
+    restarted or ended the session has sent a FIN or a FATAL notice, which makes it readable (a
+    silent network loss is TCP keepalive's, as for any connection)."""
+
+    MAX_KEPT = 4
+    MAX_IDLE_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[tuple[float, Any]] = []  # (when it was given back, the connection)
+
+    def take(self):
+        """A kept connection that is still good, or None."""
+        while True:
+            with self._lock:
+                if not self._kept:
+                    return None
+                given_back, connection = self._kept.pop()
+            if time.monotonic() - given_back < self.MAX_IDLE_S and not connection.closed and not _readable(connection):
+                return connection
+            connection.close()
+
+    def give_back(self, connection) -> None:
+        from psycopg.pq import TransactionStatus
+
+        if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
+            with self._lock:
+                if len(self._kept) < self.MAX_KEPT:
+                    self._kept.append((time.monotonic(), connection))
+                    return
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for _, connection in kept:
+            connection.close()
+
+    __del__ = close
+
+
+def _readable(connection) -> bool:
+    """Whether the server sent something to an idle connection: a FIN, or a notice it ends on."""
+    try:
+        return bool(select.select([connection.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
 class _PostgresConnection:
     """psycopg's connection with the store's ``?`` placeholders (psycopg's are ``%s``)."""
 
@@ -156,6 +214,7 @@ class PostgresDatabase:
     def __init__(self, dsn: str, replica: str | None = None):
         """``dsn``: the primary; ``replica``: the region's nearest read replica, if any."""
         self.dsn, self.replica = dsn, replica
+        self._kept = {dsn: _KeptConnections()} | ({replica: _KeptConnections()} if replica else {})
 
     def describe(self, dsn: str | None = None) -> str:
         """A DSN without its password (for logs and errors)."""
@@ -167,21 +226,36 @@ class PostgresDatabase:
         from psycopg.rows import dict_row
 
         dsn = self.replica if read and self.replica else self.dsn
+        kept = self._kept[dsn]
+        db = kept.take()
+        if db is None:
+            try:
+                db = psycopg.connect(
+                    dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
+                    options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
+                    # A server that vanished (no FIN, no RST) is found by TCP keepalive while the
+                    # connection waits or is kept, not the kernel's two hours, and a statement sent
+                    # to it fails once unacknowledged for the statement's own bound, not after ~15
+                    # minutes of retransmits: statement_timeout is the server's, and it is gone.
+                    keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+                    tcp_user_timeout=self.STATEMENT_TIMEOUT_MS,
+                )
+            except psycopg.OperationalError as err:
+                raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
         try:
-            db = psycopg.connect(
-                dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
-                options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
-                # A server that vanished mid-query (no FIN, no RST) is found by TCP keepalive, not
-                # the kernel's two hours: statement_timeout is the server's, and it is gone.
-                keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
-            )
-        except psycopg.OperationalError as err:
-            raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
-        try:
-            with db:  # commits on a clean exit, rolls back on an exception
-                yield _PostgresConnection(db)
+            yield _PostgresConnection(db)
+            db.commit()
         except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
+            db.close()
             raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
+        except BaseException:
+            try:
+                db.rollback()
+            except psycopg.Error:
+                db.close()
+            raise
+        finally:
+            kept.give_back(db)  # kept if it ended cleanly and is idle, else closed
 
     def create_schema(self, ddl: str) -> None:
         with self.connect() as db:

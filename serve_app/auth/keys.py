@@ -158,8 +158,9 @@ class KeyStore:
         self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, clock=clock)
 
     def _connect(self, read: bool = False):
-        # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: a new
-        # one): reads are rare (cached). Reads may go to a read replica: its lag adds to cache_ttl_s.
+        # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: on one
+        # an earlier operation left, or a new one): reads are rare (cached). Reads may go to a read
+        # replica: its lag adds to cache_ttl_s.
         return self.database.connect(read)
 
     # --- reads (cached) ---------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""PostgreSQL connections kept between operations (``serve_app/auth/database.py``,
+``_KeptConnections``), on a real server: the next operation reuses the last one's connection,
+never one the server has ended, one still inside a transaction or one idle too long; an operation
+that fails leaves nothing half-done on the connection it gives back; and an unreachable server
+still fails with the connect's own error."""
+
+import threading
+import time
+
+import pytest
+
+from serve_app.auth.database import PostgresDatabase, RegistryUnavailable
+
+
+def backend(database: PostgresDatabase) -> int:
+    with database.connect() as db:
+        return db.execute("SELECT pg_backend_pid() AS pid").fetchone()["pid"]
+
+
+@pytest.fixture
+def database(fresh_database):
+    database = PostgresDatabase(fresh_database)
+    with database.connect() as db:
+        db.execute("CREATE TABLE t (n INTEGER)")
+    return database
+
+
+def test_the_next_operation_reuses_the_last_ones_connection(database):
+    assert backend(database) == backend(database) == backend(database)
+
+
+def test_a_connection_the_server_ended_is_never_handed_out(database, fresh_database):
+    first = backend(database)
+    other = PostgresDatabase(fresh_database)
+    with other.connect() as db:
+        assert db.execute("SELECT pg_terminate_backend(?) AS ok", (first,)).fetchone()["ok"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the kept connection's socket has the server's FATAL and FIN
+        with other.connect() as db:
+            if not db.execute("SELECT 1 FROM pg_stat_activity WHERE pid = ?", (first,)).fetchall():
+                break
+    assert backend(database) != first  # a new connection, and no error for the operation
+
+
+def test_a_failed_operation_leaves_nothing_half_done_and_its_connection_serves_the_next(database):
+    before = backend(database)
+    with pytest.raises(ZeroDivisionError):
+        with database.connect() as db:
+            db.execute("INSERT INTO t VALUES (1)")
+            1 / 0  # the caller's own failure, mid-transaction
+    with pytest.raises(Exception, match="no_such_table"):
+        with database.connect() as db:
+            db.execute("SELECT * FROM no_such_table")  # the server's refusal
+    with database.connect() as db:
+        assert db.execute("SELECT count(*) AS n FROM t").fetchone()["n"] == 0  # rolled back
+        assert db.execute("SELECT pg_backend_pid() AS pid").fetchone()["pid"] == before
+
+
+def test_a_committed_operation_is_seen_by_every_later_connection(database, fresh_database):
+    with database.connect() as db:
+        db.execute("INSERT INTO t VALUES (7)")
+    with PostgresDatabase(fresh_database).connect() as db:
+        assert db.execute("SELECT n FROM t").fetchall() == [{"n": 7}]
+
+
+def test_a_connection_idle_too_long_is_closed_not_reused(database, monkeypatch):
+    first = backend(database)
+    monkeypatch.setattr(database._kept[database.dsn], "MAX_IDLE_S", 0.0)
+    assert backend(database) != first
+
+
+def test_concurrent_operations_each_have_their_own_and_only_a_few_are_kept(database):
+    inside, release = threading.Barrier(6), threading.Event()
+    pids = []
+
+    def operation():
+        with database.connect() as db:
+            pids.append(db.execute("SELECT pg_backend_pid() AS pid").fetchone()["pid"])
+            inside.wait(timeout=10)
+            release.wait(timeout=10)
+
+    threads = [threading.Thread(target=operation) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert len(set(pids)) == 6  # no connection shared by two transactions
+    kept = database._kept[database.dsn]
+    assert len(kept._kept) == kept.MAX_KEPT
+    assert backend(database) in pids
+
+
+def test_an_unreachable_server_fails_at_once_with_the_registrys_error():
+    from tests.conftest import free_port
+
+    gone = PostgresDatabase(f"postgresql://serve_app@127.0.0.1:{free_port()}/gone")
+    with pytest.raises(RegistryUnavailable, match="cannot reach the key registry"):  # the connect's own error
+        with gone.connect():
+            pass
