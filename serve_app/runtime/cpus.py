@@ -56,7 +56,8 @@ def local_default(sys_cpu: str = SYS_CPU) -> str:
 def local_setting() -> str:
     """The value one host runs with (`make run`, the integration tests): ``SERVE_APP_GATEWAY_CPUS``
     as the caller set it (empty: nothing pinned), else ``local_default()``."""
-    return os.environ.get(GATEWAY_CPUS_ENV, local_default())
+    setting = os.environ.get(GATEWAY_CPUS_ENV)
+    return local_default() if setting is None else setting
 
 
 def physical_cores(cpus: set[int], sys_cpu: str = SYS_CPU) -> int:

@@ -65,7 +65,6 @@ def test_a_restored_store_is_read_at_once(database, tmp_path):
     assert _notes(database) == []
     shutil.copy(backup.path, tmp_path / "restored.sqlite3")
     (tmp_path / "restored.sqlite3").replace(database.path)  # a new file at the store's path
-
     assert _notes(database) == ["from the backup"]
 
 
