@@ -9,8 +9,8 @@ TOOLS_VENV := .venv-tools
 .PHONY: setup run test unit clean
 
 # The two venvs install side by side (each is pip, mostly one busy core: 140 s for the tools
-# alone); a target's output is printed whole when it ends.
-MAKEFLAGS += --jobs=2 --output-sync=target
+# alone). Output is not synced: a synced `make test` would print nothing until the suite ends.
+MAKEFLAGS += --jobs=2
 
 setup: $(VENV)/.installed $(TOOLS_VENV)/.installed
 
