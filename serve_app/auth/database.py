@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -140,57 +141,77 @@ class SqliteDatabase:
                         db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
 
 
+@dataclass
+class _Opened:
+    """A PostgreSQL connection and when it was opened."""
+
+    connection: Any
+    born: float = field(default_factory=time.monotonic)
+
+
 class _KeptConnections:
     """PostgreSQL connections whose operation ended cleanly, kept for the next one: the most recent
     first (a quiet spell lets the others age out), at most ``MAX_KEPT``. One is handed out again
     only while it is still good: not closed, in no transaction, used within ``MAX_IDLE_S`` (below
     the idle timeouts of the load balancers and poolers in front of managed servers, and a multiple
-    of the ledger's one-second flush), and with nothing to read on its socket — a server that
-    restarted or ended the session has sent a FIN or a FATAL notice, which makes it readable (a
-    silent network loss is TCP keepalive's, as for any connection)."""
+    of the ledger's one-second flush), opened within ``MAX_AGE_S`` (so a busy router follows a
+    primary's or replica's endpoint to a new address within minutes), and with nothing to read on
+    its socket — a server that restarted or ended the session has sent a FIN or a FATAL notice,
+    which makes it readable (a silent network loss is TCP keepalive's, as for any connection). One
+    the server ends in the instant between that check and the operation's first statement fails
+    the operation (``RegistryUnavailable``), as a server restart mid-operation does."""
 
     MAX_KEPT = 4
     MAX_IDLE_S = 60.0
+    MAX_AGE_S = 600.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: list[tuple[float, Any]] = []  # (when it was given back, the connection)
+        self._kept: list[tuple[float, _Opened]] = []  # (when it was given back, the connection)
 
-    def take(self):
+    def take(self) -> _Opened | None:
         """A kept connection that is still good, or None."""
         while True:
             with self._lock:
                 if not self._kept:
                     return None
-                given_back, connection = self._kept.pop()
-            if time.monotonic() - given_back < self.MAX_IDLE_S and not connection.closed and not _readable(connection):
-                return connection
-            connection.close()
+                given_back, opened = self._kept.pop()
+            now = time.monotonic()
+            if (now - given_back < self.MAX_IDLE_S and now - opened.born < self.MAX_AGE_S
+                    and not opened.connection.closed and not _readable(opened.connection)):
+                return opened
+            opened.connection.close()
 
-    def give_back(self, connection) -> None:
+    def give_back(self, opened: _Opened) -> None:
         from psycopg.pq import TransactionStatus
 
+        connection = opened.connection
         if not connection.closed and connection.info.transaction_status == TransactionStatus.IDLE:
             with self._lock:
                 if len(self._kept) < self.MAX_KEPT:
-                    self._kept.append((time.monotonic(), connection))
+                    self._kept.append((time.monotonic(), opened))
                     return
         connection.close()
 
     def close(self) -> None:
         with self._lock:
             kept, self._kept = self._kept, []
-        for _, connection in kept:
-            connection.close()
+        for _, opened in kept:
+            opened.connection.close()
 
     __del__ = close
 
 
 def _readable(connection) -> bool:
-    """Whether the server sent something to an idle connection: a FIN, or a notice it ends on."""
+    """Whether the server sent something to an idle connection: a FIN, or a notice it ends on.
+    poll, not select: a router's sockets may number past select's 1,024."""
+    import psycopg
+
     try:
-        return bool(select.select([connection.fileno()], [], [], 0)[0])
-    except (OSError, ValueError):
+        poller = select.poll()
+        poller.register(connection.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, psycopg.Error):  # psycopg: no socket left
         return True
 
 
@@ -227,10 +248,10 @@ class PostgresDatabase:
 
         dsn = self.replica if read and self.replica else self.dsn
         kept = self._kept[dsn]
-        db = kept.take()
-        if db is None:
+        opened = kept.take()
+        if opened is None:
             try:
-                db = psycopg.connect(
+                opened = _Opened(psycopg.connect(
                     dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
                     options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
                     # A server that vanished (no FIN, no RST) is found by TCP keepalive while the
@@ -239,9 +260,13 @@ class PostgresDatabase:
                     # minutes of retransmits: statement_timeout is the server's, and it is gone.
                     keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
                     tcp_user_timeout=self.STATEMENT_TIMEOUT_MS,
-                )
+                    # Never prepared on the server: a kept connection's prepared `SELECT *` would
+                    # fail once a release adds a column, and PgBouncer's transaction mode has none.
+                    prepare_threshold=None,
+                ))
             except psycopg.OperationalError as err:
                 raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
+        db = opened.connection
         try:
             yield _PostgresConnection(db)
             db.commit()
@@ -255,7 +280,7 @@ class PostgresDatabase:
                 db.close()
             raise
         finally:
-            kept.give_back(db)  # kept if it ended cleanly and is idle, else closed
+            kept.give_back(opened)  # kept if it ended cleanly and is idle, else closed
 
     def create_schema(self, ddl: str) -> None:
         with self.connect() as db:

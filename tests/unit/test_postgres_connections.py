@@ -4,6 +4,7 @@ never one the server has ended, one still inside a transaction or one idle too l
 that fails leaves nothing half-done on the connection it gives back; and an unreachable server
 still fails with the connect's own error."""
 
+import os
 import threading
 import time
 
@@ -67,6 +68,40 @@ def test_a_connection_idle_too_long_is_closed_not_reused(database, monkeypatch):
     first = backend(database)
     monkeypatch.setattr(database._kept[database.dsn], "MAX_IDLE_S", 0.0)
     assert backend(database) != first
+
+
+def test_a_connection_opened_long_ago_is_closed_not_reused(database, monkeypatch):
+    first = backend(database)
+    monkeypatch.setattr(database._kept[database.dsn], "MAX_AGE_S", 0.0)  # however busy it kept
+    assert backend(database) != first
+
+
+def test_a_column_a_release_adds_is_read_by_a_kept_connection(database, fresh_database):
+    for n in range(10):  # past psycopg's default threshold for preparing a query on the server
+        with database.connect() as db:
+            db.execute("INSERT INTO t VALUES (?)", (n,))
+            db.execute("SELECT * FROM t").fetchall()
+    with PostgresDatabase(fresh_database).connect() as db:
+        db.execute("ALTER TABLE t ADD COLUMN m TEXT")
+    with database.connect() as db:  # a prepared SELECT * would fail: cached plan must not change result type
+        assert db.execute("SELECT * FROM t").fetchall()[0] == {"n": 0, "m": None}
+
+
+def test_a_connection_past_selects_reach_is_reused(database):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(soft, hard) < 1100:
+        pytest.skip("needs 1,100 open files")
+    database._kept[database.dsn].close()
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]  # the next socket's number is past 1,024
+    try:
+        first = backend(database)
+        assert database._kept[database.dsn]._kept[-1][1].connection.fileno() >= 1024
+        assert backend(database) == first
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_concurrent_operations_each_have_their_own_and_only_a_few_are_kept(database):
