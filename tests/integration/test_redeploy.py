@@ -1,9 +1,9 @@
 """``serve deploy`` while clients stream, the fault suite's redeploy scenario
 (serve_app/faults/redeploy.py) against the session's two regions: a router setting (32 clients),
 an engine flag and new weights in one deploy (8 clients here; the full suite deploys each alone,
-with 32: a new engine starts meanwhile), then the original config again. Nothing may drop a stream; only a model
-change may replace the model's replica, and then only after its replacement serves
-(docs/operations.md, "What a change restarts"). ``disruptive``: it runs after every other test and
+with 32: a new engine starts meanwhile), then the original config again. Nothing may drop a
+stream; only a model change may replace the model's replica, and then only after its replacement
+serves (docs/operations.md, "What a change restarts"). ``disruptive``: it runs after every other test and
 leaves the original config deployed and settled."""
 
 import asyncio
@@ -46,13 +46,10 @@ def test_a_router_setting_reconfigures_the_routers_and_leaves_the_model_replica_
     assert change["router_pids_after"] == change["router_pids_before"]  # reconfigured in place
 
 
-def test_the_model_changes_are_the_engine_flag_and_the_weights_in_one_deploy(redeployed):
+def test_a_model_change_replaces_its_replica_only_after_the_new_one_serves(redeployed):
+    # The engine flag and the new weights, in one deploy (CI's quick size).
     assert [name for name, change in redeployed.items() if change.get("restarts_model")] == ["engine flag and weights"]
-
-
-@pytest.mark.parametrize("name", ["engine flag and weights"])
-def test_a_model_change_replaces_its_replica_only_after_the_new_one_serves(redeployed, name):
-    change = redeployed[name]
+    change = redeployed["engine flag and weights"]
     _every_stream_finished(change, MODEL_STREAMS)  # the old replica drained: its streams ran to their end
     assert change["model_pids_before"] and change["model_pids_after"]
     assert not set(change["model_pids_after"]) & set(change["model_pids_before"])  # a new engine
