@@ -52,9 +52,10 @@ Fairness on a small machine (2 cores here, shared by client, router, proxy and e
   (``serve_app.bench.engine_env``).
 - Ratios per concurrency: ours / baseline for aggregate, sustained and per-stream tok/s p50;
   TTFT overhead = ours − baseline at p50 and p95, in ms and in % of the baseline. Per round:
-  sustained tok/s and CPU per token (steady load, whole batch) ours / baseline, with median and
-  range over rounds
-  (``stats.round_ratios``), which ``--gate`` compares with its floors (``serve_app.bench.gate``).
+  sustained tok/s and CPU per token (steady load, whole batch) ours / baseline, and the TTFT
+  overhead paired (ours − baseline of the two batches' p50s), with median and range over rounds
+  (``stats.round_ratios``); ``--gate`` compares the tok/s median with its floors
+  (``serve_app.bench.gate``).
 
 Targets must be 127.0.0.1 / localhost. Results go to ``docs/benchmarks/<region>-<UTC date>/<model>/``
 (region: ``--region``, else the target's ``/health`` ``region``, else ``local``):

@@ -27,31 +27,40 @@ def _range(s: Mapping[str, Any]) -> str:
     return "—" if s["min"] is None else f"{s['min']:.3f}–{s['max']:.3f}×"
 
 
+def _ms_range(s: Mapping[str, Any]) -> str:
+    return "—" if s["min"] is None else f"{s['min']:+.1f} to {s['max']:+.1f} ms"
+
+
 def spread_rows(results: Mapping[str, Any]) -> list[list[str]]:
-    """Per concurrency: rounds, and the median and range of both ratios."""
+    """Per concurrency: rounds, the median and range of both ratios and of the paired TTFT overhead."""
     rows = []
     for concurrency, entry in results.items():
         if "spread" in entry:
             tok, cpu = entry["spread"]["tokens_per_s_ratio"], entry["spread"]["cpu_ratio"]
             steady = entry["spread"].get("steady_cpu_ratio") or spread([])
+            ttft = entry["spread"].get("ttft_overhead_ms") or spread([])
             rows.append([concurrency, str(tok["n"]), _x(tok["median"]), _range(tok),
-                         _x(steady["median"]), _range(steady), _x(cpu["median"]), _range(cpu)])
+                         _x(steady["median"]), _range(steady), _x(cpu["median"]), _range(cpu),
+                         "—" if ttft["median"] is None else f"{ttft['median']:+.1f} ms", _ms_range(ttft)])
     return rows
 
 
 SPREAD_HEADERS = ["concurrency", "rounds", "sustained tok/s ratio, median", "range",
                   "CPU per token ratio under steady load, median", "range", "CPU per token ratio, whole batch, median",
-                  "range"]
+                  "range", "TTFT p50 overhead, paired by round, median", "range"]
 
 
 def rounds_table(entry: Mapping[str, Any]) -> str:
     rows = [[str(r["round"]), fmt(r["ours_tokens_per_s"]), fmt(r["baseline_tokens_per_s"]), _x(r["tokens_per_s_ratio"]),
              fmt(r.get("ours_steady_cpu_per_1k"), "", 2), fmt(r.get("baseline_steady_cpu_per_1k"), "", 2),
              _x(r.get("steady_cpu_ratio")),
-             fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"]]
+             fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"],
+             fmt(r.get("ours_ttft_p50_ms"), " ms"), fmt(r.get("baseline_ttft_p50_ms"), " ms"),
+             fmt(r.get("ttft_overhead_ms"), " ms")]
             for r in entry["spread"]["rounds"]]
     return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "steady: ours CPU-s/1k tok", "bare", "ratio",
-                     "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over"], rows)
+                     "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over", "TTFT p50 ours", "bare",
+                     "ours − bare"], rows)
 
 
 def cpu_table(cpu: Mapping[str, Any]) -> str:
@@ -113,8 +122,10 @@ def markdown_sections(document: Mapping[str, Any]) -> list[str]:
     results, lines = document["results"], []
     if rows := spread_rows(results):
         lines += ["## Ratios over rounds", "",
-                  "Per round (one batch of each side back to back): ours / baseline. Median and range over rounds; "
-                  "the gate (`--gate`) reads the tok/s median.", "", md_table(SPREAD_HEADERS, rows), ""]
+                  "Per round (one batch of each side back to back): ours / baseline, and ours − baseline TTFT p50 "
+                  "(paired: the host's drift between rounds cancels out of it; many short rounds make it a close "
+                  "estimate, e.g. `--concurrency 1 --rounds 40 --requests-per-worker 3`). Median and range over "
+                  "rounds; the gate (`--gate`) reads the tok/s median.", "", md_table(SPREAD_HEADERS, rows), ""]
     for concurrency, entry in results.items():
         if "spread" in entry:
             lines += [f"### Rounds at concurrency {concurrency}", "", rounds_table(entry), ""]

@@ -16,7 +16,7 @@ from typing import Any
 from serve_app.bench.client import Run
 from serve_app.bench.cpu import Meter, measured, steady_cpu
 from serve_app.bench.procs import BASELINE, OURS
-from serve_app.bench.stats import sustained, tokens_between
+from serve_app.bench.stats import percentile, sustained, tokens_between
 
 Request = Callable[[], Awaitable[Run]]
 __all__ = ["BASELINE", "OURS", "Batch", "SideRuns", "collect", "plan_batches", "run_batch", "run_plan"]
@@ -35,7 +35,7 @@ class SideRuns:
     wall_s: float = 0.0  # summed wall time of the side's counted batches
     batches: int = 0
     # One per counted batch: round, requests, tokens, wall and sustained window, quiet, CPU (the
-    # whole batch's, and its steady-load window's).
+    # whole batch's, and its steady-load window's), the median TTFT of its successful streams.
     records: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -141,6 +141,8 @@ async def run_plan(
                 "round": counted // len(requests), "side": batch.side, "requests": len(runs),
                 "ok": sum(r.ok for r in runs), "completion_tokens": sum(r.completion_tokens for r in runs if r.ok),
                 "wall_s": wall_s, "sustained": window, "quiet": quiet, "cpu": cpu, "steady_cpu": steady,
+                # for the round's paired TTFT overhead (``stats.round_ratios``)
+                "ttft_p50_ms": percentile((r.ttft_ms for r in runs if r.ok), 50),
             })
             counted += 1
     return results

@@ -162,7 +162,10 @@ def batch_rate(batch: Mapping[str, Any]) -> tuple[float | None, str]:
 
 def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per round (one batch of each side, run back to back): ours / baseline tokens/s and
-    CPU-seconds per 1,000 tokens; then their median and range over the rounds."""
+    CPU-seconds per 1,000 tokens, and ours − baseline TTFT p50 in ms; then their median and range
+    over the rounds. The TTFT difference is paired: the two batches of a round ran minutes apart
+    at most, so the host's drift between rounds (its speed moves by a third within a session here)
+    cancels out of it, where the difference of the two sides' overall p50s keeps it."""
     by_round: dict[int, dict[str, Mapping[str, Any]]] = {}
     for batch in batches:
         by_round.setdefault(batch["round"], {})[batch["side"]] = batch
@@ -174,6 +177,7 @@ def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         (ours, basis_o), (base, basis_b) = batch_rate(pair[OURS]), batch_rate(pair[BASELINE])
         cpu = {side: _own_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
         steady = {side: _steady_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
+        ttft = {side: pair[side].get("ttft_p50_ms") for side in (OURS, BASELINE)}  # absent in older files
         rounds.append({
             "round": number, "ours_tokens_per_s": ours, "baseline_tokens_per_s": base,
             "tokens_per_s_ratio": _ratio(ours, base),
@@ -182,10 +186,17 @@ def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "cpu_ratio": _ratio(cpu[OURS], cpu[BASELINE]),
             "ours_steady_cpu_per_1k": steady[OURS], "baseline_steady_cpu_per_1k": steady[BASELINE],
             "steady_cpu_ratio": _ratio(steady[OURS], steady[BASELINE]),
+            "ours_ttft_p50_ms": ttft[OURS], "baseline_ttft_p50_ms": ttft[BASELINE],
+            "ttft_overhead_ms": _difference(ttft[OURS], ttft[BASELINE]),
         })
     return {"rounds": rounds, "tokens_per_s_ratio": spread(r["tokens_per_s_ratio"] for r in rounds),
             "cpu_ratio": spread(r["cpu_ratio"] for r in rounds),
-            "steady_cpu_ratio": spread(r["steady_cpu_ratio"] for r in rounds)}
+            "steady_cpu_ratio": spread(r["steady_cpu_ratio"] for r in rounds),
+            "ttft_overhead_ms": spread(r["ttft_overhead_ms"] for r in rounds)}
+
+
+def _difference(ours: float | None, baseline: float | None) -> float | None:
+    return None if ours is None or baseline is None else ours - baseline
 
 
 def _own_cpu_per_1k(batch: Mapping[str, Any]) -> float | None:

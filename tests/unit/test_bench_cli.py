@@ -252,6 +252,7 @@ def test_stream_bench_counts_cpu_per_token_per_process_and_the_spread_over_round
                                          "other": 0.0}
     assert cpu["ours"]["total"] == pytest.approx(3.0) and cpu["ratio_total"] == pytest.approx(1.2)
     assert level["spread"]["cpu_ratio"]["median"] == pytest.approx(1.2)
+    assert level["spread"]["ttft_overhead_ms"]["n"] == 2  # both rounds paired
     assert all(r["quiet"]["timed_out"] is False for r in level["ours"]["rounds"])
     assert document["meta"]["quiet"]["floor_cores"] == 0.0
     assert document["engine_env"]["mismatches"] == ["EngineCore: nice is 15 in ours, 0 in the baseline"]
@@ -266,6 +267,7 @@ def test_stream_bench_counts_cpu_per_token_per_process_and_the_spread_over_round
     assert re.search(r"\| ratio ours / baseline \| (—|\d+\.\d{3}×) \|  \| 1\.200× \|  \|", markdown)
     assert "2 requests back to back per worker per batch, 2 rounds per concurrency" in markdown
     assert "sustained tok/s ratio, median" in result.output
+    assert "TTFT p50 overhead, paired by round, median" in result.output and "| ours − bare |" in markdown
 
 
 def test_gate_fails_with_one_line_per_concurrency_and_writes_the_results(served, tmp_path):

@@ -52,10 +52,11 @@ def test_no_sustained_window_when_there_is_no_steady_state():
 
 
 # --- rounds and their spread --------------------------------------------------------------------
-def batch(side, number, rate, cpu_s=None, tokens=1000):
-    return {"side": side, "round": number, "completion_tokens": tokens, "wall_s": 10.0,
-            "sustained": {"seconds": 5.0, "tokens": rate * 5, "tokens_per_s": rate} if rate else None,
-            "cpu": {"sides": {side: {"total": cpu_s}}} if cpu_s is not None else None}
+def batch(side, number, rate, cpu_s=None, tokens=1000, ttft=None):
+    record = {"side": side, "round": number, "completion_tokens": tokens, "wall_s": 10.0,
+              "sustained": {"seconds": 5.0, "tokens": rate * 5, "tokens_per_s": rate} if rate else None,
+              "cpu": {"sides": {side: {"total": cpu_s}}} if cpu_s is not None else None}
+    return record if ttft is None else {**record, "ttft_p50_ms": ttft}
 
 
 def test_ratio_per_round_then_median_and_range():
@@ -70,6 +71,18 @@ def test_ratio_per_round_then_median_and_range():
     assert result["cpu_ratio"]["median"] == pytest.approx(1.25) and result["rounds"][1]["ours_cpu_per_1k"] == 6.0
     assert spread([1.0, None, 3.0, 2.0, 4.0]) == {"n": 4, "median": 2.5, "min": 1.0, "max": 4.0}
     assert spread([]) == {"n": 0, "median": None, "min": None, "max": None}
+
+
+def test_the_ttft_overhead_is_paired_round_by_round_so_the_hosts_drift_cancels():
+    # the host halves its speed after round 0: both sides' TTFT doubles, ours stays 5 ms behind
+    batches = [batch(OURS, 0, 90, ttft=25.0), batch(BASELINE, 0, 100, ttft=20.0),
+               batch(BASELINE, 1, 100, ttft=40.0), batch(OURS, 1, 80, ttft=45.0),
+               batch(OURS, 2, 99, ttft=46.0), batch(BASELINE, 2, 100, ttft=40.0),
+               batch(OURS, 3, 90, ttft=30.0), batch(BASELINE, 3, 100)]  # a batch without a TTFT (an older file)
+    result = round_ratios(batches)
+    assert [r["ttft_overhead_ms"] for r in result["rounds"]] == [5.0, 5.0, 6.0, None]
+    assert result["rounds"][1]["ours_ttft_p50_ms"] == 45.0 and result["rounds"][1]["baseline_ttft_p50_ms"] == 40.0
+    assert result["ttft_overhead_ms"] == {"n": 3, "median": 5.0, "min": 5.0, "max": 6.0}
 
 
 def test_a_round_without_a_sustained_window_falls_back_to_the_whole_batch_and_says_so():
@@ -168,7 +181,8 @@ def test_every_counted_batch_waits_for_quiet_is_measured_until_quiet_again_and_n
             log.append(side)
             await asyncio.sleep(0)  # let the other worker start
             now = time.perf_counter()
-            return Run(ok=True, completion_tokens=2, token_times=[now, now], started_at=now, ended_at=now)
+            return Run(ok=True, completion_tokens=2, token_times=[now, now], started_at=now, ended_at=now,
+                       ttft_ms=12.0 if side == OURS else 10.0)
         return one
 
     async def sleep(_):
@@ -182,6 +196,7 @@ def test_every_counted_batch_waits_for_quiet_is_measured_until_quiet_again_and_n
     assert sorted((r["round"], r["side"]) for r in records) == [(0, BASELINE), (0, OURS), (1, BASELINE), (1, OURS)]
     assert all(r["quiet"]["waited_s"] == 0.5 and r["cpu"]["settle"]["timed_out"] is False for r in records)
     assert all(r["completion_tokens"] == 4 and r["requests"] == 2 for r in records)
+    assert {r["side"]: r["ttft_p50_ms"] for r in records} == {OURS: 12.0, BASELINE: 10.0}
     assert {r.worker for r in done[OURS].runs} == {0, 1}
 
 
