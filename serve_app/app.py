@@ -54,7 +54,7 @@ LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1", cpus.GATEWAY_CPUS
 # HTTP server share one event loop, so a relayed read is one ASGI send on the loop that owns the
 # client socket, not a message handed across threads (-25 % router CPU, docs/architecture.md).
 # (How soon a request waiting for a free replica polls again is the model deployment's
-# request_router_config, serve_app/config.py ROUTER_BACKOFF_S: Serve 2.60 reads it there.)
+# request_router_config, serve_app/config/model.py ROUTER_BACKOFF_S: Serve 2.60 reads it there.)
 ROUTER_PROCESS_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

@@ -119,7 +119,7 @@ class RegionModel(FrozenSettings):
     id: str = Field(description="Canonical catalog id.")
     replicas: Replicas
     # Serving knobs that ModelDeploymentArgs and its Autoscaling take too (serve_config.model_args
-    # passes each through). The app's defaults (serve_app/config.py) suit the CPU default's
+    # passes each through). The app's defaults (serve_app/config/) suit the CPU default's
     # replica, 16 sequences at once (configs/local.yaml); a region's replica is one Blackwell GPU
     # running max_num_seqs (64), so these differ on purpose: max_ongoing_requests 1.5 x
     # max_num_seqs, so the engine keeps a queue of its own (_target_admitted), the target and the

@@ -1,4 +1,4 @@
-"""The media policy (serve_app/config.py MediaPolicy, serve_app/router/media.py): media parts
+"""The media policy (serve_app/config/media.py MediaPolicy, serve_app/router/media.py): media parts
 refused at the router unless a region allows their hosts, and the engine started so that it
 fetches from those hosts only. The attack: a URL part (``image_url``, ``input_image``, an
 Anthropic ``image`` source) naming a cluster-internal address, fetched by a multimodal
