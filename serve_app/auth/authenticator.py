@@ -12,7 +12,8 @@
 
 Failures raise ``APIError``: 401 with ``WWW-Authenticate`` (RFC 6750), 403 for scope, model and
 region, 429 with ``Retry-After`` and ``x-ratelimit-*``, 503 with ``Retry-After`` when the registry
-is away or this router's budget for unknown key ids is spent. No message ever quotes a credential.
+is away or this router's budget for unknown key ids is spent (each refusal's shape: ``refusals.py``).
+No message ever quotes a credential.
 """
 
 import asyncio
@@ -20,10 +21,8 @@ import contextvars
 import functools
 import hmac
 import os
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -35,7 +34,6 @@ from serve_app.auth.keys import (
     SCOPE_ADMIN,
     SCOPES,
     CacheMiss,
-    KeyRecord,
     KeyStore,
     RegistryBusy,
     digest,
@@ -43,6 +41,15 @@ from serve_app.auth.keys import (
 )
 from serve_app.auth.principal import Principal, forbidden, unauthorized
 from serve_app.auth.ratelimit import Decision
+from serve_app.auth.refusals import (
+    bearer,
+    check_active,
+    decided,
+    exceeds_tier,
+    logged_refusal,
+    rate_limited,
+    registry_unavailable,
+)
 from serve_app.errors import APIError, retry_later
 from serve_app.telemetry.logs import module_logger
 
@@ -54,8 +61,6 @@ DEV_KEY_ID = "dev"
 # The token endpoint's budget lives in the same limiter as inference, under its own bucket name
 # (key ids are hex, so no key's inference bucket is called this), so minting costs no inference.
 TOKEN_ENDPOINT_BUCKET = "token-endpoint:{key_id}"
-# When the limiter cannot decide at all (a limiter without a grace of its own), callers wait this.
-LIMITER_DOWN_RETRY_S = 1
 # A spent budget for unknown key ids refills this fast: a second brings registry_miss_lookups_per_s.
 REGISTRY_BUSY_RETRY_S = 1
 # At most this many registry queries for unknown key ids at once, per router replica: a flood
@@ -161,8 +166,8 @@ class Authenticator:
         """The caller, if its credential is valid, allowed in this region and holds ``scope``.
 
         ``offline``: raise ``CacheMiss`` rather than query the key store."""
-        with _logged_refusal():
-            credential = _bearer(authorization)
+        with logged_refusal():
+            credential = bearer(authorization)
             if _looks_like_jwt(credential):
                 principal = self._from_token(credential, offline)
             else:
@@ -199,7 +204,7 @@ class Authenticator:
         # token whose key we do not hold is trusted for its short lifetime.
         record = self.keys.get(principal.key_id, offline)
         if record is not None:
-            _check_active(record)
+            check_active(record)
             principal = principal.bound_to(record)
         if signing_key.imported:
             # Another region's key vouches for inference only: were it stolen, its holder could
@@ -232,7 +237,7 @@ class Authenticator:
             ) from None
         if record is None:
             raise unauthorized("Incorrect API key provided", "invalid_api_key")
-        _check_active(record)
+        check_active(record)
         return Principal.from_record(record)
 
     # --- may they do this, now ----------------------------------------------------------------
@@ -253,10 +258,10 @@ class Authenticator:
         the limiter knows has no request, or fewer than ``min_tokens``, left now (429)."""
         tier = self._tier(principal)
         if min_tokens > tier.tokens_per_minute:
-            raise _exceeds_tier(principal, tier, min_tokens)
+            raise exceeds_tier(principal, tier, min_tokens)
         refusal = self.limiter.refuses(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, min_tokens)
         if refusal is not None:
-            raise _rate_limited(principal, tier, refusal.retry_after_s, refusal.headers())
+            raise rate_limited(principal, tier, refusal.retry_after_s, refusal.headers())
 
     def body_limit(self, principal: Principal, chars_per_token: int) -> int:
         """The most bytes a body of ``principal``'s may have: its tier's minute of prompt tokens."""
@@ -267,12 +272,12 @@ class Authenticator:
         tier = self._tier(principal)
         if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
             await self.count_refused(principal)
-            raise _exceeds_tier(principal, tier, tokens_estimate)
-        decision = _decided(
+            raise exceeds_tier(principal, tier, tokens_estimate)
+        decision = decided(
             await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate)
         )
         if not decision.allowed:
-            raise _rate_limited(principal, tier, decision.retry_after_s, decision.headers())
+            raise rate_limited(principal, tier, decision.retry_after_s, decision.headers())
         return decision.headers()
 
     # --- background work ------------------------------------------------------------------
@@ -330,8 +335,8 @@ class Authenticator:
         """Exchange an API key (never a token: a token must not be able to renew itself) for a JWT.
         The key comes from the body (``api_key``) or else from the Authorization header. Rate
         limited per key (``token_requests_per_minute``), checked before anything is signed."""
-        with _logged_refusal():
-            credential = api_key or _bearer(authorization)
+        with logged_refusal():
+            credential = api_key or bearer(authorization)
             if _looks_like_jwt(credential):
                 raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")
             try:  # from the cache in the event loop; a miss queries the store in a thread
@@ -346,7 +351,7 @@ class Authenticator:
         rpm = self.args.token_requests_per_minute
         # One token dimension of capacity 1 and cost 0: only requests are counted here.
         bucket = TOKEN_ENDPOINT_BUCKET.format(key_id=principal.key_id)
-        decision = _decided(await self.limiter.acquire(bucket, rpm, 1, 0))
+        decision = decided(await self.limiter.acquire(bucket, rpm, 1, 0))
         if not decision.allowed:
             headers = {k: v for k, v in decision.headers().items() if not k.endswith("-tokens")}
             raise APIError(
@@ -414,77 +419,3 @@ def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_
         "expires_in": payload["exp"] - payload["iat"],
         "scope": payload["scope"],
     }
-
-
-def _exceeds_tier(principal: Principal, tier: Tier, tokens: int) -> APIError:
-    return APIError(
-        400,
-        f"this request may cost up to {tokens} tokens (its prompt plus n × max_tokens), "
-        f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); "
-        "lower max_tokens or n, or shorten the prompt",
-        param="max_tokens",
-        code="request_exceeds_tier_limit",
-    )
-
-
-def _rate_limited(principal: Principal, tier: Tier, retry_after_s: float, headers: dict[str, str]) -> APIError:
-    return APIError(
-        429,
-        f"Rate limit reached for key {principal.key_id} (tier {principal.tier}: "
-        f"{tier.requests_per_minute} requests/min, {tier.tokens_per_minute} tokens/min); "
-        f"retry in {retry_after_s:.1f}s",
-        code="rate_limit_exceeded",
-        headers=headers,
-    )
-
-
-def _bearer(authorization: str | None) -> str:
-    if not authorization or not authorization.strip():
-        raise unauthorized(
-            "missing Authorization header; send 'Authorization: Bearer <API key or token>'",
-            "missing_authorization",
-            error=None,
-        )
-    parts = authorization.split()
-    if len(parts) != 2 or parts[0].lower() != "bearer":
-        raise unauthorized(
-            "malformed Authorization header; expected 'Bearer <API key or token>'",
-            "invalid_authorization_header",
-            error="invalid_request",
-        )
-    return parts[1]
-
-
-def _decided(decision: Decision | None) -> Decision:
-    """A limiter that cannot decide (None) fails closed. The router's limiter never does: it
-    keeps enforcing each key from its last known state while the actor is away (lease.py)."""
-    if decision is None:
-        raise APIError(
-            503,
-            "the rate limiter is unavailable; retry shortly",
-            code="rate_limiter_unavailable",
-            headers={"Retry-After": str(LIMITER_DOWN_RETRY_S)},
-        )
-    return decision
-
-
-def _check_active(record: KeyRecord) -> None:
-    status = record.status(time.time())
-    if status != "active":
-        raise unauthorized(f"API key {record.key_id} is {status}", f"api_key_{status}")
-
-
-@contextmanager
-def _logged_refusal() -> Iterator[None]:
-    try:
-        yield
-    except APIError as err:
-        logger.info("auth refused: %s %s", err.status, err.code)  # the code only, never the credential
-        raise
-
-
-def registry_unavailable(err: RegistryUnavailable) -> APIError:
-    """A registry outage as the client sees it: 503 with Retry-After (the cause is logged here,
-    never sent: it may name hosts)."""
-    logger.warning("key registry unavailable: %s", err)
-    return retry_later("the key registry is unavailable", "key_registry_unavailable")

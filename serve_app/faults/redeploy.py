@@ -40,6 +40,7 @@ from serve_app.config import TINY_MODEL_SOURCE
 from serve_app.faults import cluster
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, MODEL_ID, _client, model_app
 from serve_app.faults.traffic import Outcome, chat_body, count, stream_chat
+from serve_app.hot_load.tracker import status_name
 from serve_app.regions import layout
 
 Change = Callable[[dict[str, Any]], None]  # edits a region's settings (AppArgs, as written)
@@ -127,12 +128,12 @@ def _settled(apps: list[str], deployed_at: float) -> bool:
     status = serve.status()
     for name in apps:
         application = status.applications.get(name)
-        if application is None or str(getattr(application.status, "value", application.status)) != "RUNNING":
+        if application is None or status_name(application.status) != "RUNNING":
             return False
         if application.last_deployed_time_s < deployed_at:
             return False
         for deployment in application.deployments.values():
-            states = {str(getattr(state, "value", state)) for state, n in deployment.replica_states.items() if n}
+            states = {status_name(state) for state, n in deployment.replica_states.items() if n}
             if states - {"RUNNING"}:
                 return False
     return True

@@ -244,6 +244,12 @@ class DeploymentView:
     replica_states: dict[str, int]
 
 
+def status_name(status: Any) -> str:
+    """A status as Serve names it ("RUNNING", "DEPLOY_FAILED"…): ``serve.status()`` gives its
+    enums (str-valued), the controller's details dict plain strings; either reads the same here."""
+    return str(getattr(status, "value", status))
+
+
 def status_view(details: dict[str, Any]) -> Any:
     """``serve.status()``'s shape (``applications[app].deployments[name]``: status, message,
     replicas by state), made from the controller's details as the plain dict it sends."""
@@ -251,9 +257,9 @@ def status_view(details: dict[str, Any]) -> Any:
     for app_name, app in (details.get("applications") or {}).items():
         deployments = {}
         for name, deployment in (app.get("deployments") or {}).items():
-            states = Counter(str(getattr(r.get("state"), "value", r.get("state"))) for r in deployment.get("replicas") or ())
+            states = Counter(status_name(r.get("state")) for r in deployment.get("replicas") or ())
             status = deployment.get("status")
-            deployments[name] = DeploymentView(str(getattr(status, "value", status)), deployment.get("message") or "",
+            deployments[name] = DeploymentView(status_name(status), deployment.get("message") or "",
                                                  dict(states))
         applications[app_name] = SimpleNamespace(deployments=deployments)
     return SimpleNamespace(applications=applications)
@@ -284,6 +290,6 @@ def _deployments_of(status: Any, locations: dict[str, tuple[str, str]]) -> dict[
 def _state_of(wanted: WantedRecord, deployment: Any) -> ModelState:
     if deployment is None:  # not deployed yet (the app is still being built)
         return derive_state(wanted, {})
-    replica_states = {str(getattr(k, "value", k)): n for k, n in deployment.replica_states.items()}
-    status = str(getattr(deployment.status, "value", deployment.status))
+    replica_states = {status_name(k): n for k, n in deployment.replica_states.items()}
+    status = status_name(deployment.status)
     return derive_state(wanted, replica_states, status, deployment.message)

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import surfaces
-from serve_app.auth.authenticator import registry_unavailable
+from serve_app.auth.refusals import registry_unavailable
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from serve_app.errors import APIError, error_body

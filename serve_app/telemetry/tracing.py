@@ -37,6 +37,12 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from serve_app.telemetry.config import TelemetryArgs, TracingArgs
 from serve_app.telemetry.timing import RequestRecord, Split
 from serve_app.telemetry.logs import module_logger
+from serve_app.telemetry.span_attributes import (
+    genai_attributes,
+    inference_attributes,
+    routing_attributes,
+    server_attributes,
+)
 
 logger = module_logger(__name__)
 
@@ -268,7 +274,7 @@ def finish_request_spans(request: RequestTrace, split: Split | None = None) -> S
             SPAN_INFERENCE,
             context=parent,
             start_time=at(inference_start),
-            attributes={**common, **_genai_attributes(record), **_routing_attributes(record), **_inference_attributes(split)},
+            attributes={**common, **genai_attributes(record), **routing_attributes(record), **inference_attributes(split)},
         )
         if split.prefill_ms is not None:
             inference.add_event(
@@ -278,7 +284,7 @@ def finish_request_spans(request: RequestTrace, split: Split | None = None) -> S
             )
         inference.end(end_time=end)
 
-    span.set_attributes(_server_attributes(record, split))
+    span.set_attributes(server_attributes(record, split))
     if record.status >= 500:
         span.set_status(Status(StatusCode.ERROR, record.error_type or f"HTTP {record.status}"))
     span.end(end_time=end)
@@ -353,86 +359,6 @@ def _resource_attributes(
     if model:
         attributes["serve_app.model"] = model
     return {**attributes, **tracing.resource_attributes, "service.name": tracing.service_name}
-
-
-def _genai_attributes(record: RequestRecord) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        "gen_ai.operation.name": record.operation,
-        "gen_ai.provider.name": "vllm",
-        **record.request_params,
-    }
-    if record.alias is not None:
-        attributes["gen_ai.request.model"] = record.alias
-    if record.model is not None:
-        attributes["gen_ai.response.model"] = record.model
-    if record.input_tokens is not None:
-        attributes["gen_ai.usage.input_tokens"] = record.input_tokens
-    if record.output_tokens is not None:
-        attributes["gen_ai.usage.output_tokens"] = record.output_tokens
-    if record.cached_tokens is not None:  # OpenTelemetry's GenAI name (incubating): part of input_tokens
-        attributes["gen_ai.usage.cache_read.input_tokens"] = record.cached_tokens
-    if record.finish_reasons:
-        attributes["gen_ai.response.finish_reasons"] = list(record.finish_reasons)
-    if record.response_id is not None:
-        attributes["gen_ai.response.id"] = record.response_id
-    if record.model_replica is not None:
-        attributes["serve_app.model_replica"] = record.model_replica
-    return attributes
-
-
-def _routing_attributes(record: RequestRecord) -> dict[str, Any]:
-    """The model deployment's request router's decision (docs/operations.md, "Request routing")."""
-    decision = record.routing
-    if decision is None:
-        return {}
-    return {
-        "serve_app.routing.policy": decision.policy,
-        "serve_app.routing.reason": decision.reason,
-        "serve_app.routing.replica": decision.replica,
-        "serve_app.routing.matched_chars": decision.matched_chars,
-        "serve_app.routing.prompt_chars": decision.prompt_chars,
-    }
-
-
-def _inference_attributes(split: Split) -> dict[str, Any]:
-    attributes: dict[str, Any] = {"serve_app.inference_ms": split.inference_ms}
-    for key, value in (
-        ("serve_app.prefill_ms", split.prefill_ms),
-        ("serve_app.decode_ms", split.decode_ms),
-        ("serve_app.tokens_per_s", split.tokens_per_s),
-        ("serve_app.time_per_output_token_ms", split.time_per_output_token_ms),
-    ):
-        if value is not None:
-            attributes[key] = value
-    return attributes
-
-
-def _server_attributes(record: RequestRecord, split: Split) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        **_genai_attributes(record),
-        **_routing_attributes(record),
-        "http.response.status_code": record.status,
-        "serve_app.stream": record.stream,
-        "serve_app.server_ms": split.server_ms,
-        "serve_app.network_ms": split.network_ms,
-        "serve_app.queue_ms": split.queue_ms,
-        "serve_app.inference_ms": split.inference_ms,
-        "serve_app.engine_timing": split.engine,
-    }
-    if record.alias is not None:
-        attributes["serve_app.alias"] = record.alias
-    if record.failover_reason is not None:
-        attributes["serve_app.failover.reason"] = record.failover_reason
-        attributes["serve_app.served_by_region"] = record.failover_region or record.region
-    if split.ttft_ms is not None:
-        attributes["serve_app.ttft_ms"] = split.ttft_ms
-    if split.tokens_per_s is not None:
-        attributes["serve_app.tokens_per_s"] = split.tokens_per_s
-    if split.clamped:
-        attributes["serve_app.timing_clamped"] = True
-    if record.status >= 400:
-        attributes["error.type"] = record.error_type or str(record.status)
-    return attributes
 
 
 __all__ = [

@@ -35,6 +35,7 @@ from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import DEFAULT_TIERS
 from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, model_app
+from serve_app.hot_load.tracker import status_name
 from serve_app.regions.layout import parse_region
 from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
@@ -60,7 +61,7 @@ def _wait_until_running(base_url: str, deadline: float, names: list[str]) -> flo
     started, statuses = time.monotonic(), {}
     while time.monotonic() < deadline:
         apps = serve.status().applications
-        statuses = {name: str(getattr(apps[name].status, "value", apps[name].status)) if name in apps else None
+        statuses = {name: status_name(apps[name].status) if name in apps else None
                     for name in names}
         if "DEPLOY_FAILED" in statuses.values():
             pytest.fail(f"serve deploy failed: { {name: apps[name].message for name in names if name in apps} }")

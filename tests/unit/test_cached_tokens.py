@@ -11,7 +11,7 @@ uncached tail."""
 import json
 
 from serve_app.engine import outputs
-from serve_app.telemetry import metrics, tracing
+from serve_app.telemetry import metrics, span_attributes
 from serve_app.telemetry.request import RequestTelemetry
 from serve_app.telemetry.timing import RequestRecord, pg_metadata
 from serve_app.wire.messages import EngineTiming, Generated, Trailer
@@ -57,7 +57,7 @@ def test_the_replicas_cached_count_reaches_pg_metadata_and_the_spans():
     telemetry = _served(1536)
     split = telemetry.finish(200)
     assert pg_metadata(telemetry.record, split, None)["cached_tokens"] == 1536
-    assert tracing._genai_attributes(telemetry.record)["gen_ai.usage.cache_read.input_tokens"] == 1536
+    assert span_attributes.genai_attributes(telemetry.record)["gen_ai.usage.cache_read.input_tokens"] == 1536
 
 
 def test_the_routing_decision_reaches_the_span():
@@ -65,14 +65,14 @@ def test_the_routing_decision_reaches_the_span():
     from serve_app.routing.decisions import Decision
 
     record.note_routing(Decision("prefix", "replica-a", matched_chars=6144, prompt_chars=6400))
-    attributes = tracing._routing_attributes(record)
+    attributes = span_attributes.routing_attributes(record)
     assert attributes == {
         "serve_app.routing.policy": "prefix_affinity", "serve_app.routing.reason": "prefix",
         "serve_app.routing.replica": "replica-a", "serve_app.routing.matched_chars": 6144,
         "serve_app.routing.prompt_chars": 6400,
     }
     record.note_routing(None)  # a call whose decision nobody published: nothing, no error
-    assert tracing._routing_attributes(record)["serve_app.routing.reason"] == "prefix"
+    assert span_attributes.routing_attributes(record)["serve_app.routing.reason"] == "prefix"
 
 
 def test_cached_tokens_are_counted_in_their_own_series():
