@@ -18,6 +18,20 @@ class Prefetched:
         self._source = source
         self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
 
+    @classmethod
+    async def started(cls, source) -> "Prefetched":
+        """Made, and its first item's production run up to its first wait before this returns.
+
+        A task made with ``ensure_future`` runs only when its maker next waits; the replica's
+        next wait came after it had written the head, so vLLM sent the request to the engine core
+        after the head (≈ 1 ms later at one stream, strace). One turn of the loop lets vLLM's
+        generator run to its first real wait — for the engine core's output, the request sent —
+        so the head's trip and the router's connect overlap the prefill, as intended.
+        """
+        prefetched = cls(source)
+        await asyncio.sleep(0)
+        return prefetched
+
     def __aiter__(self) -> "Prefetched":
         return self
 

@@ -309,7 +309,8 @@ class VLLMEngine:
             summary = output.summarize(response)
             output.shape(response, shape_body)
             return Answer(200, response, summary)
-        return Stream(Prefetched(result), watcher)  # the engine starts on it while the head travels
+        # The request is on its way to the engine core before the head: the prefill overlaps the head's trip.
+        return Stream(await Prefetched.started(result), watcher)
 
 
 def splits_seeded_prefills(vllm_config) -> bool:

@@ -247,6 +247,32 @@ def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
     asyncio.run(scenario())
 
 
+def test_a_started_prefetch_has_sent_the_request_before_its_maker_goes_on():
+    """vLLM's generator submits the engine request on its first step, before its first wait (for
+    the engine's output): ``Prefetched.started`` returns only after that step, so the replica's
+    head is written after the submission, not before it."""
+    from serve_app.engine.prefetch import Prefetched
+
+    async def scenario():
+        log, output = [], asyncio.Event()
+
+        async def engine():
+            log.append("submitted")  # add_request: a ZMQ send, no wait
+            await output.wait()  # the engine core's first output
+            yield "first"
+
+        made = Prefetched(engine())
+        log.append("head")  # made alone: the head would go first
+        await made.aclose()
+        started = await Prefetched.started(engine())
+        log.append("head")
+        output.set()
+        assert await started.__anext__() == "first"
+        return log
+
+    assert asyncio.run(scenario()) == ["head", "submitted", "head"]
+
+
 def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
     trailer = replace(TRAILER, error_code="engine_unavailable", error_status=503)
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
