@@ -56,7 +56,7 @@ def rounds_table(entry: Mapping[str, Any]) -> str:
              _x(r.get("steady_cpu_ratio")),
              fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"],
              fmt(r.get("ours_ttft_p50_ms"), " ms"), fmt(r.get("baseline_ttft_p50_ms"), " ms"),
-             fmt(r.get("ttft_overhead_ms"), " ms")]
+             "—" if r.get("ttft_overhead_ms") is None else f"{r['ttft_overhead_ms']:+.1f} ms"]
             for r in entry["spread"]["rounds"]]
     return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "steady: ours CPU-s/1k tok", "bare", "ratio",
                      "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over", "TTFT p50 ours", "bare",

@@ -9,9 +9,9 @@ from serve_app.wire.socket import until_done
 class Prefetched:
     """An async iterator whose first item is already being produced when it is made.
 
-    vLLM's stream generator submits the request to the engine only when first iterated. Started
-    before the head is yielded, the engine's queue and prefill overlap the head's trip to the
-    router and the router's connect, instead of waiting for both.
+    vLLM's stream generator submits the request to the engine only when first iterated. Its first
+    step run before the head is yielded (``started``), the engine's queue and prefill overlap the
+    head's trip to the router and the router's connect, instead of waiting for both.
     """
 
     def __init__(self, source):
@@ -26,10 +26,17 @@ class Prefetched:
         next wait came after it had written the head, so vLLM sent the request to the engine core
         after the head (≈ 1 ms later at one stream, strace). One turn of the loop lets vLLM's
         generator run to its first real wait — for the engine core's output, the request sent —
-        so the head's trip and the router's connect overlap the prefill, as intended.
+        so the head's trip and the router's connect overlap the prefill. Where the source yields
+        items before it touches the engine (a Responses stream's ``response.created`` and
+        ``response.in_progress``; a resumed stream's replayed tokens), its first wait comes later,
+        and the request still goes out after the head.
         """
         prefetched = cls(source)
-        await asyncio.sleep(0)
+        try:
+            await asyncio.sleep(0)
+        except BaseException:  # cancelled here, no caller holds it to close: the engine request is ours to abort
+            await until_done(asyncio.ensure_future(prefetched.aclose()))
+            raise
         return prefetched
 
     def __aiter__(self) -> "Prefetched":

@@ -58,7 +58,10 @@ def test_overload_sheds_at_once_and_health_stays_200_busy(serve_app, base_url, d
     # its routers count their queues at that moment (docs/reliability.md); every one it sheds is a
     # 503 with Retry-After, and the abandoned streams are aborted in the engine.
     held = result["held_full"]
-    assert set(held["by_outcome"]) <= {"503 json overloaded"}, held
+    # A held stream either is shed, or waits or streams until the clients leave; one admitted may
+    # also run to its end first where the engine is fast (2,000 tokens at ~140 tok/s a stream on a
+    # fast host, within the 3 s wait and five single requests that may each wait 5 s for a place).
+    assert set(held["by_outcome"]) <= {"503 json overloaded", "200 done"}, held
     assert held["shed_with_retry_after"] == held["shed"]
     assert result["abandoned_unfinished_after"]["+10s"] == 0, result
     health = result["health"]["by_answer"]

@@ -123,11 +123,11 @@ class FakeEngine:
         if body.get("stream") and surface == "messages":
             watcher = engine_outputs.MessagesOutput().watcher(body)
             events = fake_vllm.messages_events(_failure_as_event(self._events(outputs, body)), watcher)
-            return Stream(Prefetched(events), _resumed("messages", watcher, call))
+            return Stream(await Prefetched.started(events), _resumed("messages", watcher, call))
         if body.get("stream"):
             watcher = trailer.StreamTrailer(trailer.ask_for_usage(body))
             events = self._events(outputs, body, surface)
-            return Stream(Prefetched(events), _resumed(surface, watcher, call))  # under way, as vLLM's
+            return Stream(await Prefetched.started(events), _resumed(surface, watcher, call))  # under way, as vLLM's
         text = "".join([o.outputs[0].text async for o in outputs])
         if surface == "messages":
             return fake_vllm.messages_answer(body, text, prompt_tokens=self.prompt_tokens, completion_tokens=wanted,
@@ -161,7 +161,7 @@ class FakeEngine:
         watcher = engine_outputs.ResponsesOutput().watcher(shape_body)
         if call.resume is not None:
             watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
-        return Stream(Prefetched(events), watcher)
+        return Stream(await Prefetched.started(events), watcher)
 
     async def _embeddings(self, body: dict[str, Any]) -> Answer:
         """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;

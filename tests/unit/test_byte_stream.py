@@ -273,6 +273,32 @@ def test_a_started_prefetch_has_sent_the_request_before_its_maker_goes_on():
     assert asyncio.run(scenario()) == ["head", "submitted", "head"]
 
 
+def test_a_call_cancelled_while_its_prefetch_starts_leaves_no_engine_request_behind():
+    """Serve may cancel the call in ``started``'s turn of the loop, before anyone holds the stream
+    to close it: ``started`` closes it itself (vLLM aborts the engine request on close)."""
+    from serve_app.engine.prefetch import Prefetched
+
+    async def scenario():
+        log = []
+
+        async def engine():
+            log.append("submitted")
+            try:
+                await asyncio.sleep(3600)
+                yield "first"
+            finally:
+                log.append("aborted")
+
+        call = asyncio.ensure_future(Prefetched.started(engine()))
+        await asyncio.sleep(0)  # the call is in started's sleep(0); the source's first step is queued
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        return list(log)  # as the call ends, not as asyncio.run cancels what is left at its close
+
+    assert asyncio.run(scenario()) == ["submitted", "aborted"]
+
+
 def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
     trailer = replace(TRAILER, error_code="engine_unavailable", error_status=503)
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
