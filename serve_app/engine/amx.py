@@ -19,12 +19,7 @@ logger = logging.getLogger(f"ray.serve.{__name__}")
 
 def request_amx_tiles() -> None:
     """Ask for AMX tiles where the CPU has them (idempotent: vLLM may load plugins twice)."""
-    try:
-        import torch
-    except ImportError:  # a process without torch runs no attention kernel
-        return
-    cpu = getattr(torch, "cpu", None)
-    if cpu is None or not getattr(cpu, "_is_amx_tile_supported", lambda: False)():
-        return
-    if not cpu._init_amx():
+    import torch  # vLLM's processes have it loaded already
+
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
         logger.warning("AMX tiles: the kernel refused the permission; vLLM's AMX attention will fail")
