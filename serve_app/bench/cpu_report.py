@@ -5,7 +5,7 @@ from typing import Any
 
 from serve_app.bench.engine_env import COMPARED
 from serve_app.bench.procs import BASELINE, GROUPS, OURS
-from serve_app.bench.report import fmt, md_table
+from serve_app.bench.report import fmt, fmt_ms_signed, md_table
 from serve_app.bench.stats import spread
 
 GPU_NOTE = (
@@ -41,7 +41,7 @@ def spread_rows(results: Mapping[str, Any]) -> list[list[str]]:
             ttft = entry["spread"].get("ttft_overhead_ms") or spread([])
             rows.append([concurrency, str(tok["n"]), _x(tok["median"]), _range(tok),
                          _x(steady["median"]), _range(steady), _x(cpu["median"]), _range(cpu),
-                         "—" if ttft["median"] is None else f"{ttft['median']:+.1f} ms", _ms_range(ttft)])
+                         fmt_ms_signed(ttft["median"]), _ms_range(ttft)])
     return rows
 
 
@@ -56,7 +56,7 @@ def rounds_table(entry: Mapping[str, Any]) -> str:
              _x(r.get("steady_cpu_ratio")),
              fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"],
              fmt(r.get("ours_ttft_p50_ms"), " ms"), fmt(r.get("baseline_ttft_p50_ms"), " ms"),
-             "—" if r.get("ttft_overhead_ms") is None else f"{r['ttft_overhead_ms']:+.1f} ms"]
+             fmt_ms_signed(r.get("ttft_overhead_ms"))]
             for r in entry["spread"]["rounds"]]
     return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "steady: ours CPU-s/1k tok", "bare", "ratio",
                      "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over", "TTFT p50 ours", "bare",

@@ -100,11 +100,16 @@ def fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def fmt_ms_signed(value: float | None) -> str:
+    """An overhead in ms with its sign (ours − baseline), or "—"."""
+    return "—" if value is None else f"{value:+.1f} ms"
+
+
 def fmt_overhead(overhead: Mapping[str, float | None]) -> str:
     if overhead["ms"] is None:
         return "—"
     pct = "" if overhead["pct"] is None else f" ({overhead['pct']:+.0f}%)"
-    return f"{overhead['ms']:+.1f} ms{pct}"
+    return f"{fmt_ms_signed(overhead['ms'])}{pct}"
 
 
 def errors_cell(summary: Mapping[str, Any]) -> str:
