@@ -2,9 +2,6 @@
 
 import asyncio
 import json
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -30,6 +27,7 @@ from serve_app.bench.setting import bench_setting, config_with, summary_table
 from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
 from serve_app.devtools.local_services import wait_healthy
+from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.paths import REPO_ROOT
 
 # Options both commands take.
@@ -354,13 +352,7 @@ def setting(
         typer.echo(f"warning: CPU not counted: {err}", err=True)
 
     async def deploy(document: dict) -> None:
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as file:
-            yaml.safe_dump(document, file)
-        deployed = await asyncio.to_thread(subprocess.run, [str(Path(sys.executable).with_name("serve")), "deploy",
-                                                           file.name], capture_output=True, text=True)
-        Path(file.name).unlink()
-        if deployed.returncode:
-            raise RuntimeError(f"serve deploy failed: {(deployed.stderr or deployed.stdout)[-800:]}")
+        await asyncio.to_thread(deploy_or_raise, document)
         await _until_healthy(url)
 
     async def apply(value) -> None:

@@ -11,8 +11,6 @@ Then it shuts Serve and its Ray down.
 """
 
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -25,6 +23,7 @@ from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.keys import KeyStore
 from serve_app.bench import bench_target, free_port, report, wait_healthy
 from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
+from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import layout
 
@@ -63,17 +62,11 @@ def main(
         create_key_material(auth)
         # Allowed in every region (the dev key is local-only, so it could not fail over).
         api_key, _ = KeyStore(auth.key_store()).create_key(owner="bench-failover", tier="enterprise")
-        config_path = Path(tmp) / "two-regions.yaml"
-        config_path.write_text(yaml.safe_dump(config))
 
         os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as every region runs
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
         try:
-            serve_cli = str(Path(sys.executable).with_name("serve"))
-            subprocess.run(
-                [serve_cli, "deploy", str(config_path), "--address", f"http://127.0.0.1:{dashboard_port}"],
-                check=True,
-            )
+            deploy_or_raise(config, f"http://127.0.0.1:{dashboard_port}")
             print(f"two regions ready after {wait_healthy(base_url, READY_TIMEOUT_S):.1f} s")
             model = local.models[0].id
             _check_it_fails_over(base_url + PEER_PREFIX, model, api_key)

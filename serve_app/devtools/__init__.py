@@ -1,2 +1,3 @@
 """Development helpers, never imported by a serving process: the tiny local model
-(``tiny_model``) and two regions on one host (``local_regions``)."""
+(``tiny_model``), two regions on one host (``local_regions``) and ``serve deploy`` as our
+commands run it (``serve_cli``)."""

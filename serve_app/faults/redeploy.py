@@ -24,10 +24,6 @@ original config is deployed again at the end (another model restart) and waited 
 
 import asyncio
 import copy
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +33,7 @@ import yaml
 
 from serve_app.bench.stats import percentile
 from serve_app.config import TINY_MODEL_SOURCE
+from serve_app.devtools.serve_cli import serve_deploy
 from serve_app.faults import cluster
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, MODEL_ID, _client, model_app
 from serve_app.faults.traffic import Outcome, chat_body, count, stream_chat
@@ -96,20 +93,6 @@ def with_region(config: dict[str, Any], app: str, change: Change) -> dict[str, A
             applications.append(application)
     changed["applications"] = applications
     return changed
-
-
-def _cli_env() -> dict[str, str]:
-    """`serve deploy` talks to the dashboard given; a RAY_ADDRESS inherited from a driver must not win."""
-    return {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-
-
-def serve_deploy(config: dict[str, Any], dashboard: str) -> subprocess.CompletedProcess:
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
-        yaml.safe_dump(config, file)
-        file.flush()
-        serve_cli = str(Path(sys.executable).with_name("serve"))
-        return subprocess.run([serve_cli, "deploy", file.name, "--address", dashboard],
-                              capture_output=True, text=True, env=_cli_env())
 
 
 def _pids(app: str) -> dict[str, list[int]]:

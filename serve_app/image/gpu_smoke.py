@@ -20,8 +20,6 @@ openai are imported only by the steps that need them, so ``--help`` and the test
 """
 
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -35,6 +33,7 @@ import yaml
 from serve_app import catalog
 from serve_app.config import REQUEST_TIMEOUT_S, parse_app_args
 from serve_app.devtools.local_services import free_port, wait_healthy
+from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.image.gpu_smoke_checks import Check, check_cuda, run_requests
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import layout
@@ -137,13 +136,7 @@ def local_region(args: dict[str, Any]) -> Iterator[str]:
     }
     ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
     try:
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
-            yaml.safe_dump(config, file)
-            file.flush()
-            serve_cli = str(Path(sys.executable).with_name("serve"))
-            # The CLI talks to the dashboard given: a RAY_ADDRESS inherited from a driver must not win.
-            subprocess.run([serve_cli, "deploy", file.name, "--address", f"http://127.0.0.1:{dashboard_port}"],
-                           check=True, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+        deploy_or_raise(config, f"http://127.0.0.1:{dashboard_port}")
         yield f"http://127.0.0.1:{port}"  # _smoke waits for /health
     finally:
         try:

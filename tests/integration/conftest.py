@@ -21,10 +21,7 @@ share one on a real PostgreSQL server (a fresh database on the session's server,
 
 import os
 import secrets
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -34,6 +31,7 @@ import yaml
 from serve_app.app import LOCAL_RAY_ENV
 from serve_app.auth.config import DEFAULT_TIERS
 from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, two_region_config
+from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, model_app
 from serve_app.hot_load.tracker import status_name
 from serve_app.regions.layout import parse_region
@@ -46,10 +44,6 @@ DEV_KEY_ENV = "SERVE_APP_DEV_API_KEY"
 HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 TINY_TIER = {"requests_per_minute": 3, "tokens_per_minute": 100_000}
 REGISTRY_ENV = "SERVE_APP_REGISTRY_DSN"
-
-
-def _serve_cli() -> str:
-    return str(Path(sys.executable).with_name("serve"))
 
 
 def _wait_until_running(base_url: str, deadline: float, names: list[str]) -> float:
@@ -152,11 +146,7 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
     )
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     try:
-        subprocess.run(
-            [_serve_cli(), "deploy", str(deployed_path), "--address", dashboard],
-            check=True,
-            env={**os.environ, "RAY_ADDRESS": ""},
-        )
+        deploy_or_raise(config, dashboard)
         names = [a["name"] for a in config["applications"]]
         startup_s = _wait_until_running(base_url, time.monotonic() + STARTUP_TIMEOUT_S, names)
         print(f"\nServe ready at {base_url} after {startup_s:.1f}s")

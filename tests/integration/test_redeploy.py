@@ -7,9 +7,15 @@ serves (docs/operations.md, "What a change restarts"). ``disruptive``: it runs a
 leaves the original config deployed and settled."""
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
+from serve_app.devtools.serve_cli import serve_deploy
 from serve_app.faults import redeploy
 from serve_app.faults.cli import SIZES
 
@@ -59,3 +65,18 @@ def test_a_model_change_replaces_its_replica_only_after_the_new_one_serves(redep
 def test_the_original_config_is_back_and_settled(redeployed):
     assert redeployed["restored"]["deploy_exit"] == 0
     assert redeployed["restored"]["settled_after_s"] is not None
+
+
+def test_our_commands_deploy_from_a_shell_that_never_set_ray_auth_mode(serve_app, monkeypatch):
+    """The session's Ray runs with token auth (``ray.init`` turns it on for a cluster it starts);
+    the ``serve`` CLI from a shell without ``RAY_AUTH_MODE`` is refused, and ``serve_cli`` (what
+    ``bench-setting``, this scenario and the failover benchmark deploy with) is let in. The config
+    is the one running: nothing changes."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    path, dashboard = serve_app["deployed_path"], serve_app["dashboard"]
+    shell = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    bare = subprocess.run([str(Path(sys.executable).with_name("serve")), "deploy", str(path), "--address", dashboard],
+                          capture_output=True, text=True, env=shell)
+    assert bare.returncode != 0 and "authentication token" in bare.stdout + bare.stderr, bare
+    ours = serve_deploy(yaml.safe_load(path.read_text()), dashboard)
+    assert ours.returncode == 0, ours.stderr[-2000:]

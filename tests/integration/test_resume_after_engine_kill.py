@@ -18,6 +18,7 @@ import yaml
 from serve_app.auth.database import open_database
 from serve_app.auth.keys import KeyStore
 from serve_app.devtools.local_regions import PEER_APP
+from serve_app.devtools.serve_cli import serve_deploy
 from serve_app.faults import redeploy
 from serve_app.faults.engine_kill import engine_kill_resumed
 from serve_app.usage.store import UsageStore
@@ -28,7 +29,7 @@ STREAMS, MAX_TOKENS = 9, 200  # three of each kind
 
 def _deploy(config: dict, serve_app: dict) -> None:
     deployed_at = time.time()
-    deploy = redeploy.serve_deploy(config, serve_app["dashboard"])
+    deploy = serve_deploy(config, serve_app["dashboard"])
     assert deploy.returncode == 0, deploy.stderr
     assert asyncio.run(redeploy.wait_settled(PEER_APP, deployed_at - 0.5, replaced=None, timeout_s=300)) is not None
 

@@ -1,0 +1,65 @@
+"""``serve deploy`` run by our own commands (``serve-app bench-setting``, the redeploy fault, the
+failover benchmark, the GPU image's smoke test), with the environment an operator's shell would
+need for it.
+
+Ray 2.60's dashboard refuses a request without the cluster's token when the cluster runs in token
+mode, which ``ray.init()`` turns on for a cluster it starts (`make run`, the test session:
+docs/operations.md, "How `serve deploy` authenticates"). The ``serve`` CLI sends the token only
+when its environment says ``RAY_AUTH_MODE=token``; a shell that never set it gets a 401. So the
+CLI runs with that set when the caller left ``RAY_AUTH_MODE`` unset and a token exists where Ray
+looks for one — what ``ray start --head`` decides for the same environment. A dashboard without
+token auth ignores the header; an explicit ``RAY_AUTH_MODE`` (``disabled``) wins.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def token_available(environ: Mapping[str, str], home: Path) -> bool:
+    """Whether a token exists where Ray's loader looks, in its order: ``RAY_AUTH_TOKEN``, the file
+    ``RAY_AUTH_TOKEN_PATH`` names, ``~/.ray/auth_token``."""
+    if environ.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    named = environ.get("RAY_AUTH_TOKEN_PATH")
+    if named:
+        return Path(named).is_file()
+    return (home / ".ray" / "auth_token").is_file()
+
+
+def cli_env(environ: Mapping[str, str] | None = None, home: Path | None = None) -> dict[str, str]:
+    """The environment for the ``serve`` CLI: the caller's, without ``RAY_ADDRESS`` (a driver's
+    must not win over the dashboard given), with ``RAY_AUTH_MODE=token`` where a token exists and
+    the caller did not choose a mode."""
+    environ = os.environ if environ is None else environ
+    env = {name: value for name, value in environ.items() if name != "RAY_ADDRESS"}
+    if AUTH_MODE_ENV not in env and token_available(env, Path.home() if home is None else home):
+        env[AUTH_MODE_ENV] = "token"
+    return env
+
+
+def serve_deploy(config: dict[str, Any], dashboard: str | None = None) -> subprocess.CompletedProcess:
+    """``serve deploy`` of ``config`` (a config document) to ``dashboard`` (the CLI's default,
+    ``http://localhost:8265``, when None); output captured, the caller reads ``returncode``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as file:
+        yaml.safe_dump(config, file)
+        file.flush()
+        command = [str(Path(sys.executable).with_name("serve")), "deploy", file.name]
+        if dashboard is not None:
+            command += ["--address", dashboard]
+        return subprocess.run(command, capture_output=True, text=True, env=cli_env())
+
+
+def deploy_or_raise(config: dict[str, Any], dashboard: str | None = None) -> None:
+    """``serve_deploy``, a failure raised with the CLI's last words."""
+    deployed = serve_deploy(config, dashboard)
+    if deployed.returncode:
+        raise RuntimeError(f"serve deploy failed: {(deployed.stderr or deployed.stdout)[-800:]}")

@@ -1,0 +1,76 @@
+"""``serve deploy`` from our commands (serve_app/devtools/serve_cli.py): the CLI gets
+``RAY_AUTH_MODE=token`` where Ray would find a token and the caller chose no mode, never a
+driver's ``RAY_ADDRESS``; and "a token exists" means what Ray's own loader says it means."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from serve_app.devtools.serve_cli import cli_env, token_available
+
+
+@pytest.fixture
+def home(tmp_path):
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home"
+
+
+def _write_token(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("a" * 32)
+    return path
+
+
+def test_a_token_in_the_home_directory_turns_the_mode_on(home):
+    _write_token(home / ".ray" / "auth_token")
+    assert cli_env({"PATH": "/bin"}, home) == {"PATH": "/bin", "RAY_AUTH_MODE": "token"}
+
+
+def test_a_token_in_the_environment_or_a_named_file_turns_it_on(home, tmp_path):
+    assert cli_env({"RAY_AUTH_TOKEN": "secret"}, home)["RAY_AUTH_MODE"] == "token"
+    named = _write_token(tmp_path / "elsewhere" / "token")
+    assert cli_env({"RAY_AUTH_TOKEN_PATH": str(named)}, home)["RAY_AUTH_MODE"] == "token"
+
+
+def test_no_token_anywhere_leaves_the_mode_unset(home, tmp_path):
+    assert "RAY_AUTH_MODE" not in cli_env({}, home)
+    assert "RAY_AUTH_MODE" not in cli_env({"RAY_AUTH_TOKEN": "  "}, home)
+    # A named file that does not exist is where Ray looks, instead of the home directory's.
+    _write_token(home / ".ray" / "auth_token")
+    assert "RAY_AUTH_MODE" not in cli_env({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}, home)
+
+
+def test_the_callers_choice_wins_and_a_drivers_address_is_dropped(home):
+    _write_token(home / ".ray" / "auth_token")
+    env = cli_env({"RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "auto", "HOME": str(home)}, home)
+    assert env == {"RAY_AUTH_MODE": "disabled", "HOME": str(home)}
+
+
+RAY_SAYS = """
+import json
+from ray._raylet import AuthenticationTokenLoader
+print(json.dumps(AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)))
+"""
+
+
+@pytest.mark.parametrize("where", ["nowhere", "home", "env", "named", "named missing"])
+def test_token_available_agrees_with_rays_loader(where, home, tmp_path):
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    if where == "home":
+        _write_token(home / ".ray" / "auth_token")
+    elif where == "env":
+        env["RAY_AUTH_TOKEN"] = "b" * 32
+    elif where == "named":
+        env["RAY_AUTH_TOKEN_PATH"] = str(_write_token(tmp_path / "named" / "token"))
+    elif where == "named missing":  # Ray does not fall back to the home directory's: it refuses
+        env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "absent")
+        _write_token(home / ".ray" / "auth_token")
+    ray = subprocess.run([sys.executable, "-c", RAY_SAYS], env=env, capture_output=True, text=True, timeout=120)
+    if where == "named missing":
+        assert "RAY_AUTH_TOKEN_PATH is set but file cannot be opened" in ray.stderr, ray.stderr[-2000:]
+        assert token_available(env, home) is False
+        return
+    assert ray.returncode == 0, ray.stderr[-2000:]
+    assert token_available(env, home) is json.loads(ray.stdout.strip().splitlines()[-1])
