@@ -59,6 +59,12 @@ ROUTER_PROCESS_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
 }
+# A model replica's own process: vLLM's serving layer, the direct lines and the byte sockets on
+# Serve's event loop, not on a second loop in a thread of its own beside it (fewer GIL hand-offs
+# and cross-thread wake-ups). Measured taking turns at 16 streams (docs/benchmarks.md, "One event
+# loop in the model replica"): TTFT p95 lower in 4 of 4 rounds (median 87 against 98 ms), tok/s
+# +2 %, the replica actor's CPU per token -3 %. A region's config can set it back (resources.env).
+MODEL_PROCESS_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def model_actor_options(model: ModelDeploymentArgs) -> dict[str, Any]:
@@ -69,8 +75,8 @@ def model_actor_options(model: ModelDeploymentArgs) -> dict[str, Any]:
         ray_actor_options["num_gpus"] = model.resources.num_gpus
     if model.resources.accelerator_type:
         ray_actor_options["accelerator_type"] = model.resources.accelerator_type
-    # The config's env, then what the engine must run with whatever the config says.
-    ray_actor_options["runtime_env"] = {"env_vars": {**model.resources.env, **ENGINE_ENV}}
+    # Our process default, the config's env, then what the engine must run with whatever it says.
+    ray_actor_options["runtime_env"] = {"env_vars": {**MODEL_PROCESS_ENV, **model.resources.env, **ENGINE_ENV}}
     return ray_actor_options
 
 

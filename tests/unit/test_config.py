@@ -128,8 +128,17 @@ def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():
         "num_cpus": 4,
         "num_gpus": 1,
         "accelerator_type": "B200",
-        "runtime_env": {"env_vars": {"A": "1", "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}},
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "A": "1",
+                                     "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}},
     }
+
+
+def test_a_model_replica_runs_its_code_on_serves_loop_unless_the_config_says_otherwise():
+    default = ModelDeploymentArgs(id="qwen-3.6-35b-a3b")
+    assert model_actor_options(default)["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    separate = ModelDeploymentArgs(id="qwen-3.6-35b-a3b",
+                                   resources={"env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}})
+    assert model_actor_options(separate)["runtime_env"]["env_vars"]["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
 
 
 def test_the_agent_workloads_local_config_runs_two_cached_replicas_compared_with_default_routing():
