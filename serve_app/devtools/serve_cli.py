@@ -25,14 +25,19 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def token_available(environ: Mapping[str, str], home: Path) -> bool:
-    """Whether a token exists where Ray's loader looks, in its order: ``RAY_AUTH_TOKEN``, the file
-    ``RAY_AUTH_TOKEN_PATH`` names, ``~/.ray/auth_token``."""
-    if environ.get("RAY_AUTH_TOKEN", "").strip():
-        return True
+    """Whether Ray's loader finds a token, as it looks: ``RAY_AUTH_TOKEN`` if set and not empty
+    (it decides alone, blank or not), else the first line of the file ``RAY_AUTH_TOKEN_PATH``
+    names, else of ``~/.ray/auth_token`` (a blank first line, or a file that cannot be read: none)."""
+    token = environ.get("RAY_AUTH_TOKEN", "")
+    if token:
+        return bool(token.strip())
     named = environ.get("RAY_AUTH_TOKEN_PATH")
-    if named:
-        return Path(named).is_file()
-    return (home / ".ray" / "auth_token").is_file()
+    path = Path(named) if named else home / ".ray" / "auth_token"
+    try:
+        with open(path) as file:
+            return bool(file.readline().strip())
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def cli_env(environ: Mapping[str, str] | None = None, home: Path | None = None) -> dict[str, str]:

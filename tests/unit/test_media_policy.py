@@ -10,7 +10,7 @@ from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.renderers.chat_utils import has_non_text_content
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app.app import model_actor_options
+from serve_app.app import MODEL_PROCESS_ENV, model_actor_options
 from serve_app.regions.layout import region_args
 from serve_app.config import MEDIA_OFF_HOST, MediaPolicy, ModelDeploymentArgs, parse_app_args
 from serve_app.regions import schema as regions
@@ -86,7 +86,7 @@ def test_the_engine_follows_no_redirect_whatever_the_config_says(monkeypatch):
 
     model = ModelDeploymentArgs(id=MODEL, resources={"env": {"VLLM_MEDIA_URL_ALLOW_REDIRECTS": "1", "A": "b"}})
     env = model_actor_options(model)["runtime_env"]["env_vars"]
-    assert env["A"] == "b" and env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0"
+    assert env == {**MODEL_PROCESS_ENV, "A": "b", "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0"}
     assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS" in vllm.envs.environment_variables  # still vLLM's switch
     monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"])
     assert vllm.envs.environment_variables["VLLM_MEDIA_URL_ALLOW_REDIRECTS"]() is False

@@ -55,18 +55,33 @@ print(json.dumps(AuthenticationTokenLoader.instance().has_token(ignore_auth_mode
 """
 
 
-@pytest.mark.parametrize("where", ["nowhere", "home", "env", "named", "named missing"])
+CASES = ["nowhere", "home", "env", "named", "named missing", "empty home file", "blank first line",
+         "blank env token beside a home one", "empty env token beside a home one"]
+
+
+@pytest.mark.parametrize("where", CASES)
 def test_token_available_agrees_with_rays_loader(where, home, tmp_path):
     env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    home_token = home / ".ray" / "auth_token"
     if where == "home":
-        _write_token(home / ".ray" / "auth_token")
+        _write_token(home_token)
     elif where == "env":
         env["RAY_AUTH_TOKEN"] = "b" * 32
     elif where == "named":
         env["RAY_AUTH_TOKEN_PATH"] = str(_write_token(tmp_path / "named" / "token"))
     elif where == "named missing":  # Ray does not fall back to the home directory's: it refuses
         env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "absent")
-        _write_token(home / ".ray" / "auth_token")
+        _write_token(home_token)
+    elif where == "empty home file":
+        _write_token(home_token).write_text("")
+    elif where == "blank first line":  # Ray reads the first line only
+        _write_token(home_token).write_text("\n" + "c" * 32 + "\n")
+    elif where == "blank env token beside a home one":  # a set variable decides alone
+        env["RAY_AUTH_TOKEN"] = "  "
+        _write_token(home_token)
+    elif where == "empty env token beside a home one":  # an empty one counts as unset
+        env["RAY_AUTH_TOKEN"] = ""
+        _write_token(home_token)
     ray = subprocess.run([sys.executable, "-c", RAY_SAYS], env=env, capture_output=True, text=True, timeout=120)
     if where == "named missing":
         assert "RAY_AUTH_TOKEN_PATH is set but file cannot be opened" in ray.stderr, ray.stderr[-2000:]
