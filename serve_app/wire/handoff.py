@@ -1,8 +1,10 @@
 """The hand-off: a router on the replica's node gives the replica its client's connection, and the
 replica writes the stream's bytes to the client itself. No Python process of the router touches
 a token (issue #24, docs/architecture.md "The hand-off"). A region's option
-(``router.hand_off_streams``), off by default: measured, it moves the per-token socket cost from
-the router to the replica and gains no throughput on a small host (docs/benchmarks.md).
+(``router.hand_off_streams``): on in the local CPU region, where the router's relay queues for the
+one CPU the engine's worker leaves (16 streams' TTFT −1 % against bare vLLM with it, +23 %
+without); off by default, so a GPU region keeps the per-token socket cost off vLLM's front end
+(docs/benchmarks.md).
 
 The byte socket (``socket.py``) makes the router relay every read: one receive and one write per
 read. A router and a replica on one node share a kernel, so the router can pass the

@@ -103,14 +103,16 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
         }
         if args["region"] == "local":
             args["router"]["num_replicas"] = 2
-            # The local region hands its streams over (off by default: wire/handoff.py), so every
-            # stream test runs through it end to end; the peer region relays them, as by default.
+            # The local region hands its streams over (as configs/local.yaml does; off by default
+            # elsewhere: wire/handoff.py), so every stream test runs through it end to end; the
+            # peer region relays them, as GPU regions do by default.
             args["router"]["hand_off_streams"] = True
         else:
             # The peer region calls its replicas as Ray actor tasks (router.handle_transport); the
             # local region by the default, its replicas' direct lines (and gRPC for what goes
             # through the handle): both run end to end, failover included.
             args["router"]["handle_transport"] = "actor"
+            args["router"]["hand_off_streams"] = False
 
     config = two_region_config(
         load_serve_config("local.yaml"), port, tmp_path_factory.mktemp("auth"), adjust=for_the_session
