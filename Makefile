@@ -36,6 +36,9 @@ run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
 run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 0.5
 run: export RAY_num_workers_soft_limit := 0
 run: export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS := 1000
+# And on this machine (serve_app/app.py LOCAL_RAY_ENV): the log monitor lists the log directory
+# every 0.5 s, not on each of its 0.1 s passes.
+run: export RAY_LOG_MONITOR_MANY_FILES_THRESHOLD := 0
 # Through serve_app's launcher, which keeps HAProxy's stats (8404) and metrics (9101) on 127.0.0.1
 # and clears stale /tmp/haproxy-serve/<node> directories (serve_app/haproxy/, docs/operations.md).
 run: export RAY_SERVE_HAPROXY_BINARY_PATH := $(abspath $(BIN))/serve-app-haproxy
@@ -45,10 +48,12 @@ SERVE_CONFIG ?= configs/local.yaml
 # On a CPU host every process of the Ray node but the engine keeps off the cores vLLM's worker
 # computes on (serve_app/runtime/cpus.py): Ray starts on the last CPU, the one vLLM reserves, and
 # the model replica gives its engine the whole host; SERVE_APP_GATEWAY_CPUS names other CPUs, or
-# none (empty).
+# none (empty). `serve run` through serve_app.runtime.local_ray: the node's dashboard runs the
+# modules the service uses (Serve's API, the state API, the metrics list); SERVE_APP_DASHBOARD_MODULES=all
+# brings back the web UI's other pages.
 run: $(VENV)/.installed
 	SERVE_APP_GATEWAY_CPUS=$$($(BIN)/python -m serve_app.runtime.cpus) \
-	  $(BIN)/python -m serve_app.runtime.cpus $(BIN)/serve run $(SERVE_CONFIG)
+	  $(BIN)/python -m serve_app.runtime.cpus $(BIN)/python -m serve_app.runtime.local_ray run $(SERVE_CONFIG)
 
 # The tests also need Debian's PostgreSQL server binaries (the session starts its own cluster).
 test: setup

@@ -26,6 +26,7 @@ from serve_app.devtools.local_regions import PEER_PREFIX, create_key_material, t
 from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import layout
+from serve_app.runtime.local_ray import trim_dashboard
 
 READY_TIMEOUT_S = 900
 
@@ -64,6 +65,7 @@ def main(
         api_key, _ = KeyStore(auth.key_store()).create_key(owner="bench-failover", tier="enterprise")
 
         os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as every region runs
+        trim_dashboard()  # as `make run`'s node (serve_app/runtime/local_ray.py)
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
         try:
             deploy_or_raise(config, f"http://127.0.0.1:{dashboard_port}")

@@ -35,6 +35,7 @@ from serve_app.devtools.serve_cli import deploy_or_raise
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, model_app
 from serve_app.hot_load.tracker import status_name
 from serve_app.regions.layout import parse_region
+from serve_app.runtime.local_ray import trim_dashboard
 from tests.conftest import free_port, load_serve_config
 from tests.integration.otlp_receiver import otlp_receiver  # noqa: F401  (session fixture)
 
@@ -134,6 +135,7 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
     # session runs beside a developer's `make run`.
     os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # export spans within 0.2 s, not 5 s
+    trim_dashboard()  # the dashboard modules `make run`'s node runs (serve_app/runtime/local_ray.py)
 
     ray.init(
         address="local",

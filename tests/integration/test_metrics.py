@@ -50,3 +50,43 @@ def test_ttft_latency_tokens_and_errors_are_exported(serve_app, client):
         if missing:
             time.sleep(5)
     assert not missing, f"not exported: {sorted(missing)}"
+
+
+def _dashboard_modules() -> set[str]:
+    """The modules the session's dashboard runs, each a ``ray-dashboard-<Module>-0`` process (forked by
+    the dashboard's forkserver, a child of the dashboard)."""
+    import psutil
+    import ray
+    from ray._private import ray_constants
+
+    (dashboard,) = ray._private.worker._global_node.all_processes[ray_constants.PROCESS_TYPE_DASHBOARD]
+    titles = [child.cmdline()[0].split(" ", 1)[0] for child in psutil.Process(dashboard.process.pid).children(recursive=True)]
+    return {title.removeprefix("ray-dashboard-").rsplit("-", 1)[0] for title in titles if title.startswith("ray-dashboard-")}
+
+
+def test_the_dashboard_runs_what_serve_deploy_the_state_api_and_prometheus_use(serve_app):
+    """As on `make run`'s node (serve_app/runtime/local_ray.py): `serve deploy` deployed the session
+    through ServeHead, the fault suite finds its replicas through StateHead, and ReportHead lists
+    the node's metrics port for Prometheus's file-SD."""
+    import json
+
+    import ray
+
+    from serve_app.faults import cluster
+    from serve_app.runtime import local_ray
+
+    assert _dashboard_modules() == set(local_ray.MODULES)
+    assert cluster.routers(serve_app["app_name"])  # ray.util.state.list_actors
+    port = ray.nodes()[0]["MetricsExportPort"]
+    listing = f"{ray._private.worker._global_node.get_session_dir_path()}/prom_metrics_service_discovery.json"
+    deadline = time.monotonic() + 30
+    targets: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            targets = [t for group in json.loads(open(listing).read()) for t in group["targets"]]
+        except (OSError, ValueError):
+            targets = []
+        if any(t.endswith(f":{port}") for t in targets):
+            break
+        time.sleep(1)
+    assert any(t.endswith(f":{port}") for t in targets), (listing, targets)

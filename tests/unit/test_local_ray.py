@@ -1,0 +1,98 @@
+"""serve_app/runtime/local_ray.py: the dashboard a local node starts runs the modules the service
+uses, through the one Ray function that spawns it."""
+
+import pytest
+from ray._private import ray_constants, services
+
+from serve_app.runtime import local_ray
+
+
+class _Spawned(Exception):
+    """Stops Ray's start_api_server at the spawn, with the command it would have run."""
+
+
+@pytest.fixture
+def spawns(monkeypatch):
+    """Ray's ``start_ray_process`` replaced by a recorder that raises at the spawn."""
+    calls = []
+
+    def record(command, process_type, *args, **kwargs):
+        calls.append((list(command), process_type))
+        raise _Spawned()
+
+    monkeypatch.setattr(services, "start_ray_process", record)
+    return calls
+
+
+def test_the_default_the_operators_list_and_all():
+    assert local_ray.dashboard_modules({}) == local_ray.MODULES
+    assert local_ray.dashboard_modules({local_ray.MODULES_ENV: " "}) == local_ray.MODULES
+    assert local_ray.dashboard_modules({local_ray.MODULES_ENV: "All"}) is None
+    assert local_ray.dashboard_modules({local_ray.MODULES_ENV: "ServeHead, JobHead,"}) == ("ServeHead", "JobHead")
+
+
+def test_every_module_named_is_one_this_ray_has():
+    """The dashboard head asserts it loaded exactly what it was asked for: a name Ray does not
+    have would stop the dashboard, and `serve deploy` with it."""
+    from ray.dashboard.subprocesses.module import SubprocessModule
+    from ray.dashboard.utils import DashboardHeadModule, get_all_modules
+
+    names = {cls.__name__ for kind in (DashboardHeadModule, SubprocessModule) for cls in get_all_modules(kind)}
+    assert set(local_ray.MODULES) <= names
+    assert len(names) > len(local_ray.MODULES)  # there is something to leave out
+
+
+def test_rays_dashboard_start_runs_with_the_flag(spawns, tmp_path):
+    """Through Ray's own start_api_server (what ``ray.init`` and ``serve run`` call): the command
+    it spawns is the dashboard's, now with ``--modules-to-load``."""
+    assert local_ray.trim_dashboard({}) == local_ray.MODULES
+    with pytest.raises(_Spawned):
+        services.start_api_server(
+            include_dashboard=True, raise_on_failure=True, host="127.0.0.1", gcs_address="127.0.0.1:1",
+            cluster_id_hex="00", node_ip_address="127.0.0.1", temp_dir=str(tmp_path), logdir=str(tmp_path),
+            session_dir=str(tmp_path),
+        )
+    ((command, process_type),) = spawns
+    assert process_type == ray_constants.PROCESS_TYPE_DASHBOARD
+    assert command[1].endswith("dashboard/dashboard.py")
+    assert command[-1] == "--modules-to-load=ServeHead,StateHead,ReportHead"
+    assert "--disable-frontend" not in command  # the web server still serves the REST APIs
+
+
+def test_only_the_dashboard_changes_and_a_flag_given_stays(spawns):
+    local_ray.trim_dashboard({})
+    for command, process_type in (
+        (["python", "log_monitor.py"], ray_constants.PROCESS_TYPE_LOG_MONITOR),
+        (["python", "dashboard.py", "--modules-to-load=UsageStatsHead"], ray_constants.PROCESS_TYPE_DASHBOARD),
+    ):
+        with pytest.raises(_Spawned):
+            services.start_ray_process(command, process_type)
+    assert [command for command, _ in spawns] == [
+        ["python", "log_monitor.py"],
+        ["python", "dashboard.py", "--modules-to-load=UsageStatsHead"],
+    ]
+
+
+def test_a_second_call_replaces_the_first_and_all_changes_nothing(spawns):
+    local_ray.trim_dashboard({})
+    local_ray.trim_dashboard({local_ray.MODULES_ENV: "ServeHead"})
+    with pytest.raises(_Spawned):
+        services.start_ray_process(["python", "dashboard.py"], ray_constants.PROCESS_TYPE_DASHBOARD)
+    assert spawns[-1][0] == ["python", "dashboard.py", "--modules-to-load=ServeHead"]  # not wrapped twice
+
+    before = services.start_ray_process
+    assert local_ray.trim_dashboard({local_ray.MODULES_ENV: "all"}) is None
+    assert services.start_ray_process is before
+
+
+def test_without_rays_function_the_dashboard_is_left_whole(monkeypatch, caplog):
+    monkeypatch.delattr(services, "start_ray_process")
+    assert local_ray.trim_dashboard({}) is None
+    assert "every module" in caplog.text
+
+
+def test_make_run_starts_serve_through_it():
+    from tests.conftest import REPO
+
+    makefile = (REPO / "Makefile").read_text()
+    assert "-m serve_app.runtime.local_ray run $(SERVE_CONFIG)" in makefile
