@@ -48,11 +48,11 @@ RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_EN
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams);
 # HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py;
-# SERVE_APP_GATEWAY_CPUS set empty pins nothing, as for `make run`). Ray's log monitor, which
-# only a node started with a driver runs (a region's have none: docs/operations.md), lists the
-# log directory every 0.5 s instead of on every 0.1 s pass: below 1,000 files Ray globs it on
-# each pass (0.75 → 0.35 % of a core idle); a new process's log reaches the console ≤ 0.5 s later.
-# (Its dashboard: runtime/local_ray.py.)
+# SERVE_APP_GATEWAY_CPUS set empty pins nothing, as for `make run`). Ray's log monitor (a
+# region's nodes start without one: docs/operations.md) lists the log directory every 0.5 s
+# instead of on every 0.1 s pass: below 1,000 tracked files Ray globs it on each pass (0.75 →
+# 0.37 % of a core idle); a new process's first lines reach the console about 0.5 s later, none
+# lost. (Its dashboard: runtime/local_ray.py.)
 LOCAL_RAY_ENV = {**RAY_ENV, "RAY_SERVE_HAPROXY_NBTHREAD": "1", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
                  cpus.GATEWAY_CPUS_ENV: cpus.local_setting()}
 # The router replica's own process. Its FastAPI code, Serve's handle router and the direct-ingress

@@ -65,7 +65,7 @@ def main(
         api_key, _ = KeyStore(auth.key_store()).create_key(owner="bench-failover", tier="enterprise")
 
         os.environ.update(LOCAL_RAY_ENV)  # HAProxy in front of the routers, as every region runs
-        trim_dashboard()  # as `make run`'s node (serve_app/runtime/local_ray.py)
+        trim_dashboard({})  # as `make run`'s node by default (serve_app/runtime/local_ray.py)
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
         try:
             deploy_or_raise(config, f"http://127.0.0.1:{dashboard_port}")

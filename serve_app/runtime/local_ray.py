@@ -1,5 +1,5 @@
 """A Ray node started on this machine (`make run`, the integration session, the failover
-benchmark) runs the dashboard modules the service uses, not all ten.
+benchmark) runs the dashboard modules the service uses, not all nine.
 
 Ray 2.60's dashboard runs each of its modules in a process of its own (``ray-dashboard-<Module>-0``),
 every one waking a few times a second to poll the GCS even when nothing happens: 2.0 % of a core
@@ -14,9 +14,12 @@ idle floor"). What the service needs of it:
   (``/tmp/ray/prom_metrics_service_discovery.json``) and ``/api/gcs_healthz``.
 
 Prometheus scrapes the dashboard *agent*, which stays as it is. The web UI's other pages (jobs,
-nodes' graphs, Train, Data) go with the others; ``SERVE_APP_DASHBOARD_MODULES=all`` brings them
-back. The region's clusters keep every module: KubeRay starts their head, and their operators use
-the UI (docs/operations.md).
+nodes' graphs, Train, Data), the Prometheus and Grafana files ``MetricsHead`` writes for ``ray
+metrics launch-prometheus`` and Ray's usage-stats report go with the others;
+``SERVE_APP_DASHBOARD_MODULES=all`` brings them back, a comma-separated list of Ray's module
+names loads those (checked against the installed Ray before the node starts). The region's
+clusters keep every module: KubeRay starts their head, and their operators use the UI
+(docs/operations.md); so does the GPU image's smoke test, which checks a node as a region runs it.
 
 Ray's own switch (``include_dashboard=False``) keeps one module that is none of these; the
 dashboard's ``--modules-to-load`` flag is not reachable from ``ray.init`` or ``serve run``. So the
@@ -36,18 +39,44 @@ MODULES_ENV = "SERVE_APP_DASHBOARD_MODULES"
 MODULES = ("ServeHead", "StateHead", "ReportHead")
 _FLAG = "--modules-to-load"
 
-# module_logger's name without telemetry's imports (as runtime/cpus.py): `make run` imports this.
-logger = logging.getLogger(f"ray.serve.{__name__}")
+# module_logger's name without telemetry's imports (as runtime/cpus.py), spelled out: `make run`
+# runs this module as __main__.
+logger = logging.getLogger("ray.serve.serve_app.runtime.local_ray")
 
 
 def dashboard_modules(env: dict[str, str] | None = None) -> tuple[str, ...] | None:
-    """The modules to load (``MODULES`` unless the variable names others); None for every one."""
+    """The modules to load (``MODULES`` unless the variable names others); None for every one.
+    A list is checked against this Ray's modules: Ray's dashboard exits on a name it does not
+    have, and ``serve run`` then goes on without one (``serve deploy`` and ``serve status`` fail
+    on a refused connection). ValueError naming the ones there are."""
     value = (os.environ if env is None else env).get(MODULES_ENV, "").strip()
     if not value:
         return MODULES
     if value.lower() == "all":
         return None
-    return tuple(name.strip() for name in value.split(",") if name.strip())
+    named = tuple(name.strip() for name in value.split(",") if name.strip())
+    known = available_modules()
+    if not named or not set(named) <= known:
+        unknown = ", ".join(sorted(set(named) - known)) or "none"
+        raise ValueError(
+            f"{MODULES_ENV}={value!r}: not Ray dashboard modules: {unknown}. Ray {_ray_version()} has "
+            f"{', '.join(sorted(known))}; or 'all'"
+        )
+    return named
+
+
+def available_modules() -> set[str]:
+    """The names of this Ray's dashboard modules (imports them: about a second)."""
+    from ray.dashboard.subprocesses.module import SubprocessModule
+    from ray.dashboard.utils import DashboardHeadModule, get_all_modules
+
+    return {cls.__name__ for kind in (DashboardHeadModule, SubprocessModule) for cls in get_all_modules(kind)}
+
+
+def _ray_version() -> str:
+    import ray
+
+    return ray.__version__
 
 
 def with_modules(start: Callable, modules: Sequence[str]) -> Callable:
@@ -67,21 +96,19 @@ def with_modules(start: Callable, modules: Sequence[str]) -> Callable:
 
 
 def trim_dashboard(env: dict[str, str] | None = None) -> tuple[str, ...] | None:
-    """Before this process starts a Ray node: its dashboard loads ``dashboard_modules()`` only.
-    Returns what it will load (None: every module)."""
+    """Before this process starts a Ray node: its dashboard loads ``dashboard_modules()`` only
+    (``all``: Ray's own function again). Returns what it will load (None: every module)."""
+    from ray._private import services
+
     modules = dashboard_modules(env)
-    if modules is None:
-        return None
-    try:
-        from ray._private import services
-    except ImportError:  # pragma: no cover - Ray is a dependency
-        return None
     start = getattr(services, "start_ray_process", None)
     if start is None:
         logger.warning("this Ray has no services.start_ray_process: its dashboard loads every module")
         return None
-    if getattr(start, "serve_app_modules", None) is not None:  # done once already
-        start = start.__wrapped__
+    if getattr(start, "serve_app_modules", None) is not None:  # trimmed once already
+        start = services.start_ray_process = start.__wrapped__
+    if modules is None:
+        return None
     wrapped = with_modules(start, modules)
     wrapped.__wrapped__ = start
     services.start_ray_process = wrapped
@@ -90,7 +117,10 @@ def trim_dashboard(env: dict[str, str] | None = None) -> tuple[str, ...] | None:
 
 def main(argv: list[str]) -> None:
     """``serve <argv>`` in this process, on a node whose dashboard ``trim_dashboard`` trimmed."""
-    trim_dashboard()
+    try:
+        trim_dashboard()
+    except ValueError as err:
+        raise SystemExit(f"serve_app.runtime.local_ray: {err}") from None
     from ray.serve.scripts import cli
 
     cli.main(args=argv, prog_name="serve")

@@ -135,7 +135,7 @@ def serve_app(tmp_path_factory, otlp_receiver, registry_dsn):
     # session runs beside a developer's `make run`.
     os.environ.update({name: str(free_port()) for name in HAPROXY_PORTS})
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # export spans within 0.2 s, not 5 s
-    trim_dashboard()  # the dashboard modules `make run`'s node runs (serve_app/runtime/local_ray.py)
+    trim_dashboard({})  # the modules `make run`'s node runs by default (serve_app/runtime/local_ray.py)
 
     ray.init(
         address="local",

@@ -31,13 +31,26 @@ def test_the_default_the_operators_list_and_all():
     assert local_ray.dashboard_modules({local_ray.MODULES_ENV: "ServeHead, JobHead,"}) == ("ServeHead", "JobHead")
 
 
+@pytest.mark.parametrize("value", ["servehead", "ServeHead,NoSuchHead", "all,JobHead", ","])
+def test_a_list_ray_does_not_have_is_refused_before_the_node_starts(value):
+    """Ray's dashboard exits on a name it does not have (and `serve run` goes on without one);
+    an empty list would read as every module. Refused here, naming what there is."""
+    with pytest.raises(ValueError) as refused:
+        local_ray.dashboard_modules({local_ray.MODULES_ENV: value})
+    assert "ServeHead" in str(refused.value) and "JobHead" in str(refused.value)
+
+
+def test_local_ray_refuses_it_with_a_message_not_a_trace(monkeypatch):
+    monkeypatch.setenv(local_ray.MODULES_ENV, "NoSuchHead")
+    with pytest.raises(SystemExit) as stopped:
+        local_ray.main(["run", "configs/local.yaml"])
+    assert "NoSuchHead" in str(stopped.value.code)
+
+
 def test_every_module_named_is_one_this_ray_has():
     """The dashboard head asserts it loaded exactly what it was asked for: a name Ray does not
     have would stop the dashboard, and `serve deploy` with it."""
-    from ray.dashboard.subprocesses.module import SubprocessModule
-    from ray.dashboard.utils import DashboardHeadModule, get_all_modules
-
-    names = {cls.__name__ for kind in (DashboardHeadModule, SubprocessModule) for cls in get_all_modules(kind)}
+    names = local_ray.available_modules()
     assert set(local_ray.MODULES) <= names
     assert len(names) > len(local_ray.MODULES)  # there is something to leave out
 
@@ -73,16 +86,16 @@ def test_only_the_dashboard_changes_and_a_flag_given_stays(spawns):
     ]
 
 
-def test_a_second_call_replaces_the_first_and_all_changes_nothing(spawns):
+def test_a_second_call_replaces_the_first_and_all_puts_rays_own_back(spawns):
+    rays = services.start_ray_process
     local_ray.trim_dashboard({})
     local_ray.trim_dashboard({local_ray.MODULES_ENV: "ServeHead"})
     with pytest.raises(_Spawned):
         services.start_ray_process(["python", "dashboard.py"], ray_constants.PROCESS_TYPE_DASHBOARD)
     assert spawns[-1][0] == ["python", "dashboard.py", "--modules-to-load=ServeHead"]  # not wrapped twice
 
-    before = services.start_ray_process
     assert local_ray.trim_dashboard({local_ray.MODULES_ENV: "all"}) is None
-    assert services.start_ray_process is before
+    assert services.start_ray_process is rays
 
 
 def test_without_rays_function_the_dashboard_is_left_whole(monkeypatch, caplog):
