@@ -92,6 +92,7 @@ def with_modules(start: Callable, modules: Sequence[str]) -> Callable:
         return start(command, process_type, *args, **kwargs)
 
     start_ray_process.serve_app_modules = tuple(modules)
+    start_ray_process.__wrapped__ = start  # what a later trim_dashboard wraps instead
     return start_ray_process
 
 
@@ -109,9 +110,7 @@ def trim_dashboard(env: dict[str, str] | None = None) -> tuple[str, ...] | None:
         start = services.start_ray_process = start.__wrapped__
     if modules is None:
         return None
-    wrapped = with_modules(start, modules)
-    wrapped.__wrapped__ = start
-    services.start_ray_process = wrapped
+    services.start_ray_process = with_modules(start, modules)
     return modules
 
 

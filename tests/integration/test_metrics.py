@@ -1,6 +1,7 @@
 """Request metrics reach Prometheus through Ray's metrics agent (what a scrape of the node sees)."""
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -78,12 +79,12 @@ def test_the_dashboard_runs_what_serve_deploy_the_state_api_and_prometheus_use(s
     assert _dashboard_modules() == set(local_ray.MODULES)
     assert cluster.routers(serve_app["app_name"])  # ray.util.state.list_actors
     port = ray.nodes()[0]["MetricsExportPort"]
-    listing = f"{ray._private.worker._global_node.get_session_dir_path()}/prom_metrics_service_discovery.json"
+    listing = Path(ray._private.worker._global_node.get_session_dir_path()) / "prom_metrics_service_discovery.json"
     deadline = time.monotonic() + 30
     targets: list[str] = []
     while time.monotonic() < deadline:
         try:
-            targets = [t for group in json.loads(open(listing).read()) for t in group["targets"]]
+            targets = [t for group in json.loads(listing.read_text()) for t in group["targets"]]
         except (OSError, ValueError):
             targets = []
         if any(t.endswith(f":{port}") for t in targets):
