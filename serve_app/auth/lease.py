@@ -24,8 +24,12 @@ unlimited). The actor is asked again at most every ``OUTAGE_RETRY_S``, so reques
 wait for a dead actor; its first answer ends the outage and the replica's buckets are dropped.
 
 A key that keeps sending never waits for the actor: a request admitted from a lease in the second
-half of its life starts the lease's renewal in the background (``_renew``), so the next request
-finds a fresh lease. Before this, every lease expiry put one actor call on a request's way: at one
+half of its life has the lease renewed in the background (``_renew``), so the next request finds a
+fresh lease. The renewal starts ``RENEW_DELAY_S`` after that admission, not at once: at once, its
+actor call (and the limiter actor's own work, on the gateway's CPU) ran inside that request's time
+to its first token — at one stream a request every ~1.2 s renews at nearly every admission, and
+the TTFT p50 was 0.9–1.6 ms higher in 5 of 5 rounds taking turns (docs/benchmarks.md, "The
+lease's renewal, off the first token's way"). Before this, every lease expiry put one actor call on a request's way: at one
 request a second, one request in two or three waited ~3 ms for it, and ~30 ms when the actor's
 process (nice 15, as every Ray worker) was not scheduled in time — the c=1 TTFT tail
 (docs/benchmarks.md, "The c=1 tail"). A renewal takes the lease out first, so the requests that
@@ -53,6 +57,9 @@ logger = module_logger(__name__)
 
 LEASE_FRACTION = 0.05
 LEASE_TTL_S = 2.0
+# From the admission that finds a lease in its second half to the start of its renewal: past that
+# request's first token, long before the lease ends (it has at least LEASE_TTL_S / 2 left).
+RENEW_DELAY_S = 0.25
 # After the actor failed to answer, decide alone this long before asking it again.
 OUTAGE_RETRY_S = 1.0
 # The actor's last answer about a key says something for a minute: by then any bucket has refilled.
@@ -94,6 +101,7 @@ class LeasedRateLimiter:
         self._leases: dict[str, _Lease] = {}
         self._renewing: dict[str, asyncio.Lock] = {}
         self._renewals: set[asyncio.Task] = set()  # in the background (kept: the loop holds tasks weakly)
+        self._renewals_due: set[str] = set()  # keys whose renewal waits out RENEW_DELAY_S
         self._known: dict[str, _Known] = {}
         self._outage: RateLimiter | None = None  # this replica's own buckets while the actor is away
         self._ask_actor_at = 0.0
@@ -147,13 +155,23 @@ class LeasedRateLimiter:
         return Decision(False, *windows, retry_after_s=wait)
 
     def _renew_if_aging(self, key_id: str, rpm: int, tpm: int) -> None:
-        """Start the lease's renewal in the background once it is in the second half of its life
-        (not while the actor is away, nor twice at once)."""
+        """Have the lease renewed in the background, ``RENEW_DELAY_S`` from now, once it is in the
+        second half of its life (not while the actor is away, nor twice at once)."""
         lease, now = self._leases.get(key_id), self.clock()
         if lease is None or lease.expires - now >= LEASE_TTL_S / 2 or self._outage is not None:
             return
-        if now < self._ask_actor_at or self._renewing.setdefault(key_id, asyncio.Lock()).locked():
+        if now < self._ask_actor_at or key_id in self._renewals_due:
             return
+        if self._renewing.setdefault(key_id, asyncio.Lock()).locked():
+            return
+        if RENEW_DELAY_S > 0:
+            self._renewals_due.add(key_id)
+            asyncio.get_running_loop().call_later(RENEW_DELAY_S, self._start_renewal, key_id, rpm, tpm)
+        else:
+            self._start_renewal(key_id, rpm, tpm)
+
+    def _start_renewal(self, key_id: str, rpm: int, tpm: int) -> None:
+        self._renewals_due.discard(key_id)
         task = asyncio.get_running_loop().create_task(self._renew(key_id, rpm, tpm))
         self._renewals.add(task)
         task.add_done_callback(self._renewals.discard)

@@ -9,6 +9,13 @@ from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
 
 
+@pytest.fixture(autouse=True)
+def renew_at_once(monkeypatch):
+    """Renewals start in the admitting request's loop turn here, so a test's fake clock decides
+    when a lease ages; the delay itself has a test of its own."""
+    monkeypatch.setattr(lease_module, "RENEW_DELAY_S", 0)
+
+
 class CountingSource(LocalRateLimiter):
     """The region's limiter as the router sees it, counting the calls (each one an actor call)."""
 
@@ -159,6 +166,29 @@ def test_a_request_that_comes_while_its_lease_is_renewed_waits_for_it_and_uses_t
     calls, left = asyncio.run(run())
     # Two actor calls: the first lease and the renewal (30 + the one it kept), the waiter used it.
     assert calls == 2 and left == 30 + 1 - 1
+
+
+def test_a_renewal_starts_after_the_request_that_found_the_lease_aging_not_in_its_way(monkeypatch):
+    """The renewal's actor call would share the admitted request's time to first token: it starts
+    RENEW_DELAY_S later, once, however many requests the aging lease admits meanwhile."""
+    monkeypatch.setattr(lease_module, "RENEW_DELAY_S", 0.05)
+    clock = Clock()
+
+    async def run():
+        source = CountingSource(RateLimiter(clock))
+        limiter = LeasedRateLimiter(source, clock)
+        assert (await limiter.acquire("k", 600, 1_000_000, 100)).allowed  # the first lease
+        clock.now += 1.5  # past half its life
+        for _ in range(3):  # admitted from the aging lease: one renewal due, none started
+            assert (await limiter.acquire("k", 600, 1_000_000, 100)).allowed
+            for _ in range(5):
+                await asyncio.sleep(0)
+        calls_before = source.calls
+        await asyncio.sleep(0.2)  # past the delay: the one renewal ran
+        return calls_before, source.calls, limiter._leases["k"].expires - clock.now
+
+    calls_before, calls_after, left_s = asyncio.run(run())
+    assert calls_before == 1 and calls_after == 2 and left_s == lease_module.LEASE_TTL_S
 
 
 def test_a_renewal_the_actor_does_not_answer_leaves_the_lease_to_its_end():
