@@ -23,13 +23,16 @@ Retry-After, and during an outage a key gets at most its tier's rate from each r
 unlimited). The actor is asked again at most every ``OUTAGE_RETRY_S``, so requests do not each
 wait for a dead actor; its first answer ends the outage and the replica's buckets are dropped.
 
-A key that keeps sending never waits for the actor: a request admitted from a lease in the second
-half of its life has the lease renewed in the background (``_renew``), so the next request finds a
-fresh lease. The renewal starts ``RENEW_DELAY_S`` after that admission, not at once: at once, its
-actor call (and the limiter actor's own work, on the gateway's CPU) ran inside that request's time
-to its first token — at one stream a request every ~1.2 s renews at nearly every admission, and
-the TTFT p50 was 0.9–1.6 ms higher in 5 of 5 rounds taking turns (docs/benchmarks.md, "The
-lease's renewal, off the first token's way"). Before this, every lease expiry put one actor call on a request's way: at one
+A key that keeps sending never waits for the actor: a request admitted from an aging lease has
+it renewed in the background (``_renew``), so the next request finds a fresh lease. The renewal
+starts ``RENEW_DELAY_S`` after that admission, not at once: at once, its actor call (and the
+limiter actor's own work, on the gateway's CPU) ran inside that request's time to its first token
+— one stream's requests find the lease aging every one to four admissions, and the TTFT p50 was
+0.6–1.6 ms higher in 10 of 10 rounds taking turns (docs/benchmarks.md, "The lease's renewal, off
+the first token's way"). The delay is taken out of the lease's first half: it counts as aging
+``RENEW_DELAY_S`` before half its life, and a renewal due when it is nearly over starts sooner
+(``tests/unit/test_auth_lease.py``: steady streams at intervals from 0.3 to 1.9 s never wait).
+Before the background renewal, every lease expiry put one actor call on a request's way: at one
 request a second, one request in two or three waited ~3 ms for it, and ~30 ms when the actor's
 process (nice 15, as every Ray worker) was not scheduled in time — the c=1 TTFT tail
 (docs/benchmarks.md, "The c=1 tail"). A renewal takes the lease out first, so the requests that
@@ -57,9 +60,12 @@ logger = module_logger(__name__)
 
 LEASE_FRACTION = 0.05
 LEASE_TTL_S = 2.0
-# From the admission that finds a lease in its second half to the start of its renewal: past that
-# request's first token, long before the lease ends (it has at least LEASE_TTL_S / 2 left).
+# A lease is renewed once it has less than LEASE_TTL_S / 2 + RENEW_DELAY_S to live, RENEW_DELAY_S
+# after the admission that finds it so (past that request's first token), or sooner when it would
+# otherwise have less than RENEW_MARGIN_S left as the renewal starts: a key sending steadily at any
+# interval below LEASE_TTL_S never finds its lease ended.
 RENEW_DELAY_S = 0.25
+RENEW_MARGIN_S = 0.1
 # After the actor failed to answer, decide alone this long before asking it again.
 OUTAGE_RETRY_S = 1.0
 # The actor's last answer about a key says something for a minute: by then any bucket has refilled.
@@ -155,31 +161,33 @@ class LeasedRateLimiter:
         return Decision(False, *windows, retry_after_s=wait)
 
     def _renew_if_aging(self, key_id: str, rpm: int, tpm: int) -> None:
-        """Have the lease renewed in the background, ``RENEW_DELAY_S`` from now, once it is in the
-        second half of its life (not while the actor is away, nor twice at once)."""
+        """Have the lease renewed in the background once it is aging (``RENEW_DELAY_S``): not
+        while the actor is away, nor twice at once."""
         lease, now = self._leases.get(key_id), self.clock()
-        if lease is None or lease.expires - now >= LEASE_TTL_S / 2 or self._outage is not None:
+        if lease is None or self._outage is not None or now < self._ask_actor_at:
             return
-        if now < self._ask_actor_at or key_id in self._renewals_due:
+        left = lease.expires - now
+        if left >= LEASE_TTL_S / 2 + RENEW_DELAY_S or key_id in self._renewals_due:
             return
         if self._renewing.setdefault(key_id, asyncio.Lock()).locked():
             return
-        if RENEW_DELAY_S > 0:
-            self._renewals_due.add(key_id)
-            asyncio.get_running_loop().call_later(RENEW_DELAY_S, self._start_renewal, key_id, rpm, tpm)
-        else:
-            self._start_renewal(key_id, rpm, tpm)
-
-    def _start_renewal(self, key_id: str, rpm: int, tpm: int) -> None:
-        self._renewals_due.discard(key_id)
-        task = asyncio.get_running_loop().create_task(self._renew(key_id, rpm, tpm))
+        self._renewals_due.add(key_id)
+        delay = min(RENEW_DELAY_S, max(0.0, left - RENEW_MARGIN_S))
+        task = asyncio.get_running_loop().create_task(self._renew(key_id, rpm, tpm, delay))
         self._renewals.add(task)
         task.add_done_callback(self._renewals.discard)
 
-    async def _renew(self, key_id: str, rpm: int, tpm: int) -> None:
+    async def _renew(self, key_id: str, rpm: int, tpm: int, delay: float) -> None:
+        try:
+            if delay > 0:
+                await asyncio.sleep(delay)
+        finally:
+            self._renewals_due.discard(key_id)
+        if self._outage is not None or self.clock() < self._ask_actor_at:
+            return  # the actor went away meanwhile: the lease lives out its time, as at an outage
         async with self._renewing.setdefault(key_id, asyncio.Lock()):
             left = self._leases.get(key_id)
-            if left is None or left.expires - self.clock() >= LEASE_TTL_S / 2:
+            if left is None or left.expires - self.clock() >= LEASE_TTL_S / 2 + RENEW_DELAY_S:
                 return  # expired and dropped, or renewed meanwhile
             del self._leases[key_id]  # from here its requests wait for the answer: none is used twice
             answer = await self._ask_for_lease(key_id, rpm, tpm, 0, left)

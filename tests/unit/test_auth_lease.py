@@ -84,6 +84,21 @@ def test_an_expired_lease_is_not_used():
     assert source.calls == 2
 
 
+class DownAfterFirst(CountingSource):
+    """The actor answers the first call, then never again (each later call times out)."""
+
+    async def lease(self, *args):
+        self.calls += 1
+        return await LocalRateLimiter.lease(self, *args) if self.calls == 1 else None
+
+
+async def _lease_then_age_it(limiter: LeasedRateLimiter, clock: Clock) -> None:
+    """Key "k"'s first lease, then a request 1.5 s later admitted from it: its renewal is due."""
+    await limiter.acquire("k", 600, 1_000_000, 100)
+    clock.now += 1.5
+    await limiter.acquire("k", 600, 1_000_000, 100)
+
+
 class ForegroundSource(CountingSource):
     """Tells the actor calls a request waited for (made in its own task) from background ones."""
 
@@ -191,21 +206,63 @@ def test_a_renewal_starts_after_the_request_that_found_the_lease_aging_not_in_it
     assert calls_before == 1 and calls_after == 2 and left_s == lease_module.LEASE_TTL_S
 
 
-def test_a_renewal_the_actor_does_not_answer_leaves_the_lease_to_its_end():
+def _steady_in_time(limiter: LeasedRateLimiter, source: ForegroundSource, clock: Clock, n: int,
+                    every_s: float) -> list[bool]:
+    """``n`` requests ``every_s`` apart on an event loop whose clock is the test's: the renewals'
+    delays pass as the requests' time does (10 ms steps, the loop turning at each)."""
+    async def run():
+        source.request_task, allowed = asyncio.current_task(), []
+        for _ in range(n):
+            allowed.append((await limiter.acquire("k", 600, 1_000_000, 100)).allowed)
+            for _ in range(round(every_s / 0.01)):
+                clock.now += 0.01
+                for _ in range(3):
+                    await asyncio.sleep(0)
+        return allowed
+
+    loop = asyncio.new_event_loop()
+    loop.time = clock
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("every_s", [0.3, 0.9, 1.2, 1.6, 1.9])
+def test_a_steady_key_never_waits_for_the_actor_with_the_renewal_delayed(monkeypatch, every_s):
+    """The delay comes out of the lease's first half: a renewal due just before its end starts
+    sooner. (Taken from the second half, one request in three at 1.2 s found its lease ended.)"""
+    monkeypatch.setattr(lease_module, "RENEW_DELAY_S", 0.25)
     clock = Clock()
-
-    class DownAfterFirst(CountingSource):
-        async def lease(self, *args):
-            self.calls += 1
-            return await LocalRateLimiter.lease(self, *args) if self.calls == 1 else None
-
-    source = DownAfterFirst(RateLimiter(clock))
+    source = ForegroundSource(RateLimiter(clock))
     limiter = LeasedRateLimiter(source, clock)
+    assert _steady_in_time(limiter, source, clock, 20, every_s) == [True] * 20
+    assert source.foreground == 1 and source.calls >= 20 * every_s / lease_module.LEASE_TTL_S
+
+
+def test_a_renewal_due_when_the_actor_goes_away_is_not_asked_of_it(monkeypatch):
+    """Another key found the actor down while this key's renewal waited out its delay: the
+    renewal does not call the dead actor (each such call holds the key's lock for its 2 s
+    timeout); the lease lives out its time, as at an outage."""
+    monkeypatch.setattr(lease_module, "RENEW_DELAY_S", 0.05)
+    clock = Clock()
+    limiter = LeasedRateLimiter(source := DownAfterFirst(RateLimiter(clock)), clock)
 
     async def run():
-        await limiter.acquire("k", 600, 1_000_000, 100)
-        clock.now += 1.5
-        await limiter.acquire("k", 600, 1_000_000, 100)  # starts a renewal, which gets no answer
+        await _lease_then_age_it(limiter, clock)  # its renewal is due in 0.05 s
+        assert (await limiter.acquire("other", 600, 1_000_000, 100)).allowed  # the actor is down
+        await asyncio.sleep(0.2)
+        return limiter._leases["k"].requests
+
+    assert asyncio.run(run()) == 30 - 1 and source.calls == 2  # the lease kept, less its one request
+
+
+def test_a_renewal_the_actor_does_not_answer_leaves_the_lease_to_its_end():
+    clock = Clock()
+    limiter = LeasedRateLimiter(source := DownAfterFirst(RateLimiter(clock)), clock)
+
+    async def run():
+        await _lease_then_age_it(limiter, clock)  # starts a renewal, which gets no answer
         for _ in range(5):
             await asyncio.sleep(0)
         return [(await limiter.acquire("k", 600, 1_000_000, 100)).allowed for _ in range(3)]
