@@ -63,7 +63,7 @@ LEASE_TTL_S = 2.0
 # A lease is renewed once it has less than LEASE_TTL_S / 2 + RENEW_DELAY_S to live, RENEW_DELAY_S
 # after the admission that finds it so (past that request's first token), or sooner when it would
 # otherwise have less than RENEW_MARGIN_S left as the renewal starts: a key sending steadily at any
-# interval below LEASE_TTL_S never finds its lease ended.
+# interval below LEASE_TTL_S never finds its lease ended (the actor answering in that margin).
 RENEW_DELAY_S = 0.25
 RENEW_MARGIN_S = 0.1
 # After the actor failed to answer, decide alone this long before asking it again.
@@ -161,8 +161,9 @@ class LeasedRateLimiter:
         return Decision(False, *windows, retry_after_s=wait)
 
     def _renew_if_aging(self, key_id: str, rpm: int, tpm: int) -> None:
-        """Have the lease renewed in the background once it is aging (``RENEW_DELAY_S``): not
-        while the actor is away, nor twice at once."""
+        """Have the lease renewed in the background once it has less than ``LEASE_TTL_S / 2 +
+        RENEW_DELAY_S`` to live (see ``RENEW_DELAY_S``): not while the actor is away, nor twice at
+        once."""
         lease, now = self._leases.get(key_id), self.clock()
         if lease is None or self._outage is not None or now < self._ask_actor_at:
             return
@@ -176,13 +177,12 @@ class LeasedRateLimiter:
         task = asyncio.get_running_loop().create_task(self._renew(key_id, rpm, tpm, delay))
         self._renewals.add(task)
         task.add_done_callback(self._renewals.discard)
+        # However it ends (even cancelled before it ran), the key may be renewed again.
+        task.add_done_callback(lambda _: self._renewals_due.discard(key_id))
 
     async def _renew(self, key_id: str, rpm: int, tpm: int, delay: float) -> None:
-        try:
-            if delay > 0:
-                await asyncio.sleep(delay)
-        finally:
-            self._renewals_due.discard(key_id)
+        if delay > 0:
+            await asyncio.sleep(delay)
         if self._outage is not None or self.clock() < self._ask_actor_at:
             return  # the actor went away meanwhile: the lease lives out its time, as at an outage
         async with self._renewing.setdefault(key_id, asyncio.Lock()):

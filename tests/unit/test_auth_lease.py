@@ -231,13 +231,23 @@ def _steady_in_time(limiter: LeasedRateLimiter, source: ForegroundSource, clock:
 @pytest.mark.parametrize("every_s", [0.3, 0.9, 1.2, 1.6, 1.9])
 def test_a_steady_key_never_waits_for_the_actor_with_the_renewal_delayed(monkeypatch, every_s):
     """The delay comes out of the lease's first half: a renewal due just before its end starts
-    sooner. (Taken from the second half, one request in three at 1.2 s found its lease ended.)"""
+    sooner. (Taken from the second half, the lease ended before its renewal at 0.9, 1.2 and 1.9 s,
+    and at 1.2 s one request in three found it ended and waited for the actor.)"""
     monkeypatch.setattr(lease_module, "RENEW_DELAY_S", 0.25)
     clock = Clock()
     source = ForegroundSource(RateLimiter(clock))
     limiter = LeasedRateLimiter(source, clock)
+    ask, left_at_renewal = limiter._ask_for_lease, []
+
+    def asking(key_id, rpm, tpm, tokens, left):  # the time the lease a renewal returns had left
+        if left is not None:
+            left_at_renewal.append(left.expires - clock())
+        return ask(key_id, rpm, tpm, tokens, left)
+
+    limiter._ask_for_lease = asking
     assert _steady_in_time(limiter, source, clock, 20, every_s) == [True] * 20
-    assert source.foreground == 1 and source.calls >= 20 * every_s / lease_module.LEASE_TTL_S
+    assert source.foreground == 1 and len(left_at_renewal) >= 20 * every_s / lease_module.LEASE_TTL_S
+    assert min(left_at_renewal) > 0  # every renewal found its lease still live
 
 
 def test_a_renewal_due_when_the_actor_goes_away_is_not_asked_of_it(monkeypatch):
