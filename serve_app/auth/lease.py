@@ -107,7 +107,7 @@ class LeasedRateLimiter:
         self._leases: dict[str, _Lease] = {}
         self._renewing: dict[str, asyncio.Lock] = {}
         self._renewals: set[asyncio.Task] = set()  # in the background (kept: the loop holds tasks weakly)
-        self._renewals_due: set[str] = set()  # keys whose renewal waits out RENEW_DELAY_S
+        self._renewals_due: set[str] = set()  # keys with a renewal under way (its delay, or its call)
         self._known: dict[str, _Known] = {}
         self._outage: RateLimiter | None = None  # this replica's own buckets while the actor is away
         self._ask_actor_at = 0.0
@@ -168,9 +168,9 @@ class LeasedRateLimiter:
         if lease is None or self._outage is not None or now < self._ask_actor_at:
             return
         left = lease.expires - now
+        # Due until its task ends: a renewal waiting out its delay or asking the actor. (The key's
+        # lock is never held while it has a lease: whoever takes it takes the lease out first.)
         if left >= LEASE_TTL_S / 2 + RENEW_DELAY_S or key_id in self._renewals_due:
-            return
-        if self._renewing.setdefault(key_id, asyncio.Lock()).locked():
             return
         self._renewals_due.add(key_id)
         delay = min(RENEW_DELAY_S, max(0.0, left - RENEW_MARGIN_S))
