@@ -289,6 +289,7 @@ class Authenticator:
             self._following = asyncio.get_running_loop().create_task(self._follow_known_ids(), name="known-key-ids")
 
     async def aclose(self) -> None:
+        self.keys.close()
         if self._following is not None:
             self._following.cancel()
             await asyncio.gather(self._following, return_exceptions=True)

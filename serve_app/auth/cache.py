@@ -25,8 +25,20 @@ keeps those from reaching the shared database, or pushing real keys out of memor
   one never takes a worker thread, and a paid one says so (``CacheMiss.unknown``) so that the
   caller can query it on a few threads of its own (the authenticator's): a flood's queries then
   wait there, never in front of a real key's refresh.
+- **Refresh ahead.** A row used in the second half of its life (``REFRESH_AFTER`` of ``ttl``) is
+  answered from memory and read again in the background (a ``Refresher``: the store's own few
+  threads, a bounded number waiting), so a key in steady use does not find its row expired every
+  ``ttl`` and wait for the registry on a request's path. No request waits for a re-read: a row
+  that expires before its re-read has run is read on the request's path, as without (and the
+  re-read, finding it gone, does not query). One re-read per row, not retried when it fails (the
+  row expires). A re-read's row counts from when it was asked for and only replaces the row it
+  was asked for, so the bound on an edit reaching this router is unchanged: a row is served at
+  most ``ttl`` after the query that read it began. After a write this process makes to a key
+  (``forget``), no query of that key already under way stores what it read. A busy row costs two
+  queries a ``ttl`` instead of one; one not used in its second half costs none.
 """
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +46,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.auth.refresh import Refresher
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -88,6 +101,7 @@ class _Flight:
     error: BaseException | None = None
     waiters: int = 0
     unknown: bool = False  # paid from the miss budget: queried (and waited for) on its own threads
+    began: int = 0  # the cache's write count when it began: its key written since, and it is not stored
 
     def result(self) -> Any:
         self.done.wait()
@@ -102,6 +116,11 @@ class LookupCache:
     MAX_MISSES = 10_000
     # Ids paid for in an offline pass and not looked up yet; only a lost thread leaves one behind.
     _MAX_PAID = 10_000
+    # A row used after this fraction of its life is read again in the background.
+    REFRESH_AFTER = 0.5
+    # Keys this process wrote last, remembered to discard queries that began before the write;
+    # one written longer ago discards every query that began before it (safe, and rare).
+    MAX_WRITTEN = 10_000
 
     def __init__(
         self,
@@ -111,57 +130,109 @@ class LookupCache:
         is_miss: Callable[[Any], bool] = lambda value: value is None,
         budget: MissBudget | None = None,
         known: Callable[[Hashable], bool] = lambda key: False,
+        refresher: Refresher | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
+        """``refresher``: where rows are read again ahead of their expiry; None: only ever when a
+        lookup finds them expired."""
         self.ttl, self.clock, self.is_miss, self.budget, self.known = ttl, clock, is_miss, budget, known
+        self.refresher = refresher
         self.miss_ttl = ttl if miss_ttl is None else min(miss_ttl, ttl)
-        self._rows: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
+        # key -> (expires at, value, re-read asked for); misses: (expires at, value).
+        self._rows: OrderedDict[Hashable, tuple[float, Any, bool]] = OrderedDict()
         self._misses: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
         self._flights: dict[Hashable, _Flight] = {}
         self._paid: set[Hashable] = set()
+        self._writes = 0  # writes this process made (``forget``)
+        self._written: OrderedDict[Hashable, int] = OrderedDict()  # key -> the write count after its last
+        self._written_floor = 0  # the newest write count dropped from ``_written``
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable, load: Callable[[], Any], offline: bool = False, budgeted: bool = False) -> Any:
+    def get(
+        self, key: Hashable, load: Callable[[], Any], offline: bool = False, budgeted: bool = False, ahead: bool = True
+    ) -> Any:
         """The cached value, else ``load()`` (once for concurrent callers). ``offline``: raise
         CacheMiss instead of loading. ``budgeted``: an unknown ``key`` spends the miss budget,
-        or raises RegistryBusy."""
+        or raises RegistryBusy. ``ahead``: a row in its second half is read again in the
+        background (False: the caller decides, ``refresh_ahead``, once it has checked the row)."""
         now = self.clock()
         with self._lock:
             found, value = self._fresh(key, now)
             if found:
-                return value
-            flight = self._flights.get(key)
-            if flight is None:
-                paid = self._pay(key, budgeted, offline)
-                if offline:
-                    raise CacheMiss(key, unknown=paid)
-                flight = self._flights[key] = _Flight(unknown=paid)
-                leader = True
-            elif offline:  # its answer is on the way: wait for it where its query runs
-                raise CacheMiss(key, unknown=flight.unknown)
+                reread = self._claim_refresh(key, now) if ahead else None
             else:
-                flight.waiters += 1
-                leader = False
-        if not leader:
-            return flight.result()
+                flight = self._flights.get(key)
+                if flight is None:
+                    paid = self._pay(key, budgeted, offline)
+                    if offline:
+                        raise CacheMiss(key, unknown=paid)
+                    flight = self._flights[key] = _Flight(unknown=paid, began=self._writes)
+                    leader = True
+                elif offline:  # its answer is on the way: wait for it where its query runs
+                    raise CacheMiss(key, unknown=flight.unknown)
+                else:
+                    flight.waiters += 1
+                    leader = False
+        if found:
+            if reread is not None:
+                self.refresher.run(functools.partial(self._refresh, key, load, *reread, now))
+            return value
+        if leader:
+            self._fly(key, load, flight, now)
+        return flight.result()
+
+    def refresh_ahead(self, key: Hashable, load: Callable[[], Any]) -> None:
+        """Read ``key``'s row again in the background if it is in its second half (after a
+        ``get(..., ahead=False)`` whose row the caller found worth keeping fresh)."""
+        now = self.clock()
+        with self._lock:
+            reread = self._claim_refresh(key, now)
+        if reread is not None:
+            self.refresher.run(functools.partial(self._refresh, key, load, *reread, now))
+
+    def forget(self, key: Hashable) -> None:
+        """Drop one entry (this process just changed that row): the next read queries. Queries
+        under way are not stored (they may have read the row before the change), and a lookup
+        from now on does not wait for one of them."""
+        with self._lock:
+            self._rows.pop(key, None)
+            self._misses.pop(key, None)
+            self._flights.pop(key, None)
+            self._writes += 1
+            self._written[key] = self._writes
+            self._written.move_to_end(key)
+            while len(self._written) > self.MAX_WRITTEN:
+                self._written_floor = self._written.popitem(last=False)[1]
+
+    def _fly(self, key: Hashable, load: Callable[[], Any], flight: _Flight, now: float) -> None:
+        """Run ``flight``'s query (begun at ``now``), store its answer, wake its waiters."""
         try:
             flight.value = load()
         except BaseException as err:
             flight.error = err
-            raise
         finally:
             with self._lock:
-                if flight.error is None:
+                if flight.error is None and not self._written_since(key, flight.began):
                     self._store(key, flight.value, now)
-                del self._flights[key]
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
             flight.done.set()
-        return flight.value
 
-    def forget(self, key: Hashable) -> None:
-        """Drop one entry (this process just changed that row): the next read queries."""
+    def _refresh(self, key: Hashable, load: Callable[[], Any], began: int, expires: float, asked_at: float) -> None:
+        """The background re-read of the row that ``expires`` then, asked for at ``asked_at``:
+        stored as if read then (the bound holds), and only over that same row. Not queried at
+        all if that row is gone, replaced, written or expired by the time a thread takes it up."""
         with self._lock:
-            self._rows.pop(key, None)
-            self._misses.pop(key, None)
+            if not self._still_held(key, began, expires, self.clock()):
+                return
+        try:
+            value = load()
+        except Exception as err:
+            self.refresher.failed(err)
+            return
+        with self._lock:
+            if self._still_held(key, began, expires):
+                self._store(key, value, asked_at)
 
     def waiting(self, key: Hashable) -> int:
         """How many lookups are waiting for ``key``'s query in progress (for tests)."""
@@ -170,6 +241,39 @@ class LookupCache:
             return flight.waiters if flight else 0
 
     # --- under the lock --------------------------------------------------------------------------
+    def _claim_refresh(self, key: Hashable, now: float) -> tuple[int, float] | None:
+        """(The write count now, the row's end) to re-read ``key``'s row under, if a re-read is
+        due now: a row (never a miss) past ``REFRESH_AFTER`` of its life, not asked for yet, and
+        room for it."""
+        row = self._rows.get(key)
+        if (
+            self.refresher is None
+            or row is None
+            or row[2]
+            or row[0] <= now  # expired: the request's own lookup reads it
+            or row[0] - now > self.ttl * (1 - self.REFRESH_AFTER)
+            or key in self._flights
+            or not self.refresher.reserve()
+        ):
+            return None
+        self._rows[key] = (row[0], row[1], True)  # one re-read per row, whatever becomes of it
+        return self._writes, row[0]
+
+    def _written_since(self, key: Hashable, began: int) -> bool:
+        """Whether this process wrote ``key`` after a query that began at write count ``began``."""
+        return self._written.get(key, self._written_floor) > began
+
+    def _still_held(self, key: Hashable, began: int, expires: float, now: float | None = None) -> bool:
+        """Whether the row a re-read was asked for (the one that ``expires`` then) is still the one
+        held, unwritten since, and (given ``now``) not yet expired."""
+        row = self._rows.get(key)
+        return (
+            row is not None
+            and row[0] == expires
+            and not self._written_since(key, began)
+            and (now is None or expires > now)
+        )
+
     def _fresh(self, key: Hashable, now: float) -> tuple[bool, Any]:
         row = self._rows.get(key)
         if row is not None:
@@ -211,7 +315,7 @@ class LookupCache:
                 self._misses.popitem(last=False)
         else:
             self._misses.pop(key, None)
-            self._rows[key] = (now + self.ttl, value)
+            self._rows[key] = (now + self.ttl, value, False)
             self._rows.move_to_end(key)
             while len(self._rows) > self.MAX_ROWS:
                 self._rows.popitem(last=False)

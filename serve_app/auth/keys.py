@@ -28,6 +28,7 @@ from typing import Any
 
 from serve_app.auth.cache import CacheMiss, LookupCache, MissBudget, RegistryBusy  # noqa: F401 (re-exported)
 from serve_app.auth.database import open_database
+from serve_app.auth.refresh import Refresher
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -43,6 +44,11 @@ _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
 # Key ids a router lists as real (about 100 bytes each in memory): past this, newer ids' lookups
 # share the budget for unknown ids during a flood (``cache.py``).
 MAX_KNOWN_IDS = 500_000
+# Rows read again ahead of their expiry (cache.py, "Refresh ahead"): on this many threads of the
+# store's own, at most MAX_PENDING_REFRESHES waiting or running at once (past that, rows expire and
+# are read on a request's path, as without).
+REFRESH_THREADS = 2
+MAX_PENDING_REFRESHES = 16
 # Used with fullmatch only: ``$`` (and ``match``) would accept a key followed by a newline.
 _KEY_RE = re.compile(rf"{PREFIX}_([0-9a-f]{{12}})_([0-9A-Za-z]{{{_SECRET_LEN}}})")
 
@@ -152,10 +158,13 @@ class KeyStore:
         # Every key id the registry holds, as last listed (refresh_known_ids): never budgeted.
         self._known_ids: set[str] = set()
         self._known_since = 0  # the newest created_at listed so far
-        self._keys = LookupCache(cache_ttl_s, budget=budget, known=self._known_ids.__contains__, clock=clock)
+        self._refresher = Refresher(REFRESH_THREADS, MAX_PENDING_REFRESHES, clock=clock)
+        self._keys = LookupCache(
+            cache_ttl_s, budget=budget, known=self._known_ids.__contains__, refresher=self._refresher, clock=clock
+        )
         # Every answer is a row here ("not revoked" is the common one), and lookups follow a
         # valid signature, so no budget: a caller cannot choose a token's jti without a signing key.
-        self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, clock=clock)
+        self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, refresher=self._refresher, clock=clock)
 
     def _connect(self, read: bool = False):
         # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: on one
@@ -176,13 +185,20 @@ class KeyStore:
         parsed = parse_key(raw_key)
         if parsed is None:
             return None
-        record = self.get(parsed[0], offline, budgeted=True)
+        key_id = parsed[0]
+        # Read ahead only for the key's holder: ids are public, and a wrong secret must not cost a query.
+        record = self._keys.get(key_id, lambda: self._load(key_id), offline, budgeted=True, ahead=False)
         if record is None or not record.secret_matches(parsed[1]):
             return None
+        self._keys.refresh_ahead(key_id, lambda: self._load(key_id))
         return record
 
     def is_jti_revoked(self, jti: str, offline: bool = False) -> bool:
         return self._revoked.get(jti, lambda: self._jti_row_exists(jti), offline)
+
+    def close(self) -> None:
+        """No more background re-reads (the router stopping); lookups still work."""
+        self._refresher.close()
 
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the

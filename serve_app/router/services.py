@@ -141,7 +141,7 @@ class Services:
         if split_startup(_written(old))[0] != split_startup(_written(args))[0]:
             raise ValueError("these settings are read when a router replica starts: restart it to change them")
         changed = [name for name in ("router", "auth", "failover", "responses", "usage", "models") if getattr(old, name) != getattr(args, name)]
-        auth = self.auth
+        auth = old_auth = self.auth
         if args.auth != old.auth:
             # A new key cache and keyset view (what the registry holds is unchanged); its key
             # store opens the same registry, so the ledger and the response store keep theirs.
@@ -165,6 +165,12 @@ class Services:
         for name, value in _call_settings(args).items():
             setattr(self, name, value)
         self.args = args
+        if auth is not old_auth:
+            # The new one lists the registry's key ids, as the first did from start(); the old
+            # one's listing and its read-ahead threads stop (a request still holding it looks
+            # keys up all the same).
+            auth.start()
+            await old_auth.aclose()
         return changed
 
     def start(self) -> None:
