@@ -173,15 +173,16 @@ class KeyStore:
         return self.database.connect(read)
 
     # --- reads (cached) ---------------------------------------------------------------------
-    def get(self, key_id: str, offline: bool = False, budgeted: bool = False) -> KeyRecord | None:
+    def get(self, key_id: str, offline: bool = False) -> KeyRecord | None:
         """``offline``: from the cache only, or CacheMiss (the router's event loop never waits on
         the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``).
-        ``budgeted``: an id with no row here spends the miss budget, or raises RegistryBusy."""
-        return self._keys.get(key_id, lambda: self._load(key_id), offline, budgeted)
+        Never budgeted: callers hold a verified token or are the operator (``lookup`` is budgeted)."""
+        return self._keys.get(key_id, lambda: self._load(key_id), offline)
 
     def lookup(self, raw_key: str, offline: bool = False) -> KeyRecord | None:
         """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret).
-        Anyone can send a well-formed key, so its id's lookup is budgeted (RegistryBusy)."""
+        Anyone can send a well-formed key, so its id's lookup is budgeted (RegistryBusy): an id
+        with no row here spends the miss budget."""
         parsed = parse_key(raw_key)
         if parsed is None:
             return None
