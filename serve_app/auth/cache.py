@@ -174,8 +174,7 @@ class LookupCache:
                     flight.waiters += 1
                     leader = False
         if found:
-            if reread is not None:
-                self.refresher.run(functools.partial(self._refresh, key, load, *reread, now))
+            self._start_reread(key, load, reread, now)
             return value
         if leader:
             self._fly(key, load, flight, now)
@@ -187,8 +186,14 @@ class LookupCache:
         now = self.clock()
         with self._lock:
             reread = self._claim_refresh(key, now)
-        if reread is not None:
-            self.refresher.run(functools.partial(self._refresh, key, load, *reread, now))
+        self._start_reread(key, load, reread, now)
+
+    def _start_reread(
+        self, key: Hashable, load: Callable[[], Any], claim: tuple[int, float] | None, now: float
+    ) -> None:
+        """Hand a claimed re-read (``_claim_refresh``'s answer, None: none due) to the refresher."""
+        if claim is not None:
+            self.refresher.run(functools.partial(self._refresh, key, load, *claim, now))
 
     def forget(self, key: Hashable) -> None:
         """Drop one entry (this process just changed that row): the next read queries. Queries

@@ -14,6 +14,7 @@ one registry every region reads, so a key created once works in each region its 
 allow, and a revocation made anywhere is refused everywhere within ``cache_ttl_s``.
 """
 
+import functools
 import hashlib
 import hmac
 import json
@@ -187,11 +188,12 @@ class KeyStore:
         if parsed is None:
             return None
         key_id = parsed[0]
+        load = functools.partial(self._load, key_id)
         # Read ahead only for the key's holder: ids are public, and a wrong secret must not cost a query.
-        record = self._keys.get(key_id, lambda: self._load(key_id), offline, budgeted=True, ahead=False)
+        record = self._keys.get(key_id, load, offline, budgeted=True, ahead=False)
         if record is None or not record.secret_matches(parsed[1]):
             return None
-        self._keys.refresh_ahead(key_id, lambda: self._load(key_id))
+        self._keys.refresh_ahead(key_id, load)
         return record
 
     def is_jti_revoked(self, jti: str, offline: bool = False) -> bool:
