@@ -36,9 +36,14 @@ keeps those from reaching the shared database, or pushing real keys out of memor
   most ``ttl`` after the query that read it began. After a write this process makes to a key
   (``forget``), no query of that key already under way stores what it read. A busy row costs two
   queries a ``ttl`` instead of one; one not used in its second half costs none.
+- **Final rows.** A row that can never change back (``is_final``: a revoked key, a revoked
+  token: revocation is for good) is kept until evicted, never expired nor read ahead: a client
+  that goes on sending a revoked credential costs the registry one query per router, not two
+  every ``ttl``. The bound is about an edit reaching the router, and a final row has none to come.
 """
 
 import functools
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -128,14 +133,16 @@ class LookupCache:
         *,
         miss_ttl: float | None = None,
         is_miss: Callable[[Any], bool] = lambda value: value is None,
+        is_final: Callable[[Any], bool] = lambda value: False,
         budget: MissBudget | None = None,
         known: Callable[[Hashable], bool] = lambda key: False,
         refresher: Refresher | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """``refresher``: where rows are read again ahead of their expiry; None: only ever when a
-        lookup finds them expired."""
+        lookup finds them expired. ``is_final``: a row no later edit can change (kept, not re-read)."""
         self.ttl, self.clock, self.is_miss, self.budget, self.known = ttl, clock, is_miss, budget, known
+        self.is_final = is_final
         self.refresher = refresher
         self.miss_ttl = ttl if miss_ttl is None else min(miss_ttl, ttl)
         # key -> (expires at, value, re-read asked for); misses: (expires at, value).
@@ -320,7 +327,7 @@ class LookupCache:
                 self._misses.popitem(last=False)
         else:
             self._misses.pop(key, None)
-            self._rows[key] = (now + self.ttl, value, False)
+            self._rows[key] = (math.inf if self.is_final(value) else now + self.ttl, value, False)
             self._rows.move_to_end(key)
             while len(self._rows) > self.MAX_ROWS:
                 self._rows.popitem(last=False)

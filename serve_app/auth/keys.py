@@ -160,12 +160,18 @@ class KeyStore:
         self._known_ids: set[str] = set()
         self._known_since = 0  # the newest created_at listed so far
         self._refresher = Refresher(REFRESH_THREADS, MAX_PENDING_REFRESHES, clock=clock)
+        # A revoked key's row is final: revocation is for good (``revoke_key``).
         self._keys = LookupCache(
-            cache_ttl_s, budget=budget, known=self._known_ids.__contains__, refresher=self._refresher, clock=clock
+            cache_ttl_s, budget=budget, known=self._known_ids.__contains__, refresher=self._refresher, clock=clock,
+            is_final=lambda record: record is not None and record.disabled_at is not None,
         )
         # Every answer is a row here ("not revoked" is the common one), and lookups follow a
         # valid signature, so no budget: a caller cannot choose a token's jti without a signing key.
-        self._revoked = LookupCache(cache_ttl_s, is_miss=lambda _: False, refresher=self._refresher, clock=clock)
+        # "Revoked" is final (its row is purged only once the token has expired anyway).
+        self._revoked = LookupCache(
+            cache_ttl_s, is_miss=lambda _: False, is_final=lambda revoked: revoked is True,
+            refresher=self._refresher, clock=clock,
+        )
 
     def _connect(self, read: bool = False):
         # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: on one

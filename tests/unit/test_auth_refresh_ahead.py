@@ -380,3 +380,58 @@ def _settle(refresher: Refresher) -> None:
             return
         threading.Event().wait(0.001)
     raise AssertionError(f"{refresher.pending} re-reads still pending after 30 s")
+
+
+def test_a_final_row_is_kept_and_never_read_again():
+    clock, jobs, registry = Clock(), Jobs(), Registry("active")
+    cache = _cache(clock, jobs, is_final=lambda value: value == "revoked")
+    assert _read(cache, registry) == "active"
+    registry.value = "revoked"
+    clock.now += TTL_S * 1.01
+    assert _read(cache, registry) == "revoked" and registry.reads == ["request", "request"]
+    for _ in range(20):  # twenty TTLs of steady use: no expiry, no re-read
+        clock.now += TTL_S * 0.6
+        assert _read(cache, registry) == "revoked"
+    assert not jobs and registry.reads == ["request", "request"]
+    cache.forget("k")  # this process's own write still drops it
+    assert _read(cache, registry) == "revoked" and registry.reads == ["request", "request", "request"]
+
+
+def test_a_revoked_key_or_token_costs_the_registry_nothing_once_refused(tmp_path):
+    """A client that goes on sending a credential revoked in another region's router: refused
+    within the TTL, then from memory for good (revocation cannot be undone), not read twice
+    every TTL as a live key is."""
+    clock = Clock()
+    auth, database = _router(tmp_path, clock)
+    key, record = auth.keys.create_key(owner="alice", tier="standard")
+    _, token_key = auth.keys.create_key(owner="bob", tier="standard")
+    token_claims = claims(auth, sub=token_key.key_id, scope="inference")
+    token = sign(current_key(auth), token_claims)
+    peer = auth.keys.__class__(auth.args.key_store())  # a peer's router, same registry
+
+    async def hammer():
+        codes: dict[str, set] = {"key": set(), "token": set()}
+        for credential in (key, token):
+            await auth.authenticate_async(f"Bearer {credential}", scope=SCOPE_INFERENCE)
+        peer.revoke_key(record.key_id)
+        peer.revoke_jti(token_claims["jti"], purge_after=int(token_claims["exp"]))
+        queries_at = {}
+        for step in range(1, 121):  # a minute, every 0.5 s: twelve TTLs
+            clock.now += 0.5
+            for name, credential in (("key", key), ("token", token)):
+                try:
+                    await auth.authenticate_async(f"Bearer {credential}", scope=SCOPE_INFERENCE)
+                except APIError as err:
+                    codes[name].add(err.code)
+            await asyncio.to_thread(_settle, auth.keys._refresher)
+            queries_at[step] = database.queries
+        return codes, queries_at
+
+    try:
+        codes, queries_at = asyncio.run(hammer())
+    finally:
+        auth.keys.close()
+        peer.close()
+    assert codes == {"key": {"api_key_revoked"}, "token": {"token_revoked"}}
+    refused_by = int(TTL_S / 0.5)  # both refused within the TTL, each after one query
+    assert queries_at[refused_by] > queries_at[1] and queries_at[120] == queries_at[refused_by]
