@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from serve_app.devtools.local_services import free_port, wait_healthy
+from serve_app.runtime import cpus
 
 # Ray starts its worker processes (the Serve replicas, hence our engine) at nice 15. On a 2-core
 # machine a bare vLLM at nice 0 would win every scheduling contest against the router and proxy
@@ -35,6 +36,19 @@ def vllm_command(flags: list[str], port: int, niceness: int | None) -> list[str]
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *flags,
                "--host", "127.0.0.1", "--port", str(port)]
     return ["nice", "-n", str(niceness), *command] if niceness is not None else command
+
+
+def place_like_ours(pid: int) -> None:
+    """Bare vLLM's engine core beside its worker, as a model replica places its own on this host
+    (``runtime/cpus.py``: wherever `make run` pins its gateway, here or as
+    ``SERVE_APP_GATEWAY_CPUS`` says): the ratio then compares gateways, not engine placements. The
+    benchmark's engine check reads both sides' engine cores and says if they still differ."""
+    setting = cpus.local_setting()
+    if not setting:
+        return
+    for core, where in cpus.place_engine_cores("bare vLLM", pid, {cpus.GATEWAY_CPUS_ENV: setting}).items():
+        placed = f"on CPUs {sorted(where)}, beside its worker" if where else "left where it is"
+        print(f"bare vLLM's engine core {core} {placed} (as ours on this host)")
 
 
 @contextmanager
@@ -63,6 +77,7 @@ def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS):
 
         wait_healthy(url, 600, failed=exited)
         print(f"bare vLLM ready after {time.monotonic() - started:.1f} s")
+        place_like_ours(process.pid)
         yield url, model.id
     finally:
         process.terminate()

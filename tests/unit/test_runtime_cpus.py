@@ -12,6 +12,7 @@ import pytest
 from serve_app.runtime.cpus import (
     GATEWAY_CPUS_ENV,
     HOST_CPUS_ENV,
+    engine_core_beside_worker,
     gateway_cpus,
     local_default,
     local_setting,
@@ -190,3 +191,138 @@ def test_a_node_start_with_a_bad_value_fails_before_the_command_runs():
     done = subprocess.run([sys.executable, "-m", "serve_app.runtime.cpus", "true"], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, GATEWAY_CPUS_ENV: "first"}, timeout=60)
     assert done.returncode != 0 and GATEWAY_CPUS_ENV in done.stderr and "Traceback" not in done.stderr
+
+
+# A stand-in for vLLM's engine: a process titled as its engine core, which starts one titled as its
+# worker (``WORKER_TITLE``); the worker binds its threads to ``WORKER_CPUS`` (as vLLM's CPU worker
+# binds its OpenMP threads: all to one core here, one core each on a larger host), then both say
+# so and wait for stdin to close.
+FAKE_ENGINE = (
+    "import os, subprocess, sys, threading\n"
+    "open('/proc/self/comm', 'w').write('VLLM::EngineCore')\n"
+    "threading.Thread(target=threading.Event().wait, daemon=True).start()  # a thread started before\n"
+    "worker = subprocess.Popen([sys.executable, '-c', sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE)\n"
+    "worker.stdout.readline()\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read(); worker.communicate(b'')\n"
+)
+FAKE_WORKER = (
+    "import os, sys, threading\n"
+    "open('/proc/self/comm', 'w').write(os.environ.get('WORKER_TITLE', 'VLLM::Worker'))\n"
+    "cpus = [int(c) for c in os.environ['WORKER_CPUS'].split(',')]\n"
+    "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+    "if os.environ.get('ONE_CPU_PER_THREAD'):\n"
+    "    for cpu, tid in zip(cpus, sorted(os.listdir('/proc/self/task'), key=int)):\n"
+    "        os.sched_setaffinity(int(tid), {cpu})\n"
+    "else:\n"
+    "    for tid in os.listdir('/proc/self/task'):\n"
+    "        os.sched_setaffinity(int(tid), set(cpus))\n"
+    "print('bound', flush=True); sys.stdin.read()\n"
+)
+# The fake engine below a process of its own (as below a model replica), so that only it is looked
+# at, never an engine of another test's Ray below pytest.
+UNDER_A_PARENT = "import subprocess, sys; subprocess.run(sys.argv[1:])"
+
+
+@needs_two
+def test_once_the_engine_is_up_its_engine_core_runs_beside_its_worker_and_the_starter_on_the_gateway():
+    """In ``engine_start`` (a model replica's engine start, `make run`'s placement): the engine
+    core is born with the whole host; once the engine is up, every thread of it is on the CPUs its
+    worker's threads are bound to, and the starting process is back on the gateway's CPU."""
+    first, last = HOST[0], HOST[-1]
+    script = (
+        "import json, logging, os, subprocess, sys\n"
+        "from serve_app.runtime.cpus import engine_start\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"engine_argv = [sys.executable, '-c', {FAKE_ENGINE!r}, {FAKE_WORKER!r}]\n"
+        "with engine_start('test'):\n"
+        "    engine = subprocess.Popen(engine_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+        "    born = sorted(os.sched_getaffinity(engine.pid))\n"
+        "    engine.stdout.readline()  # the engine is up\n"
+        "def masks(pid):\n"
+        "    return sorted({tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir(f'/proc/{pid}/task')})\n"
+        "print(json.dumps([born, masks(engine.pid), masks(os.getpid())]), flush=True)\n"
+        "engine.communicate('')\n"
+    )
+    env = {**os.environ, GATEWAY_CPUS_ENV: str(last), "WORKER_CPUS": str(first)}
+    done = subprocess.run([sys.executable, "-m", "serve_app.runtime.cpus", sys.executable, "-c", script],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True)
+    born, engine_core, starter = json.loads(done.stdout)
+    assert born == HOST  # vLLM binds its worker as it would without us
+    assert engine_core == [[first]]  # every thread, the one started before included
+    assert starter == [[last]]
+    assert "test: engine core" in done.stderr and f"on CPUs [{first}], beside its worker" in done.stderr
+
+
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The distinct masks of ``pid``'s threads."""
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+class FakeEngine:
+    """The stand-in engine, under a parent of its own, once its worker has bound its threads."""
+
+    def __init__(self, worker_cpus: list[int], **env: str):
+        env = {**os.environ, "WORKER_CPUS": ",".join(map(str, worker_cpus)), **env}
+        self.parent = subprocess.Popen([sys.executable, "-c", UNDER_A_PARENT, sys.executable, "-c", FAKE_ENGINE,
+                                        FAKE_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.parent.stdout.readline()
+        self.core = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(int(p)) == self.parent.pid)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.parent.communicate("", timeout=30)
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+@needs_two
+def test_an_engine_core_whose_worker_may_run_anywhere_stays_where_it_is():
+    with FakeEngine(HOST) as engine:
+        assert engine_core_beside_worker({HOST[-1]}, engine.parent.pid) == {engine.core: None}
+        assert thread_cpus(engine.core) == {frozenset(HOST)}
+
+
+@needs_two
+def test_a_worker_named_as_one_of_several_is_found():
+    with FakeEngine([HOST[0]], WORKER_TITLE="VLLM::Worker_TP0") as engine:
+        assert engine_core_beside_worker({HOST[-1]}, engine.parent.pid) == {engine.core: {HOST[0]}}
+        assert thread_cpus(engine.core) == {frozenset({HOST[0]})}
+
+
+@pytest.mark.skipif(len(HOST) < 3, reason="needs a CPU that is neither the worker's nor the gateway's")
+def test_an_engine_core_with_a_cpu_of_its_own_besides_the_gateways_stays_where_it_is():
+    """Only the measured layout moves: the engine core's CPUs are its worker's and gateway CPUs."""
+    with FakeEngine([HOST[0]]) as engine:
+        assert engine_core_beside_worker({HOST[-1]}, engine.parent.pid) == {engine.core: None}
+        assert thread_cpus(engine.core) == {frozenset(HOST)}
+
+
+@pytest.mark.skipif(len(HOST) < 3, reason="a worker on a strict subset of two CPUs needs three")
+def test_the_engine_core_joins_all_of_its_workers_cpus_not_its_main_threads_alone():
+    """On a larger host vLLM binds each OpenMP thread to a core of its own: the engine core gets
+    them all (the worker's main thread alone is on one)."""
+    with FakeEngine(HOST[:2], ONE_CPU_PER_THREAD="1") as engine:
+        assert engine_core_beside_worker(set(HOST[2:]), engine.parent.pid) == {engine.core: set(HOST[:2])}
+        assert thread_cpus(engine.core) == {frozenset(HOST[:2])}
+
+
+@needs_two
+def test_the_benchmark_places_bare_vllms_engine_core_as_a_replica_does_and_only_where_make_run_pins(monkeypatch):
+    from serve_app.bench import vllm
+
+    with FakeEngine([HOST[0]]) as engine:
+        monkeypatch.setenv(GATEWAY_CPUS_ENV, "")  # `make run` pinning nothing: nor does the benchmark
+        vllm.place_like_ours(engine.parent.pid)
+        assert thread_cpus(engine.core) == {frozenset(HOST)}
+        monkeypatch.setenv(GATEWAY_CPUS_ENV, str(HOST[-1]))
+        vllm.place_like_ours(engine.parent.pid)
+        assert thread_cpus(engine.core) == {frozenset({HOST[0]})}
