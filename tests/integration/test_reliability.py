@@ -16,7 +16,7 @@ from serve_app.app import LOCAL_RAY_ENV
 from serve_app.faults import cluster, fuzz, scenarios
 from serve_app.faults.cli import SIZES
 from serve_app.faults.engine_kill import engine_kill
-from serve_app.runtime.cpus import gateway_cpus
+from serve_app.runtime.cpus import gateway_cpus, host_cpus
 
 pytestmark = pytest.mark.integration
 QUICK = SIZES["quick"]
@@ -120,7 +120,10 @@ def _thread_masks(pid: int) -> set[frozenset[int]]:
 def test_on_one_host_the_gateway_keeps_off_the_engine_workers_cores(serve_app):
     """The session runs with LOCAL_RAY_ENV, which names the host's last CPU (runtime/cpus.py):
     every thread of the router and model replica actors is there; the engine core, born before
-    its replica pinned itself, keeps the whole host, so vLLM binds its worker as it would."""
+    its replica pinned itself, had the whole host, so vLLM bound its worker as it would, and
+    then went beside its worker: every thread of it on the worker's CPUs, none on the gateway's
+    (where its CPUs were the worker's and the gateway's alone, as on a 2-core host; else it keeps
+    what it was born with)."""
     gateway = gateway_cpus(LOCAL_RAY_ENV)
     if gateway is None:
         pytest.skip("nothing to keep off: a one-core host, or SERVE_APP_GATEWAY_CPUS set empty")
@@ -131,7 +134,14 @@ def test_on_one_host_the_gateway_keeps_off_the_engine_workers_cores(serve_app):
     for actor in actors:
         assert _thread_masks(actor.pid) == {frozenset(gateway)}, actor.deployment
     core = models[0].engine_core()
-    assert core is not None and os.sched_getaffinity(core.pid) > gateway
+    assert core is not None
+    workers = [child for child in core.children(recursive=True) if child.name().startswith("VLLM::Worker")]
+    worker_cpus = frozenset().union(*(mask for worker in workers for mask in _thread_masks(worker.pid)))
+    assert worker_cpus and worker_cpus.isdisjoint(gateway)
+    if host_cpus() - worker_cpus <= gateway:
+        assert _thread_masks(core.pid) == {worker_cpus}
+    else:
+        assert os.sched_getaffinity(core.pid) > gateway
 
 
 def test_trace_is_405_with_allow(base_url):
