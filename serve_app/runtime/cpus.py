@@ -241,8 +241,8 @@ def place_engine_cores(process: str, parent: int | None = None,
         logger.warning("%s: no vLLM engine core found below it to place beside its worker", process)
     for core, workers in placed.items():
         if workers is None:
-            logger.info("%s: engine core %d left where it is (its worker is not bound beside the gateway's "
-                        "CPUs alone)", process, core)
+            logger.info("%s: engine core %d left where it is (its CPUs are not its worker's and the "
+                        "gateway's alone, or its worker is bound to none in particular)", process, core)
         else:
             logger.info("%s: engine core %d on CPUs %s, beside its worker", process, core, sorted(workers))
     return placed
