@@ -12,6 +12,7 @@ import pytest
 from serve_app.runtime.cpus import (
     GATEWAY_CPUS_ENV,
     HOST_CPUS_ENV,
+    _process_tree,
     engine_core_beside_worker,
     gateway_cpus,
     local_default,
@@ -267,21 +268,13 @@ class FakeEngine:
         self.parent = subprocess.Popen([sys.executable, "-c", UNDER_A_PARENT, sys.executable, "-c", FAKE_ENGINE,
                                         FAKE_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.parent.stdout.readline()
-        self.core = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_of(int(p)) == self.parent.pid)
+        self.core = next(pid for pid, (parent, _) in _process_tree().items() if parent == self.parent.pid)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.parent.communicate("", timeout=30)
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 @needs_two
