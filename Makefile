@@ -31,11 +31,16 @@ run: export SERVE_APP_DEV_API_KEY := $(SERVE_APP_DEV_API_KEY)
 # to the router's own port (direct ingress): docs/architecture.md, "The token path".
 run: export RAY_SERVE_ENABLE_HA_PROXY := 1
 run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
-# What an idle cluster costs (serve_app/app.py IDLE_ENV): the Serve controller's loop every 0.5 s
-# instead of 0.1 s, no idle worker kept in the raylet's pool, Serve's metrics handed on every 1 s.
-run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 0.5
+# What an idle cluster costs (serve_app/app.py IDLE_ENV): the Serve controller's loop every 1 s
+# instead of 0.1 s, no idle worker kept in the raylet's pool, Serve's metrics handed on every 1 s,
+# the dashboard agent's stats every 10 s and its event-file scan every 10 s, the dashboard's own
+# gauges every 60 s.
+run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 1.0
 run: export RAY_num_workers_soft_limit := 0
 run: export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS := 1000
+run: export REPORTER_UPDATE_INTERVAL_MS := 10000
+run: export SCAN_EVENT_DIR_INTERVAL_SECONDS := 10
+run: export METRICS_RECORD_INTERVAL_S := 60
 # And on this machine (serve_app/app.py LOCAL_RAY_ENV): the log monitor lists the log directory
 # every 0.5 s, not on each of its 0.1 s passes.
 run: export RAY_LOG_MONITOR_MANY_FILES_THRESHOLD := 0

@@ -28,7 +28,8 @@ Calls a router sent on a replica's direct line (``router.handle_transport: direc
 (``record_autoscaling_stats``, ``LINE_CALLS_METRIC``) and the policy adds them to Serve's count
 (``_with_line_calls``), for scaling and for an unload's wait alike.
 
-Serve runs the policy in its controller, once per control-loop tick (~0.1 s). The wanted state is
+Serve runs the policy in its controller, once per control-loop pass (every
+``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``: 1 s as serve_app.app.IDLE_ENV sets it). The wanted state is
 read from the GCS key-value store at most once a second. The policy class is pickled by value when
 the config is deployed; what it imports is imported in the controller, so it stays small.
 """

@@ -22,12 +22,16 @@ locals {
     # loopback, not its IP (serve_app/haproxy/; the image links the launcher there).
     { name = "RAY_SERVE_ENABLE_HA_PROXY", value = "1" },
     { name = "RAY_SERVE_HAPROXY_BINARY_PATH", value = local.haproxy_launcher },
-    # What an idle cluster costs (serve_app.app.IDLE_ENV): the Serve controller's loop every 0.5 s,
+    # What an idle cluster costs (serve_app.app.IDLE_ENV): the Serve controller's loop every 1 s,
     # not 0.1 s; no idle worker kept in the raylet's pool (each costs ~0.7 % of a core doing
-    # nothing); Serve's cached metrics handed to Ray's every 1 s, not 100 ms.
-    { name = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", value = "0.5" },
+    # nothing); Serve's cached metrics handed to Ray's every 1 s, not 100 ms; the dashboard
+    # agent's node stats and event-file scan every 10 s; the dashboard's own gauges every 60 s.
+    { name = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", value = "1.0" },
     { name = "RAY_num_workers_soft_limit", value = "0" },
     { name = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS", value = "1000" },
+    { name = "REPORTER_UPDATE_INTERVAL_MS", value = "10000" },
+    { name = "SCAN_EVENT_DIR_INTERVAL_SECONDS", value = "10" },
+    { name = "METRICS_RECORD_INTERVAL_S", value = "60" },
     # The model replicas' stream listeners take their port from this range, the one the
     # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
