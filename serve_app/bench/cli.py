@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -27,7 +28,7 @@ from serve_app.bench.setting import bench_setting, config_with, summary_table
 from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
 from serve_app.devtools.local_services import wait_healthy
-from serve_app.devtools.serve_cli import deploy_or_raise
+from serve_app.devtools.serve_cli import deploy_or_raise, serve_status, settled
 from serve_app.paths import REPO_ROOT
 
 # Options both commands take.
@@ -352,8 +353,9 @@ def setting(
         typer.echo(f"warning: CPU not counted: {err}", err=True)
 
     async def deploy(document: dict) -> None:
+        deployed_at = time.time()
         await asyncio.to_thread(deploy_or_raise, document)
-        await _until_healthy(url)
+        await _until_applied(url, deployed_at)
 
     async def apply(value) -> None:
         await deploy(config_with(base, name, value))
@@ -379,8 +381,16 @@ def setting(
     typer.echo(f"wrote {where}")
 
 
-async def _until_healthy(url: str, timeout_s: float = 120.0) -> None:
-    """After a deploy: Serve applies a user_config within a second or two; wait for that, then for
-    /health to answer 200 (``wait_healthy``: RuntimeError past ``timeout_s``)."""
-    await asyncio.sleep(3.0)
-    await asyncio.to_thread(wait_healthy, url, timeout_s, poll_s=1.0)
+async def _until_applied(url: str, deployed_at: float, timeout_s: float = 120.0) -> None:
+    """After a deploy: wait until Serve has applied it (every application deployed since
+    ``deployed_at`` and RUNNING with only RUNNING replicas: ``serve_cli.settled``; a user_config
+    change takes a few control-loop passes, a second each), then for /health to answer 200
+    (``wait_healthy``). RuntimeError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(lambda: settled(serve_status(), deployed_at)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"serve deploy not applied within {timeout_s:.0f} s (serve status)")
+        await asyncio.sleep(1.0)
+    await asyncio.to_thread(wait_healthy, url, max(1.0, deadline - time.monotonic()), poll_s=1.0)
+
+

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +68,41 @@ def deploy_or_raise(config: dict[str, Any], dashboard: str | None = None) -> Non
     deployed = serve_deploy(config, dashboard)
     if deployed.returncode:
         raise RuntimeError(f"serve deploy failed: {(deployed.stderr or deployed.stdout)[-800:]}")
+
+
+def serve_status(dashboard: str | None = None) -> dict[str, Any]:
+    """``serve status`` of the whole instance as a dict (the CLI's YAML: ``applications[name]``
+    with ``status``, ``last_deployed_time_s`` and ``deployments[name].replica_states``)."""
+    command = [str(Path(sys.executable).with_name("serve")), "status"]
+    if dashboard is not None:
+        command += ["--address", dashboard]
+    run = subprocess.run(command, capture_output=True, text=True, env=cli_env())
+    if run.returncode:
+        raise RuntimeError(f"serve status failed: {(run.stderr or run.stdout)[-800:]}")
+    return yaml.safe_load(run.stdout) or {}
+
+
+def _name(value: Any) -> str:
+    """A status as Serve names it, from its enum (``serve.status()``) or the CLI's plain string."""
+    return str(getattr(value, "value", value))
+
+
+def settled(status: Mapping[str, Any], deployed_at: float, apps: Iterable[str] | None = None) -> bool:
+    """Whether every application in ``apps`` (every one in ``status`` when None) was deployed
+    since ``deployed_at`` (unix time) and is RUNNING with only RUNNING replicas: none starting,
+    updating or draining, so what the deploy changed is what now serves. ``status`` is
+    ``serve_status()``'s dict or ``dataclasses.asdict(serve.status())``. A deployment with no
+    replica counts as settled (a model application's ingress entry never runs one; a cold model
+    has none)."""
+    applications = status.get("applications") or {}
+    for name in applications if apps is None else apps:
+        application = applications.get(name)
+        if application is None or _name(application.get("status")) != "RUNNING":
+            return False
+        if (application.get("last_deployed_time_s") or 0) < deployed_at:
+            return False
+        for deployment in (application.get("deployments") or {}).values():
+            replicas = deployment.get("replica_states") or {}
+            if {_name(state) for state, count in replicas.items() if count} - {"RUNNING"}:
+                return False
+    return bool(applications)

@@ -33,11 +33,10 @@ import yaml
 
 from serve_app.bench.stats import percentile
 from serve_app.config import TINY_MODEL_SOURCE
-from serve_app.devtools.serve_cli import serve_deploy
+from serve_app.devtools.serve_cli import serve_deploy, settled as applications_settled
 from serve_app.faults import cluster
 from serve_app.faults.scenarios import MODEL_DEPLOYMENT, MODEL_ID, _client, model_app
 from serve_app.faults.traffic import Outcome, chat_body, count, stream_chat
-from serve_app.hot_load.tracker import status_name
 from serve_app.regions import layout
 
 Change = Callable[[dict[str, Any]], None]  # edits a region's settings (AppArgs, as written)
@@ -103,23 +102,12 @@ def _pids(app: str) -> dict[str, list[int]]:
 
 
 def _settled(apps: list[str], deployed_at: float) -> bool:
-    """Every application deployed since ``deployed_at`` (unix time), RUNNING, with only RUNNING
-    replicas (none starting, none draining). A deployment with no replica at all is settled too: a
-    model application's ingress entry never runs one, and a cold model has none."""
+    """``serve_cli.settled`` for ``apps``, read through this driver's connection to Ray."""
+    from dataclasses import asdict
+
     from ray import serve
 
-    status = serve.status()
-    for name in apps:
-        application = status.applications.get(name)
-        if application is None or status_name(application.status) != "RUNNING":
-            return False
-        if application.last_deployed_time_s < deployed_at:
-            return False
-        for deployment in application.deployments.values():
-            states = {status_name(state) for state, n in deployment.replica_states.items() if n}
-            if states - {"RUNNING"}:
-                return False
-    return True
+    return applications_settled(asdict(serve.status()), deployed_at, apps)
 
 
 async def wait_settled(app: str, deployed_at: float, *, replaced: list[int] | None, timeout_s: float) -> float | None:

@@ -3,7 +3,6 @@ three kinds it reports on (Serve's own code says what each restarts, ``serve_emu
 each touches its region only, and "settled" means what it says."""
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 from ray import serve
@@ -13,6 +12,7 @@ from serve_app.faults import redeploy
 from serve_emulation import RECONFIGURE, RESTART, SAME, what_a_redeploy_does
 from serve_app.regions import layout
 from tests.conftest import load_serve_config
+from tests.unit.serve_status import serve_status
 
 LOCAL_ROUTER, LOCAL_MODEL = ("llm", "Router"), ("llm-qwen-3.6-35b-a3b", "model-qwen-3.6-35b-a3b")
 PEER_ROUTER, PEER_MODEL = ("peer", "Router"), ("peer-qwen-3.6-35b-a3b", "model-qwen-3.6-35b-a3b")
@@ -58,11 +58,11 @@ def test_the_model_changes_together_are_each_of_them_in_one_config(deployed):
 
 
 def _status(app_status="RUNNING", replicas=None, deployed=100.0, entry=None):
-    deployments = {"d": SimpleNamespace(replica_states=replicas or {"RUNNING": 1})}
+    deployments = {"d": replicas or {"RUNNING": 1}}
     if entry is not None:  # a model application's ingress entry, which never runs a replica
-        deployments["ModelEntry"] = SimpleNamespace(replica_states=entry)
-    app = SimpleNamespace(status=app_status, last_deployed_time_s=deployed, deployments=deployments)
-    return SimpleNamespace(applications={"llm": app, "llm-qwen-3.6-35b-a3b": app})
+        deployments["ModelEntry"] = entry
+    app = (app_status, deployed, deployments)
+    return serve_status({"llm": app, "llm-qwen-3.6-35b-a3b": app})
 
 
 @pytest.mark.parametrize("status, settled", [

@@ -4,11 +4,13 @@ driver's ``RAY_ADDRESS``; and "a token exists" means what Ray's own loader says 
 
 import json
 import subprocess
+from dataclasses import asdict
 import sys
 
 import pytest
 
 from serve_app.devtools.serve_cli import cli_env, token_available
+from tests.unit.serve_status import as_printed, serve_status
 
 
 @pytest.fixture
@@ -89,3 +91,26 @@ def test_token_available_agrees_with_rays_loader(where, home, tmp_path):
         return
     assert ray.returncode == 0, ray.stderr[-2000:]
     assert token_available(env, home) is json.loads(ray.stdout.strip().splitlines()[-1])
+
+
+
+# ``settled``: what a deploy waits for before it measures or changes anything more. Both shapes it
+# reads: ``asdict(serve.status())`` (Serve's enums) and what ``serve status`` prints (plain strings).
+@pytest.mark.parametrize("as_read", [asdict, as_printed], ids=["serve.status()", "serve status CLI"])
+def test_settled_means_deployed_since_running_and_every_replica_running(as_read):
+    from serve_app.devtools.serve_cli import settled
+
+    def status(**apps):
+        return as_read(serve_status({name: (s, t, {"D": replicas}) for name, (s, t, replicas) in apps.items()}))
+
+    running = ("RUNNING", 100.0, {"RUNNING": 2})
+    assert settled(status(llm=running, model=("RUNNING", 100.0, {})), 99.0)  # a replica-less ingress too
+    assert not settled(status(llm=running), 101.0)  # not yet applied: deployed before the call
+    assert not settled(status(llm=("DEPLOYING", 100.0, {"RUNNING": 2})), 99.0)
+    for state in ("STARTING", "UPDATING", "STOPPING", "RECOVERING"):
+        assert not settled(status(llm=("RUNNING", 100.0, {"RUNNING": 1, state: 1})), 99.0), state
+    assert settled(status(llm=("RUNNING", 100.0, {"RUNNING": 1, "STOPPING": 0})), 99.0)  # a zero count
+    other = status(llm=running, old=("DEPLOYING", 50.0, {"STARTING": 1}))
+    assert settled(other, 99.0, apps=["llm"]) and not settled(other, 99.0)  # only the ones named
+    assert not settled(status(llm=running), 99.0, apps=["llm", "missing"])
+    assert not settled({}, 0.0) and not settled({"applications": {}}, 0.0)  # nothing deployed
