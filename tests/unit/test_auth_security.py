@@ -9,6 +9,7 @@ import pytest
 
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
 from serve_app.auth.tokens import SigningKey
+from tests.unit.fake_processes import Clock
 from tests.unit.auth_support import (
     DEV_KEY,
     MODEL,
@@ -257,12 +258,15 @@ def test_the_dev_key_is_only_a_key_when_its_env_var_is_set(tmp_path):
 
 
 def test_key_store_edits_reach_a_running_authenticator_after_the_cache_ttl(tmp_path):
-    auth = authenticator(tmp_path, cache_ttl_s=0.5)
+    auth = authenticator(tmp_path, cache_ttl_s=5)
+    clock = Clock()  # the key cache's, moved by the test: a slow host cannot expire a row early
+    auth.keys = KeyStore(auth.args.key_store(), cache_ttl_s=5, clock=clock)
     client = router_client(auth)
     cli_store = KeyStore(auth.args.key_store())  # what `serve-app keys ...` opens
     key, record = cli_store.create_key(owner="dave", tier="standard")
     assert chat(client, key).status_code == 200  # a new key works at once (first lookup)
     cli_store.revoke_key(record.key_id)
+    clock.now += 2.4
     assert chat(client, key).status_code == 200  # cached for up to cache_ttl_s
-    time.sleep(0.6)
+    clock.now += 2.7
     assert chat(client, key).status_code == 401

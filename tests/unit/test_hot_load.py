@@ -497,7 +497,7 @@ def test_health_answers_from_the_last_view_while_serve_is_slow_to_say():
         await states.ensure_fresh(max_status_age_s=2.0, wait_s=0.05)
         assert not states._pending.done()  # it answered without waiting for Serve
         assert states.get(MODEL).state == "loaded"  # the last view
-        await asyncio.sleep(0.7)
+        await asyncio.wait_for(asyncio.shield(states._pending), 10)  # however slow the host
         assert states.get(MODEL).state == "recovering"  # the refresh it started has landed
         states.stop()
 

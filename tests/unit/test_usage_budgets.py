@@ -318,11 +318,12 @@ def test_an_unreachable_store_fails_open_for_unknown_keys_and_keeps_known_ones(s
 
 def test_a_read_overtaken_by_batches_counts_all_of_them_for_its_waiters(sqlite_store, tmp_path):
     sqlite_store.set_budget("k1", tokens_per_day=300, tokens_per_month=None)
-    release = threading.Event()
+    read_done, release = threading.Event(), threading.Event()
     read = sqlite_store.budget_state
 
     def slow_read(key_id, **kwargs):  # reads, then is slow to answer
         answer = read(key_id, **kwargs)
+        read_done.set()
         release.wait(5)
         return answer
 
@@ -335,7 +336,9 @@ def test_a_read_overtaken_by_batches_counts_all_of_them_for_its_waiters(sqlite_s
             ledger.record(usage_record(day="2026-12-01", prompt=prompt, completion=0))
         sqlite_store.budget_state = slow_read
         early = asyncio.create_task(guard.check("k1"))
-        await asyncio.sleep(0.05)  # its read is under way, in a thread, and has not seen the records
+        # Its read has been made, in a thread, and has not seen the records (waited for, not slept
+        # on: a loaded host may start the thread after the flush below).
+        assert await asyncio.to_thread(read_done.wait, 5)
         await ledger.flush()  # two batches written: no longer pending, and not in what that read saw
         release.set()
         # Its waiters count both batches: 100 spent, not 0 or 60 (which would admit too much).
