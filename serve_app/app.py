@@ -34,8 +34,10 @@ logger = module_logger(__name__)
 # What an idle cluster costs (docs/benchmarks.md, "The idle tax", "The idle floor"):
 # - the Serve controller's loop every 1 s, not Ray's 0.1 s: idle, it was the cluster's busiest
 #   process (8 % of a core on 2 cores; 1.2 % at 0.5 s, 0.9 % at 1 s, three GCS calls a pass plus
-#   the autoscaling policies); a replica's health, autoscaling and a deploy's next step are handled
-#   at most a second later, against health checks every 10 s and replicas that start in minutes;
+#   the autoscaling policies); Serve acts on what it learns up to a second after, not half a
+#   second: a model replica's health checks (every 2 s, three failures) end ~1 s later, and a
+#   rollout's steps (replica up, routers told, old replica stopped) add ~2-4 s, against replicas
+#   that take minutes to start;
 # - no idle worker kept in the raylet's pool (Ray keeps up to one per CPU): every process of ours
 #   is an actor with a worker of its own, and Serve builds each application in a one-call task,
 #   so a pooled worker only ever waits, at ~0.7 % of a core (its main thread, which Ray's core
@@ -43,10 +45,12 @@ logger = module_logger(__name__)
 # - Serve's cached metrics handed to Ray's metrics API every 1 s, not every 100 ms: every router,
 #   replica and proxy ran that loop ten times a second (their event-loop threads, idle: 2.0 →
 #   1.5 % of a core); Ray's agent exports every 10 s, so a scrape sees the same figures;
-# - the dashboard agent's node and process stats (psutil over every Ray process) every 10 s, not
-#   5 s, and its scan of Ray's event files every 10 s, not 2 s; the dashboard's gauges of its own
-#   CPU and memory (a read of /proc/<pid>/smaps_rollup for each of its processes, its largest
-#   periodic cost) every 60 s, not 5 s (docs/benchmarks.md, "The control plane's intervals").
+# - the dashboard agent's node and process stats (psutil over every Ray process: Prometheus reads
+#   them at most 10 s old) every 10 s, not 5 s, and the scan of Ray's event files (the agent's and
+#   the dashboard's events page) every 10 s, not 2 s; the dashboard's gauges of itself (CPU and
+#   memory: a read of /proc/<pid>/smaps_rollup per process, its largest periodic cost; its event
+#   loop's lag, now the most over a minute) every 60 s, not 5 s (docs/benchmarks.md, "The control
+#   plane's intervals").
 IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_num_workers_soft_limit": "0",
             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "REPORTER_UPDATE_INTERVAL_MS": "10000",
             "SCAN_EVENT_DIR_INTERVAL_SECONDS": "10", "METRICS_RECORD_INTERVAL_S": "60"}
