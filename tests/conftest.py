@@ -29,7 +29,7 @@ def postgres_dsn():
     """A real PostgreSQL server for the session (Debian's package; ``tests/postgres_server.py``)."""
     from tests.postgres_server import postgres_server
 
-    with postgres_server(free_port()) as dsn:
+    with postgres_server(free_port) as dsn:
         yield dsn
 
 

@@ -8,6 +8,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,8 +38,10 @@ def new_database(server_dsn: str, name: str | None = None) -> str:
 
 
 @contextmanager
-def postgres_server(port: int):
-    """Yield a DSN of a new, empty database on 127.0.0.1:``port``."""
+def postgres_server(free_port: Callable[[], int], attempts: int = 3):
+    """Yield a DSN of a new, empty database on 127.0.0.1, on a port ``free_port`` picks. The port
+    is picked after ``initdb`` (seconds), just before the server binds it, and picked again if
+    another process took it meanwhile (a Ray cluster starting beside the tests binds many)."""
     root = Path(tempfile.mkdtemp(prefix="serve-app-pg-"))
     data, sockets = root / "data", root / "sockets"
     sockets.mkdir()
@@ -50,11 +53,18 @@ def postgres_server(port: int):
         _as_server_user([_binary("initdb"), "-D", str(data), "-U", "serve_app", "--auth=trust", "-E", "UTF8"]),
         check=True, capture_output=True,
     )
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {sockets} -c fsync=off"
-    subprocess.run(
-        _as_server_user([_binary("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start"]),
-        check=True, capture_output=True,
-    )
+    for attempt in range(attempts):
+        port = free_port()
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {sockets} -c fsync=off"
+        started = subprocess.run(
+            _as_server_user([_binary("pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "start"]),
+            capture_output=True, text=True,
+        )
+        if started.returncode == 0:
+            break
+        said = log.read_text(errors="replace") if log.exists() else ""
+        if attempt + 1 == attempts or "could not bind" not in said:
+            raise RuntimeError(f"PostgreSQL did not start on port {port}: {started.stderr[-400:]}{said[-800:]}")
     try:
         yield f"postgresql://serve_app@127.0.0.1:{port}/postgres"
     finally:
