@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from serve_app.hot_load.tracker import status_name  # Serve's enum or the CLI's string alike
+
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
@@ -82,11 +84,6 @@ def serve_status(dashboard: str | None = None) -> dict[str, Any]:
     return yaml.safe_load(run.stdout) or {}
 
 
-def _name(value: Any) -> str:
-    """A status as Serve names it, from its enum (``serve.status()``) or the CLI's plain string."""
-    return str(getattr(value, "value", value))
-
-
 def settled(status: Mapping[str, Any], deployed_at: float, apps: Iterable[str] | None = None) -> bool:
     """Whether every application in ``apps`` (every one in ``status`` when None) was deployed
     since ``deployed_at`` (unix time) and is RUNNING with only RUNNING replicas: none starting,
@@ -97,12 +94,12 @@ def settled(status: Mapping[str, Any], deployed_at: float, apps: Iterable[str] |
     applications = status.get("applications") or {}
     for name in applications if apps is None else apps:
         application = applications.get(name)
-        if application is None or _name(application.get("status")) != "RUNNING":
+        if application is None or status_name(application.get("status")) != "RUNNING":
             return False
         if (application.get("last_deployed_time_s") or 0) < deployed_at:
             return False
         for deployment in (application.get("deployments") or {}).values():
             replicas = deployment.get("replica_states") or {}
-            if {_name(state) for state, count in replicas.items() if count} - {"RUNNING"}:
+            if {status_name(state) for state, count in replicas.items() if count} - {"RUNNING"}:
                 return False
     return bool(applications)
