@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -158,9 +159,15 @@ def _connects(host: str, port: int) -> bool:
         return False
 
 
-def _show_info_pid(admin_socket: Path, deadline: float) -> int:
-    """HAProxy's own pid, from its admin socket (as Ray's _get_running_pid asks), once it answers."""
+def _show_info_pid(admin_socket: Path, proc: subprocess.Popen, deadline: float) -> int | None:
+    """HAProxy's own pid, from its admin socket (as Ray's _get_running_pid asks), once it answers;
+    None if HAProxy exited first because one of its ports was taken (another is picked)."""
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            said = proc.stderr.read().decode(errors="replace")
+            if "cannot bind" in said:
+                return None
+            pytest.fail(f"HAProxy exited with {proc.returncode}: {said[-800:]}")
         try:
             with socket.socket(socket.AF_UNIX) as sock:
                 sock.connect(str(admin_socket))
@@ -172,24 +179,40 @@ def _show_info_pid(admin_socket: Path, deadline: float) -> int:
     pytest.fail("HAProxy's admin socket never answered")
 
 
+@contextmanager
+def _haproxy(node_dir: Path, env: dict[str, str] | None = None, attempts: int = 3):
+    """HAProxy run through the launcher on Ray's rendered config, as Ray's
+    HAProxyApi._start_and_wait_for_haproxy spawns it, once it answers: (process, stats port,
+    metrics port, config). Its ports are picked free and bound a moment later; one another process
+    took meanwhile is picked again."""
+    for _ in range(attempts):
+        stats, metrics = free_port(), free_port()
+        path = render_rays_config(node_dir, stats_port=stats, metrics_port=metrics, http_port=free_port())
+        proc = subprocess.Popen([*LAUNCH, "-db", "-f", str(path), "-dR"], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        try:
+            pid = _show_info_pid(node_dir / "admin.sock", proc, time.monotonic() + 30)
+            if pid is not None:
+                assert pid == proc.pid
+                yield proc, stats, metrics, path
+                return
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(timeout=30)
+            proc.stderr.close()
+    pytest.fail(f"HAProxy could not bind free ports in {attempts} tries")
+
+
 def test_haproxy_run_through_the_launcher_keeps_its_pid_and_refuses_stats_and_metrics_from_outside(node_dir):
     outward = _outward_ipv4()
     if outward is None:
         pytest.skip("this host has no non-loopback IPv4 address to connect from")
-    stats, metrics = free_port(), free_port()
-    path = render_rays_config(node_dir, stats_port=stats, metrics_port=metrics, http_port=free_port())
-    # As Ray's HAProxyApi._start_and_wait_for_haproxy spawns it.
-    proc = subprocess.Popen([*LAUNCH, "-db", "-f", str(path), "-dR"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        assert _show_info_pid(node_dir / "admin.sock", time.monotonic() + 30) == proc.pid
+    with _haproxy(node_dir) as (proc, stats, metrics, path):
         assert str(path) in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")
         for port in (stats, metrics):
             assert _connects("127.0.0.1", port)
             assert not _connects(outward, port), f"port {port} answers on {outward}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning is only visible with two CPUs or more")
@@ -197,17 +220,8 @@ def test_haproxy_run_through_the_launcher_runs_on_the_gateway_cpu(node_dir):
     """On a CPU host HAProxy keeps off the engine worker's cores (serve_app/runtime/cpus.py):
     the launcher pins itself before the exec, and HAProxy, the same process, keeps the mask."""
     last = max(os.sched_getaffinity(0))
-    path = render_rays_config(node_dir, stats_port=free_port(), metrics_port=free_port(), http_port=free_port())
-    env = {**os.environ, GATEWAY_CPUS_ENV: str(last)}
-    proc = subprocess.Popen([*LAUNCH, "-db", "-f", str(path), "-dR"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        assert _show_info_pid(node_dir / "admin.sock", time.monotonic() + 30) == proc.pid
+    with _haproxy(node_dir, env={**os.environ, GATEWAY_CPUS_ENV: str(last)}) as (proc, *_):
         assert os.sched_getaffinity(proc.pid) == {last}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
 
 
 def test_ray_is_pointed_only_at_an_installed_launcher(tmp_path):
