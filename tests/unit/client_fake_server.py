@@ -16,6 +16,7 @@ import asyncio
 import base64
 import json
 import secrets
+import socket
 import struct
 import threading
 import time
@@ -30,7 +31,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.conftest import free_port
 
 MODEL = "qwen-3.6-35b-a3b"
 SERVER_TIMING = "network;dur=1.500, queue;dur=0.250, inference;dur=20.000, total;dur=21.750"
@@ -298,10 +298,12 @@ def serving(*regions: FakeRegion) -> Iterator[list[str]]:
     """Run each region on its own free 127.0.0.1 port; yields their base URLs; stops them after."""
     servers, threads, urls = [], [], []
     for region in regions:
-        port = free_port()
+        sock = socket.socket()  # bound here, so no other process can take the port before uvicorn listens
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
         config = uvicorn.Config(region.app(), host="127.0.0.1", port=port, log_level="critical", lifespan="off")
         server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, daemon=True)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         servers.append(server), threads.append(thread), urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 10
@@ -330,6 +332,13 @@ def run_client(region: FakeRegion, scenario, *, regions=(), **options):
         return asyncio.run(go())
 
 
+_UNLISTENED: list[socket.socket] = []
+
+
 def dead_url() -> str:
-    """A 127.0.0.1 URL nothing listens on: connecting is refused at once."""
-    return f"http://127.0.0.1:{free_port()}"
+    """A 127.0.0.1 URL nothing listens on: connecting is refused at once. Its port stays bound
+    (never listening) for the rest of the session, so no other process can start answering there."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    _UNLISTENED.append(sock)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -195,8 +195,6 @@ def test_with_real_uvicorn_a_client_that_stops_reading_is_cut_and_its_stream_end
 
     import uvicorn
 
-    from tests.conftest import free_port
-
     ended = threading.Event()
 
     async def source():
@@ -213,9 +211,11 @@ def test_with_real_uvicorn_a_client_that_stops_reading_is_cut_and_its_stream_end
     async def stream():
         return RelayedStream(source(), media_type="text/event-stream", stall_timeout_s=0.5)
 
-    port = free_port()
+    listener = socket.socket()  # bound here: no other process can take the port before uvicorn listens
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:
         for _ in range(100):
