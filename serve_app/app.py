@@ -35,7 +35,8 @@ logger = module_logger(__name__)
 # - the Serve controller's loop every 1 s, not Ray's 0.1 s: idle, it was the cluster's busiest
 #   process (8 % of a core on 2 cores; 1.2 % at 0.5 s, 0.9 % at 1 s, three GCS calls a pass plus
 #   the autoscaling policies); Serve acts on what it learns up to a second after, not half a
-#   second: a model replica's health checks (every 2 s, three failures) end ~1 s later, and a
+#   second: a dead engine's replica is marked unhealthy ~3 s later (three failed checks, each
+#   started and read on a pass: 13 s after an engine kill against ~10 s, docs/reliability.md), and a
 #   rollout's steps (replica up, routers told, old replica stopped) add ~2-4 s, against replicas
 #   that take minutes to start;
 # - no idle worker kept in the raylet's pool (Ray keeps up to one per CPU): every process of ours
