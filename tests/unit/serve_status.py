@@ -10,8 +10,9 @@ from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, Deplo
 from ray.serve.scripts import ServeDeploySchemaDumper, process_dict_for_yaml_dump
 
 
-def serve_status(apps: dict[str, tuple[str, float, dict[str, dict[str, int]]]]) -> ServeStatus:
-    """``apps``: name -> (application status, last deployed, {deployment: replicas by state})."""
+def status_of(apps: dict[str, tuple[str, float, dict[str, dict[str, int]]]]) -> ServeStatus:
+    """A ServeStatus of ``apps``: name -> (application status, last deployed, {deployment: replicas
+    by state})."""
     return ServeStatus(target_capacity=None, applications={
         name: ApplicationStatusOverview(
             status=ApplicationStatus(app_status), message="", last_deployed_time_s=deployed,

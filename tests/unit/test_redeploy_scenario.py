@@ -12,7 +12,7 @@ from serve_app.faults import redeploy
 from serve_emulation import RECONFIGURE, RESTART, SAME, what_a_redeploy_does
 from serve_app.regions import layout
 from tests.conftest import load_serve_config
-from tests.unit.serve_status import serve_status
+from tests.unit.serve_status import status_of
 
 LOCAL_ROUTER, LOCAL_MODEL = ("llm", "Router"), ("llm-qwen-3.6-35b-a3b", "model-qwen-3.6-35b-a3b")
 PEER_ROUTER, PEER_MODEL = ("peer", "Router"), ("peer-qwen-3.6-35b-a3b", "model-qwen-3.6-35b-a3b")
@@ -62,7 +62,7 @@ def _status(app_status="RUNNING", replicas=None, deployed=100.0, entry=None):
     if entry is not None:  # a model application's ingress entry, which never runs a replica
         deployments["ModelEntry"] = entry
     app = (app_status, deployed, deployments)
-    return serve_status({"llm": app, "llm-qwen-3.6-35b-a3b": app})
+    return status_of({"llm": app, "llm-qwen-3.6-35b-a3b": app})
 
 
 @pytest.mark.parametrize("status, settled", [

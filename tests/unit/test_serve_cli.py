@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from serve_app.devtools.serve_cli import cli_env, token_available
-from tests.unit.serve_status import as_printed, serve_status
+from tests.unit.serve_status import as_printed, status_of
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_settled_means_deployed_since_running_and_every_replica_running(as_read)
     from serve_app.devtools.serve_cli import settled
 
     def status(**apps):
-        return as_read(serve_status({name: (s, t, {"D": replicas}) for name, (s, t, replicas) in apps.items()}))
+        return as_read(status_of({name: (s, t, {"D": replicas}) for name, (s, t, replicas) in apps.items()}))
 
     running = ("RUNNING", 100.0, {"RUNNING": 2})
     assert settled(status(llm=running, model=("RUNNING", 100.0, {})), 99.0)  # a replica-less ingress too
