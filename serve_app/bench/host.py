@@ -108,7 +108,9 @@ class PsutilTable:
             out["env"], inherited = fill_from_ancestors(own, ancestors)
             if inherited:
                 out["env_inherited"] = inherited
-        out["thread_affinities"] = _thread_affinities(pid)
+        out["thread_affinities"] = affinities = _thread_affinities(pid)
+        if affinities:  # the threads this listing read: num_threads() above was a moment earlier
+            out["threads"] = sum(affinities.values())
         return out
 
 

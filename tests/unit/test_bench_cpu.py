@@ -328,7 +328,35 @@ def test_the_host_table_reads_this_process_its_socket_and_its_cpu():
     assert table.cpu_seconds(me.pid, me.create_time + 5) is None  # the pid, but not this process
     env = table.engine_env(me.pid, ["OMP_NUM_THREADS", "PATH"])
     assert env["nice"] == os.nice(0) and set(env["affinity"]) == os.sched_getaffinity(0)
-    assert env["env"]["PATH"] == os.environ["PATH"] and sum(env["thread_affinities"].values()) == env["threads"]
+    assert env["env"]["PATH"] == os.environ["PATH"]
+
+
+def test_the_engine_env_counts_threads_by_the_cpus_each_is_pinned_to():
+    """vLLM's CPU backend pins each OpenMP thread to its own CPU, which the process's affinity does
+    not show: one thread pinned here shows as its own entry, counted in ``threads``."""
+    import os
+    import threading
+
+    from serve_app.bench.host import PsutilTable
+
+    cpu = min(os.sched_getaffinity(0))
+    pinned, done = threading.Event(), threading.Event()
+
+    def pin_and_wait():
+        os.sched_setaffinity(0, {cpu})  # 0: the calling thread, on Linux
+        pinned.set()
+        done.wait(10)
+
+    thread = threading.Thread(target=pin_and_wait)
+    thread.start()
+    try:
+        pinned.wait(10)
+        env = PsutilTable().engine_env(os.getpid(), [])
+    finally:
+        done.set()
+        thread.join()
+    assert env["thread_affinities"].get(str(cpu), 0) >= 1
+    assert env["threads"] == sum(env["thread_affinities"].values()) >= 2
 
 
 def test_the_host_table_splits_a_process_cpu_by_thread_name():
