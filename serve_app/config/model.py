@@ -158,6 +158,13 @@ class ModelDeploymentArgs(Settings):
         description="At deploy: loaded starts replicas; cold starts none until POST /v1/models/load "
         "(serve_app/hot_load/state.py). A state set through the API outlives redeploys.",
     )
+    region_health: Literal["required", "optional"] = Field(
+        "optional",
+        description="required: the region's /health is 503 while this model serves on no replica, so "
+        "global routing takes the region out of the global name (the region's main model); optional: "
+        "the region stays in while another model serves, and this one's requests fail over to a peer "
+        "one by one (docs/reliability.md, \"What /health says\").",
+    )
     default_max_tokens: int | None = Field(
         None,
         gt=0,
@@ -174,6 +181,15 @@ class ModelDeploymentArgs(Settings):
                 f"{value!r} is not a canonical catalog id (known: {', '.join(catalog.CATALOG)})"
             )
         return value
+
+    @model_validator(mode="after")
+    def _required_is_loaded(self) -> "ModelDeploymentArgs":
+        if self.region_health == "required" and self.initial_state == "cold":
+            raise ValueError(
+                "region_health: required with initial_state: cold would keep the region's /health 503 "
+                "until an admin loads the model; make it optional, or start it loaded"
+            )
+        return self
 
     @model_validator(mode="after")
     def _default_within_context(self) -> "ModelDeploymentArgs":

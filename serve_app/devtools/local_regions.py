@@ -66,6 +66,7 @@ def peer_args(local: dict[str, Any], base_url: str) -> dict[str, Any]:
     model = peer["models"][0]
     peer["models"] = [model]
     model["initial_state"] = "cold"
+    model.pop("region_health", None)  # a cold model cannot hold /health up; the tests load it
     model["resources"]["num_cpus"] = 0.5  # with the local replica, its upgrade's and the routers: 2 CPUs
     model["max_ongoing_requests"], model["max_queued_requests"] = 1, 1  # easy to overload
     return peer

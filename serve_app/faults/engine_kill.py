@@ -27,6 +27,7 @@ from serve_app.faults.scenarios import MODEL_DEPLOYMENT, _client, model_app
 from serve_app.faults.traffic import HealthProbe, chat_body, count, post_chat, stream_chat, stream_typed, transitions
 
 PROBE_TIMEOUT_S = 10.0
+HEALTH_STEADY_S, HEALTH_STEADY_TIMEOUT_S = 3.0, 30.0
 
 
 async def engine_kill(
@@ -60,7 +61,9 @@ async def engine_kill(
                 back_after_s = round(time.monotonic() - killed_at, 1)
                 break
             await asyncio.sleep(1)
-        await asyncio.sleep(1)
+        # Each router replica refreshes its own view of Serve's status: the one that served the
+        # first 200 knew first. The timeline ends once every probe has read 200 for a while.
+        await probe.until_steady(200, for_s=HEALTH_STEADY_S, timeout_s=HEALTH_STEADY_TIMEOUT_S)
         await probe.stop()
     return {
         "engine_core_pid": killed_pid,

@@ -207,8 +207,8 @@ class HealthProbe:
 
     def __init__(self, client: httpx.AsyncClient, url: str, period_s: float = 0.5, timeout_s: float = 5.0):
         self.client, self.url, self.period_s, self.timeout_s = client, url, period_s, timeout_s
-        # (at, code, status, seconds, each model's state): a region stays "ok" while any of its
-        # models serves, so a model's own recovery shows in its state, not in the status.
+        # (at, code, status, seconds, each model's state): a model's own recovery shows in its
+        # state; the status is 503 only while a required model (or every model) serves nowhere.
         self.samples: list[tuple[float, int | None, str | None, float, dict[str, str]]] = []
         # Answers in which each model's slots were all taken: the region says "busy" only when
         # every serving model is (an idle embedding model beside a saturated LLM is "ok").
@@ -238,6 +238,19 @@ class HealthProbe:
                 code, status, states = None, None, {}
             self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4), states))
             await asyncio.sleep(self.period_s)
+
+    async def until_steady(self, code: int, *, for_s: float, timeout_s: float) -> bool:
+        """Wait until every probe of the last ``for_s`` seconds answered ``code`` (True), or
+        ``timeout_s`` (False): with several router replicas behind the proxy, each answers from its
+        own view, and the views agree only a refresh or two after Serve's status changed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = time.monotonic() - self._t0
+            recent = [sample[1] for sample in self.samples if sample[0] >= now - for_s]
+            if now >= for_s and len(recent) >= 2 and set(recent) == {code}:
+                return True
+            await asyncio.sleep(self.period_s)
+        return False
 
     def summary(self) -> dict[str, Any]:
         seconds = sorted(s[3] for s in self.samples)

@@ -149,6 +149,11 @@ class RegionModel(FrozenSettings):
     speculative_decoding: SpeculativeDecoding | None = Field(
         None, description="Off unless set: faster decode at low concurrency, for some GPU memory."
     )
+    region_health: Literal["required", "optional"] = Field(
+        "optional",
+        description="required: the region's /health (Route 53's check) is 503 while this model serves on "
+        "no replica; optional: the region stays in the global name, this model's requests fail over.",
+    )
 
     @field_validator("id")
     @classmethod
@@ -167,6 +172,13 @@ class RegionModel(FrozenSettings):
         if wanted is not None and wanted.method != offered:
             offers = f"only {offered!r}" if offered else "no speculative method"
             raise ValueError(f"speculative_decoding: {self.id} offers {offers}, not {wanted.method!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _required_is_loaded(self) -> "RegionModel":
+        if self.region_health == "required" and self.state == "cold":
+            raise ValueError(f"{self.id}: region_health: required needs state: loaded (a cold model would keep "
+                             "/health 503)")
         return self
 
     @model_validator(mode="after")

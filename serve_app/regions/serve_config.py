@@ -94,11 +94,13 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
         "downscale_delay_s": model.downscale_delay_s,
     }
     state = {"initial_state": model.state} if model.state != "loaded" else {}
+    health = {"region_health": model.region_health} if model.region_health != "optional" else {}
     # Off is the default: written only when the region allows some hosts.
     media = {"media": {"allowed_domains": list(region.media.allowed_domains)}} if region.media.enabled else {}
     return {
         "id": model.id,
         **state,
+        **health,
         **media,
         # Only serving knobs: the checkpoint, quantization, context cap and eager mode stay the
         # catalog's (an override here would silently fork production settings per region).

@@ -47,28 +47,39 @@ async def health(services: Services) -> JSONResponse:
 
     Read from Serve's own view of its replicas — which its health checks keep — and this router's
     count of in-flight requests, never through a model's request slots, so it answers at once
-    however busy the region is. 200 while a loaded model has a running replica: ``status`` is
-    ``ok``, or ``busy`` when every serving model's slots are taken (requests queue or are shed,
-    but the region serves). 503 when no model serves: ``recovering`` while Serve replaces a
-    failed replica, else ``unavailable``.
+    however busy the region is. 200 while a model serves and every model marked
+    ``region_health: required`` does: ``status`` is ``ok``; ``degraded`` when a model wanted
+    loaded does not serve (its requests fail over to a peer one by one; said before ``busy``);
+    ``busy`` when every serving model's slots are taken (requests queue or are shed, but the region
+    serves). 503 when no model serves or a required one does not, so global routing sends the
+    region's traffic elsewhere: ``recovering`` while Serve replaces a failed replica of it, else
+    ``unavailable``. A model an admin unloads is no degradation; a required one cannot be unloaded
+    (``set_wanted``).
     """
     await services.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S)
     states = {model_id: services.states.get(model_id) for model_id in services.served}
     load = {model_id: services.in_flight.load(model_id, state.running) for model_id, state in states.items()}
+    required = [model_id for model_id in states if services.models[model_id].required_for_health]
     serving = [model_id for model_id, state in states.items() if state.serving]
-    if serving:
-        status = "busy" if all(load[model_id]["busy"] for model_id in serving) else "ok"
+    required_down = [model_id for model_id in required if not states[model_id].serving]
+    healthy = bool(serving) and not required_down
+    if not healthy:  # named after what keeps the region out: its required models, or all of them
+        down = required_down or list(states)
+        status = "recovering" if any(states[model_id].state == RECOVERING for model_id in down) else "unavailable"
+    elif any(state.wanted == "loaded" and not state.serving for state in states.values()):
+        status = "degraded"
     else:
-        status = "recovering" if any(s.state == RECOVERING for s in states.values()) else "unavailable"
+        status = "busy" if all(load[model_id]["busy"] for model_id in serving) else "ok"
     return JSONResponse(
         {
             "status": status,
             "region": services.region,
             "models": {model_id: state.serving for model_id, state in states.items()},
             "states": {model_id: state.state for model_id, state in states.items()},
+            "required": required,
             "load": load,
         },
-        status_code=200 if serving else 503,
+        status_code=200 if healthy else 503,
     )
 
 
@@ -94,6 +105,16 @@ async def set_wanted(services: Services, request: Request, wanted: str) -> JSONR
     caller = await metered_caller(services, request, SCOPE_ADMIN)
     model_id = services.resolve(parse_json_object(await read_body(request)).get("model"))
     services.auth.authorize_model(caller, model_id)  # an admin scoped to some models manages only those
+    if wanted == "cold" and services.models[model_id].required_for_health:
+        # Its region's /health would turn 503 and take the region out of the global name for
+        # every tenant: that is a change of the region's settings, not an admin call.
+        raise APIError(
+            409,
+            f"{model_id} is region {services.region}'s required model (region_health: required): unloading "
+            "it would take the region out of global routing. Make it optional in the region's settings first.",
+            param="model",
+            code="model_required",
+        )
     await services.states.ensure_fresh()
     state = await services.states.set_wanted(model_id, wanted, by=caller.key_id)
     logger.info("%s set %s to %s in region %s", caller.key_id, model_id, wanted, services.region)

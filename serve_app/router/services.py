@@ -46,12 +46,13 @@ class ModelFacts:
     default_max_tokens: int | None  # the completion limit the router sets when a request sets none
     media: MediaPolicy = field(default_factory=MediaPolicy)  # which media parts its requests may carry
     task: str = "generate"  # the surfaces it serves (catalog.CatalogModel.task)
+    required_for_health: bool = False  # the region's /health is 503 while it serves nowhere here
 
     @classmethod
     def of(cls, model: ModelDeploymentArgs) -> "ModelFacts":
         return cls(
             context_len=model.max_model_len, default_max_tokens=model.completion_default, media=model.media,
-            task=catalog.get(model.id).task,
+            task=catalog.get(model.id).task, required_for_health=model.region_health == "required",
         )
 
 

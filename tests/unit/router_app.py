@@ -200,7 +200,8 @@ def _replica_context():
 def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None = None,
                      engine: FakeEngine | None = None, region: str = "local", peers: tuple[Peer, ...] = (),
                      transport=None, models: tuple[str, ...] = (MODEL, OTHER_MODEL),
-                     replicas: tuple[FakeEngine, ...] = (), **auth_overrides) -> RouterApp:
+                     replicas: tuple[FakeEngine, ...] = (), model_settings: dict[str, dict] | None = None,
+                     **auth_overrides) -> RouterApp:
     auth = auth or authenticator(tmp_path, region=region, **auth_overrides)
     engine = engine or FakeEngine()
     monkeypatch.setattr(serve, "get_replica_context", _replica_context)
@@ -208,7 +209,7 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
     client = TestClient(ingress.app)
     client.__enter__()  # one event loop for the test's whole life: the replica's listener lives on it
     fake_serve = FakeServe(models, running=1 + len(replicas))  # each engine is a replica Serve lists
-    args = [ModelDeploymentArgs(id=model) for model in models]
+    args = [ModelDeploymentArgs(id=model, **(model_settings or {}).get(model, {})) for model in models]
     servers = [client.portal.call(model_server, one) for one in (engine, *replicas)]
     handles = {model: InProcessHandle(*servers) for model in models}
     services = Services(

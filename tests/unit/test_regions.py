@@ -173,6 +173,7 @@ def test_rendered_serve_config_gives_each_replica_one_gpu_of_the_regions_type_an
 def test_a_model_the_region_starts_cold_renders_with_no_replicas_until_loaded():
     data = yaml.safe_load((REPO / "regions" / "yul-02.yaml").read_text())
     data["models"][0]["state"] = "cold"
+    data["models"][0].pop("region_health")  # a required model cannot start cold (test_region_health.py)
     model, *_ = serve_config.app_args(regions.parse_region(data))["models"]
     assert model["initial_state"] == "cold"
     scaling = autoscaling_config(parse_app_args({"models": [model], "region": "local"}).models[0])
@@ -189,6 +190,7 @@ def test_yul_02_keeps_its_pilot_settings():
     model, embedding = args["models"]
     assert model == {
         "id": "qwen-3.6-35b-a3b",
+        "region_health": "required",
         "engine": {"max_num_seqs": 64, "gpu_memory_utilization": 0.86},
         "autoscaling": {
             "min_replicas": 1,

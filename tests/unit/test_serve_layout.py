@@ -65,6 +65,7 @@ ROUTER_ONLY = {
     "the responses' retention": lambda s: s.update(responses={"retention_hours": 24}),
     "the ledger's flush": lambda s: s.update(usage={"flush_interval_s": 2}),
     "a model's default max_tokens": lambda s: _model(s).update(default_max_tokens=512),
+    "whether /health needs a model": lambda s: _model(s).update(region_health="optional"),
 }
 
 
