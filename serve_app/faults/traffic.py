@@ -239,15 +239,14 @@ class HealthProbe:
             self.samples.append((round(began - self._t0, 2), code, status, round(time.monotonic() - began, 4), states))
             await asyncio.sleep(self.period_s)
 
-    async def until_steady(self, code: int, *, for_s: float, timeout_s: float) -> bool:
-        """Wait until every probe of the last ``for_s`` seconds answered ``code`` (True), or
-        ``timeout_s`` (False): with several router replicas behind the proxy, each answers from its
-        own view, and the views agree only a refresh or two after Serve's status changed."""
+    async def until_steady(self, code: int, *, in_a_row: int, timeout_s: float) -> bool:
+        """Wait until the last ``in_a_row`` probes all answered ``code`` (True), or ``timeout_s``
+        (False): with several router replicas behind the proxy, each answers from its own view, and
+        the views agree only a refresh or two after Serve's status changed."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            now = time.monotonic() - self._t0
-            recent = [sample[1] for sample in self.samples if sample[0] >= now - for_s]
-            if now >= for_s and len(recent) >= 2 and set(recent) == {code}:
+            last = [sample[1] for sample in self.samples[-in_a_row:]]
+            if len(last) == in_a_row and set(last) == {code}:
                 return True
             await asyncio.sleep(self.period_s)
         return False

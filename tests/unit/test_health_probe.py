@@ -21,10 +21,10 @@ def _probe_answering(codes) -> tuple[HealthProbe, httpx.AsyncClient]:
     return HealthProbe(client, "http://region.test", period_s=0.01), client
 
 
-def _until_steady(probe: HealthProbe, client: httpx.AsyncClient, *, for_s: float, timeout_s: float) -> bool:
+def _until_steady(probe: HealthProbe, client: httpx.AsyncClient, *, in_a_row: int, timeout_s: float) -> bool:
     async def run():
         probe.start()
-        steady = await probe.until_steady(200, for_s=for_s, timeout_s=timeout_s)
+        steady = await probe.until_steady(200, in_a_row=in_a_row, timeout_s=timeout_s)
         await probe.stop()
         await client.aclose()
         return steady
@@ -35,14 +35,14 @@ def _until_steady(probe: HealthProbe, client: httpx.AsyncClient, *, for_s: float
 def test_steady_means_every_answer_of_the_window_agreed():
     # Two routers behind the proxy, one a refresh behind the other: 200 and 503 alternate first.
     probe, client = _probe_answering([503, 200, 503, 200, 503, 200])
-    assert _until_steady(probe, client, for_s=0.1, timeout_s=5)
+    assert _until_steady(probe, client, in_a_row=3, timeout_s=30)
     timeline = probe.changes()
     assert timeline[-1]["code"] == 200 and [entry["code"] for entry in timeline][:2] == [503, 200]
     codes = [code for _, code, *_ in probe.samples]
     after_last_503 = codes[len(codes) - codes[::-1].index(503):]
-    assert len(after_last_503) >= 2 and set(after_last_503) == {200}  # not steady on one 200 between 503s
+    assert len(after_last_503) >= 3 and set(after_last_503) == {200}  # not steady on one 200 between 503s
 
 
 def test_a_region_that_never_settles_is_said_not_steady():
     probe, client = _probe_answering([503])
-    assert _until_steady(probe, client, for_s=0.05, timeout_s=0.3) is False
+    assert _until_steady(probe, client, in_a_row=2, timeout_s=0.3) is False

@@ -73,6 +73,18 @@ def test_the_required_model_cannot_be_unloaded_through_the_api(router_app):
     assert _health(app)[0] == 200
     allowed = app.client.post("/v1/models/unload", json={"model": EMBED}, headers=bearer(key))
     assert allowed.status_code in (200, 202), allowed.text
+    loaded = app.client.post("/v1/models/load", json={"model": MODEL}, headers=bearer(key))
+    assert loaded.status_code == 200 and loaded.json()["state"] == "loaded"  # a load is still an admin's
+
+
+def test_who_may_not_unload_learns_nothing_of_which_model_is_required(router_app):
+    app = router_app(models=(MODEL, EMBED), model_settings=REQUIRED_CHAT)
+    user, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    other_admin, _ = app.auth.keys.create_key(owner="ops", tier="standard", models=(EMBED,),
+                                              scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    for key, refusal in ((user, 403), (other_admin, 403)):
+        refused = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
+        assert refused.status_code == refusal and refused.json()["error"]["code"] != "model_required"
 
 
 def test_a_degraded_region_says_so_before_it_says_busy(router_app):
