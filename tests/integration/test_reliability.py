@@ -166,7 +166,8 @@ def test_an_engine_kill_ends_streams_with_engine_unavailable_and_the_model_comes
     model_states = {entry["states"].get(scenarios.MODEL_ID) for entry in timeline}
     assert "recovering" in model_states and "failed" not in model_states, timeline
     down = [entry for entry in timeline if entry["states"].get(scenarios.MODEL_ID) != "loaded"]
-    assert down and {(entry["code"], entry["status"]) for entry in down} <= {(503, "recovering"), (503, "unavailable")}, timeline
+    answers_while_down = {(entry["code"], entry["status"]) for entry in down}
+    assert down and answers_while_down <= {(503, "recovering"), (503, "unavailable")}, timeline
     assert result["health_steady"] and (timeline[-1]["code"], timeline[-1]["status"]) == (200, "ok"), timeline
     codes = {answer["code"] for answer in result["answers_meanwhile"]}
     assert codes <= {None, "engine_unavailable", "model_recovering", "hung"}, result["answers_meanwhile"]
