@@ -392,5 +392,3 @@ async def _until_applied(url: str, deployed_at: float, timeout_s: float = 120.0)
             raise RuntimeError(f"serve deploy not applied within {timeout_s:.0f} s (serve status)")
         await asyncio.sleep(1.0)
     await asyncio.to_thread(wait_healthy, url, max(1.0, deadline - time.monotonic()), poll_s=1.0)
-
-

@@ -4,12 +4,12 @@ driver's ``RAY_ADDRESS``; and "a token exists" means what Ray's own loader says 
 
 import json
 import subprocess
-from dataclasses import asdict
 import sys
+from dataclasses import asdict
 
 import pytest
 
-from serve_app.devtools.serve_cli import cli_env, token_available
+from serve_app.devtools.serve_cli import cli_env, settled, token_available
 from tests.unit.serve_status import as_printed, status_of
 
 
@@ -93,13 +93,10 @@ def test_token_available_agrees_with_rays_loader(where, home, tmp_path):
     assert token_available(env, home) is json.loads(ray.stdout.strip().splitlines()[-1])
 
 
-
 # ``settled``: what a deploy waits for before it measures or changes anything more. Both shapes it
 # reads: ``asdict(serve.status())`` (Serve's enums) and what ``serve status`` prints (plain strings).
 @pytest.mark.parametrize("as_read", [asdict, as_printed], ids=["serve.status()", "serve status CLI"])
 def test_settled_means_deployed_since_running_and_every_replica_running(as_read):
-    from serve_app.devtools.serve_cli import settled
-
     def status(**apps):
         return as_read(status_of({name: (s, t, {"D": replicas}) for name, (s, t, replicas) in apps.items()}))
 
