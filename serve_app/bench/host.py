@@ -70,21 +70,29 @@ class PsutilTable:
         return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
     def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
+        return self._by_thread_name(pid, create_time, "stat", parse_thread_stat)
+
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
+        return self._by_thread_name(pid, create_time, "status", parse_thread_switches)
+
+    def _by_thread_name(self, pid: int, create_time: float, file: str, parse) -> dict | None:
+        """``parse`` of every thread's ``/proc/<pid>/task/<tid>/<file>`` → (name, value), summed by
+        name; None once the process is gone (or its pid is someone else's)."""
         try:
             if self._process(pid, create_time) is None:
                 return None
             tasks = os.listdir(f"/proc/{pid}/task")
         except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess, OSError):
             return None
-        by_name: dict[str, float] = {}
+        by_name: dict = {}
         for tid in tasks:
             try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                    name, seconds = parse_thread_stat(stat.read())
+                with open(f"/proc/{pid}/task/{tid}/{file}") as text:
+                    name, value = parse(text.read())
             except (OSError, ValueError, IndexError):  # the thread ended between the listing and the read
                 continue
             name = MAIN_THREAD if tid == str(pid) else name
-            by_name[name] = by_name.get(name, 0.0) + seconds
+            by_name[name] = by_name.get(name, 0) + value
         return by_name
 
     def engine_env(self, pid: int, names: Sequence[str]) -> dict:
@@ -161,6 +169,15 @@ def parse_thread_stat(line: str) -> tuple[str, float]:
     name = line[line.index("(") + 1:line.rindex(")")]
     fields = line[line.rindex(")") + 2:].split()
     return name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def parse_thread_switches(status: str) -> tuple[str, int]:
+    """``/proc/<pid>/task/<tid>/status`` → (the thread's name, how many times it was switched out:
+    voluntary + not). An idle thread is switched out once per wake-up, so over a window the count
+    is its wake-ups, which unlike its CPU do not depend on the host's speed."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+    return fields["Name"].strip("\t\n"), switches
 
 
 def parse_environ(block: bytes) -> dict[str, str]:

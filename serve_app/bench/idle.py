@@ -12,8 +12,13 @@ process spends its CPU on: in every Ray worker the ``main`` thread is Ray's core
 every 10 ms to check for signals (about 0.7 % of a core per process on the 2-core host, fixed in
 Ray's C++), ``client.poll*`` and ``grpc_global_tim``/``event_engine`` are gRPC's pollers and
 timers, an asyncio actor's event loop runs in a thread named after what the process was before
-its title was set (``ray::IDLE``), ``gloo_tcp_loop`` is torch's process group in vLLM's CPU
-worker (docs/benchmarks.md, "The idle floor").
+its title was set (``ray::IDLE``), ``gloo_tcp_loop`` is gloo's device loop in vLLM's worker, one
+since ``serve_app.engine.gloo`` (docs/benchmarks.md, "The idle floor").
+
+Wake-ups a second, per process, group and thread name (``ProcessTable.thread_wakeups``: context
+switches over the window): what an idle process does, counted without the host's speed in it. The
+same service read 7 % of a core on one host and 13–21 % on another (2026-12-06); a thread that
+wakes every 10 ms shows 100 a second on both.
 """
 
 import time
@@ -45,37 +50,56 @@ def measure_idle(
     meter = Meter(table, lambda: [t for t in discover(table, ours_port=port, client_pid=client_pid)
                                   if t.side == OURS], clock=clock)
     before = meter.snapshot()
-    threads_before = _threads(table, meter.tracked.values())
+    threads_before, wakeups_before = _threads(table, meter.tracked.values())
     sleep(seconds)
     after = meter.snapshot()
-    threads_after = _threads(table, meter.tracked.values())
+    threads_after, wakeups_after = _threads(table, meter.tracked.values())
     cpu = meter.cpu_between(before, after)
     elapsed = cpu["window_s"]
     pct = (lambda used: 100 * used / elapsed) if elapsed > 0 else (lambda used: 0.0)
     side = cpu["sides"].get(OURS, {"total": 0.0, "groups": {}, "processes": {}})
     tracked = {f"{t.label} [{t.pid}]": t for t in meter.tracked.values()}
-    rows, by_name = [], {}
+    per_s = (lambda count: count / elapsed) if elapsed > 0 else (lambda count: 0.0)
+    rows, by_name, wakeups_by_name, group_wakeups = [], {}, {}, {}
     for key, used in side["processes"].items():
         t = tracked[key]
         # a process seen at the start is charged what its threads used since; one born in the
         # window, all of it (as its process total is, Meter.cpu_between)
-        start = threads_before.get(t.pid, {}) if t.pid in before.cpu else {}
-        threads = {name: pct(value - start.get(name, 0.0)) for name, value in threads_after.get(t.pid, {}).items()}
-        threads = {name: value for name, value in threads.items() if value > 0}
+        seen = t.pid in before.cpu
+        threads = _since(threads_before.get(t.pid, {}) if seen else {}, threads_after.get(t.pid, {}), pct)
+        wakeups = _since(wakeups_before.get(t.pid, {}) if seen else {}, wakeups_after.get(t.pid, {}), per_s)
         for name, value in threads.items():
             by_name[name] = by_name.get(name, 0.0) + value
+        for name, value in wakeups.items():
+            wakeups_by_name[name] = wakeups_by_name.get(name, 0.0) + value
+        group_wakeups[t.group] = group_wakeups.get(t.group, 0.0) + sum(wakeups.values())
         rows.append({"group": t.group, "process": t.label, "pid": t.pid, "pct_core": pct(used),
-                     "threads": _busiest(threads)})
+                     "threads": _busiest(threads), "wakeups_per_s": sum(wakeups.values())})
     order = {g: i for i, g in enumerate(GROUPS)}
     groups = {g: pct(v) for g, v in sorted(side["groups"].items(), key=lambda kv: order.get(kv[0], len(order)))}
     total = pct(side["total"])
     return {"seconds": elapsed, "processes": sorted(rows, key=lambda r: -r["pct_core"]), "groups": groups,
             "threads": _busiest(by_name), "total_pct": total, "target_pct": target_pct,
-            "within_target": total <= target_pct, "exited": cpu["exited"], "missed": cpu["missed"]}
+            "within_target": total <= target_pct, "exited": cpu["exited"], "missed": cpu["missed"],
+            "group_wakeups_per_s": {g: group_wakeups.get(g, 0.0) for g in groups},
+            "thread_wakeups_per_s": _busiest(wakeups_by_name), "wakeups_per_s": sum(group_wakeups.values())}
 
 
-def _threads(table: ProcessTable, tracked: Iterable[Tracked]) -> dict[int, dict[str, float]]:
-    return {t.pid: used for t in tracked if (used := table.thread_cpu(t.pid, t.create_time)) is not None}
+def _threads(table: ProcessTable, tracked: Iterable[Tracked]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Per pid: CPU-seconds by thread name, and context switches by thread name."""
+    cpu, wakeups = {}, {}
+    for t in tracked:
+        if (used := table.thread_cpu(t.pid, t.create_time)) is not None:
+            cpu[t.pid] = used
+        if (switched := table.thread_wakeups(t.pid, t.create_time)) is not None:
+            wakeups[t.pid] = switched
+    return cpu, wakeups
+
+
+def _since(start: Mapping[str, float], end: Mapping[str, float], rate: Callable[[float], float]) -> dict[str, float]:
+    """What each thread name added over the window, as ``rate`` of it; names that added nothing left out."""
+    added = {name: rate(value - start.get(name, 0)) for name, value in end.items()}
+    return {name: value for name, value in added.items() if value > 0}
 
 
 def _busiest(threads: Mapping[str, float]) -> dict[str, float]:
@@ -87,21 +111,31 @@ def idle_text(result: Mapping[str, Any]) -> str:
     the groups, the threads by name across processes, and the total."""
     from serve_app.bench.report import md_table
 
-    rows = [[r["group"], r["process"], str(r["pid"]), f"{r['pct_core']:.2f} %", _thread_list(r.get("threads", {}))]
-            for r in result["processes"]]
-    groups = [[g, f"{v:.2f} %"] for g, v in sorted(result["groups"].items(), key=lambda kv: -kv[1])]
-    threads = [[name, f"{v:.2f} %"] for name, v in list(result.get("threads", {}).items())[:THREAD_ROWS]]
+    # a result without wake-ups (written before they were counted) shows dashes, not zeros
+    counted = "wakeups_per_s" in result
+    wakeups, by_name = result.get("group_wakeups_per_s", {}), result.get("thread_wakeups_per_s", {})
+    rows = [[r["group"], r["process"], str(r["pid"]), f"{r['pct_core']:.2f} %", _per_s(r.get("wakeups_per_s")),
+             _thread_list(r.get("threads", {}))] for r in result["processes"]]
+    groups = [[g, f"{v:.2f} %", _per_s(wakeups.get(g, 0.0) if counted else None)]
+              for g, v in sorted(result["groups"].items(), key=lambda kv: -kv[1])]
+    threads = [[name, f"{v:.2f} %", _per_s(by_name.get(name, 0.0) if counted else None)]
+               for name, v in list(result.get("threads", {}).items())[:THREAD_ROWS]]
     verdict = "within" if result["within_target"] else "OVER"
     return "\n\n".join([
-        f"Idle CPU of the local service over {result['seconds']:.1f} s, % of one core:",
-        md_table(["group", "process", "pid", "CPU", "busiest threads"], rows),
-        md_table(["group", "CPU"], groups),
+        f"Idle CPU of the local service over {result['seconds']:.1f} s, % of one core, and wake-ups a second:",
+        md_table(["group", "process", "pid", "CPU", "wake-ups/s", "busiest threads"], rows),
+        md_table(["group", "CPU", "wake-ups/s"], groups),
         f"By thread name, every process ({MAIN_THREAD}: a process's first thread):",
-        md_table(["thread", "CPU"], threads),
-        f"total {result['total_pct']:.2f} % of one core: {verdict} the target of {result['target_pct']:.1f} %",
+        md_table(["thread", "CPU", "wake-ups/s"], threads),
+        f"total {result['total_pct']:.2f} % of one core, {_per_s(result.get('wakeups_per_s'))} wake-ups a second: "
+        f"{verdict} the target of {result['target_pct']:.1f} %",
         *([f"exited while sampled (last seconds not counted): {', '.join(result['exited'])}"] if result["exited"] else []),
     ])
 
 
 def _thread_list(threads: Mapping[str, float]) -> str:
     return ", ".join(f"{name} {value:.2f}" for name, value in list(threads.items())[:3]) or "—"
+
+
+def _per_s(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"

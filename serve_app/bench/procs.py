@@ -90,6 +90,11 @@ class ProcessTable(Protocol):
         the thread whose id is the pid); None once it is gone (or its pid is someone else's)."""
         ...
 
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
+        """Context switches per thread of that process (voluntary + not), summed by thread name as
+        ``thread_cpu``; None once it is gone."""
+        ...
+
     def engine_env(self, pid: int, names: Sequence[str]) -> dict:
         """Niceness, CPU affinity, thread count and per-thread affinities, and the ``names``
         variables of its environment (``serve_app.bench.engine_env``)."""

@@ -102,6 +102,7 @@ class FakeTable:
     gone: set[int] = field(default_factory=set)
     envs: dict[int, dict] = field(default_factory=dict)
     thread_shares: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: share}
+    wakeup_rates: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: per second}
 
     def processes(self) -> list[Proc]:
         return [p for p in self.procs if p.pid not in self.gone]
@@ -124,6 +125,11 @@ class FakeTable:
         if used is None:
             return None
         return {name: share * used for name, share in self.thread_shares.get(pid, {MAIN_THREAD: 1.0}).items()}
+
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
+        if self.cpu_seconds(pid, create_time) is None:
+            return None
+        return {name: round(rate * self.clock.now) for name, rate in self.wakeup_rates.get(pid, {}).items()}
 
     def engine_env(self, pid: int, names) -> dict:
         return self.envs.get(pid, {"nice": 15, "affinity": [0, 1], "threads": 4, "thread_affinities": {"0-1": 4},

@@ -288,25 +288,38 @@ def test_idle_reports_every_process_in_percent_of_a_core_against_the_target():
         table.set_rate(pid, cores)
     table.thread_shares[220] = {"main": 0.25, "ray::IDLE": 0.75}  # the controller's loop in its own thread
     table.thread_shares[201] = {"main": 0.5, "client.poll0": 0.5}
+    # wake-ups: Ray's 10 ms signal check in every actor's main thread, and 15 gloo loops in one
+    table.wakeup_rates[220] = {"main": 100, "ray::IDLE": 20}
+    table.wakeup_rates[224] = {"main": 100}
+    table.wakeup_rates[301] = {"gloo_tcp_loop": 1500}  # bare vLLM: not the service
+    clock.now = 7.0  # a window that does not start at zero: counts are differences
     result = measure_idle(table, 8000, 30, sleep=clock.sleep_sync, clock=clock, client_pid=CLIENT_PID)
     assert result["seconds"] == pytest.approx(30)
     assert result["total_pct"] == pytest.approx(22.0)  # bare vLLM and the command itself are not the service
     assert result["processes"][0] == {"group": "controller", "process": "ray::ServeController", "pid": 220,
                                       "pct_core": pytest.approx(5.8),
-                                      "threads": {"ray::IDLE": pytest.approx(4.35), "main": pytest.approx(1.45)}}
+                                      "threads": {"ray::IDLE": pytest.approx(4.35), "main": pytest.approx(1.45)},
+                                      "wakeups_per_s": pytest.approx(120)}
     assert result["groups"]["dashboard"] == pytest.approx(5.0) and not result["within_target"]
     # across processes, by thread name: every other process's CPU is its main thread's here
     assert list(result["threads"]) == ["main", "ray::IDLE", "client.poll0"]
     assert result["threads"]["client.poll0"] == pytest.approx(1.2)
     assert sum(result["threads"].values()) == pytest.approx(result["total_pct"])
+    assert result["thread_wakeups_per_s"] == {"main": pytest.approx(200), "ray::IDLE": pytest.approx(20)}
+    assert result["group_wakeups_per_s"]["controller"] == pytest.approx(120)
+    assert result["group_wakeups_per_s"]["dashboard"] == 0 and result["wakeups_per_s"] == pytest.approx(220)
     text = idle_text(result)
-    assert "| controller | ray::ServeController | 220 | 5.80 % | ray::IDLE 4.35, main 1.45 |" in text
-    assert "| client.poll0 | 1.20 % |" in text
-    assert "total 22.00 % of one core: OVER the target of 5.0 %" in text
+    assert "| controller | ray::ServeController | 220 | 5.80 % | 120 | ray::IDLE 4.35, main 1.45 |" in text
+    assert "| client.poll0 | 1.20 % | 0 |" in text and f"| main | {result['threads']['main']:.2f} % | 200 |" in text
+    assert "total 22.00 % of one core, 220 wake-ups a second: OVER the target of 5.0 %" in text
     quiet = FakeTable(clock)
     quiet.set_rate(220, 0.01)
     calm = measure_idle(quiet, 8000, 10, sleep=clock.sleep_sync, clock=clock, client_pid=CLIENT_PID)
     assert calm["within_target"] and calm["total_pct"] == pytest.approx(1.0)
+    # a result saved before wake-ups were counted still prints, with dashes where they would be
+    older = {k: v for k, v in calm.items() if "wakeups" not in k}
+    older["processes"] = [{k: v for k, v in row.items() if k != "wakeups_per_s"} for row in calm["processes"]]
+    assert "| controller | 1.00 % | — |" in idle_text(older) and "1.00 % of one core, — wake-ups" in idle_text(older)
 
 
 # --- the real table, on this very process -------------------------------------------------------
@@ -389,6 +402,48 @@ def test_the_host_table_splits_a_process_cpu_by_thread_name():
     assert threads["main"] > 0 and "spinner" not in threads  # this thread, and the OS's name only
     assert sum(threads.values()) <= table.cpu_seconds(me.pid, me.create_time) + 0.05
     assert table.thread_cpu(me.pid, me.create_time + 5) is None
+
+
+def test_the_host_table_counts_a_threads_wakeups_by_its_name():
+    import os
+    import threading
+
+    from serve_app.bench.host import PsutilTable
+
+    table = PsutilTable()
+    me = next(p for p in table.processes() if p.pid == os.getpid())
+    named, napped = threading.Event(), threading.Event()
+    finish = threading.Event()
+
+    def nap():  # 50 sleeps: 50 times switched out, at least
+        named.wait()
+        for _ in range(50):
+            time.sleep(0.001)
+        napped.set()
+        finish.wait()
+
+    worker = threading.Thread(target=nap)
+    worker.start()
+    with open(f"/proc/{os.getpid()}/task/{worker.native_id}/comm", "w") as comm:
+        comm.write("idle-test-nap")
+    before = table.thread_wakeups(me.pid, me.create_time)
+    named.set()
+    try:
+        assert napped.wait(30)
+        after = table.thread_wakeups(me.pid, me.create_time)
+    finally:
+        finish.set()
+        worker.join()
+    assert after["idle-test-nap"] - before.get("idle-test-nap", 0) >= 50 and after["main"] >= before["main"]
+    assert table.thread_wakeups(me.pid, me.create_time + 5) is None
+
+
+def test_a_threads_switches_are_read_from_its_status():
+    from serve_app.bench.host import parse_thread_switches
+
+    status = "Name:\tgloo_tcp_loop\nState:\tS (sleeping)\nvoluntary_ctxt_switches:\t1480\nnonvoluntary_ctxt_switches:\t20\n"
+    assert parse_thread_switches(status) == ("gloo_tcp_loop", 1500)
+    assert parse_thread_switches("Name:\ta: b \nvoluntary_ctxt_switches:\t1\nnonvoluntary_ctxt_switches:\t0\n") == ("a: b ", 1)
 
 
 def test_a_thread_name_may_hold_spaces_and_parentheses():
