@@ -9,6 +9,12 @@ the router's CPU a call under load (py-spy, docs/benchmarks.md).
 The request path reads the view from memory. A router replica that takes a load or unload updates
 its own view at once; the others follow within a second.
 
+A model the region's ``/health`` requires (``region_health: required``) is never wanted cold: its
+unload is refused (409 ``model_required``), and a wanted state of ``cold`` read for it (an admin
+unloaded it before a deploy marked it required, or through a router still on the old settings) is
+written back to ``loaded`` on the refresh that reads it, with a warning. Otherwise that deploy would
+keep the region's ``/health`` 503, out of global routing, until someone loaded the model by hand.
+
 Each model runs in a Serve application of its own (serve_app/regions/layout.py), named after the
 router's: its status and its wanted state are looked up under that application and the model's
 deployment. The models served change in place when the router is reconfigured (``set_models``).
@@ -58,6 +64,8 @@ REBUILD_GRACE_S = 30.0
 # docs/reliability.md), and clients should look again soon; a cold model serves only after an
 # admin loads it.
 RETRY_AFTER_S = {LOADING: 30, RECOVERING: 5, FAILED: 60, UNLOADING: 60, COLD: 60}
+# Who set a required model's wanted state back to loaded, in its record (an admin's key id otherwise).
+REQUIRED_BY = "region_health: required"
 
 
 class ModelStates:
@@ -92,6 +100,7 @@ class ModelStates:
         its ``initial_state`` until the next refresh; one no longer listed keeps its last state
         for the requests already on their way to it, and is refreshed no more."""
         self.locations = {m.id: (model_app_name(self.router_app, m.id), m.deployment_name) for m in models}
+        self.required = {m.id for m in models if m.region_health == "required"}
         self._initial = {
             m.id: self._initial[m.id]
             if m.id in self._initial and self._initial[m.id].state == m.initial_state
@@ -130,6 +139,7 @@ class ModelStates:
         """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
         if wanted is None:
             wanted = await asyncio.to_thread(self._read_all)
+        wanted = await self._load_required(wanted)
         locations = self.locations  # as they are now: set_models may run while Serve answers
         if status:
             self._deployments = self._with_rebuilding(_deployments_of(await asyncio.to_thread(self._serve_status), locations))
@@ -140,6 +150,23 @@ class ModelStates:
             self._log_serve_message(model_id, getattr(status_of, "message", "") or "")
             self._states[model_id] = _state_of(wanted[model_id], status_of)
         self._refreshed = True
+
+    async def _load_required(self, wanted: dict[str, WantedRecord]) -> dict[str, WantedRecord]:
+        """``wanted``, with every required model found wanted cold written back to loaded."""
+        followed = self.required & wanted.keys() & self.locations.keys()  # set_models may have run meanwhile
+        cold = sorted(model_id for model_id in followed if wanted[model_id].state == "cold")
+        if not cold:
+            return wanted
+        wanted = dict(wanted)
+        for model_id in cold:
+            logger.warning(
+                "%s is this region's required model (region_health: required) but was wanted cold (set %s by %s): "
+                "loading it, as /health is 503 while it serves nowhere",
+                model_id, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wanted[model_id].since)),
+                wanted[model_id].by or "the config",
+            )
+            wanted[model_id] = await asyncio.to_thread(self._write, *self.locations[model_id], "loaded", REQUIRED_BY)
+        return wanted
 
     def _with_rebuilding(self, found: dict[str, Any]) -> dict[str, Any]:
         """``found``, plus the last status of a model whose deployment Serve has stopped listing

@@ -319,7 +319,8 @@ def test_idle_reports_every_process_in_percent_of_a_core_against_the_target():
     # a result saved before wake-ups were counted still prints, with dashes where they would be
     older = {k: v for k, v in calm.items() if "wakeups" not in k}
     older["processes"] = [{k: v for k, v in row.items() if k != "wakeups_per_s"} for row in calm["processes"]]
-    assert "| controller | 1.00 % | — |" in idle_text(older) and "1.00 % of one core, — wake-ups" in idle_text(older)
+    text = idle_text(older)
+    assert "| controller | 1.00 % | — |" in text and "1.00 % of one core, — wake-ups" in text
 
 
 # --- the real table, on this very process -------------------------------------------------------
@@ -441,9 +442,10 @@ def test_the_host_table_counts_a_threads_wakeups_by_its_name():
 def test_a_threads_switches_are_read_from_its_status():
     from serve_app.bench.host import parse_thread_switches
 
-    status = "Name:\tgloo_tcp_loop\nState:\tS (sleeping)\nvoluntary_ctxt_switches:\t1480\nnonvoluntary_ctxt_switches:\t20\n"
+    switches = "voluntary_ctxt_switches:\t{}\nnonvoluntary_ctxt_switches:\t{}\n"
+    status = "Name:\tgloo_tcp_loop\nState:\tS (sleeping)\n" + switches.format(1480, 20)
     assert parse_thread_switches(status) == ("gloo_tcp_loop", 1500)
-    assert parse_thread_switches("Name:\ta: b \nvoluntary_ctxt_switches:\t1\nnonvoluntary_ctxt_switches:\t0\n") == ("a: b ", 1)
+    assert parse_thread_switches("Name:\ta: b \n" + switches.format(1, 0)) == ("a: b ", 1)
 
 
 def test_a_thread_name_may_hold_spaces_and_parentheses():

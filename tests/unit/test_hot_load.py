@@ -18,7 +18,7 @@ from serve_app.hot_load.autoscaling import HotLoadPolicy
 from serve_app.errors import APIError
 from serve_app.hot_load.state import WantedRecord, derive_state
 from serve_app.hot_load import tracker as model_states
-from serve_app.hot_load.tracker import ModelStates
+from serve_app.hot_load.tracker import REQUIRED_BY, ModelStates
 
 MODEL = "qwen-3.6-35b-a3b"
 SIBLING = "qwen-3.5-27b"
@@ -542,6 +542,54 @@ def test_models_joining_and_leaving_the_settings_are_followed_in_place():
         assert set(states.locations) == {SIBLING}
 
     asyncio.run(scenario())
+
+
+def test_a_deploy_that_marks_a_cold_model_required_loads_it(caplog):
+    """An admin unloaded the sibling; a later deploy marks it the region's required model. Left
+    cold, /health would stay 503 (out of global routing) until someone loaded it by hand: the
+    refresh that reads the new settings writes it back to loaded, once, and says so. An optional
+    model an admin unloaded stays unloaded."""
+    fake = FakeServe()
+    states = ModelStates(
+        "llm", [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)],
+        serve_status=fake.status, read=fake.read, write=fake.write,
+    )
+    sibling = (model_app_name("llm", SIBLING), "model-" + SIBLING)
+
+    async def scenario():
+        await states.refresh()
+        await states.set_wanted(SIBLING, "cold", by="key-admin")
+        await states.refresh()
+        assert states.get(SIBLING).state == "cold" and fake.kv[sibling].by == "key-admin"
+        caplog.set_level(logging.WARNING)
+        states.set_models([ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING, region_health="required")])
+        await states.refresh()
+        assert fake.kv[sibling].state == "loaded" and fake.kv[sibling].by == REQUIRED_BY
+        assert states.get(SIBLING).state == "loading" and states.get(SIBLING).wanted == "loaded"
+        written = fake.kv[sibling]
+        await states.refresh()
+        assert fake.kv[sibling] is written  # loaded now: not written again
+        fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
+        await states.refresh()
+        assert states.get(SIBLING).state == "loaded"
+
+    asyncio.run(scenario())
+    logged = [r.getMessage() for r in caplog.records if "required" in r.getMessage()]
+    assert len(logged) == 1 and SIBLING in logged[0] and "key-admin" in logged[0]
+
+
+def test_a_required_model_wanted_cold_by_another_router_is_loaded_by_the_next_refresh():
+    fake = FakeServe()
+    models = [ModelDeploymentArgs(id=MODEL, region_health="required"),
+              ModelDeploymentArgs(id=SIBLING, initial_state="cold")]
+    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
+    asyncio.run(states.refresh())
+    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "a-router-on-the-old-settings")
+    fake.write(model_app_name("llm", SIBLING), "model-" + SIBLING, "cold", "key-admin")
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).state == "loaded"
+    assert fake.kv[(model_app_name("llm", MODEL), "model-" + MODEL)].state == "loaded"
+    assert states.get(SIBLING).state == "cold"  # optional: the admin's unload stands
 
 
 def test_the_status_read_from_the_controllers_details_is_what_serve_status_says():
