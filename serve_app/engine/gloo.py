@@ -13,9 +13,17 @@ A gloo device serves any number of groups (torch takes devices in ``ProcessGroup
 this makes torch's gloo constructor give every later group the devices it chose for the first one,
 with whatever settings chose them (``GLOO_SOCKET_IFNAME``, lazy init). Bare vLLM started from this
 environment loads the same plugin, so the benchmark's two engines stay alike.
+
+Two things keep torch's behaviour where it matters. A forked child starts with no shared devices:
+a device's loop thread does not survive ``fork``, and a child reusing its parent's would hang on
+connect. And ``isinstance(backend, ProcessGroupGloo)`` holds for every gloo backend, including the
+wrappers torch hands back later (``pg._get_backend``), which are of torch's own class: torch checks
+against the module's name (``_set_pg_timeout``, ``dist.breakpoint``). A data-parallel engine core
+builds its DP group before vLLM loads plugins there, so that process keeps a loop of its own for it.
 """
 
 import logging
+import os
 from datetime import timedelta
 
 # serve_app.telemetry.logs.module_logger's name, without telemetry's imports in every vLLM process.
@@ -41,8 +49,18 @@ def share_one_gloo_device() -> None:
 
 def _sharing_class(original: type) -> type:
     shared: dict = {}
+    os.register_at_fork(after_in_child=shared.clear)
 
-    class OneDeviceGloo(original):  # isinstance(group, ProcessGroupGloo) still holds
+    class SameChecks(type(original)):
+        """Instances and subclasses of torch's class count as this one's, as before the patch."""
+
+        def __instancecheck__(cls, instance) -> bool:
+            return isinstance(instance, original)
+
+        def __subclasscheck__(cls, subclass) -> bool:
+            return issubclass(subclass, original)
+
+    class OneDeviceGloo(original, metaclass=SameChecks):
         def __init__(self, store, rank, size, *args, **kwargs):
             timeout = _timeout_only(args, kwargs)
             if timeout is None:  # given its own options, or torch's defaults: as torch would

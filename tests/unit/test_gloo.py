@@ -22,12 +22,12 @@ from tests.conftest import REPO
 # gave back.
 _RANK = textwrap.dedent(
     """
-    import os, sys, torch, torch.distributed as dist
+    import datetime, os, sys, torch, torch.distributed as dist
     from serve_app.engine.gloo import share_one_gloo_device
     if sys.argv[1] == "shared":
         share_one_gloo_device()
     rank = int(sys.argv[2])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     groups = [dist.new_group([0, 1], backend="gloo") for _ in range(3)]
     groups += [dist.new_group([r], backend="gloo") for r in (0, 1)]
     sums, members = [], []
@@ -54,15 +54,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(mode: str) -> list[str]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(REPO)}
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", _RANK, mode, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    outputs = [rank.communicate(timeout=120)[0].strip() for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+def _env() -> dict[str, str]:
+    return {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(REPO)}
+
+
+def _run_all(commands: list[list[str]]) -> list[str]:
+    """Start them together (ranks of one group), wait for each; none is left running."""
+    env = _env()
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for command in commands]
+    try:
+        outputs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0] * len(procs), outputs
     return outputs
+
+
+def _two_ranks(mode: str) -> list[str]:
+    return _run_all([[sys.executable, "-c", _RANK, mode, str(rank)] for rank in (0, 1)])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
@@ -71,6 +81,64 @@ def test_every_group_of_a_process_shares_one_loop_and_collectives_stay_right():
     right = ["[3.0, 3.0, 3.0, 1.0] [[0, 1], [0, 1], [0, 1], [0]]", "[3.0, 3.0, 3.0, 2.0] [[0, 1], [0, 1], [0, 1], [1]]"]
     assert _two_ranks("shared") == [f"1 {r}" for r in right]
     assert _two_ranks("torch") == [f"5 {r}" for r in right]  # torch alone: a loop per group
+
+
+# The process makes a gloo group (the shared devices), then forks; the child joins a new two-rank
+# group with a peer started afresh. A device's loop thread does not survive fork: a child that
+# reused its parent's device would time out connecting.
+_FORKED = textwrap.dedent(
+    """
+    import datetime, os, sys, torch, torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from serve_app.engine.gloo import share_one_gloo_device
+    share_one_gloo_device()
+    timeout = datetime.timedelta(seconds=20)
+    port = int(os.environ["MASTER_PORT"])
+    if sys.argv[1] == "peer":
+        group = c10d.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, False, timeout), 1, 2, timeout=timeout)
+        t = torch.ones(1)
+        group.allreduce([t]).wait()
+        sys.exit(0)
+    c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=timeout)  # the parent's: fills the shared devices
+    child = os.fork()
+    if child == 0:
+        try:
+            group = c10d.ProcessGroupGloo(dist.TCPStore("127.0.0.1", port, 2, True, timeout), 0, 2, timeout=timeout)
+            t = torch.ones(1)
+            group.allreduce([t]).wait()
+            os._exit(0 if t.item() == 2 else 3)
+        except BaseException:
+            os._exit(4)
+    print(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
+def test_a_forked_child_builds_devices_of_its_own():
+    assert _run_all([[sys.executable, "-c", _FORKED, "parent"], [sys.executable, "-c", _FORKED, "peer"]])[0] == "0"
+
+
+# torch hands back a group's backend later as a new wrapper of its own class, and checks it with
+# isinstance against the module's name before it sets a group's timeout.
+_HANDED_BACK = textwrap.dedent(
+    """
+    import datetime, gc, torch, torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from serve_app.engine.gloo import share_one_gloo_device
+    share_one_gloo_device()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    group = dist.new_group([0], backend="gloo")
+    gc.collect()
+    backend = group._get_backend(torch.device("cpu"))
+    c10d._set_pg_timeout(datetime.timedelta(seconds=77), group)
+    print(isinstance(backend, c10d.ProcessGroupGloo), group._get_backend(torch.device("cpu")).options._timeout)
+    """
+)
+
+
+def test_a_backend_torch_hands_back_is_still_a_gloo_group_whose_timeout_can_be_set():
+    assert _run_all([[sys.executable, "-c", _HANDED_BACK]]) == ["True 0:01:17"]
 
 
 @pytest.fixture
