@@ -69,31 +69,30 @@ class PsutilTable:
         # guest time is already inside user on Linux; counting it twice would invent load
         return sum(times) - idle - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
 
-    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
-        return self._by_thread_name(pid, create_time, "stat", parse_thread_stat)
+    def thread_cpu(self, pid: int, create_time: float) -> dict[int, tuple[str, float]] | None:
+        return self._per_thread(pid, create_time, "stat", parse_thread_stat)
 
-    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
-        return self._by_thread_name(pid, create_time, "status", parse_thread_switches)
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[int, tuple[str, int]] | None:
+        return self._per_thread(pid, create_time, "status", parse_thread_switches)
 
-    def _by_thread_name(self, pid: int, create_time: float, file: str, parse) -> dict | None:
-        """``parse`` of every thread's ``/proc/<pid>/task/<tid>/<file>`` → (name, value), summed by
-        name; None once the process is gone (or its pid is someone else's)."""
+    def _per_thread(self, pid: int, create_time: float, file: str, parse) -> dict | None:
+        """``parse`` of every thread's ``/proc/<pid>/task/<tid>/<file>`` → (name, value), by thread
+        id; None once the process is gone (or its pid is someone else's)."""
         try:
             if self._process(pid, create_time) is None:
                 return None
             tasks = os.listdir(f"/proc/{pid}/task")
         except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess, OSError):
             return None
-        by_name: dict = {}
+        threads: dict = {}
         for tid in tasks:
             try:
                 with open(f"/proc/{pid}/task/{tid}/{file}") as text:
                     name, value = parse(text.read())
             except (OSError, ValueError, IndexError):  # the thread ended between the listing and the read
                 continue
-            name = MAIN_THREAD if tid == str(pid) else name
-            by_name[name] = by_name.get(name, 0) + value
-        return by_name
+            threads[int(tid)] = (MAIN_THREAD if tid == str(pid) else name, value)
+        return threads
 
     def engine_env(self, pid: int, names: Sequence[str]) -> dict:
         psutil = self._psutil

@@ -17,8 +17,8 @@ since ``serve_app.engine.gloo`` (docs/benchmarks.md, "The idle floor").
 
 Wake-ups a second, per process, group and thread name (``ProcessTable.thread_wakeups``: context
 switches over the window): what an idle process does, counted without the host's speed in it. The
-same service read 7 % of a core on one host and 13–21 % on another (2026-12-06); a thread that
-wakes every 10 ms shows 100 a second on both.
+same service read 7 % of a core one hour and 13–21 % the next on one machine (2026-12-06); a
+thread that wakes every 10 ms shows 100 a second in both.
 """
 
 import time
@@ -86,7 +86,7 @@ def measure_idle(
 
 
 def _threads(table: ProcessTable, tracked: Iterable[Tracked]) -> tuple[dict[int, dict], dict[int, dict]]:
-    """Per pid: CPU-seconds by thread name, and context switches by thread name."""
+    """Per pid: each thread's CPU-seconds, and its context switches (by thread id: (name, value))."""
     cpu, wakeups = {}, {}
     for t in tracked:
         if (used := table.thread_cpu(t.pid, t.create_time)) is not None:
@@ -96,10 +96,16 @@ def _threads(table: ProcessTable, tracked: Iterable[Tracked]) -> tuple[dict[int,
     return cpu, wakeups
 
 
-def _since(start: Mapping[str, float], end: Mapping[str, float], rate: Callable[[float], float]) -> dict[str, float]:
-    """What each thread name added over the window, as ``rate`` of it; names that added nothing left out."""
-    added = {name: rate(value - start.get(name, 0)) for name, value in end.items()}
-    return {name: value for name, value in added.items() if value > 0}
+def _since(start: Mapping[int, tuple[str, float]], end: Mapping[int, tuple[str, float]],
+           rate: Callable[[float], float]) -> dict[str, float]:
+    """What the threads added over the window, thread by thread, summed by name (at its end) as
+    ``rate`` of it; names that added nothing left out. A thread born in the window counts from zero;
+    one that ended in it is not in ``end`` and adds nothing: by name, its whole life would otherwise
+    come off its namesakes' (a process's CPU is its own total, so only wake-ups miss its last part)."""
+    added: dict[str, float] = {}
+    for tid, (name, value) in end.items():
+        added[name] = added.get(name, 0) + value - (start[tid][1] if tid in start else 0)
+    return {name: rate(value) for name, value in added.items() if value > 0}
 
 
 def _busiest(threads: Mapping[str, float]) -> dict[str, float]:
@@ -118,8 +124,12 @@ def idle_text(result: Mapping[str, Any]) -> str:
              _thread_list(r.get("threads", {}))] for r in result["processes"]]
     groups = [[g, f"{v:.2f} %", _per_s(wakeups.get(g, 0.0) if counted else None)]
               for g, v in sorted(result["groups"].items(), key=lambda kv: -kv[1])]
-    threads = [[name, f"{v:.2f} %", _per_s(by_name.get(name, 0.0) if counted else None)]
-               for name, v in list(result.get("threads", {}).items())[:THREAD_ROWS]]
+    cpu_by_name = result.get("threads", {})
+    # the busiest names by CPU, then any of the most wakeful that CPU alone would leave out
+    names = list(cpu_by_name)[:THREAD_ROWS]
+    names += [name for name in list(by_name)[:THREAD_ROWS // 2] if name not in names]
+    threads = [[name, f"{cpu_by_name.get(name, 0.0):.2f} %", _per_s(by_name.get(name, 0.0) if counted else None)]
+               for name in names]
     verdict = "within" if result["within_target"] else "OVER"
     return "\n\n".join([
         f"Idle CPU of the local service over {result['seconds']:.1f} s, % of one core, and wake-ups a second:",
@@ -129,7 +139,8 @@ def idle_text(result: Mapping[str, Any]) -> str:
         md_table(["thread", "CPU", "wake-ups/s"], threads),
         f"total {result['total_pct']:.2f} % of one core, {_per_s(result.get('wakeups_per_s'))} wake-ups a second: "
         f"{verdict} the target of {result['target_pct']:.1f} %",
-        *([f"exited while sampled (last seconds not counted): {', '.join(result['exited'])}"] if result["exited"] else []),
+        *([f"exited while sampled (last seconds' CPU and every wake-up not counted): {', '.join(result['exited'])}"]
+          if result["exited"] else []),
     ])
 
 

@@ -85,13 +85,14 @@ class ProcessTable(Protocol):
         """The whole host's busy CPU-seconds since boot (every core, every process)."""
         ...
 
-    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
-        """utime + stime per thread of that process, summed by thread name (``MAIN_THREAD`` for
-        the thread whose id is the pid); None once it is gone (or its pid is someone else's)."""
+    def thread_cpu(self, pid: int, create_time: float) -> dict[int, tuple[str, float]] | None:
+        """utime + stime of each thread of that process, by thread id: (its name, ``MAIN_THREAD``
+        for the thread whose id is the pid; seconds); None once it is gone (or its pid is someone
+        else's)."""
         ...
 
-    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
-        """Context switches per thread of that process (voluntary + not), summed by thread name as
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[int, tuple[str, int]] | None:
+        """Context switches of each thread of that process (voluntary + not), by thread id as
         ``thread_cpu``; None once it is gone."""
         ...
 

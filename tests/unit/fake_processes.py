@@ -103,6 +103,7 @@ class FakeTable:
     envs: dict[int, dict] = field(default_factory=dict)
     thread_shares: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: share}
     wakeup_rates: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: per second}
+    wakeup_counts: dict[int, dict[int, tuple[str, int]]] = field(default_factory=dict)  # pid → {tid: (name, count)}
 
     def processes(self) -> list[Proc]:
         return [p for p in self.procs if p.pid not in self.gone]
@@ -120,16 +121,21 @@ class FakeTable:
         every = sum(self.cpu_seconds(p.pid, p.create_time) or 0.0 for p in self.processes())
         return every + self.base.get(OTHER_TENANT, 0.0) + self.rates.get(OTHER_TENANT, 0.0) * self.clock.now
 
-    def thread_cpu(self, pid: int, create_time: float) -> dict[str, float] | None:
+    def thread_cpu(self, pid: int, create_time: float) -> dict[int, tuple[str, float]] | None:
         used = self.cpu_seconds(pid, create_time)
         if used is None:
             return None
-        return {name: share * used for name, share in self.thread_shares.get(pid, {MAIN_THREAD: 1.0}).items()}
+        shares = self.thread_shares.get(pid, {MAIN_THREAD: 1.0})
+        return {pid * 1000 + i: (name, share * used) for i, (name, share) in enumerate(shares.items())}
 
-    def thread_wakeups(self, pid: int, create_time: float) -> dict[str, int] | None:
+    def thread_wakeups(self, pid: int, create_time: float) -> dict[int, tuple[str, int]] | None:
+        """One thread per name of ``wakeup_rates`` (rate × clock time), plus ``wakeup_counts``'s
+        threads as they stand (a test adds and removes them: threads born and ended)."""
         if self.cpu_seconds(pid, create_time) is None:
             return None
-        return {name: round(rate * self.clock.now) for name, rate in self.wakeup_rates.get(pid, {}).items()}
+        rates = self.wakeup_rates.get(pid, {})
+        threads = {pid * 1000 + i: (name, round(rate * self.clock.now)) for i, (name, rate) in enumerate(rates.items())}
+        return threads | self.wakeup_counts.get(pid, {})
 
     def engine_env(self, pid: int, names) -> dict:
         return self.envs.get(pid, {"nice": 15, "affinity": [0, 1], "threads": 4, "thread_affinities": {"0-1": 4},

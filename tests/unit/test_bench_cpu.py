@@ -323,6 +323,32 @@ def test_idle_reports_every_process_in_percent_of_a_core_against_the_target():
     assert "| controller | 1.00 % | — |" in text and "1.00 % of one core, — wake-ups" in text
 
 
+def test_idle_wakeups_are_counted_thread_by_thread_so_a_thread_that_ends_takes_nothing_from_its_namesakes():
+    """gRPC names its timer threads alike and starts and ends them: summed by name at both ends, a
+    thread that ended in the window would take its whole life's count off the others'."""
+    clock = Clock()
+    table = FakeTable(clock)
+    table.set_rate(220, 0.01)
+    clock.now = 100.0
+    table.wakeup_counts[220] = {7001: ("grpc_timer", 1000), 7002: ("grpc_timer", 5000)}  # 7002 ends
+
+    def sleep(seconds: float) -> None:
+        clock.sleep_sync(seconds)
+        table.wakeup_counts[220] = {7001: ("grpc_timer", 1300), 7003: ("grpc_timer", 60)}  # 7003: new
+
+    result = measure_idle(table, 8000, 30, sleep=sleep, clock=clock, client_pid=CLIENT_PID)
+    assert result["thread_wakeups_per_s"] == {"grpc_timer": pytest.approx(12)}  # (300 + 60) / 30
+    assert result["group_wakeups_per_s"]["controller"] == pytest.approx(12)
+    assert "| grpc_timer | 0.00 % | 12 |" in idle_text(result)  # wakeful, CPU too small to rank: listed
+
+
+def _by_name(threads: dict[int, tuple[str, float]]) -> dict[str, float]:
+    summed: dict[str, float] = {}
+    for name, value in threads.values():
+        summed[name] = summed.get(name, 0) + value
+    return summed
+
+
 # --- the real table, on this very process -------------------------------------------------------
 def test_the_host_table_reads_this_process_its_socket_and_its_cpu():
     import os
@@ -394,14 +420,16 @@ def test_the_host_table_splits_a_process_cpu_by_thread_name():
         comm.write("idle-test-spin")
     deadline = time.monotonic() + 30
     try:  # read while it runs: a thread that ended is not listed (its CPU stays in the process's)
-        while (threads := table.thread_cpu(me.pid, me.create_time)).get("idle-test-spin", 0) < 0.05:
+        while _by_name(threads := table.thread_cpu(me.pid, me.create_time)).get("idle-test-spin", 0) < 0.05:
             assert time.monotonic() < deadline, threads
             time.sleep(0.05)
     finally:
         done.set()
         worker.join()
-    assert threads["main"] > 0 and "spinner" not in threads  # this thread, and the OS's name only
-    assert sum(threads.values()) <= table.cpu_seconds(me.pid, me.create_time) + 0.05
+    assert threads[me.pid][0] == "main" and threads[worker.native_id][0] == "idle-test-spin"
+    by_name = _by_name(threads)
+    assert by_name["main"] > 0 and "spinner" not in by_name  # this thread, and the OS's name only
+    assert sum(by_name.values()) <= table.cpu_seconds(me.pid, me.create_time) + 0.05
     assert table.thread_cpu(me.pid, me.create_time + 5) is None
 
 
@@ -435,7 +463,9 @@ def test_the_host_table_counts_a_threads_wakeups_by_its_name():
     finally:
         finish.set()
         worker.join()
-    assert after["idle-test-nap"] - before.get("idle-test-nap", 0) >= 50 and after["main"] >= before["main"]
+    nap = worker.native_id
+    assert before[nap][0] == after[nap][0] == "idle-test-nap" and after[nap][1] - before[nap][1] >= 50
+    assert after[me.pid][0] == "main" and after[me.pid][1] >= before[me.pid][1]
     assert table.thread_wakeups(me.pid, me.create_time + 5) is None
 
 
