@@ -3,7 +3,8 @@
 A model deployment is always part of the Serve application, but it runs replicas only while it is
 *wanted loaded*. The wanted state (``loaded`` or ``cold``) is set by ``POST /v1/models/load`` and
 ``/v1/models/unload`` and kept in Ray's GCS key-value store, under the Serve application and
-deployment names, so every router replica and the Serve controller (where the autoscaling policy,
+deployment names (the routers also set a required model found cold back to ``loaded``:
+``tracker.py``), so every router replica and the Serve controller (where the autoscaling policy,
 ``serve_app.hot_load.autoscaling``, runs) read the same value, and it survives router and
 controller restarts. Until a model has been loaded or unloaded, its config's ``initial_state``
 stands. The KV store lives as long as the Ray cluster; a new cluster starts from the config.
@@ -52,7 +53,9 @@ _STARTING = ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
 class WantedRecord:
     state: Wanted
     since: float  # unix time the state was last set
-    by: str | None = None  # key id of the admin who set it (None: the config's initial_state)
+    # key id of the admin who set it; tracker.REQUIRED_BY when routers loaded a required model left
+    # cold; None: the config's initial_state
+    by: str | None = None
 
 
 def _key(app_name: str, deployment: str) -> bytes:

@@ -9,11 +9,12 @@ the router's CPU a call under load (py-spy, docs/benchmarks.md).
 The request path reads the view from memory. A router replica that takes a load or unload updates
 its own view at once; the others follow within a second.
 
-A model the region's ``/health`` requires (``region_health: required``) is never wanted cold: its
-unload is refused (409 ``model_required``), and a wanted state of ``cold`` read for it (an admin
-unloaded it before a deploy marked it required, or through a router still on the old settings) is
-written back to ``loaded`` on the refresh that reads it, with a warning. Otherwise that deploy would
-keep the region's ``/health`` 503, out of global routing, until someone loaded the model by hand.
+A model the region's ``/health`` requires (``region_health: required``) is not left wanted cold:
+its unload is refused (409 ``model_required``), and a ``cold`` set before this router took it as
+required (an admin unloaded it before a deploy marked it required) is written back to ``loaded`` on
+the refresh that reads it, with a warning. Otherwise that deploy would keep the region's ``/health``
+503, out of global routing, until someone loaded the model by hand. A ``cold`` set later came through
+a router on other settings (the model made optional, then unloaded, while this router drains): left.
 
 Each model runs in a Serve application of its own (serve_app/regions/layout.py), named after the
 router's: its status and its wanted state are looked up under that application and the model's
@@ -89,11 +90,14 @@ class ModelStates:
         self._wanted: dict[str, WantedRecord] = {}
         self._deployments: dict[str, Any] = {}  # Serve's status per model's deployment, last read
         self._missing_since: dict[str, float] = {}  # a model whose deployment Serve stopped listing
+        self._required_since: dict[str, float] = {}  # when this router first had each model required
         self.set_models(models)
         self._status_read_at = float("-inf")
         self._suspect_until = float("-inf")
         self._pending: asyncio.Task | None = None  # a refresh a caller asked for, in flight
         self._serve_messages: dict[str, str] = {}  # Serve's message per model, last logged
+        self._writing: set[str] = set()  # required models being written back to loaded
+        self._said: set[tuple[str, float]] = set()  # (model, its cold record's time) already logged
 
     def set_models(self, models: Sequence[ModelDeploymentArgs]) -> None:
         """Follow ``models`` from now on (the router's settings changed): a new model starts from
@@ -101,6 +105,8 @@ class ModelStates:
         for the requests already on their way to it, and is refreshed no more."""
         self.locations = {m.id: (model_app_name(self.router_app, m.id), m.deployment_name) for m in models}
         self.required = {m.id for m in models if m.region_health == "required"}
+        now = time.time()
+        self._required_since = {m: self._required_since.get(m, now) for m in self.required}
         self._initial = {
             m.id: self._initial[m.id]
             if m.id in self._initial and self._initial[m.id].state == m.initial_state
@@ -152,20 +158,38 @@ class ModelStates:
         self._refreshed = True
 
     async def _load_required(self, wanted: dict[str, WantedRecord]) -> dict[str, WantedRecord]:
-        """``wanted``, with every required model found wanted cold written back to loaded."""
-        followed = self.required & wanted.keys() & self.locations.keys()  # set_models may have run meanwhile
-        cold = sorted(model_id for model_id in followed if wanted[model_id].state == "cold")
-        if not cold:
-            return wanted
+        """``wanted``, with each required model found wanted cold *since before this router made it
+        required* written back to loaded (best effort: a failed write leaves the record as read, and
+        the next refresh tries again). A cold set later came through a router on other settings (an
+        operator making it optional, deploying, then unloading, while this one still drains): left
+        alone. Each case is logged once per record."""
+        locations = self.locations  # as they are now: set_models may run during the writes
         wanted = dict(wanted)
-        for model_id in cold:
-            logger.warning(
-                "%s is this region's required model (region_health: required) but was wanted cold (set %s by %s): "
-                "loading it, as /health is 503 while it serves nowhere",
-                model_id, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wanted[model_id].since)),
-                wanted[model_id].by or "the config",
-            )
-            wanted[model_id] = await asyncio.to_thread(self._write, *self.locations[model_id], "loaded", REQUIRED_BY)
+        for model_id in sorted(self.required & wanted.keys() & locations.keys()):
+            record = wanted[model_id]
+            if record.state != "cold" or model_id in self._writing:
+                continue
+            set_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.since))
+            said = (model_id, record.since)
+            if record.since > self._required_since.get(model_id, float("inf")):
+                if said not in self._said:
+                    self._said.add(said)
+                    logger.warning("%s is required here (region_health: required) but was unloaded at %s by %s, "
+                                   "through a router on other settings: left cold", model_id, set_at, record.by)
+                continue
+            self._writing.add(model_id)
+            try:
+                wanted[model_id] = await asyncio.to_thread(self._write, *locations[model_id], "loaded", REQUIRED_BY)
+            except Exception:
+                if said not in self._said:
+                    self._said.add(said)
+                    logger.warning("could not load %s, required here but wanted cold", model_id, exc_info=True)
+                continue
+            finally:
+                self._writing.discard(model_id)
+            logger.warning("%s is required here (region_health: required) but was wanted cold (set %s by %s): "
+                           "loaded it, as /health is 503 while it serves nowhere", model_id, set_at,
+                           record.by or "the config")
         return wanted
 
     def _with_rebuilding(self, found: dict[str, Any]) -> dict[str, Any]:

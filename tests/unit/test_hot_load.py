@@ -578,18 +578,64 @@ def test_a_deploy_that_marks_a_cold_model_required_loads_it(caplog):
     assert len(logged) == 1 and SIBLING in logged[0] and "key-admin" in logged[0]
 
 
-def test_a_required_model_wanted_cold_by_another_router_is_loaded_by_the_next_refresh():
+def test_a_required_model_found_cold_when_a_router_starts_is_loaded_by_its_background_refresh(caplog):
+    """The record predates this router (an unload, then a restart with the model required): the
+    every-second refresh, which reads the wanted states itself, writes it back."""
     fake = FakeServe()
+    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "key-admin")
     models = [ModelDeploymentArgs(id=MODEL, region_health="required"),
               ModelDeploymentArgs(id=SIBLING, initial_state="cold")]
-    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
-    asyncio.run(states.refresh())
-    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "a-router-on-the-old-settings")
     fake.write(model_app_name("llm", SIBLING), "model-" + SIBLING, "cold", "key-admin")
-    asyncio.run(states.refresh())
-    assert states.get(MODEL).state == "loaded"
-    assert fake.kv[(model_app_name("llm", MODEL), "model-" + MODEL)].state == "loaded"
+    time.sleep(0.01)
+    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
+    caplog.set_level(logging.WARNING)
+    asyncio.run(states.refresh(wanted=states._read_all()))
+    record = fake.kv[(model_app_name("llm", MODEL), "model-" + MODEL)]
+    assert (record.state, record.by) == ("loaded", REQUIRED_BY) and states.get(MODEL).state == "loaded"
     assert states.get(SIBLING).state == "cold"  # optional: the admin's unload stands
+    assert sum("loaded it" in r.getMessage() and MODEL in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_unload_through_a_router_on_other_settings_after_this_one_required_the_model_is_left_alone(caplog):
+    """An operator made the model optional, deployed and unloaded it while this router (still on
+    the settings that require it) drains: undoing that unload would fight the operator. Left cold,
+    said once."""
+    fake = FakeServe()
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL, region_health="required")],
+                         serve_status=fake.status, read=fake.read, write=fake.write)
+    asyncio.run(states.refresh())
+    time.sleep(0.01)
+    fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "key-admin")
+    caplog.set_level(logging.WARNING)
+    asyncio.run(states.refresh())
+    asyncio.run(states.refresh())
+    assert fake.kv[(model_app_name("llm", MODEL), "model-" + MODEL)].by == "key-admin"
+    assert states.get(MODEL).wanted == "cold"
+    assert sum("left cold" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failed_write_back_leaves_the_view_refreshing_and_is_said_once(caplog):
+    fake = FakeServe()
+    fake.write(model_app_name("llm", SIBLING), "model-" + SIBLING, "cold", "key-admin")
+    time.sleep(0.01)
+
+    def broken(app, deployment, state, by):
+        raise ConnectionError("GCS unavailable")
+
+    models = [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING, region_health="required")]
+    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=broken)
+    fake.replicas["model-" + MODEL] = {"RUNNING": 1}
+    caplog.set_level(logging.WARNING)
+    asyncio.run(states.refresh())
+    fake.statuses["model-" + MODEL] = "UNHEALTHY"
+    fake.replicas["model-" + MODEL] = {}
+    asyncio.run(states.refresh())
+    assert states.get(MODEL).state == "recovering"  # the rest of the view still follows Serve
+    assert states.get(SIBLING).state == "cold"  # as read, until a write succeeds
+    assert sum("could not load" in r.getMessage() for r in caplog.records) == 1
+    states._write = fake.write
+    asyncio.run(states.refresh())
+    assert states.get(SIBLING).wanted == "loaded"
 
 
 def test_the_status_read_from_the_controllers_details_is_what_serve_status_says():
