@@ -119,6 +119,32 @@ def test_a_forked_child_builds_devices_of_its_own():
     assert _run_all([[sys.executable, "-c", _FORKED, "parent"], [sys.executable, "-c", _FORKED, "peer"]])[0] == "0"
 
 
+# The plugin loaded over torch's class, groups made and dropped (the shared devices then held by
+# the plugin alone), three times as in a test session; then a subprocess with a preexec_fn, which
+# runs the at-fork hooks in the child before its exec. Releasing a device there ran its destructor
+# on a loop thread fork did not copy: the child died of SIGSEGV (Ray's GCS never started).
+_FORK_AFTER_DROPPED_GROUPS = textwrap.dedent(
+    """
+    import datetime, gc, subprocess
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from serve_app.engine import gloo
+    torch_class = c10d.ProcessGroupGloo
+    for _ in range(3):
+        c10d.ProcessGroupGloo = torch_class
+        gloo.share_one_gloo_device()
+        groups = [c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=datetime.timedelta(seconds=5)) for _ in "ab"]
+        del groups
+    gc.collect()
+    print(subprocess.run(["true"], preexec_fn=lambda: None).returncode)
+    """
+)
+
+
+def test_a_child_forked_after_groups_were_dropped_releases_none_of_the_parents_devices():
+    assert _run_all([[sys.executable, "-c", _FORK_AFTER_DROPPED_GROUPS]]) == ["0"]
+
+
 # torch hands back a group's backend later as a new wrapper of its own class, and checks it with
 # isinstance against the module's name before it sets a group's timeout.
 _HANDED_BACK = textwrap.dedent(
