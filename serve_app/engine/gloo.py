@@ -16,13 +16,14 @@ environment loads the same plugin, so the benchmark's two engines stay alike.
 
 Two things keep torch's behaviour where it matters. A forked child starts with no shared devices:
 a device's loop thread does not survive ``fork``, and a child reusing its parent's would hang on
-connect (the parent's are held in the child, never released: see ``_INHERITED``). And
+connect (the parent's are kept in the child, never released: ``forget_in_child``). And
 ``isinstance(backend, ProcessGroupGloo)`` holds for every gloo backend, including the wrappers torch
 hands back later (``pg._get_backend``), which are of torch's own class: torch checks
 against the module's name (``_set_pg_timeout``, ``dist.breakpoint``). A data-parallel engine core
 builds its DP group before vLLM loads plugins there, so that process keeps a loop of its own for it.
 """
 
+import ctypes
 import logging
 import os
 from datetime import timedelta
@@ -31,11 +32,6 @@ from datetime import timedelta
 logger = logging.getLogger(f"ray.serve.{__name__}")
 
 _MARK = "_serve_app_one_device"
-# A forked child's references to its parent's shared devices, kept and never released: releasing a
-# device runs its destructor, which stops a loop thread fork did not copy, and that crashes the
-# child (a segfault before a subprocess's exec: Ray's GCS never started in a test session that had
-# made gloo groups, 2026-12-06). The child builds devices of its own; these are only held.
-_INHERITED: list[dict] = []
 
 
 def share_one_gloo_device() -> None:
@@ -57,7 +53,12 @@ def _sharing_class(original: type) -> type:
     shared: dict = {}
 
     def forget_in_child() -> None:
-        _INHERITED.append(shared.copy())  # held, so clearing releases nothing
+        # The parent's devices are never released in a child: a device's destructor stops its loop
+        # thread, which fork did not copy, and crashes the child (SIGSEGV before a subprocess's exec:
+        # Ray's GCS never started in a test session that had made gloo groups; or at a forked
+        # child's normal exit). One reference each, never given back, outlives even shutdown.
+        for device in shared.get("devices", ()):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(device))
         shared.clear()
 
     os.register_at_fork(after_in_child=forget_in_child)

@@ -121,11 +121,12 @@ def test_a_forked_child_builds_devices_of_its_own():
 
 # The plugin loaded over torch's class, groups made and dropped (the shared devices then held by
 # the plugin alone), three times as in a test session; then a subprocess with a preexec_fn, which
-# runs the at-fork hooks in the child before its exec. Releasing a device there ran its destructor
-# on a loop thread fork did not copy: the child died of SIGSEGV (Ray's GCS never started).
+# runs the at-fork hooks in the child before its exec, and a forked child that exits normally.
+# Releasing a device in a child ran its destructor on a loop thread fork did not copy: SIGSEGV
+# (Ray's GCS never started), at once or at the child's shutdown.
 _FORK_AFTER_DROPPED_GROUPS = textwrap.dedent(
     """
-    import datetime, gc, subprocess
+    import datetime, gc, os, subprocess, sys
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     from serve_app.engine import gloo
@@ -136,13 +137,17 @@ _FORK_AFTER_DROPPED_GROUPS = textwrap.dedent(
         groups = [c10d.ProcessGroupGloo(dist.HashStore(), 0, 1, timeout=datetime.timedelta(seconds=5)) for _ in "ab"]
         del groups
     gc.collect()
-    print(subprocess.run(["true"], preexec_fn=lambda: None).returncode)
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # the interpreter's own shutdown, in the child
+    started = subprocess.run(["true"], preexec_fn=lambda: None).returncode
+    print(started, os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
     """
 )
 
 
 def test_a_child_forked_after_groups_were_dropped_releases_none_of_the_parents_devices():
-    assert _run_all([[sys.executable, "-c", _FORK_AFTER_DROPPED_GROUPS]]) == ["0"]
+    assert _run_all([[sys.executable, "-c", _FORK_AFTER_DROPPED_GROUPS]]) == ["0 0"]
 
 
 # torch hands back a group's backend later as a new wrapper of its own class, and checks it with
