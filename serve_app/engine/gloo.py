@@ -32,6 +32,8 @@ from datetime import timedelta
 logger = logging.getLogger(f"ray.serve.{__name__}")
 
 _MARK = "_serve_app_one_device"
+# Bound at import, not looked up in a forked child: takes one reference, returns nothing.
+_incref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))
 
 
 def share_one_gloo_device() -> None:
@@ -58,7 +60,7 @@ def _sharing_class(original: type) -> type:
         # Ray's GCS never started in a test session that had made gloo groups; or at a forked
         # child's normal exit). One reference each, never given back, outlives even shutdown.
         for device in shared.get("devices", ()):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(device))
+            _incref(device)
         shared.clear()
 
     os.register_at_fork(after_in_child=forget_in_child)

@@ -146,6 +146,7 @@ _FORK_AFTER_DROPPED_GROUPS = textwrap.dedent(
 )
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks")
 def test_a_child_forked_after_groups_were_dropped_releases_none_of_the_parents_devices():
     assert _run_all([[sys.executable, "-c", _FORK_AFTER_DROPPED_GROUPS]]) == ["0 0"]
 
