@@ -170,20 +170,15 @@ class ModelStates:
             if record.state != "cold" or model_id in self._writing:
                 continue
             set_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.since))
-            said = (model_id, record.since)
             if record.since > self._required_since.get(model_id, float("inf")):
-                if said not in self._said:
-                    self._said.add(said)
-                    logger.warning("%s is required here (region_health: required) but was unloaded at %s by %s, "
-                                   "through a router on other settings: left cold", model_id, set_at, record.by)
+                self._warn_once(record, "%s is required here (region_health: required) but was unloaded at %s by "
+                                "%s, through a router on other settings: left cold", model_id, set_at, record.by)
                 continue
             self._writing.add(model_id)
             try:
                 wanted[model_id] = await asyncio.to_thread(self._write, *locations[model_id], "loaded", REQUIRED_BY)
             except Exception:
-                if said not in self._said:
-                    self._said.add(said)
-                    logger.warning("could not load %s, required here but wanted cold", model_id, exc_info=True)
+                self._warn_once(record, "could not load %s, required here but wanted cold", model_id, exc_info=True)
                 continue
             finally:
                 self._writing.discard(model_id)
@@ -191,6 +186,12 @@ class ModelStates:
                            "loaded it, as /health is 503 while it serves nowhere", model_id, set_at,
                            record.by or "the config")
         return wanted
+
+    def _warn_once(self, record: WantedRecord, message: str, model_id: str, *args, **kwargs) -> None:
+        """A warning about this model's cold record, logged the first time only (refreshes repeat)."""
+        if (model_id, record.since) not in self._said:
+            self._said.add((model_id, record.since))
+            logger.warning(message, model_id, *args, **kwargs)
 
     def _with_rebuilding(self, found: dict[str, Any]) -> dict[str, Any]:
         """``found``, plus the last status of a model whose deployment Serve has stopped listing
