@@ -22,6 +22,7 @@ thread that wakes every 10 ms shows 100 a second in both.
 """
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -60,7 +61,7 @@ def measure_idle(
     side = cpu["sides"].get(OURS, {"total": 0.0, "groups": {}, "processes": {}})
     tracked = {f"{t.label} [{t.pid}]": t for t in meter.tracked.values()}
     per_s = (lambda count: count / elapsed) if elapsed > 0 else (lambda count: 0.0)
-    rows, by_name, wakeups_by_name, group_wakeups = [], {}, {}, {}
+    rows, by_name, wakeups_by_name, group_wakeups = [], Counter(), Counter(), Counter()
     for key, used in side["processes"].items():
         t = tracked[key]
         # a process seen at the start is charged what its threads used since; one born in the
@@ -68,13 +69,12 @@ def measure_idle(
         seen = t.pid in before.cpu
         threads = _since(threads_before.get(t.pid, {}) if seen else {}, threads_after.get(t.pid, {}), pct)
         wakeups = _since(wakeups_before.get(t.pid, {}) if seen else {}, wakeups_after.get(t.pid, {}), per_s)
-        for name, value in threads.items():
-            by_name[name] = by_name.get(name, 0.0) + value
-        for name, value in wakeups.items():
-            wakeups_by_name[name] = wakeups_by_name.get(name, 0.0) + value
-        group_wakeups[t.group] = group_wakeups.get(t.group, 0.0) + sum(wakeups.values())
+        woke = sum(wakeups.values())
+        by_name.update(threads)
+        wakeups_by_name.update(wakeups)
+        group_wakeups[t.group] += woke
         rows.append({"group": t.group, "process": t.label, "pid": t.pid, "pct_core": pct(used),
-                     "threads": _busiest(threads), "wakeups_per_s": sum(wakeups.values())})
+                     "threads": _busiest(threads), "wakeups_per_s": woke})
     order = {g: i for i, g in enumerate(GROUPS)}
     groups = {g: pct(v) for g, v in sorted(side["groups"].items(), key=lambda kv: order.get(kv[0], len(order)))}
     total = pct(side["total"])
