@@ -27,26 +27,11 @@ $(TOOLS_VENV)/.installed: pyproject.toml scripts/install.py
 # key. Set SERVE_APP_DEV_API_KEY yourself to use another; region configs never accept one.
 SERVE_APP_DEV_API_KEY ?= sk-local-dev
 run: export SERVE_APP_DEV_API_KEY := $(SERVE_APP_DEV_API_KEY)
-# HAProxy (bundled with Ray 2.60) takes port 8000 in place of Serve's Python proxy and forwards
-# to the router's own port (direct ingress): docs/architecture.md, "The token path".
-run: export RAY_SERVE_ENABLE_HA_PROXY := 1
-run: export RAY_SERVE_HAPROXY_NBTHREAD := 1
-# What an idle cluster costs (serve_app/app.py IDLE_ENV): the Serve controller's loop every 1 s
-# instead of 0.1 s, no idle worker kept in the raylet's pool, Serve's metrics handed on every 1 s,
-# the dashboard agent's stats every 10 s and its event-file scan every 10 s, the dashboard's own
-# gauges every 60 s.
-run: export RAY_SERVE_CONTROL_LOOP_INTERVAL_S := 1.0
-run: export RAY_num_workers_soft_limit := 0
-run: export RAY_SERVE_METRICS_EXPORT_INTERVAL_MS := 1000
-run: export REPORTER_UPDATE_INTERVAL_MS := 10000
-run: export SCAN_EVENT_DIR_INTERVAL_SECONDS := 10
-run: export METRICS_RECORD_INTERVAL_S := 60
-# And on this machine (serve_app/app.py LOCAL_RAY_ENV): the log monitor lists the log directory
-# every 0.5 s, not on each of its 0.1 s passes.
-run: export RAY_LOG_MONITOR_MANY_FILES_THRESHOLD := 0
-# Through serve_app's launcher, which keeps HAProxy's stats (8404) and metrics (9101) on 127.0.0.1
-# and clears stale /tmp/haproxy-serve/<node> directories (serve_app/haproxy/, docs/operations.md).
-run: export RAY_SERVE_HAPROXY_BINARY_PATH := $(abspath $(BIN))/serve-app-haproxy
+# The Ray node's environment (serve_app/app.py LOCAL_RAY_ENV) is set by serve_app.runtime.local_ray
+# before Ray starts: HAProxy (bundled with Ray 2.60) on port 8000 in place of Serve's Python proxy,
+# forwarding to the router's own port, through serve_app's launcher (docs/architecture.md, "The
+# token path"); what an idle cluster costs (IDLE_ENV: docs/benchmarks.md, "The idle floor"); one
+# HAProxy thread and the log monitor's listing on this small host. What you export yourself wins.
 # Another local config with the same environment: `make run SERVE_CONFIG=configs/local-bench.yaml`
 # (the benchmark's chat model alone, docs/benchmarks.md).
 SERVE_CONFIG ?= configs/local.yaml

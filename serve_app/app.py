@@ -25,12 +25,12 @@ from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
 
-# The environment the Ray cluster itself must start with (the Makefile, the test session and
-# terraform/modules/region set it): HAProxy, which Ray 2.60 bundles, listens on the HTTP port in
-# place of Serve's Python proxy and forwards each connection to a router replica's own port
-# (direct ingress), so no response crosses a Ray hop between the router and the client. Ray runs
-# it through serve_app's launcher, which keeps its stats page and metrics exporter on loopback
-# (Ray binds them to every interface; serve_app/haproxy/).
+# The environment the Ray cluster itself must start with (`make run` through
+# serve_app.runtime.local_ray, the test session and terraform/modules/region set it): HAProxy,
+# which Ray 2.60 bundles, listens on the HTTP port in place of Serve's Python proxy and forwards
+# each connection to a router replica's own port (direct ingress), so no response crosses a Ray
+# hop between the router and the client. Ray runs it through serve_app's launcher, which keeps its
+# stats page and metrics exporter on loopback (Ray binds them to every interface; serve_app/haproxy/).
 # What an idle cluster costs (docs/benchmarks.md, "The idle tax", "The idle floor"):
 # - the Serve controller's loop every 1 s, not Ray's 0.1 s: idle, it was the cluster's busiest
 #   process (8 % of a core on 2 cores; 1.2 % at 0.5 s, 0.9 % at 1 s, three GCS calls a pass plus

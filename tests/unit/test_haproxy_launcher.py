@@ -266,18 +266,14 @@ def test_building_the_app_warns_when_ray_runs_haproxy_without_the_launcher(tmp_p
 def test_make_run_and_the_package_name_the_same_launcher():
     import tomllib
 
+    from serve_app.app import LOCAL_RAY_ENV, RAY_ENV
+    from serve_app.haproxy import launcher_path
     from tests.conftest import REPO
 
-    exports = dict(re.findall(r"^run: export (\w+) := (.*)$", (REPO / "Makefile").read_text(), re.M))
-    assert exports["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    assert exports[BINARY_PATH_ENV] == f"$(abspath $(BIN))/{LAUNCHER}"
-    from serve_app.app import IDLE_ENV, LOCAL_RAY_ENV
-    from serve_app.runtime.cpus import GATEWAY_CPUS_ENV
-
-    assert {name: exports[name] for name in IDLE_ENV} == IDLE_ENV
-    # The test session and the failover benchmark run what `make run` runs (the gateway's CPUs
-    # the Makefile reads from the same function on its command line).
-    local = {name: value for name, value in LOCAL_RAY_ENV.items() if name not in (GATEWAY_CPUS_ENV, BINARY_PATH_ENV)}
-    assert {name: exports[name] for name in local} == local
+    # `make run`, the test session and the failover benchmark start Ray with LOCAL_RAY_ENV
+    # (serve_app.runtime.local_ray sets it for `make run`): HAProxy, through the installed launcher.
+    assert LOCAL_RAY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == RAY_ENV["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert LOCAL_RAY_ENV[BINARY_PATH_ENV] == str(launcher_path())
+    assert launcher_path().name == LAUNCHER
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts[LAUNCHER] == "serve_app.haproxy.launch:main"

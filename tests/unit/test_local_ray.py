@@ -1,5 +1,8 @@
 """serve_app/runtime/local_ray.py: the dashboard a local node starts runs the modules the service
-uses, through the one Ray function that spawns it."""
+uses, through the one Ray function that spawns it; the node starts with LOCAL_RAY_ENV."""
+
+import os
+import re
 
 import pytest
 from ray._private import ray_constants, services
@@ -104,8 +107,34 @@ def test_without_rays_function_the_dashboard_is_left_whole(monkeypatch, caplog):
     assert "every module" in caplog.text
 
 
-def test_make_run_starts_serve_through_it():
+def test_make_run_starts_serve_through_it_and_names_the_ray_environment_nowhere_else():
+    from serve_app.app import LOCAL_RAY_ENV
     from tests.conftest import REPO
 
     makefile = (REPO / "Makefile").read_text()
     assert "-m serve_app.runtime.local_ray run $(SERVE_CONFIG)" in makefile
+    exported = set(re.findall(r"^run: export (\w+)", makefile, re.M))
+    assert exported == {"SERVE_APP_DEV_API_KEY"}, "LOCAL_RAY_ENV is the one source: local_ray sets it"
+    assert not exported & LOCAL_RAY_ENV.keys()
+
+
+def test_the_node_starts_with_the_local_environment_and_what_is_set_already_wins(monkeypatch):
+    from ray.serve.scripts import cli
+
+    from serve_app.app import IDLE_ENV, LOCAL_RAY_ENV
+
+    environ = {name: value for name, value in os.environ.items() if name not in LOCAL_RAY_ENV}
+    environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] = "0.5"  # an operator's experiment
+    monkeypatch.setattr(os, "environ", environ)
+    monkeypatch.setattr(local_ray, "trim_dashboard", lambda: None)
+    seen = {}
+    monkeypatch.setattr(cli, "main", lambda args, prog_name: seen.update(args=args, env=dict(os.environ)))
+
+    local_ray.main(["run", "configs/local.yaml"])
+
+    assert seen["args"] == ["run", "configs/local.yaml"]
+    assert seen["env"]["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"
+    assert {name: seen["env"][name] for name in IDLE_ENV if name != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"} == {
+        name: value for name, value in IDLE_ENV.items() if name != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
+    assert seen["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert seen["env"]["RAY_SERVE_HAPROXY_NBTHREAD"] == LOCAL_RAY_ENV["RAY_SERVE_HAPROXY_NBTHREAD"]
