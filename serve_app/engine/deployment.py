@@ -110,8 +110,7 @@ class _ModelServer:
         try:
             outcome = await self.engine.answer(surface.name, call)
         except Exception:
-            yield self._failed()[0]
-            return
+            outcome = self._failed()[0]
         if isinstance(outcome, Answer):
             yield self._finished(outcome, count, started)
             return
@@ -162,6 +161,9 @@ class _ModelServer:
                 work.cancel()
                 await wire_socket.until_done(work)
             _close(listener, connection, ticket)
+        # What each generation had when aborted, counted (vLLM's serving layer may answer its own
+        # cancellation with an error before the generations it merged have closed).
+        await count.settled(token_count.ABORTED_OUTPUT_WAIT_S)
         if not finished:  # the router hung up: its client left; the engine request was aborted
             trailer = Trailer(complete=False, replica=self.replica, generated=count.snapshot())
             yield Answer(499, error_body(499, "the client closed the request"), trailer)
@@ -169,14 +171,17 @@ class _ModelServer:
         try:
             outcome = work.result()
         except Exception:
-            yield self._failed()[0]
-            return
+            outcome = self._failed()[0]
         yield self._finished(outcome, count, started)
 
     def _finished(self, answer: Answer, count, started: float) -> Answer:
+        """``answer`` with what the engine handled for it: an error that came after the engine ran
+        (vLLM failing to shape what it generated, say) is billed that work, as a success is."""
         trailer = answer.trailer
         if trailer is not None:
             trailer = dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
+        elif count.prompt_tokens or count.completion_tokens:
+            trailer = Trailer(complete=False, replica=self.replica, generated=count.snapshot())
         return dataclasses.replace(answer, trailer=trailer, replica_ms=_ms_since(started))
 
     def _failed(self) -> tuple[Answer, str]:

@@ -17,8 +17,11 @@ finished ``PoolingRequestOutput`` adds its prompt tokens, so an embedding whose 
 billed the inputs the engine finished (``counting_encode``).
 """
 
+import asyncio
+import contextlib
 import contextvars
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from serve_app.wire.messages import Generated
@@ -30,7 +33,7 @@ class TokenCount:
     """Tokens of one request: prompt (per generate call), completion, and prompt tokens served
     from the prefix cache."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids", "_counting", "_settled")
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -39,10 +42,31 @@ class TokenCount:
         # The completion's token ids in order, for a stream of one choice (what a resume of it
         # continues from); None when there is more than one choice.
         self.token_ids: list[int] | None = []
+        self._counting = 0  # final-only generations of this request not closed yet
+        self._settled: asyncio.Event | None = None
 
     def snapshot(self) -> Generated:
         """The count so far, as the trailer carries it."""
         return Generated(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def settled(self, timeout_s: float) -> None:
+        """Until every final-only generation of the request has closed, at most ``timeout_s``.
+        A request cancelled while vLLM merges several generations (a completions ``prompt`` list)
+        leaves each to be cancelled in a task of its own, later: what they had when aborted is
+        counted there (``_counted_final``), after the request's own task has ended."""
+        if self._counting == 0:
+            return
+        self._settled = self._settled or asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), timeout_s)
+
+    def _opened(self) -> None:
+        self._counting += 1
+
+    def _closed(self) -> None:
+        self._counting -= 1
+        if self._counting == 0 and self._settled is not None:
+            self._settled.set()
 
 
 def start() -> TokenCount:
@@ -57,53 +81,122 @@ def install(engine: Any) -> None:
     """Wrap ``engine.generate`` and ``engine.encode`` (vLLM's ``AsyncLLM``; every serving object
     calls one of them) so calls made under a ``TokenCount`` are counted. Calls outside one pass
     through untouched."""
-    engine.generate = counting(engine.generate)
+    engine.generate = counting(engine.generate, abort=getattr(engine, "abort", None))
     if hasattr(engine, "encode"):
         engine.encode = counting_encode(engine.encode)
 
 
-def counting(generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def counting(generate: Callable[..., AsyncIterator[Any]],
+             abort: Callable[[str], Awaitable[Any]] | None = None) -> Callable[..., AsyncIterator[Any]]:
+    """``abort``: the engine's (``AsyncLLM.abort``, by the request id ``generate`` was given),
+    which a final-only request is stopped with when its caller stops waiting (``_counted_final``)."""
+
     def counted_generate(prompt, sampling_params, request_id, *args, **kwargs):
         outputs = generate(prompt, sampling_params, request_id, *args, **kwargs)
         count = _CURRENT.get()
         if count is None:
             return outputs
         kind = getattr(getattr(sampling_params, "output_kind", None), "name", None)
+        if kind == "FINAL_ONLY" and abort is not None:
+            return _counted_final(outputs, count, functools.partial(abort, request_id))
         return _counted(outputs, count, deltas=kind == "DELTA")
 
     return counted_generate
 
 
+class _Seen:
+    """What one ``generate`` call has been counted for: its prompt (with its first output), and
+    its choices' tokens so far (cumulative outputs)."""
+
+    __slots__ = ("prompt", "tokens")
+
+    def __init__(self) -> None:
+        self.prompt = False
+        self.tokens: dict[int, int] = {}
+
+
 async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bool) -> AsyncIterator[Any]:
     """``outputs`` unchanged, counted on the way. ``deltas``: each output carries only its new
     tokens (streams); otherwise each carries all so far (cumulative, or final only)."""
-    seen: dict[int, int] = {}  # cumulative modes: tokens already counted per choice index
-    first = True
+    seen = _Seen()
     try:
         async for output in outputs:
-            if first:
-                first = False
-                count.prompt_tokens += len(output.prompt_token_ids or ())
-                count.cached_tokens += output.num_cached_tokens or 0
-            for choice in output.outputs:
-                tokens = len(choice.token_ids)
-                if deltas:
-                    count.completion_tokens += tokens
-                else:
-                    count.completion_tokens += tokens - seen.get(choice.index, 0)
-                    seen[choice.index] = tokens
-                if count.token_ids is not None:
-                    if choice.index:  # a second choice: nothing to resume from
-                        count.token_ids = None
-                    elif deltas:
-                        count.token_ids.extend(choice.token_ids)
-                    else:
-                        count.token_ids[:] = choice.token_ids
+            _add(count, output, seen, deltas=deltas)
             yield output
     finally:
         # Closed early (the client left, the stream broke): close vLLM's generator now, which
         # aborts the engine request and frees its KV cache, not whenever it is collected.
         await outputs.aclose()
+
+
+async def _counted_final(outputs: AsyncIterator[Any], count: TokenCount,
+                         abort: Callable[[], Awaitable[Any]]) -> AsyncIterator[Any]:
+    """A non-stream request's ``outputs``: vLLM yields one, when the request finishes, so a
+    request cancelled before that (its client left) would count nothing, not even its prompt.
+    Cancelled, this aborts the request through the engine while vLLM's generator still waits:
+    vLLM then hands that generator a last output, what the request had when aborted (finish
+    reason ``abort``), which is counted before the cancellation goes on."""
+    seen = _Seen()
+    pending: asyncio.Future | None = None
+    count._opened()
+    try:
+        while True:
+            pending = asyncio.ensure_future(outputs.__anext__())
+            try:
+                output = await asyncio.shield(pending)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                await _count_the_aborted(pending, count, seen, abort)
+                raise
+            pending = None
+            _add(count, output, seen, deltas=False)
+            yield output
+    finally:
+        try:
+            if pending is not None and not pending.done():
+                pending.cancel()  # vLLM's generator, cancelled, aborts the request itself
+                await asyncio.wait({pending})  # before aclose: a generator still running cannot be closed
+            await outputs.aclose()
+        finally:
+            count._closed()
+
+
+async def _count_the_aborted(pending: asyncio.Future, count: TokenCount, seen: _Seen,
+                             abort: Callable[[], Awaitable[Any]]) -> None:
+    try:
+        await abort()
+        output = await asyncio.wait_for(asyncio.shield(pending), ABORTED_OUTPUT_WAIT_S)
+    except Exception:  # StopAsyncIteration, the engine's own error, no output in time: nothing to add
+        return
+    _add(count, output, seen, deltas=False)
+
+
+# How long a cancelled final-only request waits for vLLM's output of what it had when aborted
+# (put on its queue at once by the abort; the wait is a bound, not a delay).
+ABORTED_OUTPUT_WAIT_S = 1.0
+
+
+def _add(count: TokenCount, output: Any, seen: _Seen, *, deltas: bool) -> None:
+    """One ``RequestOutput`` of a ``generate`` call into ``count``."""
+    if not seen.prompt:
+        seen.prompt = True
+        count.prompt_tokens += len(output.prompt_token_ids or ())
+        count.cached_tokens += output.num_cached_tokens or 0
+    for choice in output.outputs:
+        tokens = len(choice.token_ids)
+        if deltas:
+            count.completion_tokens += tokens
+        else:
+            count.completion_tokens += tokens - seen.tokens.get(choice.index, 0)
+            seen.tokens[choice.index] = tokens
+        if count.token_ids is not None:
+            if choice.index:  # a second choice: nothing to resume from
+                count.token_ids = None
+            elif deltas:
+                count.token_ids.extend(choice.token_ids)
+            else:
+                count.token_ids[:] = choice.token_ids
 
 
 def counting_encode(encode: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:

@@ -26,35 +26,47 @@ import asyncio
 
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from serve_app import routing
 from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
 from serve_app.router.call import REPLICA_FAILURES
-from serve_app.router.context import Context, abandoned, failed, forwarded, refused
+from serve_app.router.context import CLIENT_CLOSED, Context, abandoned, failed, forwarded, refused
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.resume import Resumer, taken_over
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
+from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
+
+logger = module_logger(__name__)
+
 
 async def run(services: Services, request: Request, surface: Surface) -> Response:
     """Serve one request of ``surface``; every error is in the surface's own dialect."""
     ctx = Context.begin(surface, request, services)
+    stage = None
     try:
         for stage in STAGES:
             with ctx.telemetry.stage(stage.__name__, ctx):  # the stages never call telemetry
                 await stage(ctx)
+        stage = None
         response = await dispatch(ctx)
     except APIError as err:
+        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
+            await _charge_refusal(ctx)
         ctx.settle(refused(err))
         return surface.dialect.error_response(err)
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())
         raise
+    except ClientDisconnect:  # the client left while sending its body: its mistake, nobody to answer
+        ctx.settle(abandoned())
+        return Response(status_code=CLIENT_CLOSED)
     except Exception:
         ctx.settle(failed())
         raise
@@ -145,6 +157,20 @@ async def admit(ctx: Context) -> None:
 
 
 STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
+# The stages whose refusals cost the router more than a parse: a Responses follow-up's stored
+# conversation read from the key registry (or looked up there and not found), and the pricing
+# after it. A request they refuse costs its key one request of its minute, as a refusal at
+# admission does, so a key cannot have registry lookups done faster than its requests/min
+# (docs/auth.md, "A refusal that was read costs a request"). A body refused by its validation
+# costs nothing: its parse is bounded by its tier's minute of prompt.
+CHARGED_WHEN_REFUSED = (recall, price)
+
+
+async def _charge_refusal(ctx: Context) -> None:
+    try:
+        await ctx.services.auth.count_refused(ctx.caller)
+    except Exception:  # the limiter itself refusing or unavailable: the request's own error stands
+        logger.debug("could not charge a refused request to its key", exc_info=True)
 
 
 def _wrong_task(ctx: Context) -> APIError:

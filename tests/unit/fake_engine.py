@@ -33,6 +33,8 @@ from serve_app.wire.messages import Answer, Call, Trailer
 
 PROMPT_TOKENS = 5
 DELTA = SimpleNamespace(output_kind=SimpleNamespace(name="DELTA"))
+# vLLM's serving layer runs a non-stream request final-only: one output, when it finishes.
+FINAL_ONLY = SimpleNamespace(output_kind=SimpleNamespace(name="FINAL_ONLY"))
 TIMING = {"queue_time_ms": 1.0, "time_to_first_token_ms": 2.0, "generation_time_ms": 3.0}
 TOKENIZED = {"count": 3, "max_model_len": 8192, "tokens": [1, 2, 3], "token_strs": None}
 EMBEDDING_DIMENSIONS = 8
@@ -63,7 +65,8 @@ class FakeEngine:
         self.embedded = 0  # embedding inputs the engine finished
         self.calls: list[tuple[str, Call]] = []
         # As VLLMEngine's: the count under the replay of a resumed stream's tokens.
-        self.generate = replay.replaying(token_count.counting(self._generate), lambda: FAKE_TOKENIZER)
+        self.aborted: set[str] = set()  # request ids aborted through ``abort`` (AsyncLLM.abort's)
+        self.generate = replay.replaying(token_count.counting(self._generate, abort=self.abort), lambda: FAKE_TOKENIZER)
         self.encode = token_count.counting_encode(self._encode)
 
     @property
@@ -119,7 +122,8 @@ class FakeEngine:
             return await self._responses(call, wanted)
         # As vLLM's: the prompt, then (a resume) what was generated before the seam.
         prompt = {"prompt_token_ids": [1] * self.prompt_tokens + list(call.resume.token_ids if call.resume else ())}
-        outputs = self.generate(prompt, DELTA, call.request_id, max_tokens=wanted, first=before + 1)
+        kind = DELTA if body.get("stream") else FINAL_ONLY
+        outputs = self.generate(prompt, kind, call.request_id, max_tokens=wanted, first=before + 1)
         if body.get("stream") and surface == "messages":
             watcher = engine_outputs.MessagesOutput().watcher(body)
             events = fake_vllm.messages_events(_failure_as_event(self._events(outputs, body)), watcher)
@@ -150,8 +154,9 @@ class FakeEngine:
             return request
         shape_body = {**call.body, "previous_response_id": call.previous_response_id}
         before = call.resume.token_ids if call.resume else ()
-        outputs = self.generate({"prompt_token_ids": [1] * self.prompt_tokens + list(before)}, DELTA, call.request_id,
-                                max_tokens=wanted, first=len(before) + 1)
+        outputs = self.generate({"prompt_token_ids": [1] * self.prompt_tokens + list(before)},
+                                DELTA if call.stream else FINAL_ONLY, call.request_id, max_tokens=wanted,
+                                first=len(before) + 1)
         counts = dict(wanted=wanted, total=self.tokens - len(before), prompt_tokens=self.prompt_tokens,
                       cached=self.cached_tokens, metrics=TIMING)
         if not call.stream:
@@ -214,11 +219,18 @@ class FakeEngine:
             self.closed_early += 1
             raise
 
+    async def abort(self, request_id: str) -> None:
+        """As ``AsyncLLM.abort``: the request stops, and a final-only one then yields what it had."""
+        self.aborted.add(request_id)
+
     async def _generate(self, prompt, sampling_params, request_id, *, max_tokens: int, first: int = 1):
-        """Tokens ``first``, ``first + 1``… (``t<id>`` their text), ``max_tokens`` of them."""
-        produced = 0
+        """Tokens ``first``, ``first + 1``… (``t<id>`` their text), ``max_tokens`` of them: one
+        output per token (delta), or, final-only, one output of them all when the request ends
+        (finished or aborted), as vLLM's."""
+        final_only = sampling_params.output_kind.name == "FINAL_ONLY"
+        produced, tokens = 0, []
         try:
-            while produced < max_tokens:
+            while produced < max_tokens and request_id not in self.aborted:
                 if self.fail_after is not None and produced == self.fail_after:
                     self.dead = self.dies
                     raise EngineFailed("mid-stream")
@@ -226,13 +238,19 @@ class FakeEngine:
                     await asyncio.sleep(self.latency_s)
                 produced += 1
                 self.generated += 1
-                token = first + produced - 1
-                choice = SimpleNamespace(index=0, token_ids=[token], text=f"t{token} ")
-                yield SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=self.cached_tokens,
-                                      outputs=[choice])
+                tokens.append(first + produced - 1)
+                if not final_only:
+                    yield self._output(prompt, tokens[-1:])
+            if final_only:
+                yield self._output(prompt, tokens)
         finally:
             if produced < max_tokens and not self.dead:
                 self.closed_early += 1
+
+    def _output(self, prompt, tokens: list[int]) -> SimpleNamespace:
+        choice = SimpleNamespace(index=0, token_ids=list(tokens), text="".join(f"t{token} " for token in tokens))
+        return SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=self.cached_tokens,
+                               outputs=[choice])
 
     async def _events(self, outputs, body: dict[str, Any], surface: str = "chat"):
         """vLLM's chat (or completions) SSE strings for ``outputs``, each choice with the

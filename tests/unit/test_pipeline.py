@@ -1,6 +1,8 @@
 """The pipeline's one exit, tried as a client would break it: leaving a non-stream request while
-the engine generates, leaving a stream before its first byte. The real router on a fake engine
-(``router_app.py``), driven below the HTTP client so the client's departure is exact."""
+the engine generates, leaving a stream before its first byte; and what a request costs however it
+ends (an answer that fails after the engine ran, a refusal after a registry read). The real router
+on a fake engine (``router_app.py``), driven below the HTTP client so the client's departure is
+exact."""
 
 import asyncio
 import json
@@ -9,10 +11,12 @@ import pytest
 from starlette.requests import Request
 
 from auth_support import MODEL, bearer
-from fake_engine import FakeEngine
+from fake_engine import FINAL_ONLY, FakeEngine
 from serve_app import surfaces
 from serve_app.config import RouterArgs
+from serve_app.errors import error_body
 from serve_app.router import pipeline
+from serve_app.wire.messages import Answer
 
 
 def _request(body: dict, key: str, path: str) -> Request:
@@ -144,3 +148,75 @@ def test_the_handle_transport_is_the_routers_setting_and_changes_in_place(router
     assert len(handle.calls) == 5 and handle.methods_made == 2
     with pytest.raises(ValueError):
         RouterArgs(handle_transport="http")
+
+
+class ShapingFails(FakeEngine):
+    """The engine generates the whole answer, then vLLM's serving layer fails to shape it (as its
+    Messages converter does for a forced tool whose arguments are not an object)."""
+
+    async def answer(self, surface, call):
+        self.calls.append((surface, call))
+        outputs = self.generate({"prompt_token_ids": [1] * 5}, FINAL_ONLY, call.request_id, max_tokens=3)
+        _ = [output async for output in outputs]
+        raise ValueError("1 validation error for AnthropicContentBlock")
+
+
+def test_a_non_stream_answer_that_fails_after_the_engine_ran_is_billed_what_it_generated(router_app):
+    app = router_app(engine=ShapingFails())
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+    response = app.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert response.status_code == 500
+    (row,) = app.recorded()
+    assert row["status"] == 500 and (row["prompt_tokens"], row["completion_tokens"]) == (5, 3)
+
+
+def _requests_left(app, key) -> int:
+    response = app.client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}, headers=bearer(key))
+    return int(response.headers["x-ratelimit-remaining-requests"])
+
+
+@pytest.mark.parametrize("body, status", [
+    ({"input": "x", "previous_response_id": "resp_" + "0" * 32}, 404),  # a registry lookup, not found
+    ({"input": "x", "max_tokens": 3}, 400),  # refused at pricing: a limit field the route ignores
+])
+def test_a_request_refused_at_its_stored_conversation_or_its_price_costs_one_request(router_app, body, status):
+    app = router_app(engine=FakeEngine())
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    before = _requests_left(app, key)
+    for _ in range(3):
+        response = app.client.post("/v1/responses", json={"model": MODEL, **body}, headers=bearer(key))
+        assert response.status_code == status
+    assert _requests_left(app, key) == before - 4  # three refusals and this request
+    invalid = app.client.post("/v1/responses", json={"model": MODEL, "input": 5}, headers=bearer(key))
+    assert invalid.status_code == 400 and _requests_left(app, key) == before - 5  # validation: not charged
+
+
+class MergedPrompts(FakeEngine):
+    """As vLLM's completions serving layer with a ``prompt`` list: one final-only generation per
+    prompt, merged; cancelled, it answers its own error and leaves each generation to be
+    cancelled in the task vLLM's merge runs it in, after the request's task has ended."""
+
+    async def answer(self, surface, call):
+        from vllm.utils.async_utils import merge_async_iterators
+
+        self.calls.append((surface, call))
+        generations = [self.generate({"prompt_token_ids": [1] * 5}, FINAL_ONLY, f"{call.request_id}-{i}",
+                                     max_tokens=1000) for i in range(2)]
+        try:
+            async for _ in merge_async_iterators(*generations):
+                pass
+        except asyncio.CancelledError:
+            return Answer(400, error_body(400, "Client disconnected"))
+        raise AssertionError("the client left before the end")
+
+
+def test_a_non_stream_request_of_several_prompts_whose_client_leaves_is_billed_every_prompts_work(router_app):
+    engine = MergedPrompts(latency_s=0.01)
+    app = router_app(engine=engine)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 1000, "prompt": ["a", "b"]}
+    leave_once(app, surfaces.COMPLETIONS, body, key, lambda: engine.generated >= 10)
+    (row,) = app.recorded()
+    assert row["status"] == 499 and row["prompt_tokens"] == 10
+    assert 10 <= row["completion_tokens"] == engine.generated < 2000

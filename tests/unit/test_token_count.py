@@ -131,3 +131,104 @@ def test_embeddings_count_each_finished_inputs_prompt_and_close_vllms_stream_ear
     count = asyncio.run(request())
     assert count.snapshot() == Generated(prompt_tokens=2 + 3 + 4, completion_tokens=0, cached_tokens=3)
     assert closed == ["r-0", "r-1", "r-2", "left"]
+
+
+class FinalOnlyEngine:
+    """As vLLM's ``AsyncLLM`` runs a final-only request: ``generate`` yields one output, when the
+    request ends; ``abort`` ends it at once, and the generator then yields what it had."""
+
+    def __init__(self, tokens_per_s_step=1, *, answers_abort=True):
+        self.generated, self.aborted, self.closed = 0, [], False
+        self.answers_abort = answers_abort
+        self._stop = asyncio.Event()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+        if self.answers_abort:
+            self._stop.set()
+
+    def generate(self, prompt, sampling_params, request_id, **kwargs):
+        async def final_only():
+            try:
+                while not self._stop.is_set() and self.generated < 1000:
+                    await asyncio.sleep(0.001)
+                    self.generated += 1
+                yield _output([self.generated], prompt=7, cached=2)
+            finally:
+                self.closed = True
+
+        return final_only()
+
+
+def _leave_a_final_only_request(engine, after_tokens):
+    token_count.install(engine)
+
+    async def request():
+        count = token_count.start()
+
+        async def consume():  # vLLM's non-stream serving layer: the last output is the answer
+            async for _ in engine.generate("p", SimpleNamespace(output_kind=Kind.FINAL_ONLY), "req-1"):
+                pass
+
+        served = asyncio.ensure_future(consume())
+        while engine.generated < after_tokens:
+            await asyncio.sleep(0.001)
+        served.cancel()  # the client left: Serve cancels the request's task
+        try:
+            await served
+        except asyncio.CancelledError:
+            pass
+        return count
+
+    return asyncio.run(request())
+
+
+def test_a_final_only_request_cancelled_mid_generation_is_aborted_and_counts_what_it_had():
+    engine = FinalOnlyEngine()
+    count = _leave_a_final_only_request(engine, after_tokens=20)
+    assert engine.aborted == ["req-1"] and engine.closed
+    assert count.prompt_tokens == 7 and count.cached_tokens == 2
+    assert 20 <= count.completion_tokens == engine.generated < 1000
+
+
+def test_an_engine_that_yields_nothing_after_the_abort_costs_a_bounded_wait_and_counts_nothing(monkeypatch):
+    monkeypatch.setattr(token_count, "ABORTED_OUTPUT_WAIT_S", 0.05)
+    engine = FinalOnlyEngine(answers_abort=False)
+    count = _leave_a_final_only_request(engine, after_tokens=5)
+    assert engine.aborted == ["req-1"] and engine.closed  # closed after the wait: vLLM aborts it itself
+    assert count.snapshot() == Generated()
+
+
+def test_final_only_generations_vllm_merges_are_each_counted_before_the_count_settles():
+    """A completions ``prompt`` list: vLLM merges one generation per prompt, each driven by a
+    task of its own that its cancellation reaches only after the request's task has ended."""
+    from vllm.utils.async_utils import merge_async_iterators
+
+    engines = [FinalOnlyEngine(), FinalOnlyEngine()]
+    for engine in engines:
+        token_count.install(engine)
+
+    async def request():
+        count = token_count.start()
+
+        async def consume():
+            params = SimpleNamespace(output_kind=Kind.FINAL_ONLY)
+            generations = [engine.generate("p", params, f"req-{i}") for i, engine in enumerate(engines)]
+            async for _ in merge_async_iterators(*generations):
+                pass
+
+        served = asyncio.ensure_future(consume())
+        while min(engine.generated for engine in engines) < 10:
+            await asyncio.sleep(0.001)
+        served.cancel()
+        try:
+            await served
+        except asyncio.CancelledError:
+            pass
+        await count.settled(1.0)
+        return count
+
+    count = asyncio.run(request())
+    assert all(engine.aborted and engine.closed for engine in engines)
+    assert count.prompt_tokens == 14  # both prompts
+    assert count.completion_tokens == sum(engine.generated for engine in engines) >= 20
