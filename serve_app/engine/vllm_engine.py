@@ -288,6 +288,7 @@ class VLLMEngine:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         shape_body = body if shape_body is None else shape_body
+        prompt_field = vllm_errors.prompt_field(shape_body)
         if watcher is None and body.get("stream"):
             watcher = output.watcher(body)  # may add stream_options
         try:
@@ -295,15 +296,15 @@ class VLLMEngine:
         except ValidationError as err:
             return vllm_errors.validation_answer(err)
         except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
-            return vllm_errors.error_answer(create_error_response(exc), exc)
+            return vllm_errors.error_answer(create_error_response(exc), exc, prompt_field=prompt_field)
         try:
             result = await create(request, None)
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
                 raise  # the engine core died: the replica answers 503, Serve replaces it
-            return vllm_errors.error_answer(create_error_response(exc), exc)
+            return vllm_errors.error_answer(create_error_response(exc), exc, prompt_field=prompt_field)
         if isinstance(result, ErrorResponse):
-            return vllm_errors.error_answer(result)
+            return vllm_errors.error_answer(result, prompt_field=prompt_field)
         if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
             response = output.dump(result)
             summary = output.summarize(response)

@@ -20,13 +20,14 @@ from serve_app import surfaces
 from serve_app.auth.refusals import registry_unavailable
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
-from serve_app.errors import APIError, error_body
+from serve_app.errors import APIError
 from serve_app.regions.layout import ROUTER_DEPLOYMENT, merge_settings, model_app_name
 from serve_app.router import openapi, operations, pipeline
 from serve_app.router.context import wait_settled
 from serve_app.router.request_schema import describe_validation_errors
 from serve_app.router.services import Services
 from serve_app.runtime import cpus, heap
+from serve_app.surfaces.dialects import ANTHROPIC, OPENAI, Dialect
 from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.metrics import setup_metrics
@@ -37,21 +38,30 @@ logger = module_logger(__name__)
 app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
 
+def _dialect_of(request: Request) -> Dialect:
+    """The error shape of the API a path belongs to: Anthropic's under ``/v1/messages`` (a wrong
+    method or a path below it included), OpenAI's everywhere else."""
+    path = request.url.path.rstrip("/")
+    return ANTHROPIC if path == _MESSAGES or path.startswith(_MESSAGES + "/") else OPENAI
+
+
+_MESSAGES = surfaces.MESSAGES.route
+
+
 @app.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _dialect_of(request).error_response(exc)
 
 
 openapi.install(app)
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     # A 405 carries Starlette's Allow header: the methods the path does take.
-    return JSONResponse(
-        error_body(exc.status_code, str(exc.detail), code=code), status_code=exc.status_code, headers=exc.headers
-    )
+    error = APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+    return _dialect_of(request).error_response(error)
 
 
 @app.exception_handler(RegistryUnavailable)
@@ -61,15 +71,14 @@ async def _registry_unavailable(_: Request, exc: RegistryUnavailable) -> JSONRes
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    error = describe_validation_errors(exc.errors())
-    return JSONResponse(error.body(), status_code=400)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _dialect_of(request).error_response(describe_validation_errors(exc.errors()))
 
 
 @app.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in router")
-    return JSONResponse(error_body(500, "internal error; it has been logged"), status_code=500)
+    return _dialect_of(request).error_response(APIError(500, "internal error; it has been logged"))
 
 
 def _with_surface_routes(cls: type) -> type:

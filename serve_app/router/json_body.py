@@ -156,7 +156,7 @@ def _refusal_of_marked(text: str) -> APIError:
         if len(built) == len(pairs):
             return built
         repeated = _first_repeated(key for key, _ in pairs)
-        return offender(f"duplicate key {_shown(repeated)!r}: a key may appear once per object", key=repeated)
+        return offender(f"duplicate key {shown(repeated)!r}: a key may appear once per object", key=repeated)
 
     hooks = {"object_pairs_hook": obj, "parse_float": number, "parse_constant": constant}
     try:
@@ -228,7 +228,7 @@ def _path(link: Any) -> str:
         parts.append(part)
     path = ""
     for part in reversed(parts):
-        path += f"[{part}]" if isinstance(part, int) else f".{_shown(part)}" if path else _shown(part)
+        path += f"[{part}]" if isinstance(part, int) else f".{shown(part)}" if path else shown(part)
     return path
 
 
@@ -255,7 +255,7 @@ def _lone_surrogate(text: str, what: str) -> str | None:
     return None
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """A client's string fit to quote in an error body: short, and encodable (a lone surrogate in
     the message would fail the error response itself)."""
     cut = text[:_SHOWN_CHARS] + ("…" if len(text) > _SHOWN_CHARS else "")

@@ -9,7 +9,7 @@ a ``thinking`` budget outside what vLLM accepts.
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, Strict
 
@@ -60,6 +60,15 @@ class AnthropicTool(Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
 
+    @field_validator("input_schema")
+    @classmethod
+    def _an_object(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """Anthropic's rule: a tool's input is an object. vLLM would generate arguments of any
+        other type, then fail to shape them into a ``tool_use`` block (a 400 after the work)."""
+        if schema.get("type") != "object":
+            raise ValueError("input_schema must be a JSON schema of type 'object' (a tool's input is an object)")
+        return schema
+
 
 class AnthropicToolChoice(Closed):
     type: Literal["auto", "any", "tool", "none"]
@@ -98,6 +107,20 @@ class _Prompt(Body):
     tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: AnthropicToolChoice | None = None
     thinking: AnthropicThinking | None = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _a_forced_tool_is_one_given(cls, choice: AnthropicToolChoice | None, info: ValidationInfo):
+        """``any`` and ``tool`` force a call of the request's tools: without them vLLM would drop
+        the choice and answer in text, against what the client asked for."""
+        if choice is None or choice.type in ("auto", "none") or "tools" not in info.data:  # tools failed: said
+            return choice
+        names = {tool.name for tool in info.data["tools"] or ()}
+        if not names:
+            raise ValueError(f"tool_choice type '{choice.type}' forces a tool call: it needs 'tools'")
+        if choice.type == "tool" and choice.name not in names:
+            raise ValueError(f"tool_choice names '{choice.name}', which is not one of 'tools'")
+        return choice
 
 
 class MessagesBody(_Prompt):

@@ -49,9 +49,13 @@ from typing import Any
 
 from serve_app.errors import APIError
 from serve_app.router.embeddings_schema import token_ids_in
+from serve_app.router.request_schema import MAX_N
 from serve_app.surfaces import BY_NAME, Limit
 
 CHARS_PER_TOKEN = 4
+# The most sequences one request may ask the engine for (a completions request's n × prompts): as
+# many as chat's n may be. 500 prompts × n 128 once held a CPU engine's every slot for 9 minutes.
+MAX_SEQUENCES = MAX_N
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
@@ -107,6 +111,13 @@ def price(
     limit = _limit(route, method, body, context_len)
     set_by_router = limit is None
     sequences = _sequences(method, body)
+    if sequences > MAX_SEQUENCES:  # one request holding the engine's every slot for minutes
+        raise APIError(
+            400,
+            f"this request would generate {sequences} sequences (n × prompts); at most {MAX_SEQUENCES} a request",
+            param="n" if body.get("n") not in (None, 1) else "prompt",
+            code="too_many_sequences",
+        )
     if limit is None:
         ceiling = min(default_max_tokens, route.default_cap or default_max_tokens)
         if default_total is not None:

@@ -16,7 +16,7 @@ routes) is ``json_body``'s.
 import functools
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from serve_app.errors import APIError
 from serve_app.router.json_body import MAX_JSON_DEPTH, parse_json_object  # noqa: F401 (the routes' import)
@@ -138,11 +138,12 @@ class _Sampling(Body):
     # Lower runs first; the router clamps it to the key's tier (docs/api.md, "Priority").
     priority: int | None = Field(None, ge=0, le=_INT64)
 
-    @model_validator(mode="after")
-    def _logit_bias_range(self) -> "_Sampling":
-        if self.logit_bias and any(not -100 <= bias <= 100 for bias in self.logit_bias.values()):
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+        if logit_bias and any(not -100 <= bias <= 100 for bias in logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
-        return self
+        return logit_bias
 
 
 class ChatCompletionBody(_Sampling):
@@ -160,12 +161,26 @@ class ChatCompletionBody(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
+# A completions prompt: text, texts, token ids or lists of them; no list empty (vLLM would divide
+# the request into no prompt at all), no token id negative (as embeddings and /detokenize).
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_Prompt = str | Annotated[list[str], Field(min_length=1)] | _TokenIds | Annotated[list[_TokenIds], Field(min_length=1)]
+
+
 class CompletionBody(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: _Prompt
     max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
     suffix: str | None = None
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_empty_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and (not prompt or any(isinstance(entry, list) and not entry for entry in prompt)):
+            raise ValueError("an empty list is no prompt: give text, texts, token ids or lists of token ids, "
+                             "none empty")
+        return prompt
 
 
 # Fields of /tokenize that only mean something with `messages` (they shape the chat template).

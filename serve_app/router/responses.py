@@ -27,6 +27,7 @@ from typing import Any
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
+from serve_app.router.json_body import shown
 from serve_app.router.response_store import ResponseIdTaken, ResponseStore, StoredResponse
 from serve_app.telemetry.logs import module_logger
 
@@ -39,7 +40,7 @@ Keeper = Callable[[dict[str, Any] | None], Awaitable[int]]
 
 
 def _not_found(response_id: str, param: str) -> APIError:
-    return APIError(404, f"no stored response with id {response_id!r}", param=param, code="response_not_found")
+    return APIError(404, f"no stored response with id {shown(response_id)!r}", param=param, code="response_not_found")
 
 
 def _items(value: Any) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from serve_app.router.client_socket import DEFAULT_STALL_TIMEOUT_S
 from serve_app.router.call import ReplicaCall
 from serve_app.router.failover import Forwarder
 from serve_app.router.in_flight import InFlight
+from serve_app.router.json_body import shown
 from serve_app.router.lines import Lines
 from serve_app.router.response_store import ResponseStore
 from serve_app.router.responses import ResponsesAPI
@@ -220,13 +221,15 @@ class Services:
 
     def resolve(self, name: Any) -> str:
         """A model name (canonical id, alias or HF repo id) as the canonical id served here (404)."""
-        if not isinstance(name, str) or not name.strip():
+        if not isinstance(name, str):
+            raise APIError(400, "invalid request: model: a model id or alias, a string", param="model")
+        if not name.strip():
             raise APIError(400, "you must provide a model parameter", param="model", code="missing_model")
         model_id = catalog.canonical_id(name)
         if model_id is None or model_id not in self.served:
             raise APIError(
                 404,
-                f"The model {name!r} does not exist or is not served in region {self.region}. "
+                f"The model {shown(name)!r} does not exist or is not served in region {self.region}. "
                 f"Served here: {', '.join(self.served)}",
                 param="model",
                 code="model_not_found",

@@ -73,6 +73,17 @@ def test_a_clients_mistake_keeps_vllms_message(fault, param):
     assert result.body["error"]["param"] == param
 
 
+@pytest.mark.parametrize("param", ["input_tokens", "input_text"])
+def test_a_prompt_over_the_context_names_the_clients_prompt_field_not_vllms(param):
+    over = VLLMValidationError("This model's maximum context length is 8192 tokens. However, your request has "
+                               "8193 input tokens.", parameter=param, value=8193)
+    result = answer(over)
+    error = result.body["error"]
+    assert result.status == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "messages"  # BODY's prompt field; `prompt` and `input` on their routes
+    assert "parameter=" not in error["message"] and error["message"].startswith("This model's maximum context")
+
+
 def _messages_stream_error(status: int, message: str, caplog) -> tuple[str, dict]:
     """A Messages stream whose chat stream underneath fails with vLLM's ``status``/``message``:
     the error event the client reads, and the trailer."""

@@ -50,9 +50,14 @@ def refusal(method: str, body: dict) -> APIError:
         (chat(response_format={"type": "yaml"}), "response_format.type"),
         (chat(response_format={"type": "json_schema"}), "response_format"),
         (chat(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
-        (chat(logit_bias={"42": 500}), None),  # a model-level check: the message names it
+        (chat(logit_bias={"42": 500}), "logit_bias"),
         ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
         ({"model": "m", "prompt": [["a"]]}, "prompt[0][0]"),
+        # No empty prompt (vLLM would be given none) and no negative token id (as embeddings').
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [[1], []]}, "prompt"),
+        ({"model": "m", "prompt": [-1]}, "prompt[0]"),
+        ({"model": "m", "prompt": [[1], [-2]]}, "prompt[0]"),
         ({"model": "m"}, "prompt"),
     ],
 )

@@ -1,0 +1,112 @@
+"""A client's mistakes at the edges of the request path, each a 4xx in its route's own shape and
+nothing lost — found by a bad-input review against the running service (2026-12-06): the real
+router on a fake engine (``router_app.py``)."""
+
+import json
+
+import pytest
+from starlette.requests import Request
+
+from auth_support import MODEL, bearer
+from fake_engine import FakeEngine
+from serve_app import surfaces
+from serve_app.router import pipeline
+from serve_app.router.pricing import MAX_SEQUENCES
+
+
+@pytest.fixture
+def app(router_app):
+    return router_app(engine=FakeEngine())
+
+
+@pytest.fixture
+def key(app):
+    return app.auth.keys.create_key(owner="alice", tier="standard")[0]
+
+
+def _anthropic(key: str) -> dict[str, str]:
+    return {"x-api-key": key, "anthropic-version": "2023-06-01"}
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/messages", 405),
+    ("GET", "/v1/messages/count_tokens", 405),
+    ("POST", "/v1/messages/nope", 404),
+])
+def test_anthropics_routes_answer_a_wrong_method_or_path_in_anthropics_shape(app, key, method, path, status):
+    response = app.client.request(method, path, headers=_anthropic(key))
+    body = response.json()
+    assert response.status_code == status
+    assert body["type"] == "error" and body["error"]["type"] in ("invalid_request_error", "not_found_error")
+    assert "param" not in body["error"]
+
+
+def test_openais_routes_keep_openais_shape(app, key):
+    response = app.client.get("/v1/chat/completions", headers=bearer(key))
+    assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("prompt", [[], [[1], []], [-1]])
+def test_an_empty_or_negative_completions_prompt_is_a_400_naming_it_not_a_500(app, key, prompt):
+    for extra in ({}, {"max_tokens": 4}, {"stream": True}):
+        response = app.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, **extra},
+                                   headers=bearer(key))
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"].startswith("prompt"), response.text
+    assert app.engine.calls == []
+
+
+@pytest.mark.parametrize("prompts, n, param", [(500, 128, "n"), (MAX_SEQUENCES + 1, None, "prompt"), (2, 65, "n")])
+def test_one_request_cannot_ask_the_engine_for_more_sequences_than_chat_n_allows(app, key, prompts, n, param):
+    body = {"model": MODEL, "prompt": ["a"] * prompts, "max_tokens": 1, **({"n": n} if n else {})}
+    response = app.client.post("/v1/completions", json=body, headers=bearer(key))
+    error = response.json()["error"]
+    assert response.status_code == 400 and (error["code"], error["param"]) == ("too_many_sequences", param)
+    assert app.engine.calls == []
+    fits = {"model": MODEL, "prompt": ["a"] * 2, "n": MAX_SEQUENCES // 2, "max_tokens": 1}
+    assert app.client.post("/v1/completions", json=fits, headers=bearer(key)).status_code == 200
+
+
+def test_a_model_that_is_not_a_string_is_said_so_and_a_long_one_is_not_echoed_whole(app, key):
+    messages = [{"role": "user", "content": "hi"}]
+    response = app.client.post("/v1/chat/completions", json={"model": 5, "messages": messages}, headers=bearer(key))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    assert "string" in response.json()["error"]["message"]
+    response = app.client.post("/v1/chat/completions", json={"model": "m" * 100_000, "messages": messages},
+                               headers=bearer(key))
+    assert response.status_code == 404 and len(response.content) < 1_000
+
+
+def test_a_messages_tool_choice_that_forces_a_tool_not_given_is_a_400(app, key):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": {"type": "tool", "name": "nope"}}
+    response = app.client.post("/v1/messages", json=body, headers=_anthropic(key))
+    assert response.status_code == 400 and response.json()["type"] == "error"
+    assert "tools" in response.json()["error"]["message"]
+    assert app.engine.calls == []
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_router_fault(app, key, caplog):
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = [(name.lower().encode(), value.encode()) for name, value in bearer(key).items()]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(raw) + 100).encode())]
+    chunks = [{"type": "http.request", "body": raw[:10], "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return chunks.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "path": surfaces.CHAT.route, "headers": headers,
+                       "query_string": b""}, receive)
+    response = app.run(lambda: pipeline.run(app.services, request, surfaces.CHAT))
+    assert response.status_code == 499
+    assert all(row["status"] == 499 and row["completion_tokens"] == 0 for row in app.recorded())
+    assert app.engine.calls == [] and "Traceback" not in caplog.text and "unhandled" not in caplog.text
+
+
+def test_a_messages_tool_whose_input_is_not_an_object_is_a_400_before_the_engine_runs(app, key):
+    tool = {"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "tool_choice": {"type": "tool", "name": "f"}}
+    response = app.client.post("/v1/messages", json=body, headers=_anthropic(key))
+    assert response.status_code == 400 and "object" in response.json()["error"]["message"]
+    assert app.engine.calls == []
