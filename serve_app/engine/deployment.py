@@ -175,12 +175,13 @@ class _ModelServer:
         yield self._finished(outcome, count, started)
 
     def _finished(self, answer: Answer, count, started: float) -> Answer:
-        """``answer`` with what the engine handled for it: an error that came after the engine ran
-        (vLLM failing to shape what it generated, say) is billed that work, as a success is."""
+        """``answer`` with what the engine handled for it: a client error found after the engine
+        ran (vLLM refusing to shape what the client's schema made it generate) is billed that
+        work, as a success is; a fault of ours or the engine's (5xx, which says retry) is not."""
         trailer = answer.trailer
         if trailer is not None:
             trailer = dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
-        elif count.prompt_tokens or count.completion_tokens:
+        elif answer.status < 500 and (count.prompt_tokens or count.completion_tokens):
             trailer = Trailer(complete=False, replica=self.replica, generated=count.snapshot())
         return dataclasses.replace(answer, trailer=trailer, replica_ms=_ms_since(started))
 

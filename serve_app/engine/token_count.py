@@ -157,6 +157,8 @@ async def _counted_final(outputs: AsyncIterator[Any], count: TokenCount,
             if pending is not None and not pending.done():
                 pending.cancel()  # vLLM's generator, cancelled, aborts the request itself
                 await asyncio.wait({pending})  # before aclose: a generator still running cannot be closed
+            if pending is not None and not pending.cancelled():
+                pending.exception()  # read (a dead engine's error, logged by the replica): not "never retrieved"
             await outputs.aclose()
         finally:
             count._closed()
@@ -164,12 +166,16 @@ async def _counted_final(outputs: AsyncIterator[Any], count: TokenCount,
 
 async def _count_the_aborted(pending: asyncio.Future, count: TokenCount, seen: _Seen,
                              abort: Callable[[], Awaitable[Any]]) -> None:
+    """vLLM builds the aborted request's output from its state, prompt included, whether or not
+    the engine ever scheduled it: counted only once it generated (its prompt was computed), as a
+    stream is, so a request given up while it waited in the engine's queue costs nothing."""
     try:
         await abort()
         output = await asyncio.wait_for(asyncio.shield(pending), ABORTED_OUTPUT_WAIT_S)
     except Exception:  # StopAsyncIteration, the engine's own error, no output in time: nothing to add
         return
-    _add(count, output, seen, deltas=False)
+    if any(choice.token_ids for choice in output.outputs):
+        _add(count, output, seen, deltas=False)
 
 
 # How long a cancelled final-only request waits for vLLM's output of what it had when aborted

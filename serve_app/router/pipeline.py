@@ -57,9 +57,9 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         stage = None
         response = await dispatch(ctx)
     except APIError as err:
-        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
-            await _charge_refusal(ctx)
         ctx.settle(refused(err))
+        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
+            await _charge_refusal(ctx)  # after settling: a client that leaves meanwhile leaves it settled
         return surface.dialect.error_response(err)
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())

@@ -16,6 +16,7 @@ from serve_app import surfaces
 from serve_app.config import RouterArgs
 from serve_app.errors import error_body
 from serve_app.router import pipeline
+from serve_app.router.context import Context
 from serve_app.wire.messages import Answer
 
 
@@ -151,24 +152,33 @@ def test_the_handle_transport_is_the_routers_setting_and_changes_in_place(router
 
 
 class ShapingFails(FakeEngine):
-    """The engine generates the whole answer, then vLLM's serving layer fails to shape it (as its
-    Messages converter does for a forced tool whose arguments are not an object)."""
+    """The engine generates the whole answer, then vLLM's serving layer refuses what it made (its
+    Messages converter, a forced tool's arguments that are not an object: a 400 for the client's
+    schema), or our own code fails on it (a 500, ``fault``)."""
+
+    def __init__(self, *, fault: bool = False):
+        super().__init__()
+        self.fault = fault
 
     async def answer(self, surface, call):
         self.calls.append((surface, call))
         outputs = self.generate({"prompt_token_ids": [1] * 5}, FINAL_ONLY, call.request_id, max_tokens=3)
         _ = [output async for output in outputs]
-        raise ValueError("1 validation error for AnthropicContentBlock")
+        if self.fault:
+            raise ValueError("a bug of ours")
+        return Answer(400, error_body(400, "1 validation error for AnthropicContentBlock"))
 
 
-def test_a_non_stream_answer_that_fails_after_the_engine_ran_is_billed_what_it_generated(router_app):
-    app = router_app(engine=ShapingFails())
+@pytest.mark.parametrize("fault, status, billed", [(False, 400, (5, 3)), (True, 500, (0, 0))])
+def test_an_answer_refused_after_the_engine_ran_is_billed_its_work_and_a_fault_of_ours_is_not(
+        router_app, fault, status, billed):
+    app = router_app(engine=ShapingFails(fault=fault))
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
     body = {"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
     response = app.client.post("/v1/chat/completions", json=body, headers=bearer(key))
-    assert response.status_code == 500
+    assert response.status_code == status
     (row,) = app.recorded()
-    assert row["status"] == 500 and (row["prompt_tokens"], row["completion_tokens"]) == (5, 3)
+    assert row["status"] == status and (row["prompt_tokens"], row["completion_tokens"]) == billed
 
 
 def _requests_left(app, key) -> int:
@@ -220,3 +230,27 @@ def test_a_non_stream_request_of_several_prompts_whose_client_leaves_is_billed_e
     (row,) = app.recorded()
     assert row["status"] == 499 and row["prompt_tokens"] == 10
     assert 10 <= row["completion_tokens"] == engine.generated < 2000
+
+
+def test_a_refusal_whose_client_leaves_while_it_is_charged_is_still_settled(router_app, monkeypatch):
+    app = router_app(engine=FakeEngine())
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    charging = []
+
+    async def client_leaves_meanwhile(caller):
+        charging.append(caller.key_id)
+        raise asyncio.CancelledError  # Serve cancels the request's task while the limiter is asked
+
+    monkeypatch.setattr(app.services.auth, "count_refused", client_leaves_meanwhile)
+    settled = []
+    settle = Context.settle
+    monkeypatch.setattr(Context, "settle", lambda ctx, outcome: (settled.append(outcome.status), settle(ctx, outcome)))
+    body = {"model": MODEL, "input": "x", "previous_response_id": "resp_" + "0" * 32}
+
+    async def send():
+        with pytest.raises(asyncio.CancelledError):
+            await pipeline.run(app.services, _request(body, key, surfaces.RESPONSES.route), surfaces.RESPONSES)
+
+    app.run(send)
+    assert charging  # the refusal was being charged
+    assert settled == [404]  # and the request was settled first (its telemetry closed), once

@@ -137,9 +137,9 @@ class FinalOnlyEngine:
     """As vLLM's ``AsyncLLM`` runs a final-only request: ``generate`` yields one output, when the
     request ends; ``abort`` ends it at once, and the generator then yields what it had."""
 
-    def __init__(self, tokens_per_s_step=1, *, answers_abort=True):
+    def __init__(self, *, answers_abort=True, queued=False):
         self.generated, self.aborted, self.closed = 0, [], False
-        self.answers_abort = answers_abort
+        self.answers_abort, self.queued = answers_abort, queued  # queued: never scheduled
         self._stop = asyncio.Event()
 
     async def abort(self, request_id):
@@ -152,7 +152,7 @@ class FinalOnlyEngine:
             try:
                 while not self._stop.is_set() and self.generated < 1000:
                     await asyncio.sleep(0.001)
-                    self.generated += 1
+                    self.generated += 0 if self.queued else 1
                 yield _output([self.generated], prompt=7, cached=2)
             finally:
                 self.closed = True
@@ -171,6 +171,7 @@ def _leave_a_final_only_request(engine, after_tokens):
                 pass
 
         served = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.005)  # the request is in the engine
         while engine.generated < after_tokens:
             await asyncio.sleep(0.001)
         served.cancel()  # the client left: Serve cancels the request's task
@@ -232,3 +233,11 @@ def test_final_only_generations_vllm_merges_are_each_counted_before_the_count_se
     assert all(engine.aborted and engine.closed for engine in engines)
     assert count.prompt_tokens == 14  # both prompts
     assert count.completion_tokens == sum(engine.generated for engine in engines) >= 20
+
+
+def test_a_final_only_request_given_up_in_the_engines_queue_costs_nothing():
+    """vLLM's abort output carries the prompt whether or not it was ever computed."""
+    engine = FinalOnlyEngine(queued=True)
+    count = _leave_a_final_only_request(engine, after_tokens=0)
+    assert engine.aborted == ["req-1"] and engine.closed
+    assert count.snapshot() == Generated()
