@@ -120,6 +120,7 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
         yield dialect.closing(
             ctx.telemetry.metadata(), chunk_object=ctx.surface.chunk_object, first=first or {}, model=ctx.model,
             usage=trailer.usage if client_wants_usage else None, terminal=trailer.terminal,
+            failed=trailer.error_status is not None,
         )
         ctx.settle(served(status, trailer.error_code))
     except ClientStalled:

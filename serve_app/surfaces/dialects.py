@@ -88,7 +88,11 @@ class OpenAIDialect:
     api_key_header = False
 
     def closing(self, metadata: Mapping[str, Any], *, chunk_object: str, first: Mapping[str, Any],
-                model: str | None, usage: Mapping[str, Any] | None, **_: Any) -> bytes:
+                model: str | None, usage: Mapping[str, Any] | None, failed: bool = False, **_: Any) -> bytes:
+        """The timing chunk, then ``[DONE]``; only ``[DONE]`` after a stream that ended with its
+        error event (docs/api.md: a failed stream carries no timing)."""
+        if failed:
+            return DONE_BYTES
         event = pg_metadata_event(
             metadata, chunk_object=chunk_object, chunk_id=first.get("id"), created=first.get("created"),
             model=model, usage=usage,

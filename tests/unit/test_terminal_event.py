@@ -135,6 +135,13 @@ def test_the_chat_closing_is_unchanged():
     assert json.loads(timing.split("data: ", 1)[1])["pg_metadata"] == METADATA
 
 
+def test_a_chat_stream_that_ended_with_its_error_event_gets_only_done_no_timing():
+    """docs/api.md: a failed stream ends with its error event and [DONE], without timing."""
+    closing = dialects.OPENAI.closing(METADATA, chunk_object="chat.completion.chunk", first={"id": "c1"},
+                                      model="m", usage=None, terminal=None, failed=True)
+    assert closing == b"data: [DONE]\n\n"
+
+
 # --- error events -------------------------------------------------------------------------------
 
 
