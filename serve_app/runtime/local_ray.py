@@ -28,7 +28,7 @@ process that starts the node adds the flag to the dashboard's command line as Ra
 against the installed Ray). A Ray without that function starts its full dashboard, with a warning.
 
 ``python -m serve_app.runtime.local_ray run <config>`` is ``serve run <config>`` with that done,
-and with the environment a local node runs with (``serve_app.app.LOCAL_RAY_ENV``: HAProxy through
+and with the environment a local node runs with (``serve_app.runtime.ray_env.LOCAL_RAY_ENV``: HAProxy through
 serve_app's launcher, the idle settings, the gateway's CPUs) set before Ray starts, so `make run`
 names none of it again. A variable already in the environment wins
 (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 make run``).
@@ -121,7 +121,7 @@ def trim_dashboard(env: dict[str, str] | None = None) -> tuple[str, ...] | None:
 def set_ray_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """``LOCAL_RAY_ENV`` into ``env`` (this process's environment), what it already has left as
     it is; returns what was set. Ray's processes take it from the one that starts the node."""
-    from serve_app.app import LOCAL_RAY_ENV
+    from serve_app.runtime.ray_env import LOCAL_RAY_ENV
 
     env = os.environ if env is None else env
     added = {name: value for name, value in LOCAL_RAY_ENV.items() if name not in env}

@@ -138,3 +138,16 @@ def test_the_node_starts_with_the_local_environment_and_what_is_set_already_wins
         name: value for name, value in IDLE_ENV.items() if name != "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"}
     assert seen["env"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert seen["env"]["RAY_SERVE_HAPROXY_NBTHREAD"] == LOCAL_RAY_ENV["RAY_SERVE_HAPROXY_NBTHREAD"]
+
+
+def test_the_environment_is_set_before_any_of_serves_modules_is_imported():
+    """Serve reads some of it when its modules are imported (``ray.serve._private.constants``):
+    setting it must not import them first, as ``local_ray run <import path>`` builds the app in
+    this very process."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from serve_app.runtime import local_ray; local_ray.set_ray_environment({}); "
+             "print(sorted(m for m in sys.modules if m.startswith('ray.serve')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
