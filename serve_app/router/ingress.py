@@ -38,14 +38,14 @@ logger = module_logger(__name__)
 app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
 
 
+_MESSAGES = surfaces.MESSAGES.route
+
+
 def _dialect_of(request: Request) -> Dialect:
     """The error shape of the API a path belongs to: Anthropic's under ``/v1/messages`` (a wrong
     method or a path below it included), OpenAI's everywhere else."""
     path = request.url.path.rstrip("/")
     return ANTHROPIC if path == _MESSAGES or path.startswith(_MESSAGES + "/") else OPENAI
-
-
-_MESSAGES = surfaces.MESSAGES.route
 
 
 @app.exception_handler(APIError)

@@ -28,9 +28,9 @@ process that starts the node adds the flag to the dashboard's command line as Ra
 against the installed Ray). A Ray without that function starts its full dashboard, with a warning.
 
 ``python -m serve_app.runtime.local_ray run <config>`` is ``serve run <config>`` with that done,
-and with the environment a local node runs with (``serve_app.runtime.ray_env.LOCAL_RAY_ENV``: HAProxy through
-serve_app's launcher, the idle settings, the gateway's CPUs) set before Ray starts, so `make run`
-names none of it again. A variable already in the environment wins
+and with the environment a local node runs with (``serve_app.runtime.ray_env.LOCAL_RAY_ENV``:
+HAProxy through serve_app's launcher, the idle settings, the gateway's CPUs) set before Ray
+starts, so `make run` names none of it again. A variable already in the environment wins
 (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 make run``).
 """
 
