@@ -150,6 +150,10 @@ class ResponsesStream:
             return None
         return responses_shape.sse(payload)
 
+    def refusal(self, first: Any) -> None:
+        """vLLM raises a Responses stream's refusal (``Prefetched.raise_early``); no event says it."""
+        return None
+
     def trailer(self) -> Trailer:
         # One dict for both: the handle pickles it once.
         final = self.terminal.get("response") if self.terminal else None
@@ -208,6 +212,7 @@ class MessagesStream:
         # vLLM's own error under the stream (``peek_chat_metrics``): its converter loses the
         # message and sends a pydantic complaint as ``internal_error`` instead.
         self.chat_error: tuple[int, str] | None = None
+        self.chat_refusal: Body | None = None  # that error's object, when it is the client's (4xx)
         self.terminal: Body | None = None
         # The usage is the answer's once message_delta carried it; before (message_start's, for
         # a stream that broke off) it says nothing of the output, and the replica's count bills it.
@@ -240,6 +245,11 @@ class MessagesStream:
             return anthropic_shape.error_event(status, message)
         return anthropic_shape.stream_event(event, self._body)
 
+    def refusal(self, first: Any) -> Body | None:
+        """vLLM's error object when the stream starts with its refusal of the client's input (the
+        chat stream under the converter said it first)."""
+        return self.chat_refusal if isinstance(first, str) and first.startswith("event: error") else None
+
     def trailer(self) -> Trailer:
         code, status = self._error or (None, None)
         return Trailer(
@@ -264,6 +274,7 @@ async def peek_chat_metrics(chat_events, into: MessagesStream):
                 logger.error("vLLM's stream under a Messages stream failed (%s): %s", status, error.get("message"))
             message = str(error.get("message") or "invalid request") if status < 500 else _FAILED_MID_STREAM
             into.chat_error = (status, message)
+            into.chat_refusal = error if status < 500 else None
         elif '"metrics":' in event and '"usage":' in event:
             try:
                 into.timing = trailer.engine_timing(sse.json_of(event).get("metrics"))

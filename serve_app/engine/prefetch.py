@@ -2,56 +2,107 @@
 item travels to the router."""
 
 import asyncio
+from collections import deque
+from typing import Any
 
 from serve_app.wire.socket import until_done
+
+# What a fresh stream's source makes before it waits for the engine is framing (a Responses
+# stream's two opening events): at most this many items run through before the head.
+AHEAD = 8
 
 
 class Prefetched:
     """An async iterator whose first item is already being produced when it is made.
 
     vLLM's stream generator submits the request to the engine only when first iterated. Its first
-    step run before the head is yielded (``started``), the engine's queue and prefill overlap the
+    steps run before the head is yielded (``started``), the engine's queue and prefill overlap the
     head's trip to the router and the router's connect, instead of waiting for both.
     """
 
     def __init__(self, source):
         self._source = source
+        self._made: deque = deque()  # items the source yielded before its first wait, not yet taken
         self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
 
     @classmethod
-    async def started(cls, source) -> "Prefetched":
-        """Made, and its first item's production run up to its first wait before this returns.
+    async def started(cls, source, ahead: int = 0) -> "Prefetched":
+        """Made, and run up to the source's first wait before this returns (through ``ahead``
+        items it makes without waiting).
 
         A task made with ``ensure_future`` runs only when its maker next waits; the replica's
         next wait came after it had written the head, so vLLM sent the request to the engine core
-        after the head (≈ 1 ms later at one stream, strace). One turn of the loop lets vLLM's
+        after the head (≈ 1 ms later at one stream, strace). Turns of the loop let vLLM's
         generator run to its first real wait — for the engine core's output, the request sent —
-        so the head's trip and the router's connect overlap the prefill. Where the source yields
-        items before it touches the engine (a Responses stream's ``response.created`` and
-        ``response.in_progress``; a resumed stream's replayed tokens), its first wait comes later,
-        and the request still goes out after the head.
+        so the head's trip and the router's connect overlap the prefill. What the source yields
+        before that wait (a Responses stream's ``response.created`` and ``response.in_progress``)
+        is kept for its reader; an engine that refuses the request has said so by then
+        (``made_first``, ``raise_early``), before the head.
+
+        A resumed stream runs no items ahead (``ahead`` 0): its replayed tokens come without a
+        wait, and the seam (``replay.py``) takes an item asked for as one whose events are out.
         """
         prefetched = cls(source)
         try:
             await asyncio.sleep(0)
+            while prefetched._ran_through(ahead):
+                await asyncio.sleep(0)
         except BaseException:  # cancelled here, no caller holds it to close: the engine request is ours to abort
             await until_done(asyncio.ensure_future(prefetched.aclose()))
             raise
         return prefetched
 
+    def _ran_through(self, ahead: int) -> bool:
+        """Keep the item the source made without waiting and ask for the next: False once the
+        source waits, ends or raises, or ``ahead`` items came."""
+        first = self._first
+        if len(self._made) >= ahead or first is None or not first.done() or first.cancelled():
+            return False
+        if first.exception() is not None:
+            return False
+        self._made.append(first.result())
+        self._first = asyncio.ensure_future(self._source.__anext__())
+        return True
+
+    @property
+    def made_first(self) -> Any:
+        """The source's first item, if it made it before the head (else None)."""
+        if self._made:
+            return self._made[0]
+        first = self._first
+        if first is None or not first.done() or first.cancelled() or first.exception() is not None:
+            return None
+        return first.result()
+
+    async def raise_early(self) -> None:
+        """Raise what the source raised before the head, closed first (its end is no error)."""
+        first = self._first
+        if first is None or not first.done() or first.cancelled():
+            return
+        raised = first.exception()
+        if raised is None or isinstance(raised, StopAsyncIteration):
+            return
+        await self.aclose()
+        raise raised
+
     def __aiter__(self) -> "Prefetched":
         return self
 
     async def __anext__(self):
+        if self._made:
+            return self._made.popleft()
         if self._first is not None:
             first, self._first = self._first, None
             return await first
         return await self._source.__anext__()
 
     async def aclose(self) -> None:
-        """Stop the source (vLLM aborts the engine request), also while its first item is pending."""
+        """Stop the source (vLLM aborts the engine request), also while its next item is pending."""
+        self._made.clear()
         if self._first is not None:
             self._first.cancel()
             await until_done(self._first)  # the source must not be running when it is closed
+            if not self._first.cancelled():
+                self._first.exception()  # read: a failure nobody awaited is not logged as lost
             self._first = None
         await self._source.aclose()

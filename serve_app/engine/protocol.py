@@ -9,7 +9,9 @@ An engine takes one request — its surface's name (``serve_app/surfaces``) and 
   or any error the engine reports before a stream starts), and for a success its ``trailer``
   (engine timing, usage, finish reasons; the replica adds its own tag and the token count);
 - a ``Stream``: the engine's events, already under way, and a ``watcher`` that turns each event
-  into the SSE bytes the client gets (or None: drop it) and makes the stream's trailer.
+  into the SSE bytes the client gets (or None: drop it) and makes the stream's trailer. A stream
+  the engine refused as it took the request (its first event says so, or its generator raised)
+  is answered as a 4xx ``Answer`` instead.
 
 An engine raises only for its own failures (``dead`` says whether the engine itself is gone); a
 client's mistake is an ``Answer`` with a 4xx.
@@ -24,6 +26,11 @@ from serve_app.wire.messages import Answer, Call, Trailer
 class Watcher(Protocol):
     def pass_on(self, event: Any) -> str | None: ...
     def trailer(self) -> Trailer: ...
+
+    def refusal(self, first: Any) -> dict[str, Any] | None:
+        """vLLM's error object (``code``: its 4xx status) when the stream's first event, made as
+        the engine took the request, is the engine refusing the client's input: the replica
+        answers that with a 4xx before any head is out. None otherwise."""
 
 
 class Stream(NamedTuple):

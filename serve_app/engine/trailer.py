@@ -125,6 +125,13 @@ class StreamTrailer:
             event = _without_prompt_token_ids(event)  # completions' echo: once, on the first chunk
         return _without_vllm_nulls(event)
 
+    def refusal(self, first: Any) -> dict[str, Any] | None:
+        """vLLM's error object when ``first``, the stream's first event, refuses the client's input."""
+        if not (isinstance(first, str) and first.startswith(ERROR_PREFIX)):
+            return None
+        status, error = vllm_stream_error(first)
+        return error if status < 500 else None
+
     def _our_error(self, event: str) -> str | None:
         """vLLM's mid-stream error. A server-side failure (vLLM's ``EngineCore encountered an
         issue. See stack trace (above)…``) is not passed on: the trailer says the engine failed,

@@ -21,7 +21,7 @@ from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import outputs, pooling_timing, rendered, replay, token_count, tokenization, vllm_errors
-from serve_app.engine.prefetch import Prefetched
+from serve_app.engine.prefetch import AHEAD, Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
 from serve_app.surfaces import BY_NAME, seam
@@ -288,7 +288,6 @@ class VLLMEngine:
         from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
         shape_body = body if shape_body is None else shape_body
-        prompt_field = vllm_errors.prompt_field(shape_body)
         if watcher is None and body.get("stream"):
             watcher = output.watcher(body)  # may add stream_options
         try:
@@ -296,22 +295,31 @@ class VLLMEngine:
         except ValidationError as err:
             return vllm_errors.validation_answer(err)
         except Exception as exc:  # vLLM's validators raise VLLMValidationError directly
-            return vllm_errors.error_answer(create_error_response(exc), exc, prompt_field=prompt_field)
+            return vllm_errors.error_answer(create_error_response(exc), exc, body=shape_body)
+        stream = getattr(request, "stream", False)  # tokenize requests have no `stream` at all
         try:
             result = await create(request, None)
+            if stream and not isinstance(result, ErrorResponse):
+                # On its way to the engine core before the head: the prefill overlaps the head's trip.
+                result = await Prefetched.started(result, ahead=0 if replay.current() else AHEAD)
+                await result.raise_early()  # a Responses stream's refusal of the request, raised
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
                 raise  # the engine core died: the replica answers 503, Serve replaces it
-            return vllm_errors.error_answer(create_error_response(exc), exc, prompt_field=prompt_field)
+            return vllm_errors.error_answer(create_error_response(exc), exc, body=shape_body)
         if isinstance(result, ErrorResponse):
-            return vllm_errors.error_answer(result, prompt_field=prompt_field)
-        if not getattr(request, "stream", False):  # tokenize requests have no `stream` at all
+            return vllm_errors.error_answer(result, body=shape_body)
+        if not stream:
             response = output.dump(result)
             summary = output.summarize(response)
             output.shape(response, shape_body)
             return Answer(200, response, summary)
-        # The request is on its way to the engine core before the head: the prefill overlaps the head's trip.
-        return Stream(await Prefetched.started(result), watcher)
+        if (refusal := watcher.refusal(result.made_first)) is not None:
+            # Refused as the engine took it (a grammar xgrammar cannot compile): no head is out
+            # yet, so the client gets the status a non-stream request gets, not a 200 and an error event.
+            await result.aclose()
+            return vllm_errors.error_answer(vllm_errors.error_response(refusal), body=shape_body)
+        return Stream(result, watcher)
 
 
 def splits_seeded_prefills(vllm_config) -> bool:

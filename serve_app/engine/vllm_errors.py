@@ -2,6 +2,7 @@
 ``param``; a server fault is told in our words, with vLLM's logged (``vllm_engine.py`` uses these)."""
 
 import re
+from typing import Any
 
 from serve_app.engine import rendered
 from serve_app.errors import error_body
@@ -20,21 +21,34 @@ _SERVER_FAULTS = {
 }
 
 
-def error_answer(response, exc: BaseException | None = None, *, prompt_field: str | None = None) -> Answer:
+def error_answer(response, exc: BaseException | None = None, *, body: dict | None = None) -> Answer:
     """vLLM's ``ErrorResponse`` as our answer; ``exc``: the exception it was made from, if any;
-    ``prompt_field``: the request's prompt field (``messages``, ``prompt``, ``input``), which a
-    prompt over the context is reported as, where vLLM names its own internal one."""
+    ``body``: the request as the client sent it, whose fields a 4xx names where vLLM names its
+    own: the prompt's (``messages``, ``prompt``, ``input``) for a prompt over the context, and
+    the tool whose schema no grammar can be made of (``_uncompilable_tool_schema``)."""
     error = response.error
     if error.code >= 500:
         logger.error("vLLM answered %s: %s", error.code, error.message, exc_info=exc)
         message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
         return Answer(error.code, error_body(error.code, message, code=code))
+    body, param, message = body or {}, error.param, error.message
     if not rendered.is_context_overflow(error):
-        return Answer(error.code, error_body(error.code, error.message, param=error.param))
-    param, message = error.param, error.message
-    if prompt_field is not None and param in rendered.VLLM_PROMPT_TOO_LONG_PARAMS:
-        param, message = prompt_field, _INTERNAL_PARAM.sub("", message)
+        if message.startswith(_UNREADABLE_TOOL_GRAMMAR) and (found := _uncompilable_tool_schema(body.get("tools"))):
+            param, message = found
+        return Answer(error.code, error_body(error.code, message, param=param))
+    field = prompt_field(body)
+    if field is not None and param in rendered.VLLM_PROMPT_TOO_LONG_PARAMS:
+        param, message = field, _INTERNAL_PARAM.sub("", message)
     return Answer(error.code, error_body(error.code, message, param=param, code=rendered.CONTEXT_LENGTH_EXCEEDED))
+
+
+def error_response(error: dict):
+    """vLLM's ``ErrorResponse`` for the error object of one of its stream's error events."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    info = ErrorInfo(message=str(error.get("message") or "invalid request"), param=error.get("param"),
+                     type=str(error.get("type") or "BadRequestError"), code=int(error.get("code") or 400))
+    return ErrorResponse(error=info)
 
 
 # vLLM's validation errors end their message with the parameter they name: internal ones mean
@@ -58,3 +72,39 @@ def validation_answer(err) -> Answer:
     )
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return Answer(400, error_body(400, f"invalid request: {details}{more}", param=param))
+
+
+# vLLM's words for a tool schema xgrammar cannot compile: Qwen's tool parser constrains the output
+# with a structural tag holding every tool's schema, xgrammar refuses it, and the guidance
+# fallback, which reads only the older structural-tag format, fails on its missing `triggers` key.
+_UNREADABLE_TOOL_GRAMMAR = ("Invalid grammar specification: 'triggers'", "Invalid structural tag specification")
+# xgrammar's message starts with a time and its C++ source line: "[08:55:43] /project/cpp/x.cc:49: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+def _uncompilable_tool_schema(tools: Any) -> tuple[str, str] | None:
+    """The first tool schema xgrammar cannot compile, as a ``param`` and a message with
+    xgrammar's reason; compiled again one by one only after vLLM refused them all unreadably."""
+    import json
+
+    import xgrammar
+    from vllm.sampling_params import check_json_nesting
+
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, dict):
+            continue
+        if isinstance(tool.get("function"), dict):  # chat completions
+            param, schema = f"tools[{index}].function.parameters", tool["function"].get("parameters")
+        elif "input_schema" in tool:  # Messages
+            param, schema = f"tools[{index}].input_schema", tool["input_schema"]
+        else:  # Responses
+            param, schema = f"tools[{index}].parameters", tool.get("parameters")
+        if not isinstance(schema, dict):
+            continue
+        try:
+            # vLLM's own guard first: compiling costs steeply more with each level of nesting.
+            check_json_nesting(schema)
+            xgrammar.Grammar.from_json_schema(json.dumps(schema))
+        except Exception as err:  # xgrammar raises RuntimeError, its reason in the text
+            return param, f"{param} cannot be compiled into a grammar: {_XGRAMMAR_PREFIX.sub('', str(err)).strip()}"
+    return None

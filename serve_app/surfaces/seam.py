@@ -317,6 +317,9 @@ class Cut:
                 event = self._events.frame(payload)
         return self.watcher.pass_on(event)
 
+    def refusal(self, first: Any):
+        return self.watcher.refusal(first)
+
     def trailer(self):
         return self.watcher.trailer()
 
@@ -344,6 +347,9 @@ class ResponsesCut:
             return None
         self._as_the_clients(payload)
         return _ResponsesEvents.frame(payload)
+
+    def refusal(self, first: Any):
+        return self.watcher.refusal(first)
 
     def trailer(self):
         trailer = self.watcher.trailer()

@@ -202,8 +202,11 @@ def test_json_schema_output_validates(client, strict):
     jsonschema.validate(json.loads(reply.choices[0].message.content), CAT_SCHEMA)
 
 
-def test_invalid_json_schema_is_400(client):
-    with pytest.raises(openai.BadRequestError):
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_json_schema_is_400(client, stream):
+    """xgrammar refuses the schema as the engine takes the request: a stream too is refused with
+    the status line, before any event (the openai SDK raises at create, as OpenAI's API does)."""
+    with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=MODEL,
             messages=ASK,
@@ -212,7 +215,9 @@ def test_invalid_json_schema_is_400(client):
                 "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}},
             },
             max_tokens=8,
+            stream=stream,
         )
+    assert "no-such-type" in err.value.body["message"]
 
 
 # --- sampling ---------------------------------------------------------------------------------

@@ -135,3 +135,17 @@ def test_errors_come_in_anthropic_shape(base_url, claude):
     with pytest.raises(anthropic.NotFoundError) as missing:
         claude.messages.create(model="no-such-model", max_tokens=4, messages=HI)
     assert missing.value.body["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_schema_no_grammar_can_be_made_of_is_a_400_naming_it(claude, stream):
+    """vLLM refuses it unreadably ("Invalid grammar specification: 'triggers'"), as the engine
+    takes the request: a stream too is refused with the status line, and the message names the
+    tool and xgrammar's reason."""
+    tools = [{"name": "lookup", "input_schema": {"type": "object", "properties": {"city": {"type": "strin"}}}}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=HI, tools=tools, stream=stream)
+    validate("anthropic", "ErrorResponse", err.value.body)
+    assert "tools[0].input_schema" in err.value.body["error"]["message"]
+    assert "strin" in err.value.body["error"]["message"]
+

@@ -175,3 +175,14 @@ def test_bad_requests_are_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**{"model": MODEL, "input": "hi", **extra})
     assert err.value.body["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_the_engine_refuses_is_400_also_for_a_stream(client, stream):
+    """vLLM raises a Responses stream's refusal after its ``response.created`` and
+    ``.in_progress`` events; the replica runs the stream that far before its head, so the client
+    gets a 400, not those two events and then a server error."""
+    bad = {"format": {"type": "json_schema", "name": "bad", "schema": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=8, text=bad, stream=stream)
+    assert err.value.body["type"] == "invalid_request_error" and "no-such-type" in err.value.body["message"]

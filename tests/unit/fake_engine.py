@@ -25,7 +25,7 @@ from typing import Any
 import fake_vllm
 from serve_app.engine import outputs as engine_outputs
 from serve_app.engine import pooling_timing, replay, token_count, trailer
-from serve_app.engine.prefetch import Prefetched
+from serve_app.engine.prefetch import AHEAD, Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
 from serve_app.surfaces import seam
@@ -166,7 +166,7 @@ class FakeEngine:
         watcher = engine_outputs.ResponsesOutput().watcher(shape_body)
         if call.resume is not None:
             watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
-        return Stream(await Prefetched.started(events), watcher)
+        return Stream(await Prefetched.started(events, ahead=0 if call.resume else AHEAD), watcher)
 
     async def _embeddings(self, body: dict[str, Any]) -> Answer:
         """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;

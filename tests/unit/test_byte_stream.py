@@ -375,3 +375,59 @@ def test_a_client_gone_before_the_relay_started_is_still_hung_up_settled_and_bil
 
     exchange, complete = asyncio.run(scenario())
     assert not complete and len(exchange.services.meter.records) == 1 and exchange.record.status == 499
+
+
+def test_a_started_prefetch_runs_the_source_to_its_first_wait_and_keeps_what_it_made():
+    """A Responses stream yields ``response.created`` and ``.in_progress`` before it submits the
+    request: ``started`` runs it past them (the request is out before the head), keeps them for
+    its reader in order, and holds what the source raised as it submitted (a refusal)."""
+    from serve_app.engine.prefetch import Prefetched
+
+    async def scenario():
+        log, output = [], asyncio.Event()
+
+        async def responses(refused: bool):
+            yield "created"
+            yield "in_progress"
+            log.append("submitted")
+            if refused:
+                raise ValueError("Grammar error: Invalid type: strin")
+            await output.wait()
+            yield "delta"
+
+        started = await Prefetched.started(responses(refused=False), ahead=8)
+        log.append("head")
+        assert started.made_first == "created"
+        await started.raise_early()  # nothing raised: nothing to do
+        output.set()
+        assert [event async for event in started] == ["created", "in_progress", "delta"]
+
+        refused = await Prefetched.started(responses(refused=True), ahead=8)
+        with pytest.raises(ValueError, match="strin"):
+            await refused.raise_early()
+        return log
+
+    assert asyncio.run(scenario()) == ["submitted", "head", "submitted"]
+
+
+def test_a_started_prefetch_of_a_source_that_never_waits_stops_before_the_head_and_loses_nothing():
+    """A source that yields without waiting runs ``ahead`` items before the head, the rest after,
+    in order; a resumed stream's replay (``ahead`` 0) runs only to its first item, which the seam
+    relies on; a source that just ends is no refusal."""
+    from serve_app.engine.prefetch import Prefetched
+
+    async def scenario(ahead: int):
+        pulled = []
+
+        async def replay():
+            for index in range(40):
+                pulled.append(index)
+                yield index
+
+        started = await Prefetched.started(replay(), ahead=ahead)
+        before_head = len(pulled)
+        await started.raise_early()
+        return before_head, [item async for item in started]
+
+    assert asyncio.run(scenario(8)) == (9, list(range(40)))  # 8 kept, the 9th being made
+    assert asyncio.run(scenario(0)) == (1, list(range(40)))

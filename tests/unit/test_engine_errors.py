@@ -118,3 +118,143 @@ def test_a_messages_stream_refusing_the_clients_input_keeps_vllms_message(caplog
     event, trailer = _messages_stream_error(400, "'temperature' must be at most 1", caplog)
     assert "'temperature' must be at most 1" in event
     assert trailer.error_status == 400
+
+
+# --- a stream the engine refuses as it takes the request --------------------------------------
+
+
+def stream_answer(events, output=surfaces.CHAT):
+    """What the replica answers for a stream whose vLLM generator is ``events`` (made from a
+    list of a close log); its items if it streams."""
+    closed = []
+
+    async def source():
+        try:
+            for event in events:
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+            await asyncio.sleep(3600)  # the engine's output, never coming: the head goes first
+        finally:
+            closed.append(True)
+
+    async def create(request, raw_request):
+        return source()
+
+    async def scenario():
+        engine = VLLMEngine(ModelDeploymentArgs(id="qwen-3.6-35b-a3b"), "/weights")
+        result = await engine._run(ChatCompletionRequest, create, {**BODY, "stream": True}, output)
+        if not hasattr(result, "events"):
+            return result, closed
+        first = await result.events.__anext__()
+        await result.events.aclose()
+        return first, closed
+
+    return asyncio.run(scenario())
+
+
+def chat_error(status: int, message: str, param: str | None = None) -> str:
+    import json
+
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": status}
+    return f"data: {json.dumps({'error': error})}\n\n"
+
+
+def test_a_stream_refused_as_the_engine_takes_it_is_a_4xx_before_any_head():
+    """vLLM's chat stream yields its refusal (a grammar xgrammar cannot compile) as its first
+    event, before it waits for the engine: the client gets a 400 with vLLM's words, as a
+    non-stream request does, and the generator is closed."""
+    result, closed = stream_answer([chat_error(400, "Grammar error: Invalid type: strin", "response_format"),
+                                    "data: [DONE]\n\n"])
+    assert result.status == 400
+    assert result.body["error"] == {"message": "Grammar error: Invalid type: strin", "type": "invalid_request_error",
+                                    "param": "response_format", "code": None}
+    assert closed == [True]
+
+
+def test_a_stream_raising_its_refusal_after_opening_events_is_a_4xx_before_any_head():
+    """A Responses stream yields two events, then raises what vLLM found as it submitted."""
+    refusal = VLLMValidationError("Grammar error: Invalid type: strin")
+    result, closed = stream_answer(["created", "in_progress", refusal], output=surfaces.ResponsesOutput())
+    assert (result.status, result.body["error"]["message"]) == (400, "Grammar error: Invalid type: strin")
+    assert closed == [True]
+
+
+def test_a_server_fault_before_the_head_is_answered_in_our_words(caplog):
+    caplog.set_level(logging.ERROR)
+    result, _ = stream_answer(["created", RuntimeError(INTERNAL)], output=surfaces.ResponsesOutput())
+    assert (result.status, result.body["error"]["code"]) == (500, "internal")
+    assert "10.0.0.5" not in str(result.body) and "10.0.0.5" in caplog.text
+
+
+@pytest.mark.parametrize("first", ['data: {"id":"c1","choices":[]}\n\n', chat_error(500, f"EngineCore: {INTERNAL}")])
+def test_a_stream_under_way_or_failing_in_the_engine_streams(first):
+    """An engine failure (5xx) is the stream's to report (the router resumes it elsewhere);
+    anything else streams, its first event first."""
+    result, closed = stream_answer([first])
+    assert result == first and closed == [True]
+
+
+def test_a_messages_stream_refused_under_the_converter_is_a_4xx(caplog):
+    """The converter words vLLM's refusal as an internal_error event; the replica answers the
+    chat stream's own error, which ``peek_chat_metrics`` kept."""
+    stream = surfaces.MessagesStream({"model": "qwen-3.6-35b-a3b"})
+
+    async def peeked():
+        async def chat():
+            yield chat_error(400, "Grammar error: Invalid type: strin")
+
+        async for _ in surfaces.peek_chat_metrics(chat(), stream):
+            pass
+
+    asyncio.run(peeked())
+    assert stream.refusal('event: error\ndata: {"type":"error","error":{"type":"internal_error"}}\n\n')["code"] == 400
+    assert stream.refusal("event: message_start\ndata: {}\n\n") is None
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "strin"}}}
+GOOD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}}
+
+
+@pytest.mark.parametrize(
+    "tools, param",
+    [
+        ([{"type": "function", "function": {"name": "f", "parameters": GOOD_SCHEMA}},
+          {"type": "function", "function": {"name": "g", "parameters": BAD_SCHEMA}}], "tools[1].function.parameters"),
+        ([{"name": "f", "input_schema": BAD_SCHEMA}], "tools[0].input_schema"),  # Messages
+        ([{"type": "function", "name": "f", "parameters": BAD_SCHEMA}], "tools[0].parameters"),  # Responses
+    ],
+)
+def test_a_tool_schema_no_grammar_can_be_made_of_is_named_with_xgrammars_reason(tools, param):
+    """vLLM words it "Invalid grammar specification: 'triggers'" (its guidance fallback failing
+    on the structural tag Qwen's tool parser builds), which says nothing a client can act on."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    from serve_app.engine import vllm_errors
+
+    unreadable = ErrorResponse(error=ErrorInfo(message="Invalid grammar specification: 'triggers'",
+                                               type="BadRequestError", code=400))
+    error = vllm_errors.error_answer(unreadable, body={"tools": tools}).body["error"]
+    assert error["param"] == param
+    assert error["message"] == f'{param} cannot be compiled into a grammar: Unsupported type "strin"'
+    # Schemas xgrammar compiles: vLLM's words stay, nothing is made up.
+    kept = vllm_errors.error_answer(unreadable, body={"tools": [{"name": "f", "input_schema": GOOD_SCHEMA}]})
+    assert kept.body["error"]["message"] == "Invalid grammar specification: 'triggers'"
+
+
+def test_a_tool_schema_nested_past_vllms_limit_is_named_without_being_compiled():
+    """vLLM refuses a structural tag nested too deeply before xgrammar sees it (compiling costs
+    steeply more per level), then words it "'triggers'" too: the schema is not compiled here
+    either, and the answer says why."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    from serve_app.engine import vllm_errors
+
+    deep: dict = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    unreadable = ErrorResponse(error=ErrorInfo(message="Invalid grammar specification: 'triggers'",
+                                               type="BadRequestError", code=400))
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}]
+    error = vllm_errors.error_answer(unreadable, body={"tools": tools}).body["error"]
+    assert error["param"] == "tools[0].parameters" and "nested too deeply" in error["message"]
