@@ -48,7 +48,7 @@ _RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", 
 # Never copied from the router's headers: httpx or the Forwarder set these for the request it
 # sends (a stale content-length from the client's request would corrupt the forwarded body).
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "content-type", "accept",
-                  "accept-encoding", HOP_HEADER}
+                  "accept-encoding", "content-encoding", HOP_HEADER}  # the body is re-encoded JSON
 _PEER_BROKE = "peer_stream_failed"
 OnDone = Callable[[int, str | None], None]
 

@@ -64,7 +64,7 @@ _ADMIN_PATHS = ("/v1/models/load", "/v1/models/unload")
 _ADMIN_PREFIX = "/v1/admin/"
 # What each kind of route may answer besides success (docs/api.md, "Errors").
 _PUBLIC = {"/health": (503,), "/.well-known/jwks.json": ()}
-_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 429, 503)
+_INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 429, 503)
 # Bodies of the routes that go through a model replica (and so may answer 413, 429 and 503).
 _INFERENCE_BODIES = tuple(surface.body for surface in SURFACES)
 _OTHER_ERRORS = (400, 401, 403, 404)
@@ -74,6 +74,7 @@ _DESCRIPTIONS = {
     403: "The credential lacks the scope, model or region",
     404: "No such model, key or route",
     413: "Request body too large",
+    415: "A compressed request body (Content-Encoding): bodies are read uncompressed",
     429: "Rate limit reached; see Retry-After",
     503: "Not available here now (overloaded, loading, recovering); see Retry-After",
 }

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from serve_app.errors import APIError
 from serve_app.router.json_body import MAX_JSON_DEPTH, parse_json_object  # noqa: F401 (the routes' import)
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Metadata
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, FieldError, Metadata
 from serve_app.router.strict import Closed as _Closed
 from serve_app.router.strict import Strict as _Strict
 
@@ -105,7 +105,7 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _schema_for_json_schema(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a 'json_schema' object")
+            raise FieldError("json_schema", "type json_schema needs a 'json_schema' object")
         return self
 
 
@@ -144,6 +144,25 @@ class _Sampling(Body):
         if logit_bias and any(not -100 <= bias <= 100 for bias in logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
         return logit_bias
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("a stop sequence cannot be empty (it would end the answer before it starts)")
+        return stop
+
+    @model_validator(mode="after")
+    def _min_tokens_within_the_limit(self) -> "_Sampling":
+        # vLLM's limit: max_completion_tokens where the body has it and it is given (chat), else
+        # max_tokens. (Completions has no such field: a client's extra of that name is not read.)
+        field = "max_tokens"
+        if "max_completion_tokens" in type(self).model_fields and getattr(self, "max_completion_tokens") is not None:
+            field = "max_completion_tokens"
+        limit = getattr(self, field)
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise FieldError("min_tokens", f"min_tokens ({self.min_tokens}) cannot exceed {field} ({limit})")
+        return self
 
 
 class ChatCompletionBody(_Sampling):
@@ -246,9 +265,18 @@ def validate_body(method: str, body: dict[str, Any]) -> None:
 def describe_validation_errors(errors: list[dict[str, Any]]) -> APIError:
     """Pydantic's errors as one 400: each problem with its path, the first one's in ``param``."""
     errors = _without_branch_noise(errors)
-    details = "; ".join(f"{_param(e['loc'], e['type']) or 'body'}: {_message(e)}" for e in errors[:5])
+    details = "; ".join(f"{_param_of(e) or 'body'}: {_message(e)}" for e in errors[:5])
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return APIError(400, f"invalid request: {details}{more}", param=_param(errors[0]["loc"], errors[0]["type"]))
+    return APIError(400, f"invalid request: {details}{more}", param=_param_of(errors[0]))
+
+
+def _param_of(error: dict[str, Any]) -> str | None:
+    """The error's field path; a ``FieldError`` of a check across fields adds the path it names."""
+    param = _param(error["loc"], error["type"]) or ""
+    named = (error.get("ctx") or {}).get("error")
+    for part in named.path if isinstance(named, FieldError) else ():
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else part
+    return param or None
 
 
 def _without_branch_noise(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:

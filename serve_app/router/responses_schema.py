@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, Metadata, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, FieldError, Metadata, Strict
 
 # OpenAI's limit on a safety identifier; a prompt cache key's is ours (OpenAI states none): both
 # are echoed in every response object and stored with it.
@@ -22,6 +22,10 @@ MAX_SAFETY_IDENTIFIER_CHARS, MAX_PROMPT_CACHE_KEY_CHARS = 64, 1024
 INPUT_ITEM_TYPES = (
     "message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output",
 )
+
+
+# The content part types of a Responses message: OpenAI's input and output parts.
+MESSAGE_PART_TYPES = ("input_text", "input_image", "input_file", "output_text", "refusal")
 
 
 class ResponsesInputItem(Strict):
@@ -48,7 +52,23 @@ class ResponsesInputItem(Strict):
             raise ValueError(f"a {kind} item needs {', '.join(repr(m) for m in missing)}")
         if kind == "message" and self.content == []:
             raise ValueError("a message item needs at least one content part")
+        if kind == "message" and isinstance(self.content, list):
+            for index, part in enumerate(self.content):
+                _check_message_part(index, part)
         return self
+
+
+def _check_message_part(index: int, part: dict[str, Any]) -> None:
+    """A message's content part: a type OpenAI's Responses API has, and the text of a text part.
+    (What media may be sent is the region's media policy's, ``router/media.py``.)"""
+    kind = part.get("type")
+    if kind not in MESSAGE_PART_TYPES:
+        shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else "this"
+        raise FieldError(("content", index, "type"), f"content parts of type {shown} do not exist; send one of "
+                                                     f"{', '.join(MESSAGE_PART_TYPES)}")
+    field = "refusal" if kind == "refusal" else "text" if kind in ("input_text", "output_text") else None
+    if field is not None and not isinstance(part.get(field), str):
+        raise FieldError(("content", index, field), f"a {kind} part needs a string {field!r}")
 
 
 class ResponsesFunctionTool(Strict):
@@ -74,7 +94,8 @@ class ResponsesTextFormat(Strict):
     @model_validator(mode="after")
     def _schema_for_json_schema(self) -> "ResponsesTextFormat":
         if self.type == "json_schema" and (self.name is None or self.schema_ is None):
-            raise ValueError("format type json_schema needs a 'name' and a 'schema'")
+            missing = "name" if self.name is None else "schema"
+            raise FieldError(missing, "format type json_schema needs a 'name' and a 'schema'")
         return self
 
 
@@ -92,7 +113,7 @@ class ResponsesBody(Body):
     model: str
     input: str | list[ResponsesInputItem]
     instructions: str | None = None
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1)  # "" names no response: not taken as none
     store: bool | None = None
     stream: bool | None = None
     background: bool | None = None
@@ -118,6 +139,13 @@ class ResponsesBody(Body):
     # vLLM's extension, as on chat: generate to the limit whatever the model says (benchmarks,
     # and the fault suite's full-length streams).
     ignore_eos: bool | None = None
+
+    @model_validator(mode="after")
+    def _something_to_answer(self) -> "ResponsesBody":
+        if self.input == [] and not self.previous_response_id and not self.instructions:
+            raise FieldError("input", "input is empty: give text or items (an empty list only continues a "
+                                      "previous_response_id, or answers the instructions alone)")
+        return self
 
     @field_validator("background")
     @classmethod

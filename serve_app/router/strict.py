@@ -13,6 +13,16 @@ INT64 = 2**63 - 1
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
+class FieldError(ValueError):
+    """A check across fields (a model validator) that names the field the client should change:
+    the 400's ``param`` is that field, under the object checked (``describe_validation_errors``);
+    ``field`` a name, or a path into the object (``("content", 0, "text")``)."""
+
+    def __init__(self, field: str | tuple[str | int, ...], message: str):
+        super().__init__(message)
+        self.path = field if isinstance(field, tuple) else (field,)
+
+
 class Strict(BaseModel):
     """Types without coercion; fields the schema does not list pass through to the engine."""
 

@@ -110,3 +110,67 @@ def test_a_messages_tool_whose_input_is_not_an_object_is_a_400_before_the_engine
     response = app.client.post("/v1/messages", json=body, headers=_anthropic(key))
     assert response.status_code == 400 and "object" in response.json()["error"]["message"]
     assert app.engine.calls == []
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ""}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["end", ""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5},
+     "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                              "max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ("/v1/responses", {"input": []}, "input"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": ""}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+])
+def test_a_check_across_fields_names_the_field_to_change(app, key, path, body, param):
+    """vLLM refused these too, naming nothing (``param`` null), or took "" as no id at all."""
+    response = app.client.post(path, json={"model": MODEL, **body}, headers=bearer(key))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert app.engine.calls == []
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "min_tokens": 5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 5}),
+    ("/v1/completions", {"prompt": "hi", "stop": ["end"], "max_tokens": 4}),
+])
+def test_what_the_checks_across_fields_allow_is_served(app, key, path, body):
+    response = app.client.post(path, json={"model": MODEL, **body}, headers=bearer(key))
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("part, param, words", [
+    ({"type": "input_txt", "text": "hi"}, "input[0].content[0].type", "'input_txt' do not exist"),
+    ({"type": "input_text"}, "input[0].content[0].text", "needs a string 'text'"),
+    ({"type": "refusal", "text": "no"}, "input[0].content[0].refusal", "needs a string 'refusal'"),
+    ({"text": "hi"}, "input[0].content[0].type", "this do not exist"),
+])
+def test_a_responses_content_part_is_named_where_it_is_wrong(app, key, part, param, words):
+    """vLLM's own answer is a union's complaints (``input.0.EasyInputMessageParam.content…``), and
+    a typo of a type was refused as media."""
+    body = {"model": MODEL, "input": [{"role": "user", "content": [part]}]}
+    response = app.client.post("/v1/responses", json=body, headers=bearer(key))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert app.engine.calls == []
+
+
+@pytest.mark.parametrize("extra", ["x", {}, [], 3])
+def test_completions_reads_no_max_completion_tokens_of_its_own_for_min_tokens(app, key, extra):
+    """Completions has no such field (vLLM reads only max_tokens there): a client's extra of that
+    name is neither compared with min_tokens (a str or dict would crash it) nor blamed on it."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "min_tokens": 5, "max_completion_tokens": extra}
+    response = app.client.post("/v1/completions", json=body, headers=bearer(key))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_completion_tokens", response.text
+
+
+def test_an_empty_input_with_instructions_is_answered(app, key):
+    """vLLM renders the instructions alone as a system turn and answers it."""
+    body = {"model": MODEL, "input": [], "instructions": "Say hi."}
+    assert app.client.post("/v1/responses", json=body, headers=bearer(key)).status_code == 200

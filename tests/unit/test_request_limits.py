@@ -53,6 +53,25 @@ def test_chunked_body_over_the_limit_is_413(client):
     assert response.status_code == 413
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "br", "identity, GZIP", "zstd, " + "x" * 300])
+def test_a_compressed_body_is_415_never_inflated(client, encoding):
+    """A gzip bomb of a few KiB would stand for gigabytes past the size limit; read as JSON it
+    would be a misleading "invalid JSON"."""
+    import gzip
+
+    response = client.post("/echo", content=gzip.compress(b'{"model": "m"}'), headers={"content-encoding": encoding})
+    assert response.status_code == 415
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and "Content-Encoding" in error["message"]
+    assert len(error["message"]) < 200  # the header's value is not echoed whole
+
+
+@pytest.mark.parametrize("encoding", ["identity", "IDENTITY", "", "utf-8"])
+def test_a_body_whose_coding_names_no_compression_is_read(client, encoding):
+    """``utf-8``: some clients send it, meaning the charset; the body is plain JSON."""
+    assert client.post("/echo", json={"model": "m"}, headers={"content-encoding": encoding}).json() == {"model": "m"}
+
+
 def test_overflow_message_states_the_numbers():
     message = overflow_message(8192, 4016, 6000)
     assert "8192" in message and "10016" in message and "4016" in message and "6000" in message

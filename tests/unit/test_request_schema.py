@@ -48,7 +48,7 @@ def refusal(method: str, body: dict) -> APIError:
         (chat(tool_choice="sometimes"), "tool_choice"),
         (chat(tool_choice={"type": "function", "function": {}}), "tool_choice.function.name"),
         (chat(response_format={"type": "yaml"}), "response_format.type"),
-        (chat(response_format={"type": "json_schema"}), "response_format"),
+        (chat(response_format={"type": "json_schema"}), "response_format.json_schema"),  # the field to add
         (chat(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
         (chat(logit_bias={"42": 500}), "logit_bias"),
         ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
