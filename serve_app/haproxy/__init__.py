@@ -10,6 +10,8 @@ with the very same arguments (same pid, same ``-f``, so Ray's pid and cmdline ch
 
 - pins those two binds to loopback (``admin_binds.py``; ``SERVE_APP_HAPROXY_STATS_HOST`` and
   ``SERVE_APP_HAPROXY_METRICS_HOST`` name another address, e.g. a pod IP to scrape);
+- makes the answers HAProxy gives itself (a malformed request, no router reachable) JSON in the
+  API's error shape instead of HTML (``error_pages.py``);
 - on the first start of a node's HAProxy, removes other nodes' state directories under
   ``/tmp/haproxy-serve`` that no running process uses (``state_dirs.py``).
 

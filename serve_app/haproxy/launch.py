@@ -2,11 +2,12 @@
 
 Ray spawns ``<binary> -db -f <node dir>/haproxy.cfg [-dR] [-sf <old pids>] [-x <admin.sock>]``
 for every start and reload, after writing the config under the lock ``haproxy.cfg.lock``. This
-takes the same lock, pins the stats and metrics binds in that file (``admin_binds``), on a first
-start (no ``-sf``) removes stale state directories of other nodes (``state_dirs``), and then
-*execs* the real HAProxy with the arguments unchanged: the pid Ray spawned becomes HAProxy's, as
-its admin-socket check (``show info`` pid) requires, and ``/proc/<pid>/cmdline`` still names the
-config, as its reload and leak checks read it.
+takes the same lock, pins the stats and metrics binds in that file (``admin_binds``), points its
+``errorfile`` lines at JSON error pages (``error_pages``), on a first start (no ``-sf``) removes
+stale state directories of other nodes (``state_dirs``), and then *execs* the real HAProxy with
+the arguments unchanged: the pid Ray spawned becomes HAProxy's, as its admin-socket check (``show
+info`` pid) requires, and ``/proc/<pid>/cmdline`` still names the config, as its reload and leak
+checks read it.
 
 Its stderr is the spawn's stderr file Ray keeps (and quotes when HAProxy fails to start).
 """
@@ -17,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from serve_app.haproxy import BINARY_PATH_ENV
+from serve_app.haproxy import BINARY_PATH_ENV, error_pages
 from serve_app.haproxy.admin_binds import admin_hosts, pin_admin_binds
 from serve_app.haproxy.state_dirs import sweep_stale_state_dirs
 from serve_app.runtime.cpus import keep_off_engine_cores
@@ -36,12 +37,17 @@ def config_path(args: list[str]) -> Path | None:
 
 
 def pin_config(path: Path, hosts: dict[str, str]) -> list[str]:
-    """Rewrite ``path`` in place under Ray's own lock on it; the sections left unpinned."""
+    """Rewrite ``path`` in place under Ray's own lock on it (the binds pinned, HAProxy's own
+    answers in JSON: ``error_pages``); the sections left unpinned."""
     with open(f"{path}.lock", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             text = path.read_text()
             pinned, missing = pin_admin_binds(text, hosts)
+            try:
+                pinned = error_pages.with_pages(pinned, error_pages.write_pages(path.parent))
+            except OSError as err:  # the pages are a nicety; HAProxy starting is not
+                _say(f"JSON error pages not written, Ray's kept: {err!r}")
             if pinned != text:
                 path.write_text(pinned)
         finally:

