@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, Strict
+from serve_app.router.json_body import shown
+from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, FieldError, Strict
 
 # vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine.
 MAX_STOP_SEQUENCES = 4
@@ -119,7 +120,7 @@ class _Prompt(Body):
         if not names:
             raise ValueError(f"tool_choice type '{choice.type}' forces a tool call: it needs 'tools'")
         if choice.type == "tool" and choice.name not in names:
-            raise ValueError(f"tool_choice names '{choice.name}', which is not one of 'tools'")
+            raise FieldError("name", f"tool_choice names {shown(str(choice.name))!r}, which is not one of 'tools'")
         return choice
 
 

@@ -63,6 +63,11 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         return surface.dialect.error_response(err)
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())
+        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
+            # The lookup was under way: a client that leaves during it still pays its request
+            # (else leaving at once would buy registry reads past the key's requests/min). This
+            # task is being cancelled: the charge runs on its own.
+            _in_background(_charge_refusal(ctx))
         raise
     except ClientDisconnect:  # the client left while sending its body: its mistake, nobody to answer
         ctx.settle(abandoned())
@@ -166,6 +171,15 @@ STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admi
 CHARGED_WHEN_REFUSED = (recall, price)
 
 
+_charging: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
+
+
+def _in_background(work) -> None:
+    task = asyncio.get_running_loop().create_task(work)
+    _charging.add(task)
+    task.add_done_callback(_charging.discard)
+
+
 async def _charge_refusal(ctx: Context) -> None:
     try:
         await ctx.services.auth.count_refused(ctx.caller)
@@ -224,7 +238,7 @@ async def call(ctx: Context) -> Head:
     # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
     ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.billed else None
     wire_call = Call(
-        ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router,
+        ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router or ctx.taken_over_limit_lowerable,
         previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,
         # The conversation it continues: the model's request router keeps it on one replica.
         session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),

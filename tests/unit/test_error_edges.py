@@ -174,3 +174,12 @@ def test_an_empty_input_with_instructions_is_answered(app, key):
     """vLLM renders the instructions alone as a system turn and answers it."""
     body = {"model": MODEL, "input": [], "instructions": "Say hi."}
     assert app.client.post("/v1/responses", json=body, headers=bearer(key)).status_code == 200
+
+
+def test_a_messages_tool_choice_naming_a_tool_not_given_names_it_short(app, key):
+    tools = [{"name": "lookup", "input_schema": {"type": "object"}}]
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": {"type": "tool", "name": "n" * 5000}}
+    response = app.client.post("/v1/messages", json=body, headers=bearer(key))
+    assert response.status_code == 400 and len(response.text) < 600, response.text[:300]
+    assert "not one of 'tools'" in response.json()["error"]["message"]

@@ -254,3 +254,26 @@ def test_a_refusal_whose_client_leaves_while_it_is_charged_is_still_settled(rout
     app.run(send)
     assert charging  # the refusal was being charged
     assert settled == [404]  # and the request was settled first (its telemetry closed), once
+
+
+def test_a_client_that_leaves_while_its_stored_conversation_is_read_still_costs_one_request(router_app, monkeypatch):
+    """Else leaving at once, request after request, would buy registry reads past the key's
+    requests/min for nothing."""
+    app = router_app(engine=FakeEngine())
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    before = _requests_left(app, key)
+
+    async def client_leaves_meanwhile(body, caller):
+        raise asyncio.CancelledError  # Serve cancels the request's task while the registry is read
+
+    monkeypatch.setattr(app.services.responses, "continue_from", client_leaves_meanwhile)
+    body = {"model": MODEL, "input": "x", "previous_response_id": "resp_" + "0" * 32}
+
+    async def send():
+        with pytest.raises(asyncio.CancelledError):
+            await pipeline.run(app.services, _request(body, key, surfaces.RESPONSES.route), surfaces.RESPONSES)
+        while pipeline._charging:  # the charge runs on its own task
+            await asyncio.sleep(0.01)
+
+    app.run(send)
+    assert _requests_left(app, key) == before - 2  # the one that left, and this request
