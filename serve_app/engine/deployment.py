@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from ray import serve
 
 from serve_app.config import ModelDeploymentArgs
-from serve_app.engine import token_count
+from serve_app.engine import replay, token_count
 from serve_app.engine.protocol import Engine
 from serve_app.hot_load.autoscaling import LINE_CALLS_METRIC
 from serve_app.errors import error_body
@@ -137,7 +137,8 @@ class _ModelServer:
             written = bytes(client.written) if client.written is not None else None
             trailer = dataclasses.replace(trailer, written=written, client_gone=client.gone)
         if not trailer.complete and count.token_ids is not None:  # where another replica may resume it
-            before = call.resume.token_ids if call.resume else ()
+            resumed = replay.current()  # the tail this engine went on from (``replay.whole_characters``)
+            before = resumed.tail if resumed is not None else ()
             trailer = dataclasses.replace(trailer, token_ids=(*before, *count.token_ids))
         yield dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
 

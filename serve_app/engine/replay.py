@@ -48,10 +48,35 @@ def current() -> Replay | None:
 
 
 def start(tail: tuple[int, ...]) -> Replay:
-    """The replay of the request this task serves (a ``wire.Resume``'s tokens, maybe none)."""
+    """The replay of the request this task serves (a ``wire.Resume``'s tokens, maybe none, as
+    ``whole_characters`` keeps them): the deployment reads its ``tail`` as what the stream's
+    answer holds before this engine's tokens."""
     replay = Replay(tuple(tail))
     _CURRENT.set(replay)
     return replay
+
+
+# A character of UTF-8 is at most 4 bytes, so at most 4 byte-level tokens; a window of twice that
+# decodes the last character whole wherever the window starts.
+_MOST_TOKENS_A_CHARACTER, _WINDOW = 4, 8
+
+
+def whole_characters(tokenizer: Any, tail: tuple[int, ...]) -> tuple[int, ...]:
+    """``tail`` without the tokens of a character it ends in the middle of (an emoji, a rarer CJK
+    character: byte-level tokens that decode to U+FFFD until the last one).
+
+    The client has none of that character (vLLM's detokenizer holds a partial one back), and a
+    prompt ending in the middle of one breaks vLLM's incremental detokenizer for the continuation:
+    tokenizers' ``DecodeStream`` built on such a prompt keeps no prefix, so the step completing
+    the character returns the whole decoded prompt with it, and the cut, spent by the replay, would
+    pass the system prompt and the conversation to the client. The engine generates the dropped
+    tokens again (the deployment raises the limit by as many)."""
+    end = len(tail)
+    while end > 0 and len(tail) - end < _MOST_TOKENS_A_CHARACTER:
+        if not tokenizer.decode(list(tail[max(0, end - _WINDOW) : end])).endswith("\ufffd"):
+            break
+        end -= 1
+    return tail[:end]
 
 
 def install(engine: Any, tokenizer: Callable[[], Any]) -> None:

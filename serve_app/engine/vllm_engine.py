@@ -112,11 +112,12 @@ class VLLMEngine:
             return Answer(400, error_body(400, message, param="model", code="model_does_not_serve_route"))
         if self.refuses_seeds and (refusal := seed_refusal(call.body)) is not None:
             return refusal
-        rendered.for_this_request(
-            clamp_limit=call.limit_set_by_router, continue_with=call.resume.token_ids if call.resume else ()
-        )
+        tail = ()
         if call.resume is not None:
-            replay.start(call.resume.token_ids)
+            tail = replay.whole_characters(self._tokenization.renderer.get_tokenizer(), call.resume.token_ids)
+            call = _with_room_for(surface, call, len(call.resume.token_ids) - len(tail))
+            replay.start(tail)
+        rendered.for_this_request(clamp_limit=call.limit_set_by_router, continue_with=tail)
         return await HANDLERS[surface](self, call)
 
     # --- one per surface (HANDLERS) ---------------------------------------------------------------
@@ -320,6 +321,15 @@ class VLLMEngine:
             await result.aclose()
             return vllm_errors.error_answer(vllm_errors.error_response(refusal), body=shape_body)
         return Stream(result, watcher)
+
+
+def _with_room_for(surface: str, call: Call, dropped: int) -> Call:
+    """A resumed ``call`` whose tail lost ``dropped`` tokens (``replay.whole_characters``) with its
+    limit raised by as many: the answer may still reach the client's limit."""
+    field = BY_NAME[surface].limit.field if BY_NAME[surface].limit else None
+    if not dropped or field is None or not isinstance(call.body.get(field), int):
+        return call
+    return dataclasses.replace(call, body={**call.body, field: call.body[field] + dropped})
 
 
 def splits_seeded_prefills(vllm_config) -> bool:

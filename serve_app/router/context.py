@@ -102,6 +102,8 @@ class Context:
     cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
     resumer: Any = None  # a stream's resumes (``resume.Resumer``), once its first call is open
     taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
+    # ...whose limit that router had set itself (the client set none): the replica may lower it.
+    taken_over_limit_lowerable: bool = False
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
     counted_tokens: int = 0  # a counting surface's answer: the tokens the engine really counted

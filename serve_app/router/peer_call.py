@@ -42,9 +42,13 @@ _RESPONSES_TERMINAL = tuple(f"event: {name}\n".encode() for name in ResponsesStr
 class PeerCall:
     """The peer router's response to a resume (status 200, SSE), until its ending."""
 
-    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int, surface: str = "chat"):
+    def __init__(self, region: str, upstream: httpx.Response, *, tokens_before: int, surface: str = "chat",
+                 client_wants_usage: bool = True):
         self.region = region
         self._surface = surface
+        # Chat and completions: the peer was asked for its usage chunk (its closing reports it);
+        # it goes on to a client that asked for usage, never to one that did not (``choices: []``).
+        self._client_wants_usage = client_wants_usage
         self._terminal: dict | None = None  # Messages, Responses: the peer's terminal event, without its timing
         self.replica = None  # the peer's model replica, from its timing event
         self._upstream = upstream
@@ -127,6 +131,8 @@ class PeerCall:
             error = sse.json_of(event).get("error") or {}
             self._error = error.get("code") or ENGINE_UNAVAILABLE
             logger.warning("the resumed stream from %s ended with %s", self.region, self._error)
+            return False
+        if not self._client_wants_usage and b'"choices":[]' in event and b'"usage":' in event:
             return False
         if b'"finish_reason":"' in event:
             for choice in sse.json_of(event).get("choices") or ():

@@ -29,7 +29,9 @@ generated): a replica that vanished with no trailer (no tokens to continue from)
 choice or prompt, guided decoding (``response_format``, a Responses ``text.format``, vLLM's
 structured outputs, a tool choice that forces a call: the grammar would restart at the seam),
 logprobs (the replay has none to send), completions' ``echo``, a Responses request in the
-background or with a built-in tool (vLLM's own loop of engine calls); docs/reliability.md.
+background or with a built-in tool (vLLM's own loop of engine calls), presence or frequency
+penalties and a ``seed`` (they would start again at the seam), ``return_token_ids``;
+docs/reliability.md. ``min_tokens`` goes on counting: the continuation is asked for what is left.
 """
 
 import asyncio
@@ -52,6 +54,10 @@ logger = module_logger(__name__)
 _UNRESUMABLE_FIELDS = (
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "logprobs", "top_logprobs", "prompt_logprobs", "echo", "best_of",
+    # vLLM's presence and frequency penalties count the output only, which a continuation's tail
+    # is not (it is prompt): the answer would go on as if nothing had been said.
+    "presence_penalty", "frequency_penalty",
+    "return_token_ids",  # a chunk the seam shortens would keep all its ids: some sent twice
 )
 # Tool choices that leave the model free (any other forces a call through guided decoding).
 _FREE_TOOL_CHOICES = (None, "auto", "none")
@@ -67,6 +73,8 @@ def resumable(surface: str, body: dict[str, Any]) -> bool:
     if (body.get("n") or 1) != 1 or (surface == "completions" and pricing.prompt_count(body) != 1):
         return False
     if any(body.get(field) not in (None, False, [], 0) for field in _UNRESUMABLE_FIELDS):
+        return False
+    if body.get("seed") is not None:  # a fresh generator after the seam: not the seeded answer (0 is a seed)
         return False
     if surface == "responses" and not _responses_resumable(body):
         return False
@@ -109,6 +117,7 @@ def taken_over(ctx) -> Resume | None:
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
     ctx.previous_response_id = previous  # Responses: the id the answer echoes (the sender recalled it)
+    ctx.taken_over_limit_lowerable = sent.get("limit_set_by_router") is True
     return Resume(tuple(ids), received, item_ids)
 
 
@@ -149,6 +158,8 @@ class Resumer:
         resume = Resume(tuple(broken.token_ids), seam.received(surface, relayed),
                         seam.item_ids(relayed) if surface == "responses" else {})
         body = {**ctx.body, field: remaining}
+        if isinstance(min_tokens := body.get("min_tokens"), int):  # counted from the continuation's start
+            body["min_tokens"] = max(0, min_tokens - len(broken.token_ids))
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
         call = peer = None
         try:
@@ -225,7 +236,8 @@ class Resumer:
         surface = ctx.surface.name
         sent = {**body, RESUME_FIELD: {"token_ids": list(resume.token_ids), "received": resume.received,
                                        "ids": resume.ids, "request_id": ctx.id,
-                                       "previous_response_id": ctx.previous_response_id}}
+                                       "previous_response_id": ctx.previous_response_id,
+                                       "limit_set_by_router": ctx.price.limit_set_by_router}}  # lowerable, as here
         if surface in ("chat", "completions"):
             sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         bound = await asyncio.to_thread(
@@ -245,4 +257,6 @@ class Resumer:
             logger.warning("%s refused to resume stream %s: %s %s", peer.region, ctx.telemetry.trace_id,
                            upstream.status_code, detail)
             return None
-        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), surface=surface)
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), surface=surface,
+                        client_wants_usage=wants_usage)

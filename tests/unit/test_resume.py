@@ -98,6 +98,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     {"n": 2}, {"logprobs": True}, {"tools": TOOLS, "tool_choice": "required"},
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
     {"response_format": {"type": "json_object"}},
+    {"presence_penalty": 0.5}, {"frequency_penalty": -1}, {"seed": 0}, {"return_token_ids": True},
 ])
 def test_a_stream_that_cannot_be_resumed_faithfully_ends_with_the_engine_failure_event(two_replicas, unfaithful):
     app, key, _, healthy = two_replicas
@@ -266,6 +267,7 @@ def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once
     assert closing["pg_metadata"]["region"] == "yul-02"
     assert (closing["pg_metadata"]["resumes"], closing["pg_metadata"]["resumed_in"]) == (1, "yvr-01")
     assert closing["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert sum('"choices":[]' in e for e in events) == 1  # the usage chunk the client asked for, once
     # The peer's replica continued from the first engine's last token, with what was left.
     ((_, resumed),) = healthy.calls
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_completion_tokens"] == 7
@@ -275,6 +277,28 @@ def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
     assert (row["resumes"], row["resume_prompt_tokens"], row["resumed_in"]) == (1, 10, "yvr-01")
     assert peer.recorded() == []
+
+
+def test_a_peer_resume_sends_no_usage_chunk_to_a_client_that_did_not_ask_for_usage(two_regions):
+    """The peer is asked for its usage (it is billed here): its ``choices: []`` chunk would break a
+    client's ``chunk.choices[0]``."""
+    home, peer, key, healthy = two_regions
+    response, events = _stream(home, key)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    assert not any('"choices":[]' in e for e in events), events
+    (row,) = home.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
+
+
+def test_a_peer_continuation_keeps_a_limit_the_router_set_lowerable_by_the_replica(two_regions):
+    """As a continuation here: the peer gets what is left as an explicit limit, which its replica
+    may still lower to the context left instead of refusing it."""
+    home, peer, key, healthy = two_regions
+    response = home.client.post("/v1/chat/completions", headers=bearer(key),
+                                json={"model": MODEL, "messages": ASK, "stream": True})
+    assert response.status_code == 200
+    ((_, resumed),) = healthy.calls
+    assert resumed.resume is not None and resumed.limit_set_by_router
 
 
 def home_request_id(home):
@@ -335,3 +359,29 @@ def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
     })
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
     assert healthy.calls == []
+
+
+def test_a_continuation_whose_engine_dies_too_goes_on_from_every_token_so_far(router_app):
+    """The second failure's trailer names the tail its engine went on from and what it added (the
+    deployment reads the tail the replay kept: ``replay.whole_characters`` may drop a partial
+    character's tokens from it)."""
+    dying, second, healthy = (FakeEngine(tokens=12, fail_after=5, dies=True),
+                              FakeEngine(tokens=12, fail_after=3, dies=True), FakeEngine(tokens=12))
+    app = router_app(engine=dying, replicas=(second, healthy))
+    app.services.max_resumes = 2
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response, events = _stream(app, key)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    (_, last), = healthy.calls
+    assert last.resume.token_ids == tuple(range(1, 9)) and last.body["max_completion_tokens"] == 4
+
+
+def test_min_tokens_goes_on_counting_across_the_seam(two_replicas):
+    """vLLM counts min_tokens over its own request's output: the continuation is asked for what is
+    left of it, not for all of it again."""
+    app, key, dying, healthy = two_replicas
+    response, events = _stream(app, key, min_tokens=8)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    ((_, resumed),) = healthy.calls
+    assert resumed.body["min_tokens"] == 3 and resumed.body["max_completion_tokens"] == 7
+
