@@ -136,11 +136,15 @@ class _ModelServer:
         if client is not None and not trailer.complete:  # a handed-over stream: what its client has
             written = bytes(client.written) if client.written is not None else None
             trailer = dataclasses.replace(trailer, written=written, client_gone=client.gone)
+        resumed = replay.current() if call.resume is not None else None  # the tail this engine went on from
         if not trailer.complete and count.token_ids is not None:  # where another replica may resume it
-            resumed = replay.current()  # the tail this engine went on from (``replay.whole_characters``)
             before = resumed.tail if resumed is not None else ()
             trailer = dataclasses.replace(trailer, token_ids=(*before, *count.token_ids))
-        yield dataclasses.replace(trailer, replica=self.replica, generated=count.snapshot())
+        generated = count.snapshot()
+        if resumed is not None and (dropped := len(call.resume.token_ids) - len(resumed.tail)):
+            # The tokens of a character cut at the seam, generated again: the first engine's are billed.
+            generated = dataclasses.replace(generated, completion_tokens=max(0, generated.completion_tokens - dropped))
+        yield dataclasses.replace(trailer, replica=self.replica, generated=generated)
 
     async def _answer_under_way(self, surface: Surface, call: Call, count, started: float) -> AsyncIterator[Item]:
         """A non-stream request the engine computes (it generates, or embeds): ``Accepted`` first,

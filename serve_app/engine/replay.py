@@ -56,9 +56,9 @@ def start(tail: tuple[int, ...]) -> Replay:
     return replay
 
 
-# A character of UTF-8 is at most 4 bytes, so at most 4 byte-level tokens; a window of twice that
+# A character of UTF-8 is at most 4 bytes, so at most 4 byte-level tokens: a window of twice that
 # decodes the last character whole wherever the window starts.
-_MOST_TOKENS_A_CHARACTER, _WINDOW = 4, 8
+_WINDOW = 8
 
 
 def whole_characters(tokenizer: Any, tail: tuple[int, ...]) -> tuple[int, ...]:
@@ -69,12 +69,12 @@ def whole_characters(tokenizer: Any, tail: tuple[int, ...]) -> tuple[int, ...]:
     prompt ending in the middle of one breaks vLLM's incremental detokenizer for the continuation:
     tokenizers' ``DecodeStream`` built on such a prompt keeps no prefix, so the step completing
     the character returns the whole decoded prompt with it, and the cut, spent by the replay, would
-    pass the system prompt and the conversation to the client. The engine generates the dropped
-    tokens again (the deployment raises the limit by as many)."""
+    pass the system prompt and the conversation to the client. A prompt ending in U+FFFD itself
+    (the model wrote the replacement character, or a stray byte) does the same, so every trailing
+    token that decodes to it goes: vLLM holds such text back, so the client has none of it either.
+    The engine generates the dropped tokens again (``vllm_engine._with_room_for``)."""
     end = len(tail)
-    while end > 0 and len(tail) - end < _MOST_TOKENS_A_CHARACTER:
-        if not tokenizer.decode(list(tail[max(0, end - _WINDOW) : end])).endswith("\ufffd"):
-            break
+    while end > 0 and tokenizer.decode(list(tail[max(0, end - _WINDOW) : end])).endswith("\ufffd"):
         end -= 1
     return tail[:end]
 

@@ -325,11 +325,15 @@ class VLLMEngine:
 
 def _with_room_for(surface: str, call: Call, dropped: int) -> Call:
     """A resumed ``call`` whose tail lost ``dropped`` tokens (``replay.whole_characters``) with its
-    limit raised by as many: the answer may still reach the client's limit."""
+    limit, and its ``min_tokens``, raised by as many: the engine generates them again, and the
+    answer may still reach the client's limit (and must reach its minimum)."""
     field = BY_NAME[surface].limit.field if BY_NAME[surface].limit else None
     if not dropped or field is None or not isinstance(call.body.get(field), int):
         return call
-    return dataclasses.replace(call, body={**call.body, field: call.body[field] + dropped})
+    body = {**call.body, field: call.body[field] + dropped}
+    if isinstance(body.get("min_tokens"), int):
+        body["min_tokens"] = min(body["min_tokens"] + dropped, body[field])
+    return dataclasses.replace(call, body=body)
 
 
 def splits_seeded_prefills(vllm_config) -> bool:

@@ -70,10 +70,19 @@ _settling: set[asyncio.Task] = set()  # strong references: the loop keeps only w
 
 
 async def wait_settled() -> None:
-    """Until every abandoned request's last item is in (or given up on): before the router stops,
-    so their usage records are queued while the ledger can still write them."""
+    """Until every abandoned request's last item is in (or given up on), and every charge of one
+    is counted (``in_background``): before the router stops, so their usage records are queued
+    while the ledger can still write them."""
     if _settling:
         await asyncio.gather(*_settling, return_exceptions=True)
+
+
+def in_background(work) -> None:
+    """Run ``work`` on a task of its own (the request's is being cancelled), which ``wait_settled``
+    waits for."""
+    task = asyncio.get_running_loop().create_task(work)
+    _settling.add(task)
+    task.add_done_callback(_settling.discard)
 
 
 @dataclass(eq=False)
@@ -158,9 +167,7 @@ class Context:
             # The client left, or the stream broke: the replica stops the engine on the hang-up
             # and still sends the tokens it generated, which this request is billed.
             self.call.hang_up()
-            task = asyncio.get_running_loop().create_task(self._close_when_last_item_is_in())
-            _settling.add(task)
-            task.add_done_callback(_settling.discard)
+            in_background(self._close_when_last_item_is_in())
             return
         self._close()
 

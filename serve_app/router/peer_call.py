@@ -190,9 +190,11 @@ class PeerCall:
         usage, metadata = self._usage, self._metadata or {}
         self.replica = metadata.get("replica")
         # The peer counts the whole answer as the client's request; its engine prefilled the
-        # prompt and the tokens before the seam, and generated the rest.
+        # prompt and the tokens before the seam, and generated the rest. (Where the seam cut a
+        # character, the peer replayed fewer than ``_before`` and generated those again: they
+        # were billed with the first engine's, so never below none.)
         generated = Generated(usage.get("prompt_tokens", 0) + self._before,
-                              usage.get("completion_tokens", 0) - self._before)
+                              max(0, usage.get("completion_tokens", 0) - self._before))
         prefill, total = metadata.get("inference_ttft_ms"), metadata.get("inference_total_ms")
         timing = EngineTiming(queue_ms=metadata.get("queue_ms"), prefill_ms=prefill,
                               decode_ms=total - prefill if None not in (prefill, total) else None)

@@ -33,7 +33,7 @@ from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
 from serve_app.router.call import REPLICA_FAILURES
-from serve_app.router.context import CLIENT_CLOSED, Context, abandoned, failed, forwarded, refused
+from serve_app.router.context import CLIENT_CLOSED, Context, abandoned, failed, forwarded, in_background, refused
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
@@ -67,7 +67,7 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
             # The lookup was under way: a client that leaves during it still pays its request
             # (else leaving at once would buy registry reads past the key's requests/min). This
             # task is being cancelled: the charge runs on its own.
-            _in_background(_charge_refusal(ctx))
+            in_background(_charge_refusal(ctx))
         raise
     except ClientDisconnect:  # the client left while sending its body: its mistake, nobody to answer
         ctx.settle(abandoned())
@@ -169,15 +169,6 @@ STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admi
 # (docs/auth.md, "A refusal that was read costs a request"). A body refused by its validation
 # costs nothing: its parse is bounded by its tier's minute of prompt.
 CHARGED_WHEN_REFUSED = (recall, price)
-
-
-_charging: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references
-
-
-def _in_background(work) -> None:
-    task = asyncio.get_running_loop().create_task(work)
-    _charging.add(task)
-    task.add_done_callback(_charging.discard)
 
 
 async def _charge_refusal(ctx: Context) -> None:

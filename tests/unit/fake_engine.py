@@ -16,6 +16,7 @@ embeddings output (``outputs.EMBEDDINGS``), with engine timing from the real ``p
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import json
 import struct
@@ -27,6 +28,7 @@ from serve_app.engine import outputs as engine_outputs
 from serve_app.engine import pooling_timing, replay, token_count, trailer
 from serve_app.engine.prefetch import AHEAD, Prefetched
 from serve_app.engine.protocol import Stream
+from serve_app.engine.vllm_engine import _with_room_for
 from serve_app.errors import error_body
 from serve_app.surfaces import seam
 from serve_app.wire.messages import Answer, Call, Trailer
@@ -51,13 +53,17 @@ class FakeEngine:
     tokens; ``fail_after``: raise after that many tokens (``dies``: the engine is dead then);
     ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx instead;
     ``prompt_tokens`` / ``cached_tokens``: what each generation reports for its prompt;
-    ``counted``: what /tokenize and count_tokens count (else ``TOKENIZED``'s 3)."""
+    ``counted``: what /tokenize and count_tokens count (else ``TOKENIZED``'s 3); ``cuts_at_seam``:
+    as ``VLLMEngine`` where a resumed tail ends inside a character, this many of its tokens are
+    dropped (``replay.whole_characters``) and generated again; ``held_back``: token ids whose text
+    the detokenizer holds back (the first bytes of a character: no text yet)."""
 
     def __init__(self, *, tokens=4, latency_s=0.0, fail_after=None, fail_before=False, dies=False, refuse=None,
-                 prompt_tokens=PROMPT_TOKENS, cached_tokens=0, counted=None):
+                 prompt_tokens=PROMPT_TOKENS, cached_tokens=0, counted=None, cuts_at_seam=0, held_back=()):
         self.tokens, self.latency_s = tokens, latency_s
         self.fail_after, self.fail_before, self.dies, self.refuse = fail_after, fail_before, dies, refuse
         self.prompt_tokens, self.cached_tokens, self.counted = prompt_tokens, cached_tokens, counted
+        self.cuts_at_seam, self.held_back = cuts_at_seam, frozenset(held_back)
         self.started = self.stopped = False
         self.dead = False
         self.generated = 0  # tokens produced, whoever was listening
@@ -93,6 +99,10 @@ class FakeEngine:
 
     async def answer(self, surface: str, call: Call) -> Answer | Stream:
         self.calls.append((surface, call))
+        if call.resume is not None and self.cuts_at_seam:
+            kept = call.resume.token_ids[: len(call.resume.token_ids) - self.cuts_at_seam]
+            resume = dataclasses.replace(call.resume, token_ids=kept)
+            call = _with_room_for(surface, dataclasses.replace(call, resume=resume), self.cuts_at_seam)
         body = dict(call.body)  # the real engine hands vLLM a copy: the router's body stays as sent
         if self.dead:  # as vLLM's, once its engine core died: every request fails
             raise EngineFailed("the engine is dead")
@@ -248,7 +258,8 @@ class FakeEngine:
                 self.closed_early += 1
 
     def _output(self, prompt, tokens: list[int]) -> SimpleNamespace:
-        choice = SimpleNamespace(index=0, token_ids=list(tokens), text="".join(f"t{token} " for token in tokens))
+        text = "".join(f"t{token} " for token in tokens if token not in self.held_back)
+        choice = SimpleNamespace(index=0, token_ids=list(tokens), text=text)
         return SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], num_cached_tokens=self.cached_tokens,
                                outputs=[choice])
 

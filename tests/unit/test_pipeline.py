@@ -16,7 +16,7 @@ from serve_app import surfaces
 from serve_app.config import RouterArgs
 from serve_app.errors import error_body
 from serve_app.router import pipeline
-from serve_app.router.context import Context
+from serve_app.router.context import Context, wait_settled
 from serve_app.wire.messages import Answer
 
 
@@ -272,8 +272,7 @@ def test_a_client_that_leaves_while_its_stored_conversation_is_read_still_costs_
     async def send():
         with pytest.raises(asyncio.CancelledError):
             await pipeline.run(app.services, _request(body, key, surfaces.RESPONSES.route), surfaces.RESPONSES)
-        while pipeline._charging:  # the charge runs on its own task
-            await asyncio.sleep(0.01)
+        await wait_settled()  # the charge runs on its own task
 
     app.run(send)
     assert _requests_left(app, key) == before - 2  # the one that left, and this request

@@ -49,3 +49,25 @@ def test_the_dropped_tokens_are_given_back_to_the_limit():
     assert _with_room_for("chat", call, 0) is call
     responses = Call({"max_output_tokens": 7}, "r", resume=Resume((1, 2)))
     assert _with_room_for("responses", responses, 1).body == {"max_output_tokens": 8}
+    # min_tokens counts them too, never past the limit.
+    minimum = Call({"max_tokens": 7, "min_tokens": 6}, "r", resume=Resume((1, 2, 3)))
+    assert _with_room_for("completions", minimum, 2).body == {"max_tokens": 9, "min_tokens": 8}
+
+
+def test_a_tail_ending_in_replacement_characters_loses_them_all(byte_tokens):
+    """U+FFFD written by the model (or stray bytes) ends the prompt as a cut character does, and
+    vLLM's detokenizer sends the prompt back after it too: every such trailing token goes."""
+    ids = tuple(byte_tokens.encode("hi" + "\ufffd" * 5).ids)
+    assert whole_characters(byte_tokens, ids) == tuple(byte_tokens.encode("hi").ids)
+    lone = byte_tokens.token_to_id(_byte_char(0x80))  # a continuation byte with nothing before it
+    stray = tuple(byte_tokens.encode("hi").ids) + (lone,) * 5
+    assert byte_tokens.decode(list(stray)).endswith("\ufffd")
+    assert whole_characters(byte_tokens, stray) == tuple(byte_tokens.encode("hi").ids)
+
+
+def _byte_char(byte: int) -> str:
+    """GPT-2's byte-to-character map, which the byte-level pre-tokenizer uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))

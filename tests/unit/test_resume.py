@@ -385,3 +385,31 @@ def test_min_tokens_goes_on_counting_across_the_seam(two_replicas):
     ((_, resumed),) = healthy.calls
     assert resumed.body["min_tokens"] == 3 and resumed.body["max_completion_tokens"] == 7
 
+
+def test_a_character_cut_at_the_seam_is_generated_again_and_billed_once(router_app):
+    """The continuation drops the cut character's tokens from its tail, is given as many more to
+    generate, and bills only the tokens the first engine had not: the answer's 12, not 14."""
+    # Tokens 4 and 5 are a character's first bytes: the client has no text of them yet.
+    dying = FakeEngine(tokens=12, fail_after=5, dies=True, held_back=(4, 5))
+    healthy = FakeEngine(tokens=12, cuts_at_seam=2)
+    app = router_app(engine=dying, replicas=(healthy,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response, events = _stream(app, key, min_tokens=8)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    assert healthy.generated == 9  # t4 and t5 again, then t6..t12
+    (row,) = app.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
+
+
+
+def test_a_continuation_that_breaks_after_a_cut_character_bills_each_token_once(router_app):
+    """Unfinished, the request is billed the engines' counts: the first's 5, and of the
+    continuation's 4 (t4, t5 again, t6, t7) the 2 the first had not generated."""
+    dying = FakeEngine(tokens=12, fail_after=5, dies=True, held_back=(4, 5))
+    breaking = FakeEngine(tokens=12, cuts_at_seam=2, fail_after=4, dies=True)
+    app = router_app(engine=dying, replicas=(breaking,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response, events = _stream(app, key)
+    assert _text(events) == "t1 t2 t3 t4 t5 t6 t7 " and any('"error"' in e for e in events)
+    (row,) = app.recorded()
+    assert row["completion_tokens"] == 7
