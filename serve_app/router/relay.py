@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from serve_app.errors import engine_failed_mid_stream, error_body
 from serve_app.router.client_socket import ClientLink, ClientStalled, RelayedStream
 from serve_app.router.context import Context, abandoned, failed, served
+from serve_app.surfaces import seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Answer
 from serve_app.wire.socket import READ_BYTES
@@ -111,6 +112,8 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
                 break
             if ctx.resumer is None or not await ctx.resumer.resume(trailer, bytes(relayed or b"")):
                 raise StreamBrokeOff(trailer.error_code)
+        if ctx.resumer is not None and ctx.resumer.done and ctx.surface.name == "responses":
+            trailer = seam.as_first_told(trailer, ctx.body.get("max_output_tokens"), first)
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         status = trailer.error_status or 200
         if ctx.keep is not None and not trailer.error_status:

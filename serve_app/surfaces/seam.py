@@ -377,3 +377,17 @@ class ResponsesCut:
         if f"call{index}" in self._ids and "call_id" in item:
             item["call_id"] = self._ids[f"call{index}"]
         return item
+
+
+def as_first_told(trailer: Any, limit: Any, first: dict[str, Any] | None) -> Any:
+    """A resumed Responses stream's trailer with its terminal event and stored response saying
+    what the stream's first events told the client: the limit its request had (the continuation
+    was given what was left of it) and the ``created_at`` of ``response.created``."""
+    if trailer.terminal is None or not isinstance(trailer.terminal.get("response"), dict):
+        return trailer
+    response = {**trailer.terminal["response"], "max_output_tokens": limit}
+    created = ((first or {}).get("response") or {}).get("created_at")
+    if created is not None:
+        response["created_at"] = created
+    return dataclasses.replace(trailer, terminal={**trailer.terminal, "response": response}, response=response)
+

@@ -176,8 +176,11 @@ def _assert_one_whole_response(app, key, response, events):
     final = events[-1][1]["response"]
     assert len(item_ids) == 1 and [item["id"] for item in final["output"]] == list(item_ids)
     assert final["usage"]["output_tokens"] == 12 and final["pg_metadata"]["resumes"] == 1
+    # As the opening told it: the client's limit (the continuation was asked for what was left).
+    assert final["max_output_tokens"] == 12 and final["created_at"] == events[0][1]["response"]["created_at"]
     stored = app.client.get(f"/v1/responses/{final['id']}", headers=bearer(key)).json()
     assert stored["output"][0]["id"] in item_ids and stored["output"][0]["content"][0]["text"] == text
+    assert stored["max_output_tokens"] == 12
 
 
 def test_a_responses_stream_resumes_on_another_replica_as_one_response(two_replicas):
