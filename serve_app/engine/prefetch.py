@@ -52,13 +52,16 @@ class Prefetched:
             raise
         return prefetched
 
+    def _settled(self) -> asyncio.Future | None:
+        """The pending item's production, if it has ended (made the item, or raised) without a wait."""
+        first = self._first
+        return first if first is not None and first.done() and not first.cancelled() else None
+
     def _ran_through(self, ahead: int) -> bool:
         """Keep the item the source made without waiting and ask for the next: False once the
         source waits, ends or raises, or ``ahead`` items came."""
-        first = self._first
-        if len(self._made) >= ahead or first is None or not first.done() or first.cancelled():
-            return False
-        if first.exception() is not None:
+        first = self._settled()
+        if len(self._made) >= ahead or first is None or first.exception() is not None:
             return False
         self._made.append(first.result())
         self._first = asyncio.ensure_future(self._source.__anext__())
@@ -69,17 +72,13 @@ class Prefetched:
         """The source's first item, if it made it before the head (else None)."""
         if self._made:
             return self._made[0]
-        first = self._first
-        if first is None or not first.done() or first.cancelled() or first.exception() is not None:
-            return None
-        return first.result()
+        first = self._settled()
+        return first.result() if first is not None and first.exception() is None else None
 
     async def raise_early(self) -> None:
         """Raise what the source raised before the head, closed first (its end is no error)."""
-        first = self._first
-        if first is None or not first.done() or first.cancelled():
-            return
-        raised = first.exception()
+        first = self._settled()
+        raised = first.exception() if first is not None else None
         if raised is None or isinstance(raised, StopAsyncIteration):
             return
         await self.aclose()

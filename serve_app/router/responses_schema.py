@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from serve_app.router.json_body import shown
 from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, FieldError, Metadata, Strict
 
 # OpenAI's limit on a safety identifier; a prompt cache key's is ours (OpenAI states none): both
@@ -63,9 +64,10 @@ def _check_message_part(index: int, part: dict[str, Any]) -> None:
     (What media may be sent is the region's media policy's, ``router/media.py``.)"""
     kind = part.get("type")
     if kind not in MESSAGE_PART_TYPES:
-        shown = repr(kind) if isinstance(kind, str) and len(kind) <= 40 else "this"
-        raise FieldError(("content", index, "type"), f"content parts of type {shown} do not exist; send one of "
-                                                     f"{', '.join(MESSAGE_PART_TYPES)}")
+        what = "a content part needs a 'type'"
+        if isinstance(kind, str):
+            what = f"content parts of type {shown(kind)!r} do not exist"
+        raise FieldError(("content", index, "type"), f"{what}: send one of {', '.join(MESSAGE_PART_TYPES)}")
     field = "refusal" if kind == "refusal" else "text" if kind in ("input_text", "output_text") else None
     if field is not None and not isinstance(part.get(field), str):
         raise FieldError(("content", index, field), f"a {kind} part needs a string {field!r}")

@@ -149,7 +149,7 @@ def test_what_the_checks_across_fields_allow_is_served(app, key, path, body):
     ({"type": "input_txt", "text": "hi"}, "input[0].content[0].type", "'input_txt' do not exist"),
     ({"type": "input_text"}, "input[0].content[0].text", "needs a string 'text'"),
     ({"type": "refusal", "text": "no"}, "input[0].content[0].refusal", "needs a string 'refusal'"),
-    ({"text": "hi"}, "input[0].content[0].type", "this do not exist"),
+    ({"text": "hi"}, "input[0].content[0].type", "needs a 'type'"),
 ])
 def test_a_responses_content_part_is_named_where_it_is_wrong(app, key, part, param, words):
     """vLLM's own answer is a union's complaints (``input.0.EasyInputMessageParam.content…``), and

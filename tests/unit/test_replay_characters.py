@@ -4,6 +4,7 @@ incremental detokenizer send the whole prompt back with the character that compl
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # the byte-level pre-tokenizer's map
 
 from serve_app.engine.replay import whole_characters
 
@@ -59,15 +60,8 @@ def test_a_tail_ending_in_replacement_characters_loses_them_all(byte_tokens):
     vLLM's detokenizer sends the prompt back after it too: every such trailing token goes."""
     ids = tuple(byte_tokens.encode("hi" + "\ufffd" * 5).ids)
     assert whole_characters(byte_tokens, ids) == tuple(byte_tokens.encode("hi").ids)
-    lone = byte_tokens.token_to_id(_byte_char(0x80))  # a continuation byte with nothing before it
+    lone = byte_tokens.token_to_id(bytes_to_unicode()[0x80])  # a continuation byte with nothing before it
     stray = tuple(byte_tokens.encode("hi").ids) + (lone,) * 5
     assert byte_tokens.decode(list(stray)).endswith("\ufffd")
     assert whole_characters(byte_tokens, stray) == tuple(byte_tokens.encode("hi").ids)
 
-
-def _byte_char(byte: int) -> str:
-    """GPT-2's byte-to-character map, which the byte-level pre-tokenizer uses."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if byte in printable:
-        return chr(byte)
-    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
