@@ -211,8 +211,8 @@ class MessagesStream:
         self._error: tuple[str, int] | None = None
         # vLLM's own error under the stream (``peek_chat_metrics``): its converter loses the
         # message and sends a pydantic complaint as ``internal_error`` instead.
-        self.chat_error: tuple[int, str] | None = None
-        self.chat_refusal: Body | None = None  # that error's object, when it is the client's (4xx)
+        # Its status and vLLM's error object.
+        self.chat_error: tuple[int, Body] | None = None
         self.terminal: Body | None = None
         # The usage is the answer's once message_delta carried it; before (message_start's, for
         # a stream that broke off) it says nothing of the output, and the replica's count bills it.
@@ -235,20 +235,23 @@ class MessagesStream:
                 self._stop = [stop]
             self._final = self._final or name == "message_delta"
         elif name == "error":
-            status, message = self.chat_error or (500, _FAILED_MID_STREAM)
+            status, error = self.chat_error or (500, {})
             if self.chat_error is not None and status >= 500:
                 # As for chat: the trailer says the engine failed, and the router resumes the
                 # stream elsewhere or ends it with its own error event (in this dialect).
                 self._error = (ENGINE_UNAVAILABLE, None)
                 return None
             self._error = ("invalid_request", status)
+            message = str(error.get("message") or "invalid request") if status < 500 else _FAILED_MID_STREAM
             return anthropic_shape.error_event(status, message)
         return anthropic_shape.stream_event(event, self._body)
 
     def refusal(self, first: Any) -> Body | None:
         """vLLM's error object when the stream starts with its refusal of the client's input (the
         chat stream under the converter said it first)."""
-        return self.chat_refusal if isinstance(first, str) and first.startswith("event: error") else None
+        if self.chat_error is None or self.chat_error[0] >= 500:
+            return None
+        return self.chat_error[1] if isinstance(first, str) and first.startswith("event: error") else None
 
     def trailer(self) -> Trailer:
         code, status = self._error or (None, None)
@@ -272,9 +275,7 @@ async def peek_chat_metrics(chat_events, into: MessagesStream):
             # A server fault's text is for our log (Serve stamps the request id), not the client.
             if status >= 500:
                 logger.error("vLLM's stream under a Messages stream failed (%s): %s", status, error.get("message"))
-            message = str(error.get("message") or "invalid request") if status < 500 else _FAILED_MID_STREAM
-            into.chat_error = (status, message)
-            into.chat_refusal = error if status < 500 else None
+            into.chat_error = (status, error)
         elif '"metrics":' in event and '"usage":' in event:
             try:
                 into.timing = trailer.engine_timing(sse.json_of(event).get("metrics"))
