@@ -18,6 +18,8 @@ answer as completion. The billing count (``token_count.py``) sits under this wra
 what this engine did: the tail as prompt (a resume's prefill), the new tokens as completion.
 
 The engine request starts before the replay runs: its queue and prefill overlap the replay.
+A ``stop`` string whose first characters came before the seam is matched across it
+(``seam_stops.py``).
 """
 
 import contextvars
@@ -25,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serve_app.engine.prefetch import Prefetched
+from serve_app.engine.seam_stops import SeamStops
 
 _CURRENT: contextvars.ContextVar["Replay | None"] = contextvars.ContextVar("serve_app_replay", default=None)
 
@@ -32,8 +35,9 @@ _CURRENT: contextvars.ContextVar["Replay | None"] = contextvars.ContextVar("serv
 class Replay:
     """One resumed request's replay: the tokens before the seam, and whether the stream is past it."""
 
-    def __init__(self, tail: tuple[int, ...]):
+    def __init__(self, tail: tuple[int, ...], cached_tokens: int = 0):
         self.tail = tail
+        self.cached_tokens = cached_tokens  # the first call's, which every output reports
         self.started = False
         # True once the engine's second output is asked for: every event of the replay and of the
         # engine's first output (chat's opening, for an empty tail) has gone out by then.
@@ -47,11 +51,11 @@ def current() -> Replay | None:
     return _CURRENT.get()
 
 
-def start(tail: tuple[int, ...]) -> Replay:
+def start(tail: tuple[int, ...], cached_tokens: int = 0) -> Replay:
     """The replay of the request this task serves (a ``wire.Resume``'s tokens, maybe none, as
     ``whole_characters`` keeps them): the deployment reads its ``tail`` as what the stream's
     answer holds before this engine's tokens."""
-    replay = Replay(tuple(tail))
+    replay = Replay(tuple(tail), cached_tokens)
     _CURRENT.set(replay)
     return replay
 
@@ -103,28 +107,45 @@ async def _replayed(outputs, replay: Replay, prompt_ids: list[int], params, requ
 
     engine = Prefetched(outputs)  # vLLM submits the request on its first step: under way during the replay
     try:
-        for token, text in _texts(tokenizer, prompt_ids, replay.tail, params):
+        detokenizer = _Detokenizer(tokenizer, prompt_ids, params)
+        texts = [(token, detokenizer.next(token)) for token in replay.tail]
+        stops = SeamStops.of(params, "".join(text for _, text in texts), detokenizer.next)
+        # What the replay may send: the tail's text but for what a stop string may begin in.
+        left = sum(len(text) for _, text in texts) - (stops.held if stops else 0)
+        for token, text in texts:
+            text, left = text[: max(0, left)], left - len(text)
             step = CompletionOutput(index=0, text=text, token_ids=[token], cumulative_logprob=None, logprobs=None)
-            yield RequestOutput(request_id, None, prompt_ids, None, [step], finished=False)
+            yield RequestOutput(request_id, None, prompt_ids, None, [step], finished=False,
+                                num_cached_tokens=replay.cached_tokens)
         async for output in engine:
-            output.prompt_token_ids = prompt_ids
+            output.prompt_token_ids, output.num_cached_tokens = prompt_ids, replay.cached_tokens
+            stopped = stops is not None and stops.see(output)
             yield output
             replay.past_seam = True  # the next output is asked for: this one's events are out
+            if stopped:  # a stop string across the seam ended the answer: the engine request is aborted
+                return
     finally:
         replay.past_seam = True
         await engine.aclose()  # the engine aborts an unfinished request
 
 
-def _texts(tokenizer, prompt_ids: list[int], tail: tuple[int, ...], params):
-    """Each token of ``tail`` with the text vLLM's incremental detokenizer gives it after ``prompt_ids``."""
-    from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens, detokenize_incrementally
+class _Detokenizer:
+    """The text vLLM's incremental detokenizer gives each token of an answer after ``prompt_ids``."""
 
-    skip = getattr(params, "skip_special_tokens", True)
-    spaces = getattr(params, "spaces_between_special_tokens", True)
-    ids = list(prompt_ids)
-    tokens, prefix, read = convert_prompt_ids_to_tokens(tokenizer, ids, skip_special_tokens=skip)
-    for token in tail:
-        ids.append(token)
-        new, text, prefix, read = detokenize_incrementally(tokenizer, ids, tokens, prefix, read, skip, spaces)
-        tokens.extend(new)
-        yield token, text
+    def __init__(self, tokenizer, prompt_ids: list[int], params):
+        from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens
+
+        self.tokenizer, self.ids = tokenizer, list(prompt_ids)
+        self.skip = getattr(params, "skip_special_tokens", True)
+        self.spaces = getattr(params, "spaces_between_special_tokens", True)
+        self.tokens, self.prefix, self.read = convert_prompt_ids_to_tokens(
+            tokenizer, self.ids, skip_special_tokens=self.skip)
+
+    def next(self, token: int) -> str:
+        from vllm.tokenizers.detokenizer_utils import detokenize_incrementally
+
+        self.ids.append(token)
+        new, text, self.prefix, self.read = detokenize_incrementally(
+            self.tokenizer, self.ids, self.tokens, self.prefix, self.read, self.skip, self.spaces)
+        self.tokens.extend(new)
+        return text

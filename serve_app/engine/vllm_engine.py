@@ -116,7 +116,7 @@ class VLLMEngine:
         if call.resume is not None:
             tail = replay.whole_characters(self._tokenization.renderer.get_tokenizer(), call.resume.token_ids)
             call = _with_room_for(surface, call, len(call.resume.token_ids) - len(tail))
-            replay.start(tail)
+            replay.start(tail, call.resume.cached_tokens)
         rendered.for_this_request(clamp_limit=call.limit_set_by_router, continue_with=tail)
         return await HANDLERS[surface](self, call)
 

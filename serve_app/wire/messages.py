@@ -32,6 +32,10 @@ class Resume:
     # replays the tokens and sends only the rest — nothing twice, nothing lost.
     received: dict[str, int] = field(default_factory=dict)
     ids: dict[str, str] = field(default_factory=dict)  # Responses: the client's output item ids
+    # The first call's prompt tokens served from the prefix cache: the continuation's usage says
+    # what the uninterrupted stream's would have (its own prefill, the prompt and the tail, is the
+    # engine's business, recorded apart).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,7 +127,7 @@ class FakeEngine:
             await asyncio.to_thread(fake_vllm.import_vllm)
         if call.resume is not None:  # the replay makes vLLM's outputs: its modules, on a thread
             await asyncio.to_thread(fake_vllm.import_vllm)
-            replay.start(call.resume.token_ids)
+            replay.start(call.resume.token_ids, call.resume.cached_tokens)
         if surface == "responses":
             return await self._responses(call, wanted)
         # As vLLM's: the prompt, then (a resume) what was generated before the seam.
@@ -281,10 +281,12 @@ class FakeEngine:
             return {"choices": [{"index": 0, "delta": {"role": role, **delta} if role else delta,
                                  "logprobs": None, "finish_reason": finish}]}
 
-        n = 0
+        n, cached = 0, None
         try:
             async for output in outputs:
                 prompt_tokens = len(output.prompt_token_ids)
+                if n == 0:  # as vLLM: the cached count is the first output's
+                    cached = output.num_cached_tokens
                 if n == 0 and not completions:  # as vLLM: the role chunk comes with the engine's first output
                     yield event(choice("", role="assistant"))
                 n += 1
@@ -293,6 +295,8 @@ class FakeEngine:
             await outputs.aclose()  # closing the stream aborts the generation
         yield event(choice(finish="length"))
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         yield event({"choices": [], "usage": usage, "metrics": TIMING})
         yield "data: [DONE]\n\n"
 

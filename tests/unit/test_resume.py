@@ -91,6 +91,22 @@ def test_the_usage_the_client_asked_for_counts_the_whole_answer(two_replicas):
     assert usage == [{"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}]
 
 
+def test_the_usage_keeps_the_first_calls_cached_prompt_tokens(router_app):
+    """The continuation prefills the prompt and the tail (its own cache hits, engine work recorded
+    apart): the client's usage and the ledger both say what the first call's prefill found cached."""
+    healthy = FakeEngine(tokens=12, cached_tokens=9)  # the prompt and the tail: more than the prompt
+    app = router_app(engine=FakeEngine(tokens=12, fail_after=5, dies=True, cached_tokens=3), replicas=(healthy,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    _, events = _stream(app, key, stream_options={"include_usage": True})
+    usage = [json.loads(e[6:])["usage"] for e in events if e.startswith("data: {") and '"choices":[]' in e]
+    assert usage == [{"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                      "prompt_tokens_details": {"cached_tokens": 3}}]
+    (_, resumed), = healthy.calls
+    assert resumed.resume.cached_tokens == 3
+    (row,) = app.recorded()
+    assert row["cached_tokens"] == 3
+
+
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
@@ -238,7 +254,7 @@ def two_regions(tmp_path, router_app):
     regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
     healthy = FakeEngine(tokens=12)
     peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=healthy)
-    dying = FakeEngine(tokens=12, fail_after=5, dies=True)
+    dying = FakeEngine(tokens=12, fail_after=5, dies=True, cached_tokens=3)
     home = router_app(auth=regions["yul-02"], region="yul-02", engine=dying,
                       peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
                       transport=httpx.MockTransport(to_router(peer)))
@@ -269,12 +285,13 @@ def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once
     closing = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
     assert closing["pg_metadata"]["region"] == "yul-02"
     assert (closing["pg_metadata"]["resumes"], closing["pg_metadata"]["resumed_in"]) == (1, "yvr-01")
-    assert closing["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert closing["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                                "prompt_tokens_details": {"cached_tokens": 3}}  # the first call's cache hit
     assert sum('"choices":[]' in e for e in events) == 1  # the usage chunk the client asked for, once
     # The peer's replica continued from the first engine's last token, with what was left.
     ((_, resumed),) = healthy.calls
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_completion_tokens"] == 7
-    assert resumed.request_id == home_request_id(home)
+    assert resumed.request_id == home_request_id(home) and resumed.resume.cached_tokens == 3
     # One usage record, here; none in the peer region.
     (row,) = home.recorded()
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
@@ -356,11 +373,12 @@ def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
             "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": resume,
         })
         assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
-    malformed = {**resume, "token_ids": ["1"]}
-    refused = peer.client.post("/v1/chat/completions", headers={**bearer(peer_bound), **hop}, json={
-        "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": malformed,
-    })
-    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
+    for malformed in ({**resume, "token_ids": ["1"]}, {**resume, "cached_tokens": "3"},
+                      {**resume, "cached_tokens": -1}):
+        refused = peer.client.post("/v1/chat/completions", headers={**bearer(peer_bound), **hop}, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": malformed,
+        })
+        assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
     assert healthy.calls == []
 
 
