@@ -35,9 +35,9 @@ _CURRENT: contextvars.ContextVar["Replay | None"] = contextvars.ContextVar("serv
 class Replay:
     """One resumed request's replay: the tokens before the seam, and whether the stream is past it."""
 
-    def __init__(self, tail: tuple[int, ...], cached_tokens: int = 0):
+    def __init__(self, tail: tuple[int, ...], cached_tokens: int | None = None):
         self.tail = tail
-        self.cached_tokens = cached_tokens  # the first call's, which every output reports
+        self.cached_tokens = cached_tokens  # the first call's, which every output reports (None: the engine's)
         self.started = False
         # True once the engine's second output is asked for: every event of the replay and of the
         # engine's first output (chat's opening, for an empty tail) has gone out by then.
@@ -51,7 +51,7 @@ def current() -> Replay | None:
     return _CURRENT.get()
 
 
-def start(tail: tuple[int, ...], cached_tokens: int = 0) -> Replay:
+def start(tail: tuple[int, ...], cached_tokens: int | None = None) -> Replay:
     """The replay of the request this task serves (a ``wire.Resume``'s tokens, maybe none, as
     ``whole_characters`` keeps them): the deployment reads its ``tail`` as what the stream's
     answer holds before this engine's tokens."""
@@ -118,7 +118,9 @@ async def _replayed(outputs, replay: Replay, prompt_ids: list[int], params, requ
             yield RequestOutput(request_id, None, prompt_ids, None, [step], finished=False,
                                 num_cached_tokens=replay.cached_tokens)
         async for output in engine:
-            output.prompt_token_ids, output.num_cached_tokens = prompt_ids, replay.cached_tokens
+            output.prompt_token_ids = prompt_ids
+            if replay.cached_tokens is not None:
+                output.num_cached_tokens = replay.cached_tokens
             stopped = stops is not None and stops.see(output)
             yield output
             replay.past_seam = True  # the next output is asked for: this one's events are out

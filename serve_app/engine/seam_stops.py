@@ -27,7 +27,7 @@ class SeamStops:
         self.stops, self.include, self.min_tokens, self.decode = stops, include, min_tokens, decode
         longest = max(len(s) for s in stops)
         # Where a stop string spanning the seam may begin: the tail's last longest − 1 characters.
-        self.before = tail_text[len(tail_text) - (longest - 1):] if longest > 1 else ""
+        self.before = tail_text[max(0, len(tail_text) - (longest - 1)):]
         # What the first stream held back of them, as vLLM does: the replay holds them too.
         self.held = 0 if include else len(self.before)
         # A stop string beginning before the seam has all its characters in the window once the
@@ -61,7 +61,13 @@ class SeamStops:
         choice = output.outputs[0]
         self.sent += choice.text
         released = len(self.before) - self.held  # what of the window the client has already
-        for token in choice.token_ids:  # vLLM's rule, token by token: the earliest stop wins
+        # vLLM does not decode a last token the engine stopped on (EOS, a stop token id) unless
+        # stop strings are included: its text completes no stop string.
+        stopped_on_token = (output.finished and choice.finish_reason == "stop"
+                            and not isinstance(choice.stop_reason, str))
+        for i, token in enumerate(choice.token_ids):  # vLLM's rule, token by token
+            if stopped_on_token and not self.include and i == len(choice.token_ids) - 1:
+                break
             self.decoded += self.decode(token)
             self.tokens += 1
             if self.tokens <= self.min_tokens:
@@ -71,6 +77,7 @@ class SeamStops:
                 stop, start = match
                 window = self.before + self.decoded
                 choice.text = window[released : start + len(stop) if self.include else start]
+                choice.token_ids = choice.token_ids[: i + 1]  # vLLM keeps none after the one completing it
                 choice.finish_reason, choice.stop_reason = "stop", stop
                 output.finished = True
                 self.open = False
@@ -83,12 +90,13 @@ class SeamStops:
         return False
 
     def _match(self) -> tuple[str, int] | None:
-        """The stop string that begins before the seam and ends in the continuation's text past
-        ``checked_from``, completing earliest (ties to the first listed), with where it begins."""
+        """vLLM's choice among the stop strings that end in the continuation's text past
+        ``checked_from`` — the one completing earliest, ties to the first listed — with where it
+        begins, if it begins before the seam (one that begins after it is the engine's to match)."""
         seam, best = len(self.before), None
         window = self.before + self.decoded
         for stop in self.stops:
             start = window.find(stop, max(0, seam + self.checked_from - len(stop) + 1))
-            if 0 <= start < seam and (best is None or start + len(stop) < best[1] + len(best[0])):
+            if start >= 0 and (best is None or start + len(stop) < best[1] + len(best[0])):
                 best = (stop, start)
-        return best
+        return best if best is not None and best[1] < seam else None

@@ -141,20 +141,24 @@ class Context:
 
     def note_trailer(self, trailer: Trailer | None) -> None:
         """A call's report. A resumed stream's continuations add what they generated; the
-        customer's prompt is the first call's (a continuation's is recorded apart)."""
+        customer's prompt, and its cached part, are the first call's (a continuation's prefill is
+        recorded apart) — or, when the first died before its first output (no prompt counted, no
+        token to continue from), the continuation's, which ran that prompt alone."""
         if trailer is None:
             return
-        self.telemetry.note_trailer(trailer)
         if self.resumer is not None:
             self.resumer.note_attempt(trailer)
-        if self.generated is None or self.resumer is None or not self.resumer.done:
+        first = self.generated
+        if first is None or self.resumer is None or not self.resumer.done:
             self.generated = trailer.generated
         else:
-            self.generated = Generated(
-                self.generated.prompt_tokens,
-                self.generated.completion_tokens + trailer.generated.completion_tokens,
-                self.generated.cached_tokens,
-            )
+            if first.prompt_tokens == 0:
+                first = Generated(trailer.generated.prompt_tokens, first.completion_tokens,
+                                  trailer.generated.cached_tokens)
+            self.generated = Generated(first.prompt_tokens,
+                                       first.completion_tokens + trailer.generated.completion_tokens,
+                                       first.cached_tokens)
+        self.telemetry.note_trailer(trailer, cached_tokens=self.generated.cached_tokens)
 
     # --- the one exit --------------------------------------------------------------------------
     def settle(self, outcome: Outcome) -> None:

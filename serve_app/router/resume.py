@@ -107,14 +107,14 @@ def taken_over(ctx) -> Resume | None:
     sent = sent if isinstance(sent, dict) else {}
     ids, received, request_id = sent.get("token_ids"), sent.get("received"), sent.get("request_id")
     item_ids, previous = sent.get("ids", {}), sent.get("previous_response_id")
-    cached = sent.get("cached_tokens", 0)  # a peer one release behind sends none
+    cached = sent.get("cached_tokens")  # None: the continuation's own count (a peer one release behind)
     if received is None and isinstance(sent.get("text"), str):  # a peer one release behind
         received = {"content": len(sent["text"]), "opening": int(sent.get("opened", True))}
         received = {channel: n for channel, n in received.items() if n}
     if not (isinstance(ids, list) and all(type(i) is int and 0 <= i < 2**31 for i in ids)
             and seam.valid_received(received) and seam.valid_ids(item_ids)
             and isinstance(request_id, str) and 0 < len(request_id) <= 64
-            and type(cached) is int and 0 <= cached < 2**31
+            and (cached is None or (type(cached) is int and 0 <= cached < 2**31))
             and (previous is None or (isinstance(previous, str) and len(previous) <= 128))):
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
@@ -157,9 +157,12 @@ class Resumer:
         self.left -= 1
         started = time.perf_counter()
         surface = ctx.surface.name
+        # The customer's cached prompt tokens, once a call counted its prompt (none did when the
+        # engine died before the first output: the continuation's own count is then the one).
+        counted = ctx.generated if ctx.generated is not None and ctx.generated.prompt_tokens else None
         resume = Resume(tuple(broken.token_ids), seam.received(surface, relayed),
                         seam.item_ids(relayed) if surface == "responses" else {},
-                        ctx.generated.cached_tokens if ctx.generated is not None else 0)
+                        counted.cached_tokens if counted is not None else None)
         body = {**ctx.body, field: remaining}
         if isinstance(min_tokens := body.get("min_tokens"), int):  # counted from the continuation's start
             body["min_tokens"] = max(0, min_tokens - len(broken.token_ids))

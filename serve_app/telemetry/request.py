@@ -42,14 +42,15 @@ class RequestTelemetry:
             if (learned := _LEARNED.get(name)) is not None:
                 learned(self.record, ctx)
 
-    def note_trailer(self, trailer: Trailer | None) -> None:
-        """What the replica reported once the engine was done with the request."""
+    def note_trailer(self, trailer: Trailer | None, cached_tokens: int | None = None) -> None:
+        """What the replica reported once the engine was done with the request; ``cached_tokens``:
+        of the customer's prompt (a resumed stream's first call's), else the replica's count."""
         if trailer is not None:
             self.record.note_engine(
                 trailer.timing, usage=trailer.usage, finish_reasons=list(trailer.finish_reasons),
                 replica=trailer.replica,
             )
-            self.record.cached_tokens = trailer.generated.cached_tokens  # the replica's count, every surface
+            self.record.cached_tokens = trailer.generated.cached_tokens if cached_tokens is None else cached_tokens
 
     def finish(self, status: int, error_type: str | None = None) -> Split:
         """Stop the server clock (its first call only; a later one may still correct the status)."""

@@ -34,8 +34,9 @@ class Resume:
     ids: dict[str, str] = field(default_factory=dict)  # Responses: the client's output item ids
     # The first call's prompt tokens served from the prefix cache: the continuation's usage says
     # what the uninterrupted stream's would have (its own prefill, the prompt and the tail, is the
-    # engine's business, recorded apart).
-    cached_tokens: int = 0
+    # engine's business, recorded apart). None: no call counted the prompt yet (the engine died
+    # before its first output), so the continuation's own count stands.
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -105,6 +105,25 @@ def test_the_usage_keeps_the_first_calls_cached_prompt_tokens(router_app):
     assert resumed.resume.cached_tokens == 3
     (row,) = app.recorded()
     assert row["cached_tokens"] == 3
+    metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
+    assert metadata["pg_metadata"]["cached_tokens"] == 3
+
+
+def test_a_stream_run_again_from_its_prompt_reports_the_continuations_cached_tokens(router_app):
+    """The first engine died before its first output: it counted no prompt, so the continuation,
+    which ran the prompt alone, is the one whose cache hits the usage, the ledger and the timing say."""
+    healthy = FakeEngine(tokens=12, cached_tokens=4)
+    app = router_app(engine=FakeEngine(tokens=12, fail_after=0, dies=True, cached_tokens=2), replicas=(healthy,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    _, events = _stream(app, key, stream_options={"include_usage": True})
+    usage = [json.loads(e[6:])["usage"] for e in events if e.startswith("data: {") and '"choices":[]' in e]
+    assert usage[0]["prompt_tokens_details"] == {"cached_tokens": 4}
+    (_, resumed), = healthy.calls
+    assert resumed.resume.cached_tokens is None
+    (row,) = app.recorded()
+    assert (row["prompt_tokens"], row["cached_tokens"]) == (5, 4)
+    metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
+    assert metadata["pg_metadata"]["cached_tokens"] == 4
 
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
