@@ -453,3 +453,15 @@ def test_a_continuation_that_breaks_after_a_cut_character_bills_each_token_once(
     assert _text(events) == "t1 t2 t3 t4 t5 t6 t7 " and any('"error"' in e for e in events)
     (row,) = app.recorded()
     assert row["completion_tokens"] == 7
+
+
+def test_a_stream_run_again_from_its_prompt_that_breaks_again_is_billed_its_prompt(router_app):
+    """Unfinished, the record takes the engines' counts: the first died before its first output
+    (no prompt counted), so the prompt is the continuation's, which ran it; before, 0."""
+    breaking = FakeEngine(tokens=12, fail_after=4, dies=True)
+    app = router_app(engine=FakeEngine(tokens=12, fail_after=0, dies=True), replicas=(breaking,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    _, events = _stream(app, key)
+    assert _text(events) == "t1 t2 t3 t4 " and any('"error"' in e for e in events)
+    (row,) = app.recorded()
+    assert (row["prompt_tokens"], row["completion_tokens"], row["resume_prompt_tokens"]) == (5, 4, 5)
