@@ -10,6 +10,11 @@ from serve_app.wire.socket import until_done
 # What a fresh stream's source makes before it waits for the engine is framing (a Responses
 # stream's two opening events): at most this many items run through before the head.
 AHEAD = 8
+# Turns of the loop a source that merges several engine requests (vLLM's ``merge_async_iterators``
+# for a completions request's prompts: one task each) may take before its first item: its own, the
+# tasks' (each submits its request, or is refused), ``asyncio.wait``'s wake-up and the merge's (4,
+# tests/unit/test_byte_stream.py), and two to spare. A stream that waits spins them (~µs each).
+MERGED_TURNS = 6
 
 
 class Prefetched:
@@ -26,7 +31,7 @@ class Prefetched:
         self._first: asyncio.Future | None = asyncio.ensure_future(source.__anext__())
 
     @classmethod
-    async def started(cls, source, ahead: int = 0) -> "Prefetched":
+    async def started(cls, source, ahead: int = 0, turns: int = 1) -> "Prefetched":
         """Made, and run up to the source's first wait before this returns (through ``ahead``
         items it makes without waiting).
 
@@ -41,10 +46,15 @@ class Prefetched:
 
         A resumed stream runs no items ahead (``ahead`` 0): its replayed tokens come without a
         wait, and the seam (``replay.py``) takes an item asked for as one whose events are out.
+        ``turns``: how many turns of the loop the source may take to make its first item (or
+        raise) before it is taken to wait for the engine (``MERGED_TURNS``: a merge of several).
         """
         prefetched = cls(source)
         try:
-            await asyncio.sleep(0)
+            for _ in range(turns):
+                await asyncio.sleep(0)
+                if prefetched._settled() is not None:
+                    break
             while prefetched._ran_through(ahead):
                 await asyncio.sleep(0)
         except BaseException:  # cancelled here, no caller holds it to close: the engine request is ours to abort

@@ -21,7 +21,7 @@ from typing import Any
 
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import outputs, pooling_timing, rendered, replay, token_count, tokenization, vllm_errors
-from serve_app.engine.prefetch import AHEAD, Prefetched
+from serve_app.engine.prefetch import AHEAD, MERGED_TURNS, Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
 from serve_app.surfaces import BY_NAME, seam
@@ -133,6 +133,9 @@ class VLLMEngine:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         body, create = _engine_body(call), self._completion.create_completion
+        if (unknown := tokenization.unknown_prompt_token(body.get("prompt"), self._vocab_size)) is not None:
+            param, message = unknown
+            return Answer(400, error_body(400, message, param=param))
         return await self._run(CompletionRequest, create, body, outputs.COMPLETIONS,
                                watcher=self._watcher("completions", outputs.COMPLETIONS, body, call))
 
@@ -302,7 +305,8 @@ class VLLMEngine:
             result = await create(request, None)
             if stream and not isinstance(result, ErrorResponse):
                 # On its way to the engine core before the head: the prefill overlaps the head's trip.
-                result = await Prefetched.started(result, ahead=0 if replay.current() else AHEAD)
+                turns = MERGED_TURNS if _several_prompts(body) else 1  # refused after vLLM merged them
+                result = await Prefetched.started(result, ahead=0 if replay.current() else AHEAD, turns=turns)
                 await result.raise_early()  # a Responses stream's refusal of the request, raised
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
             if self.dead:
@@ -321,6 +325,13 @@ class VLLMEngine:
             await result.aclose()
             return vllm_errors.error_answer(vllm_errors.error_response(refusal), body=shape_body)
         return Stream(result, watcher)
+
+
+def _several_prompts(body: Body) -> bool:
+    """A completions request of more than one prompt (strings, token-id lists, or embeddings)."""
+    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
+    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return several or (isinstance(embeds, list) and len(embeds) > 1) or bool(prompt and embeds)
 
 
 def _with_room_for(surface: str, call: Call, dropped: int) -> Call:

@@ -127,6 +127,12 @@ class PrefixAffinityRouter(RequestRouter):
         if (routing := self._routing.get(key)) is not None:
             return routing
         call = pending_request.args[0]
+        if call.cache_salt is None:
+            # A route that never reaches the KV cache (tokenize, detokenize, count_tokens) has no
+            # owner's partition: its prompt and session are neither followed nor recorded, or one
+            # owner's would be another's to find (a "prefix" or "session" in pg_metadata.routing).
+            routing = self._routing[key] = _Routing(call, PromptBlocks((), 0, self._block_chars), None, ())
+            return routing
         session = None if call.session is None else hash((call.cache_salt, call.session))
         pins = () if session is None else (session,)
         if pending_request.metadata.call_method == "responses":  # the next turn continues this answer

@@ -220,6 +220,22 @@ def test_invalid_json_schema_is_400(client, stream):
     assert "no-such-type" in err.value.body["message"]
 
 
+@pytest.mark.parametrize("prompt, refused", [
+    ([[1, 2, 3], [1, 99_999_999]], "prompt[1][1]"),  # an id past the tokenizer: named by the replica
+    (["Hello", "there"], "no-such-type"),  # a schema xgrammar refuses, for both prompts
+])
+def test_a_completions_stream_of_several_prompts_refused_by_the_engine_is_400(client, prompt, refused):
+    """vLLM merges the prompts' engine requests before one is refused: the stream still gets the
+    status line a non-stream request gets, not a 200 and an error event."""
+    schema = {"type": "no-such-type"} if refused == "no-such-type" else {"type": "object"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, stream=True,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+        )
+    assert refused in (err.value.body["param"] or "") + err.value.body["message"]
+
+
 # --- sampling ---------------------------------------------------------------------------------
 
 

@@ -299,6 +299,41 @@ def test_a_call_cancelled_while_its_prefetch_starts_leaves_no_engine_request_beh
     assert asyncio.run(scenario()) == ["submitted", "aborted"]
 
 
+def test_a_merge_of_engine_requests_refused_as_submitted_is_seen_before_the_head():
+    """A completions stream of several prompts is vLLM's merge of one engine request each, every
+    one submitted in a task of its own: a refusal (an id the tokenizer lacks, a grammar xgrammar
+    cannot compile) comes out of the merge turns of the loop later than a single request's.
+    ``MERGED_TURNS`` waits for it, so the replica answers the 4xx a non-stream request gets."""
+    from vllm.utils.async_utils import merge_async_iterators
+
+    from serve_app.engine.prefetch import AHEAD, MERGED_TURNS, Prefetched
+
+    async def engine_request(refused: bool):
+        if refused:
+            raise ValueError("Token id 999999 is out of vocabulary")  # add_request, no wait before it
+        await asyncio.sleep(3600)  # the engine's first output
+        yield "token"
+
+    async def serving_layer(refused: bool):  # as vLLM's completion stream: an error becomes an event
+        try:
+            async for _, item in merge_async_iterators(engine_request(False), engine_request(refused)):
+                yield item
+        except ValueError as error:
+            yield f"error: {error}"
+
+    async def first_before_head(refused: bool, turns: int):
+        started = await Prefetched.started(serving_layer(refused), ahead=AHEAD, turns=turns)
+        first = started.made_first
+        await started.aclose()
+        return first
+
+    async def scenario():
+        return [await first_before_head(refused, turns)
+                for refused, turns in ((True, MERGED_TURNS), (True, 1), (False, MERGED_TURNS))]
+
+    assert asyncio.run(scenario()) == ["error: Token id 999999 is out of vocabulary", None, None]
+
+
 def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
     trailer = replace(TRAILER, error_code="engine_unavailable", error_status=503)
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))

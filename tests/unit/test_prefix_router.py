@@ -135,6 +135,27 @@ def test_one_owners_cached_prompt_is_never_anothers_affinity():
     assert (decision.reason, decision.matched_chars) == ("least_loaded", 0)
 
 
+@pytest.mark.parametrize("method", ["count_tokens", "tokenize"])
+def test_a_route_without_a_cache_partition_is_routed_by_load_and_learns_nothing_of_another_owner(method):
+    """tokenize, detokenize and count_tokens carry no cache_salt (they never reach the KV cache):
+    routing them by prefix or session would chain every owner's prompts from one seed, so owner B
+    would learn from ``routing.reason`` whether owner A sent a prompt (or a session name)."""
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        unsalted = dataclasses.replace(chat(["A's confidential plan."], salt=None, sess="s-1"), request_id="a")
+        first = await h.route(unsalted, method)
+        h.finish(first)
+        other = "b" if first == "a" else "a"
+        h.load(first, 3)  # within the imbalance a prefix or session would be followed across
+        guess = dataclasses.replace(unsalted, request_id="b")
+        second = await h.route(guess, method)
+        return other, second, decisions.take("a"), decisions.take("b")
+
+    other, second, d1, d2 = run(scenario)
+    assert (d1.reason, d1.matched_chars) == ("least_loaded", 0)
+    assert (second, d2.reason, d2.matched_chars) == (other, "least_loaded", 0)
+
+
 def test_a_named_session_stays_on_its_replica_and_moves_with_it_when_that_one_saturates():
     async def scenario():
         h = Harness([FakeReplica("a"), FakeReplica("b")])

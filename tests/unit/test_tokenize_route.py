@@ -102,6 +102,30 @@ def test_a_model_not_loaded_here_is_503_with_retry_after(app):
     assert app.engine.calls == []
 
 
+def test_a_model_not_loaded_here_fails_over_to_a_peer_region_like_any_request(tmp_path, router_app):
+    """The peer serves the same model with the same tokenizer: its answer is relayed (it charges
+    the key's limits there: rate limits are per region)."""
+    import httpx
+    from auth_support import federated_regions
+    from serve_app.config import Peer
+
+    seen = []
+
+    def peer(request):
+        seen.append(request.url.path)
+        return httpx.Response(200, json=dict(TOKENIZED))
+
+    yul = federated_regions(tmp_path, "yul-02", "yvr-01")["yul-02"]
+    app = router_app(auth=yul, region="yul-02", peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                     transport=httpx.MockTransport(peer))
+    app.serve.stop(MODEL)
+    app.run(app.services.states.refresh)
+    key, _ = yul.keys.create_key(owner="alice", tier="standard")
+    response = post(app, "/tokenize", {"model": MODEL, "prompt": "x"}, key=key)
+    assert response.status_code == 200 and response.json()["count"] == TOKENIZED["count"]
+    assert seen == ["/tokenize"] and app.engine.calls == []
+
+
 def test_the_replicas_error_is_answered_with_its_status(router_app):
     app = router_app(engine=FakeEngine(refuse=400))
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
@@ -114,6 +138,16 @@ def test_the_replica_refuses_ids_past_the_tokenizer_by_index():
     assert replica_rules.first_unknown_token([0, 9], 10) is None
     assert replica_rules.first_unknown_token([3, 10, 12], 10) == 1
     assert "ids 0 to 9" in replica_rules.unknown_token_message(10, 10)
+
+
+def test_a_completions_prompt_of_ids_is_refused_at_the_first_id_past_the_tokenizer():
+    """vLLM refuses it as the engine takes the request, naming no field, and for a stream of
+    several prompts only after merging their streams (a 200 and an error event)."""
+    unknown = replica_rules.unknown_prompt_token
+    assert unknown([1, 12, 3], 10) == ("prompt[1]", replica_rules.unknown_token_message(12, 10))
+    assert unknown([[1, 2], [3, 4, 10]], 10)[0] == "prompt[1][2]"
+    assert unknown([[1, 2], [3]], 10) is None and unknown([1, 9], 10) is None
+    assert unknown("text", 10) is None and unknown(["a", "b"], 10) is None and unknown([], 10) is None
 
 
 def test_the_replica_never_streams_a_tokenization():
