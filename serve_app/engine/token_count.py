@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from serve_app.wire.messages import Generated
+from serve_app.wire.socket import until_done
 
 _CURRENT: contextvars.ContextVar["TokenCount | None"] = contextvars.ContextVar("serve_app_token_count", default=None)
 
@@ -147,7 +148,9 @@ async def _counted_final(outputs: AsyncIterator[Any], count: TokenCount,
             except StopAsyncIteration:
                 return
             except asyncio.CancelledError:
-                await _count_the_aborted(pending, count, seen, abort)
+                # In a task of its own, waited for however often this is cancelled meanwhile (Serve
+                # cancelling again, a replica stopping): what the request had is its bill.
+                await until_done(asyncio.ensure_future(_count_the_aborted(pending, count, seen, abort)))
                 raise
             pending = None
             _add(count, output, seen, deltas=False)

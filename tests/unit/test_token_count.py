@@ -137,13 +137,15 @@ class FinalOnlyEngine:
     """As vLLM's ``AsyncLLM`` runs a final-only request: ``generate`` yields one output, when the
     request ends; ``abort`` ends it at once, and the generator then yields what it had."""
 
-    def __init__(self, *, answers_abort=True, queued=False):
+    def __init__(self, *, answers_abort=True, queued=False, abort_takes_s=0.0):
         self.generated, self.aborted, self.closed = 0, [], False
         self.answers_abort, self.queued = answers_abort, queued  # queued: never scheduled
+        self.abort_takes_s = abort_takes_s  # the abort's trip to the engine core
         self._stop = asyncio.Event()
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
+        await asyncio.sleep(self.abort_takes_s)
         if self.answers_abort:
             self._stop.set()
 
@@ -160,7 +162,7 @@ class FinalOnlyEngine:
         return final_only()
 
 
-def _leave_a_final_only_request(engine, after_tokens):
+def _leave_a_final_only_request(engine, after_tokens, cancels=1):
     token_count.install(engine)
 
     async def request():
@@ -175,6 +177,9 @@ def _leave_a_final_only_request(engine, after_tokens):
         while engine.generated < after_tokens:
             await asyncio.sleep(0.001)
         served.cancel()  # the client left: Serve cancels the request's task
+        for _ in range(cancels - 1):  # and again, while the abort is on its way
+            await asyncio.sleep(0.002)
+            served.cancel()
         try:
             await served
         except asyncio.CancelledError:
@@ -190,6 +195,13 @@ def test_a_final_only_request_cancelled_mid_generation_is_aborted_and_counts_wha
     assert engine.aborted == ["req-1"] and engine.closed
     assert count.prompt_tokens == 7 and count.cached_tokens == 2
     assert 20 <= count.completion_tokens == engine.generated < 1000
+
+
+def test_a_final_only_request_cancelled_again_while_it_is_aborted_still_counts_what_it_had():
+    engine = FinalOnlyEngine(abort_takes_s=0.02)
+    count = _leave_a_final_only_request(engine, after_tokens=20, cancels=3)
+    assert engine.aborted == ["req-1"] and engine.closed
+    assert count.prompt_tokens == 7 and 20 <= count.completion_tokens == engine.generated < 1000
 
 
 def test_an_engine_that_yields_nothing_after_the_abort_costs_a_bounded_wait_and_counts_nothing(monkeypatch):
