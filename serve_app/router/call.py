@@ -64,6 +64,7 @@ class ReplicaCall:
         self._started = time.perf_counter()
         line = lines.call(model, surface, call, replicas=replicas) if lines is not None else None
         self._items: Any = line if line is not None else self._by_handle()
+        self._reading: asyncio.Future | None = None  # the item being read after the head (``_next``)
 
     def _by_handle(self) -> Any:
         return detached(lambda: self._method.remote(self._call))
@@ -105,10 +106,25 @@ class ReplicaCall:
             await self._connect(head)
         return head
 
+    async def _next(self) -> Any:
+        """The call's next item after the head, read by one task that a cancelled wait does not
+        stop. A handle call's item is gone once its read began (Ray's generator has handed over
+        the object's ref; gRPC's stream ends with a cancelled read): a client leaving during that
+        read made ``last`` find nothing, and the request was billed nothing. The next wait (``last``)
+        takes the item instead."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._items.__anext__())
+        reading = self._reading
+        try:
+            return await asyncio.shield(reading)
+        finally:
+            if reading.done():
+                self._reading = None
+
     async def answer(self) -> Answer:
         """An ``Accepted`` request's answer (the engine's whole body)."""
         try:
-            answer = await self._items.__anext__()
+            answer = await self._next()
         except ConnectionError:  # its direct line closed: the replica is gone, and its engine request
             logger.exception("model replica for %s vanished", self.model)
             self.ended = True
@@ -119,7 +135,7 @@ class ReplicaCall:
 
     async def trailer(self) -> Trailer:
         """A stream's trailer, once the replica has closed the socket: the engine is done."""
-        trailer = await self._items.__anext__()
+        trailer = await self._next()
         self.ended = True
         return trailer
 
@@ -161,7 +177,7 @@ class ReplicaCall:
         """After ``hang_up``: the trailer the replica still sends (the tokens generated), or None
         when none came in time (the call is cancelled then)."""
         try:
-            item = await asyncio.wait_for(self._items.__anext__(), LAST_ITEM_WAIT_S)
+            item = await asyncio.wait_for(self._next(), LAST_ITEM_WAIT_S)
         except Exception as err:  # no trailer in time, or the replica died: bill what is known
             logger.warning("no last item from %s after its client left (%r)", self.model, err)
             self.cancel()
@@ -172,6 +188,10 @@ class ReplicaCall:
 
     def cancel(self) -> None:
         self.ended = True
+        if (reading := self._reading) is not None:
+            self._reading = None
+            reading.cancel()
+            reading.add_done_callback(_read_out)  # its end (an error, cancelled) is not logged as lost
         self._items.cancel()
 
     async def _connect(self, head: StreamOpen | Accepted) -> None:
@@ -206,6 +226,11 @@ class ReplicaCall:
 
     def _vanished(self) -> APIError:
         return retry_later(f"{self.model} replica became unavailable", "replica_unavailable")
+
+
+def _read_out(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def raise_if_engine_died(answer: Answer) -> None:

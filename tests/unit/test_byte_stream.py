@@ -334,6 +334,54 @@ def test_a_merge_of_engine_requests_refused_as_submitted_is_seen_before_the_head
     assert asyncio.run(scenario()) == ["error: Token id 999999 is out of vocabulary", None, None]
 
 
+class HandleItems:
+    """A handle call's items as Ray's ``ActorReplicaResult`` gives them: a read takes the next
+    object's ref from the generator at once, then waits for the object — a read cancelled in that
+    wait has used the item up (gRPC's stream ends the call instead: the same loss)."""
+
+    def __init__(self, items, transfer_s=0.05):
+        self.items, self.transfer_s, self.cancelled = list(items), transfer_s, False
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        await asyncio.sleep(self.transfer_s)
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("read", ["answer", "trailer"])
+def test_a_client_leaving_while_the_last_item_is_read_leaves_it_to_the_bill(read):
+    """The client leaves while the router reads the call's last item (an Accepted request's
+    answer, a stream's trailer): the router's next wait for it (``last``, which bills the request)
+    still gets it — before, it got nothing and the request was recorded with no tokens."""
+    from serve_app.wire.messages import Answer
+
+    trailer = Trailer(complete=True, generated=Generated(5, 1000))
+    item = Answer(200, {"usage": {}}, trailer) if read == "answer" else trailer
+
+    class Method:
+        def remote(self, call):
+            return HandleItems([item])
+
+    async def scenario():
+        call = ReplicaCall(Method(), Call({}, "r"), "m", "local")
+        call.head = object()  # under way: the replica accepted it
+        reading = asyncio.ensure_future(getattr(call, read)())
+        await asyncio.sleep(0.01)
+        reading.cancel()  # the client leaves: Serve cancels the request's task
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert call.under_way
+        return await call.last(), call._items.cancelled
+
+    last, cancelled = asyncio.run(scenario())
+    assert last == trailer and not cancelled
+
+
 def test_a_stream_that_ended_with_an_engine_error_is_recorded_as_503_not_200():
     trailer = replace(TRAILER, error_code="engine_unavailable", error_status=503)
     relayed, exchange, _ = asyncio.run(_collect(EVENTS, trailer=trailer))
