@@ -130,6 +130,8 @@ class _ModelServer:
         finally:
             await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
             _close(listener, connection, ticket)
+        # What the engine made that nobody read, counted as its generations close (``_counted``).
+        await count.settled(token_count.ABORTED_OUTPUT_WAIT_S)
         trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
         trailer = dataclasses.replace(trailer, complete=trailer.complete and complete and not failure)
         client = connection.client if connection is not None else None

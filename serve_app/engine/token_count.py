@@ -43,7 +43,7 @@ class TokenCount:
         # The completion's token ids in order, for a stream of one choice (what a resume of it
         # continues from); None when there is more than one choice.
         self.token_ids: list[int] | None = []
-        self._counting = 0  # final-only generations of this request not closed yet
+        self._counting = 0  # final-only or stream generations of this request not closed yet
         self._settled: asyncio.Event | None = None
 
     def snapshot(self) -> Generated:
@@ -51,10 +51,11 @@ class TokenCount:
         return Generated(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     async def settled(self, timeout_s: float) -> None:
-        """Until every final-only generation of the request has closed, at most ``timeout_s``.
-        A request cancelled while vLLM merges several generations (a completions ``prompt`` list)
-        leaves each to be cancelled in a task of its own, later: what they had when aborted is
-        counted there (``_counted_final``), after the request's own task has ended."""
+        """Until every final-only or stream generation of the request has closed, at most
+        ``timeout_s``. A request cancelled while vLLM merges several generations (a completions
+        ``prompt`` list) leaves each to be cancelled in a task of its own, later: what they had
+        when aborted is counted there (``_counted_final``), after the request's own task has
+        ended; a stream's is closed by asyncio once vLLM's serving layer drops it (``_counted``)."""
         if self._counting == 0:
             return
         self._settled = self._settled or asyncio.Event()
@@ -98,9 +99,10 @@ def counting(generate: Callable[..., AsyncIterator[Any]],
         if count is None:
             return outputs
         kind = getattr(getattr(sampling_params, "output_kind", None), "name", None)
-        if kind == "FINAL_ONLY" and abort is not None:
-            return _counted_final(outputs, count, functools.partial(abort, request_id))
-        return _counted(outputs, count, deltas=kind == "DELTA")
+        stop = functools.partial(abort, request_id) if abort is not None else None
+        if kind == "FINAL_ONLY" and stop is not None:
+            return _counted_final(outputs, count, stop)
+        return _counted(outputs, count, deltas=kind == "DELTA", abort=stop if kind == "DELTA" else None)
 
     return counted_generate
 
@@ -116,18 +118,58 @@ class _Seen:
         self.tokens: dict[int, int] = {}
 
 
-async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bool) -> AsyncIterator[Any]:
+async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bool,
+                   abort: Callable[[], Awaitable[Any]] | None = None) -> AsyncIterator[Any]:
     """``outputs`` unchanged, counted on the way. ``deltas``: each output carries only its new
-    tokens (streams); otherwise each carries all so far (cumulative, or final only)."""
+    tokens (streams); otherwise each carries all so far (cumulative, or final only). ``abort``: a
+    stream's, to count what the engine made that nobody read when it is closed early."""
     seen = _Seen()
+    finished = False
+    # vLLM's serving layer never closes this generator itself: closed early, it drops it, and
+    # asyncio closes it in a task of its own a turn later. The replica's trailer waits for that
+    # (``settled``), so that what is counted below is in it; once the last output has passed,
+    # nothing is left to count and nothing to wait for.
+    settling = abort is not None
+    if settling:
+        count._opened()
     try:
         async for output in outputs:
             _add(count, output, seen, deltas=deltas)
+            finished = bool(getattr(output, "finished", False))
+            if finished and settling:
+                settling = False
+                count._closed()
             yield output
     finally:
-        # Closed early (the client left, the stream broke): close vLLM's generator now, which
-        # aborts the engine request and frees its KV cache, not whenever it is collected.
-        await outputs.aclose()
+        try:
+            if not finished and abort is not None:
+                await until_done(asyncio.ensure_future(_count_the_unread(outputs, count, seen, abort)))
+        finally:
+            try:
+                # Closed early (the client left, the stream broke): close vLLM's generator now, which
+                # aborts the engine request and frees its KV cache, not whenever it is collected.
+                await outputs.aclose()
+            finally:
+                if settling:
+                    count._closed()
+
+
+async def _count_the_unread(outputs: AsyncIterator[Any], count: TokenCount, seen: _Seen,
+                            abort: Callable[[], Awaitable[Any]]) -> None:
+    """A stream closed early: vLLM does not wait for its reader, it merges the steps nobody has
+    read into one output (``RequestOutputCollector``), which closing the generator throws away.
+    A client that stops reading while the engine goes on to the limit would be billed what fit in
+    the sockets' buffers. Aborted first, vLLM puts its last output (finish ``abort``) after the
+    merged steps, and the generator, still at its ``yield``, gives them as one output, counted.
+    Nothing comes when the generator was not at its ``yield`` (cancelled while it waited: nothing
+    was unread) or the engine died; the wait is a bound, not a delay."""
+    try:
+        await abort()
+        output = await asyncio.wait_for(outputs.__anext__(), ABORTED_OUTPUT_WAIT_S)
+    except Exception:  # StopAsyncIteration, the engine's own error, no output in time: nothing to add
+        return
+    if seen.prompt or any(choice.token_ids for choice in output.outputs):  # as a stream's prompt: once it generated
+        _add(count, output, seen, deltas=True)
 
 
 async def _counted_final(outputs: AsyncIterator[Any], count: TokenCount,

@@ -75,6 +75,77 @@ def test_a_stream_closed_early_counts_what_was_generated_and_closes_the_engine_s
     assert engine.closed  # closed now (vLLM aborts the request), not when collected
 
 
+class StreamingEngine:
+    """As vLLM's ``AsyncLLM`` runs a stream: the engine core generates at its own pace, whoever
+    reads; the steps nobody has read yet are merged into one output (``RequestOutputCollector``);
+    ``abort`` ends the request and puts its last output after them (finish ``abort``)."""
+
+    def __init__(self):
+        self.generated, self.unread, self.aborted = 0, [], []
+        self.finished, self.ready = False, asyncio.Event()
+
+    async def run(self, steps):  # the engine core
+        for _ in range(steps):
+            await asyncio.sleep(0.001)
+            if self.finished:
+                return
+            self.generated += 1
+            self.unread.append(self.generated)
+            self.ready.set()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+        self.finished = True
+        self.ready.set()
+
+    def generate(self, prompt, sampling_params, request_id, **kwargs):
+        async def stream():
+            while True:
+                await self.ready.wait()
+                self.ready.clear()
+                tokens, self.unread, finished = self.unread, [], self.finished
+                yield SimpleNamespace(prompt_token_ids=[0] * 7, num_cached_tokens=0, finished=finished,
+                                      outputs=[SimpleNamespace(index=0, token_ids=tokens)])
+                if finished:  # as vLLM's loop: the output's own flag, read before it went out
+                    return
+
+        return stream()
+
+
+def test_a_stream_whose_reader_stopped_counts_what_the_engine_made_meanwhile_when_closed():
+    """The client stops reading (its socket's buffers full, the replica's pump waits); the engine
+    goes on. Closed then, the stream counts every token the engine made, not only those read —
+    by the time the count settles, since vLLM's serving layer (as ``serving`` here) never closes
+    the engine's generator itself: asyncio does, once it is dropped."""
+    engine = StreamingEngine()
+    token_count.install(engine)
+
+    async def serving(results):
+        async for result in results:
+            yield result
+
+    async def request():
+        count = token_count.start()
+        stream = serving(engine.generate("p", SimpleNamespace(output_kind=Kind.DELTA), "req-1"))
+        core = asyncio.ensure_future(engine.run(1000))
+        read = 0
+        async for output in stream:
+            read += len(output.outputs[0].token_ids)
+            if read >= 3:
+                break  # the pump blocks on the client's socket: nothing more is asked for
+        while engine.generated < 50:
+            await asyncio.sleep(0.001)
+        await stream.aclose()  # the stall's limit, or the client hangs up
+        await count.settled(1.0)  # as the replica, before its trailer
+        snapshot = count.snapshot()
+        await core
+        return snapshot, read
+
+    counted, read = asyncio.run(request())
+    assert engine.aborted == ["req-1"] and read < 50 <= engine.generated < 1000
+    assert counted == Generated(prompt_tokens=7, completion_tokens=engine.generated, cached_tokens=0)
+
+
 def test_a_call_outside_a_request_passes_through_uncounted():
     engine = FakeEngine([_output([2])])
     assert _run(engine, Kind.DELTA, counted=False) is None
