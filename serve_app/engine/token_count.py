@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -34,7 +35,8 @@ class TokenCount:
     """Tokens of one request: prompt (per generate call), completion, and prompt tokens served
     from the prefix cache."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids", "_counting", "_settled")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids", "_counting", "_settled",
+                 "_streams")
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -45,6 +47,7 @@ class TokenCount:
         self.token_ids: list[int] | None = []
         self._counting = 0  # final-only or stream generations of this request not closed yet
         self._settled: asyncio.Event | None = None
+        self._streams: weakref.WeakSet = weakref.WeakSet()  # its stream generations (``_counted``)
 
     def snapshot(self) -> Generated:
         """The count so far, as the trailer carries it."""
@@ -55,7 +58,14 @@ class TokenCount:
         ``timeout_s``. A request cancelled while vLLM merges several generations (a completions
         ``prompt`` list) leaves each to be cancelled in a task of its own, later: what they had
         when aborted is counted there (``_counted_final``), after the request's own task has
-        ended; a stream's is closed by asyncio once vLLM's serving layer drops it (``_counted``)."""
+        ended; a stream's is closed here if nothing is iterating it (vLLM's serving layer never
+        closes it: dropped, asyncio would, a turn later — or, held by an exception's traceback,
+        only when the cycle collector runs)."""
+        if self._counting == 0:
+            return
+        for stream in list(self._streams):
+            if stream.ag_frame is not None and not stream.ag_running:
+                await stream.aclose()
         if self._counting == 0:
             return
         self._settled = self._settled or asyncio.Event()
@@ -102,7 +112,11 @@ def counting(generate: Callable[..., AsyncIterator[Any]],
         stop = functools.partial(abort, request_id) if abort is not None else None
         if kind == "FINAL_ONLY" and stop is not None:
             return _counted_final(outputs, count, stop)
-        return _counted(outputs, count, deltas=kind == "DELTA", abort=stop if kind == "DELTA" else None)
+        if kind != "DELTA" or stop is None:
+            return _counted(outputs, count, deltas=kind == "DELTA")
+        stream = _counted(outputs, count, deltas=True, abort=stop)
+        count._streams.add(stream)
+        return stream
 
     return counted_generate
 
@@ -132,6 +146,7 @@ async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bo
     settling = abort is not None
     if settling:
         count._opened()
+    suspended = False  # closed at its yield: the engine may have made outputs nobody has read
     try:
         async for output in outputs:
             _add(count, output, seen, deltas=deltas)
@@ -139,10 +154,14 @@ async def _counted(outputs: AsyncIterator[Any], count: TokenCount, *, deltas: bo
             if finished and settling:
                 settling = False
                 count._closed()
+            suspended = True
             yield output
+            suspended = False
     finally:
         try:
-            if not finished and abort is not None:
+            # Not after vLLM's own error or refusal (raised from its generator, now closed): that
+            # must reach the serving layer at once (a refusal before the stream's head is a 4xx).
+            if suspended and not finished and abort is not None:
                 await until_done(asyncio.ensure_future(_count_the_unread(outputs, count, seen, abort)))
         finally:
             try:
@@ -164,8 +183,7 @@ async def _count_the_unread(outputs: AsyncIterator[Any], count: TokenCount, seen
     Nothing comes when the generator was not at its ``yield`` (cancelled while it waited: nothing
     was unread) or the engine died; the wait is a bound, not a delay."""
     try:
-        await abort()
-        output = await asyncio.wait_for(outputs.__anext__(), ABORTED_OUTPUT_WAIT_S)
+        output = await asyncio.wait_for(_after_abort(abort, outputs.__anext__()), ABORTED_OUTPUT_WAIT_S)
     except Exception:  # StopAsyncIteration, the engine's own error, no output in time: nothing to add
         return
     if seen.prompt or any(choice.token_ids for choice in output.outputs):  # as a stream's prompt: once it generated
@@ -215,17 +233,23 @@ async def _count_the_aborted(pending: asyncio.Future, count: TokenCount, seen: _
     the engine ever scheduled it: counted only once it generated (its prompt was computed), as a
     stream is, so a request given up while it waited in the engine's queue costs nothing."""
     try:
-        await abort()
-        output = await asyncio.wait_for(asyncio.shield(pending), ABORTED_OUTPUT_WAIT_S)
+        output = await asyncio.wait_for(_after_abort(abort, asyncio.shield(pending)), ABORTED_OUTPUT_WAIT_S)
     except Exception:  # StopAsyncIteration, the engine's own error, no output in time: nothing to add
         return
     if any(choice.token_ids for choice in output.outputs):
         _add(count, output, seen, deltas=False)
 
 
-# How long a cancelled final-only request waits for vLLM's output of what it had when aborted
-# (put on its queue at once by the abort; the wait is a bound, not a delay).
+# How long a cancelled final-only request (or a stream closed early) waits for the abort and vLLM's
+# output of what it had then (put on its queue at once by the abort; the wait is a bound, not a
+# delay: an engine core that died answers neither).
 ABORTED_OUTPUT_WAIT_S = 1.0
+
+
+async def _after_abort(abort: Callable[[], Awaitable[Any]], output: Awaitable[Any]) -> Any:
+    """``output`` (the request's next output), once the engine request is aborted."""
+    await abort()
+    return await output
 
 
 def _add(count: TokenCount, output: Any, seen: _Seen, *, deltas: bool) -> None:

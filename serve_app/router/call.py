@@ -114,12 +114,15 @@ class ReplicaCall:
         takes the item instead."""
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._items.__anext__())
-        reading = self._reading
         try:
-            return await asyncio.shield(reading)
-        finally:
-            if reading.done():
-                self._reading = None
+            item = await asyncio.shield(self._reading)
+        except asyncio.CancelledError:
+            raise  # the read goes on, or has its item even if it came in this very turn: ``last`` takes it
+        except BaseException:
+            self._reading = None
+            raise
+        self._reading = None
+        return item
 
     async def answer(self) -> Answer:
         """An ``Accepted`` request's answer (the engine's whole body)."""

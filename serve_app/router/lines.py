@@ -179,12 +179,15 @@ class LineCall:
         (its usage is the bill), instead of its rest being taken for a length."""
         if self._reading is None:
             self._reading = asyncio.ensure_future(wire_line.read_frame(self._connection[0]))
-        reading = self._reading
         try:
-            return await asyncio.shield(reading)
-        finally:
-            if reading.done():
-                self._reading = None
+            frame = await asyncio.shield(self._reading)
+        except asyncio.CancelledError:
+            raise  # the read goes on, or has its frame even if it came in this very turn: the next wait takes it
+        except BaseException:
+            self._reading = None
+            raise
+        self._reading = None
+        return frame
 
     async def _first(self):
         """The call's head; LineUnavailable when the call did not start on the line (nothing of it

@@ -354,10 +354,12 @@ class HandleItems:
 
 
 @pytest.mark.parametrize("read", ["answer", "trailer"])
-def test_a_client_leaving_while_the_last_item_is_read_leaves_it_to_the_bill(read):
+@pytest.mark.parametrize("leaves", ["while it is read", "as it arrives"])
+def test_a_client_leaving_while_the_last_item_is_read_leaves_it_to_the_bill(read, leaves):
     """The client leaves while the router reads the call's last item (an Accepted request's
-    answer, a stream's trailer): the router's next wait for it (``last``, which bills the request)
-    still gets it — before, it got nothing and the request was recorded with no tokens."""
+    answer, a stream's trailer), or in the turn it arrives: the router's next wait for it
+    (``last``, which bills the request) still gets it — before, it got nothing and the request
+    was recorded with no tokens."""
     from serve_app.wire.messages import Answer
 
     trailer = Trailer(complete=True, generated=Generated(5, 1000))
@@ -372,6 +374,8 @@ def test_a_client_leaving_while_the_last_item_is_read_leaves_it_to_the_bill(read
         call.head = object()  # under way: the replica accepted it
         reading = asyncio.ensure_future(getattr(call, read)())
         await asyncio.sleep(0.01)
+        while leaves == "as it arrives" and not (call._reading and call._reading.done()):
+            await asyncio.sleep(0)
         reading.cancel()  # the client leaves: Serve cancels the request's task
         with pytest.raises(asyncio.CancelledError):
             await reading

@@ -146,6 +146,53 @@ def test_a_stream_whose_reader_stopped_counts_what_the_engine_made_meanwhile_whe
     assert counted == Generated(prompt_tokens=7, completion_tokens=engine.generated, cached_tokens=0)
 
 
+def test_a_stream_still_held_somewhere_is_closed_and_counted_as_the_count_settles():
+    """An exception's traceback (or any reference) can keep the engine's generator from being
+    collected, so asyncio never closes it: ``settled`` closes a stream nothing iterates itself."""
+    engine = StreamingEngine()
+    token_count.install(engine)
+
+    async def request():
+        count = token_count.start()
+        held = engine.generate("p", SimpleNamespace(output_kind=Kind.DELTA), "req-1")  # never dropped
+        core = asyncio.ensure_future(engine.run(1000))
+        await anext(held)
+        while engine.generated < 20:
+            await asyncio.sleep(0.001)
+        await count.settled(1.0)
+        counted = count.snapshot()
+        await core
+        return counted
+
+    counted = asyncio.run(request())
+    assert engine.aborted == ["req-1"] and counted.completion_tokens == engine.generated >= 20
+
+
+def test_an_engines_refusal_leaves_a_counted_stream_at_once_with_no_abort():
+    """vLLM refuses a request as its generator first runs (a grammar it cannot compile): the
+    error must reach the serving layer in that same step, so that the replica can still answer
+    the stream with a 4xx before its head."""
+    class RefusingEngine(StreamingEngine):
+        def generate(self, prompt, sampling_params, request_id, **kwargs):
+            async def stream():
+                raise ValueError("Grammar error")
+                yield  # an async generator
+
+            return stream()
+
+    engine = RefusingEngine()
+    token_count.install(engine)
+
+    async def request():
+        token_count.start()
+        first = asyncio.ensure_future(anext(engine.generate("p", SimpleNamespace(output_kind=Kind.DELTA), "r")))
+        await asyncio.sleep(0)
+        return first
+
+    first = asyncio.run(request())
+    assert isinstance(first.exception(), ValueError) and engine.aborted == []
+
+
 def test_a_call_outside_a_request_passes_through_uncounted():
     engine = FakeEngine([_output([2])])
     assert _run(engine, Kind.DELTA, counted=False) is None
