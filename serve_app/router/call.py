@@ -64,10 +64,7 @@ class ReplicaCall:
         self._started = time.perf_counter()
         line = lines.call(model, surface, call, replicas=replicas) if lines is not None else None
         self._items: Any = line if line is not None else self._by_handle()
-        # The items after the head. On Serve's handle an item is used up once its read began (Ray's
-        # generator has handed over the object's ref; gRPC's stream ends with a cancelled read): a
-        # client leaving during that read left ``last`` nothing, and the request was billed nothing.
-        self._after_head = wire_socket.KeptRead(lambda: self._items.__anext__())
+        self._reading: asyncio.Future | None = None  # the item being read after the head (``_next``)
 
     def _by_handle(self) -> Any:
         return detached(lambda: self._method.remote(self._call))
@@ -109,10 +106,28 @@ class ReplicaCall:
             await self._connect(head)
         return head
 
+    async def _next(self) -> Any:
+        """The call's next item after the head, read by one task that a cancelled wait does not
+        stop. A handle call's item is gone once its read began (Ray's generator has handed over
+        the object's ref; gRPC's stream ends with a cancelled read): a client leaving during that
+        read made ``last`` find nothing, and the request was billed nothing. The next wait (``last``)
+        takes the item instead."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._items.__anext__())
+        try:
+            item = await asyncio.shield(self._reading)
+        except asyncio.CancelledError:
+            raise  # the read goes on, or has its item even if it came in this very turn: ``last`` takes it
+        except BaseException:
+            self._reading = None
+            raise
+        self._reading = None
+        return item
+
     async def answer(self) -> Answer:
         """An ``Accepted`` request's answer (the engine's whole body)."""
         try:
-            answer = await self._after_head.next()
+            answer = await self._next()
         except ConnectionError:  # its direct line closed: the replica is gone, and its engine request
             logger.exception("model replica for %s vanished", self.model)
             self.ended = True
@@ -123,7 +138,7 @@ class ReplicaCall:
 
     async def trailer(self) -> Trailer:
         """A stream's trailer, once the replica has closed the socket: the engine is done."""
-        trailer = await self._after_head.next()
+        trailer = await self._next()
         self.ended = True
         return trailer
 
@@ -165,7 +180,7 @@ class ReplicaCall:
         """After ``hang_up``: the trailer the replica still sends (the tokens generated), or None
         when none came in time (the call is cancelled then)."""
         try:
-            item = await asyncio.wait_for(self._after_head.next(), LAST_ITEM_WAIT_S)
+            item = await asyncio.wait_for(self._next(), LAST_ITEM_WAIT_S)
         except Exception as err:  # no trailer in time, or the replica died: bill what is known
             logger.warning("no last item from %s after its client left (%r)", self.model, err)
             self.cancel()
@@ -176,7 +191,10 @@ class ReplicaCall:
 
     def cancel(self) -> None:
         self.ended = True
-        self._after_head.cancel()
+        if (reading := self._reading) is not None:
+            self._reading = None
+            reading.cancel()
+            reading.add_done_callback(_read_out)  # its end (an error, cancelled) is not logged as lost
         self._items.cancel()
 
     async def _connect(self, head: StreamOpen | Accepted) -> None:
@@ -211,6 +229,11 @@ class ReplicaCall:
 
     def _vanished(self) -> APIError:
         return retry_later(f"{self.model} replica became unavailable", "replica_unavailable")
+
+
+def _read_out(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def raise_if_engine_died(answer: Answer) -> None:
