@@ -24,6 +24,7 @@ from serve_app.engine import outputs, pooling_timing, rendered, replay, token_co
 from serve_app.engine.prefetch import AHEAD, MERGED_TURNS, Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
+from serve_app.router.pricing import prompt_count
 from serve_app.surfaces import BY_NAME, seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Answer, Body, Call
@@ -305,7 +306,8 @@ class VLLMEngine:
             result = await create(request, None)
             if stream and not isinstance(result, ErrorResponse):
                 # On its way to the engine core before the head: the prefill overlaps the head's trip.
-                turns = MERGED_TURNS if _several_prompts(body) else 1  # refused after vLLM merged them
+                # Several completions prompts: vLLM merges their engine requests, refused later.
+                turns = MERGED_TURNS if prompt_count(body) > 1 else 1
                 result = await Prefetched.started(result, ahead=0 if replay.current() else AHEAD, turns=turns)
                 await result.raise_early()  # a Responses stream's refusal of the request, raised
         except Exception as exc:  # vLLM raises for bad input too; it maps them itself
@@ -325,13 +327,6 @@ class VLLMEngine:
             await result.aclose()
             return vllm_errors.error_answer(vllm_errors.error_response(refusal), body=shape_body)
         return Stream(result, watcher)
-
-
-def _several_prompts(body: Body) -> bool:
-    """A completions request of more than one prompt (strings, token-id lists, or embeddings)."""
-    prompt, embeds = body.get("prompt"), body.get("prompt_embeds")
-    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
-    return several or (isinstance(embeds, list) and len(embeds) > 1) or bool(prompt and embeds)
 
 
 def _with_room_for(surface: str, call: Call, dropped: int) -> Call:
