@@ -57,8 +57,7 @@ class ReplicaCall:
         self.head: Head | None = None
         self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.handed = False  # the replica writes the stream to the client's connection itself
-        self._local: socket.socket | None = None  # the connection to the replica's Unix listener...
-        self._ticket: str | None = None  # ...and the ticket it is still to present there
+        self._ticket: str | None = None  # the ticket still to present on the replica's Unix listener
         self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
         self.ended = False  # the call's last item has been read (or it was given up)
         self._started = time.perf_counter()
@@ -130,16 +129,16 @@ class ReplicaCall:
             answer = await self._next()
         except ConnectionError:  # its direct line closed: the replica is gone, and its engine request
             logger.exception("model replica for %s vanished", self.model)
-            self.ended = True
+            self._end()
             raise self._vanished() from None
-        self.ended = True
+        self._end()
         raise_if_engine_died(answer)
         return answer
 
     async def trailer(self) -> Trailer:
         """A stream's trailer, once the replica has closed the socket: the engine is done."""
         trailer = await self._next()
-        self.ended = True
+        self._end()
         return trailer
 
     @property
@@ -162,7 +161,8 @@ class ReplicaCall:
             return False
         ticket, self._ticket = self._ticket, None
         mode = "S" if client is None else "K" if keep else "H"
-        handoff.present(self._local, ticket, mode, stall_s, client)
+        sock = self.socket[1].get_extra_info("socket")  # None (uvloop) or closed (-1) once the call ended
+        handoff.present(sock.fileno() if sock is not None else -1, ticket, mode, stall_s, client)
         self.handed = client is not None
         return self.handed
 
@@ -186,24 +186,31 @@ class ReplicaCall:
             self.cancel()
             return None
         finally:
-            self.ended = True
+            self._end()
         return item.trailer if isinstance(item, Answer) else item
 
     def cancel(self) -> None:
-        self.ended = True
+        self._end()
         if (reading := self._reading) is not None:
             self._reading = None
             reading.cancel()
             reading.add_done_callback(_read_out)  # its end (an error, cancelled) is not logged as lost
         self._items.cancel()
 
+    def _end(self) -> None:
+        """The call's last item is read, or the call given up: its byte socket closes now, not when
+        the call is collected (a resumed stream's earlier calls, a non-stream request's hang-up line)."""
+        self.ended = True
+        if self.socket is not None:
+            self.socket[1].close()
+
     async def _connect(self, head: StreamOpen | Accepted) -> None:
         """Connect to the listener the head names before any byte goes to the client, so a replica
         that cannot be reached is still a clean 503 (which may fail over), not a broken 200."""
         try:
             if head.local is not None and head.node == handoff.this_node():  # the replica's node
-                self._local = await asyncio.wait_for(handoff.connect(head.local), wire_socket.CONNECT_TIMEOUT_S)
-                self.socket = await asyncio.open_unix_connection(sock=self._local)
+                local = await asyncio.wait_for(handoff.connect(head.local), wire_socket.CONNECT_TIMEOUT_S)
+                self.socket = await handoff.open_streams(local)
                 self._ticket = head.ticket  # presented with the stream's start (``present``)
                 if isinstance(head, Accepted):  # no bytes will come: the socket is the hang-up line
                     self.present(None, keep=False, stall_s=0)

@@ -59,8 +59,12 @@ class _Line:
         line = self.line
         if line.local is not None and line.node is not None and line.node == handoff.this_node():
             sock = await asyncio.wait_for(handoff.connect(line.local), wire_socket.CONNECT_TIMEOUT_S)
-            handoff.present(sock, line.key, "S", 0, None)
-            reader, writer = await asyncio.open_unix_connection(sock=sock)
+            try:
+                handoff.present(sock.fileno(), line.key, "S", 0, None)
+            except BaseException:
+                sock.close()
+                raise
+            reader, writer = await handoff.open_streams(sock)
         else:
             reader, writer = await wire_socket.connect(line.address, line.key, tls=line.tls)
             sock = writer.get_extra_info("socket")

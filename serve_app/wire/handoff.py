@@ -88,15 +88,41 @@ async def connect(address: str) -> socket.socket:
     return sock
 
 
-def present(sock: socket.socket, ticket: str, mode: str, stall_s: float, client: socket.socket | None) -> None:
-    """Send the line, with ``client``'s connection attached for a hand-over (``H``, ``K``). The
-    message is tens of bytes into an empty Unix socket: it does not block. OSError when the
-    replica is gone."""
+async def open_streams(sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Streams over a connected Unix socket (either end), whose descriptor is then the transport's
+    alone: ``sock`` is not to be used or closed after this.
+
+    uvloop's transport (the loop of every Ray actor here) does its I/O on the descriptor and keeps
+    ``sock`` only to detach it when it closes. A transport left open and collected in a reference
+    cycle together with ``sock`` would have the socket's finalizer close the descriptor, and libuv
+    close the same number again a loop turn later, when by then it may be another connection's
+    (the router's next client: uvicorn failed in ``connection_made`` with EBADF). Detached here,
+    only libuv ever closes it. asyncio's own transports do their I/O through ``sock``: theirs."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()  # uvloop has detached it already: then a no-op
+        raise
+    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+        sock.detach()
+    return reader, writer
+
+
+def present(fd: int, ticket: str, mode: str, stall_s: float, client: socket.socket | None) -> None:
+    """Send the line on the Unix connection ``fd``, with ``client``'s connection attached for a
+    hand-over (``H``, ``K``). The message is tens of bytes into an empty Unix socket: it does not
+    block. OSError when the replica is gone (or the connection closed)."""
+    if fd < 0:
+        raise ConnectionError("the connection to the replica is closed")
     data = line(ticket, mode, stall_s)
-    if client is None:
-        sock.send(data)
-    else:
-        socket.send_fds(sock, [data], [client.fileno()])
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, 0, fd)  # borrowed: the transport owns ``fd``
+    try:
+        if client is None:
+            sock.send(data)
+        else:
+            socket.send_fds(sock, [data], [client.fileno()])
+    finally:
+        sock.detach()
 
 
 # --- the replica's end --------------------------------------------------------------------------

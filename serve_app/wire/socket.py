@@ -283,7 +283,7 @@ class Listener:
             return
         parsed = handoff.parse_line(data)
         if parsed is not None and self._is_line_key(parsed[0]) and parsed[1] == "S" and not fds:
-            self._serve_line(*await asyncio.open_unix_connection(sock=connection))
+            self._serve_line(*await handoff.open_streams(connection))
             return
         future = self._expected.get(parsed[0]) if parsed else None
         handed = parsed is not None and parsed[1] != "S"
@@ -293,7 +293,7 @@ class Listener:
             connection.close()
             return
         _, mode, stall_s = parsed
-        reader, writer = await asyncio.open_unix_connection(sock=connection)
+        reader, writer = await handoff.open_streams(connection)
         client = handoff.ClientWriter(fds[0], keep=mode == "K", stall_s=stall_s, first_to=writer) if handed else None
         if future.done():  # the wait for it ended meanwhile
             StreamConnection(reader, writer, client).close()

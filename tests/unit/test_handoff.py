@@ -198,7 +198,7 @@ def test_the_listener_closes_a_connection_with_an_unknown_ticket_and_the_descrip
         ours, theirs = socket.socketpair()
         try:
             sock = await handoff.connect(address)
-            handoff.present(sock, "f" * 32, "H", 5, theirs)
+            handoff.present(sock.fileno(), "f" * 32, "H", 5, theirs)
             sock.setblocking(True)
             sock.settimeout(5)
             closed = await asyncio.to_thread(sock.recv, 1)  # the replica closes without a byte
