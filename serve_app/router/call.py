@@ -63,7 +63,10 @@ class ReplicaCall:
         self._started = time.perf_counter()
         line = lines.call(model, surface, call, replicas=replicas) if lines is not None else None
         self._items: Any = line if line is not None else self._by_handle()
-        self._reading: asyncio.Future | None = None  # the item being read after the head (``_next``)
+        # The items after the head. On Serve's handle an item is used up once its read began (Ray's
+        # generator has handed over the object's ref; gRPC's stream ends with a cancelled read): a
+        # client leaving during that read left ``last`` nothing, and the request was billed nothing.
+        self._after_head = wire_socket.KeptRead()
 
     def _by_handle(self) -> Any:
         return detached(lambda: self._method.remote(self._call))
@@ -106,22 +109,7 @@ class ReplicaCall:
         return head
 
     async def _next(self) -> Any:
-        """The call's next item after the head, read by one task that a cancelled wait does not
-        stop. A handle call's item is gone once its read began (Ray's generator has handed over
-        the object's ref; gRPC's stream ends with a cancelled read): a client leaving during that
-        read made ``last`` find nothing, and the request was billed nothing. The next wait (``last``)
-        takes the item instead."""
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(self._items.__anext__())
-        try:
-            item = await asyncio.shield(self._reading)
-        except asyncio.CancelledError:
-            raise  # the read goes on, or has its item even if it came in this very turn: ``last`` takes it
-        except BaseException:
-            self._reading = None
-            raise
-        self._reading = None
-        return item
+        return await self._after_head.next(self._items.__anext__)
 
     async def answer(self) -> Answer:
         """An ``Accepted`` request's answer (the engine's whole body)."""
@@ -191,10 +179,7 @@ class ReplicaCall:
 
     def cancel(self) -> None:
         self._end()
-        if (reading := self._reading) is not None:
-            self._reading = None
-            reading.cancel()
-            reading.add_done_callback(_read_out)  # its end (an error, cancelled) is not logged as lost
+        self._after_head.cancel()
         self._items.cancel()
 
     def _end(self) -> None:
@@ -236,11 +221,6 @@ class ReplicaCall:
 
     def _vanished(self) -> APIError:
         return retry_later(f"{self.model} replica became unavailable", "replica_unavailable")
-
-
-def _read_out(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 def raise_if_engine_died(answer: Answer) -> None:

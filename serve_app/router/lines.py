@@ -150,7 +150,7 @@ class LineCall:
         self._lines, self._model, self._entry = lines, model, entry
         self._request = (method, call)
         self._connection: Connection | None = None
-        self._reading: asyncio.Future | None = None  # the frame being read (``_next_frame``)
+        self._frames = wire_socket.KeptRead()  # a frame half read when the client left is read whole
         self._done = False
         entry.in_flight += 1
 
@@ -167,7 +167,7 @@ class LineCall:
         if self._connection is None:
             return await self._first()
         try:
-            item = await self._next_frame()
+            item = await self._frames.next(wire_line.read_frame, self._connection[0])
         except asyncio.CancelledError:
             raise  # the frame's read goes on: the next wait for it (``ReplicaCall.last``) takes it
         except Exception as err:  # closed, reset, or not a frame: the replica is gone
@@ -177,29 +177,13 @@ class LineCall:
             self._end(keep=True)
         return item
 
-    async def _next_frame(self):
-        """The next frame, read by one task that a cancelled wait does not stop: a frame half read
-        when the client left is read whole by the router's next wait, for the call's last item
-        (its usage is the bill), instead of its rest being taken for a length."""
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(wire_line.read_frame(self._connection[0]))
-        try:
-            frame = await asyncio.shield(self._reading)
-        except asyncio.CancelledError:
-            raise  # the read goes on, or has its frame even if it came in this very turn: the next wait takes it
-        except BaseException:
-            self._reading = None
-            raise
-        self._reading = None
-        return frame
-
     async def _first(self):
         """The call's head; LineUnavailable when the call did not start on the line (nothing of it
         reached the client or the bill: a replica that had begun it aborts it as the line closes)."""
         try:
             self._connection = await self._entry.connection()
             self._connection[1].write(wire_line.frame(self._request))
-            item = await self._next_frame()
+            item = await self._frames.next(wire_line.read_frame, self._connection[0])
         except asyncio.CancelledError:
             raise  # the client left: ``ReplicaCall`` cancels the call
         except Exception as err:  # unreachable, closed, TLS it cannot verify, a frame it cannot read
@@ -227,9 +211,7 @@ class LineCall:
             return
         self._done = True
         self._entry.in_flight -= 1
-        if self._reading is not None:  # a read under way when the call was given up
-            self._reading.cancel()
-            self._reading = None
+        self._frames.cancel()  # a read under way when the call was given up
         if self._connection is not None:
             if keep:
                 self._entry.keep(self._connection)

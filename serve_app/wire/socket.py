@@ -25,7 +25,7 @@ import secrets
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +155,48 @@ async def first_of(work: asyncio.Future, connection: StreamConnection) -> bool:
             work.cancel()
             await until_done(work)
     return not work.cancelled()
+
+
+class KeptRead:
+    """The next item of ``read``, read by one task that a cancelled wait does not stop.
+
+    A client that leaves cancels the router's wait for a call's next item; the read itself must go
+    on — a frame half read would have its rest taken for a length, a handle call's item is used up
+    once its read began — and the next wait (the one for the call's last item, whose usage is the
+    bill) takes what it brings, also when it came in the very turn the client left.
+
+    ``read(*args)`` is given with each wait, and used only when no read is under way: a call keeps no
+    closure over itself, so its objects form no reference cycle and are freed as soon as dropped."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self):
+        self._task: asyncio.Future | None = None
+
+    async def next(self, read: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        if self._task is None:
+            self._task = asyncio.ensure_future(read(*args))
+        try:
+            item = await asyncio.shield(self._task)
+        except asyncio.CancelledError:
+            raise  # the read goes on, or has its item: the next wait takes it
+        except BaseException:
+            self._task = None
+            raise
+        self._task = None
+        return item
+
+    def cancel(self) -> None:
+        """Give up on a read under way (its end, an error or cancelled, is not logged as lost)."""
+        if (task := self._task) is not None:
+            self._task = None
+            task.cancel()
+            task.add_done_callback(_read_out)
+
+
+def _read_out(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def until_done(task: asyncio.Future) -> None:

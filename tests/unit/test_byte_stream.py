@@ -374,7 +374,7 @@ def test_a_client_leaving_while_the_last_item_is_read_leaves_it_to_the_bill(read
         call.head = object()  # under way: the replica accepted it
         reading = asyncio.ensure_future(getattr(call, read)())
         await asyncio.sleep(0.01)
-        while leaves == "as it arrives" and not (call._reading and call._reading.done()):
+        while leaves == "as it arrives" and not (call._after_head._task and call._after_head._task.done()):
             await asyncio.sleep(0)
         reading.cancel()  # the client leaves: Serve cancels the request's task
         with pytest.raises(asyncio.CancelledError):
