@@ -149,7 +149,8 @@ class ReplicaCall:
             return False
         ticket, self._ticket = self._ticket, None
         mode = "S" if client is None else "K" if keep else "H"
-        sock = self.socket[1].get_extra_info("socket")  # None (uvloop) or closed (-1) once the call ended
+        writer = self.socket[1]
+        sock = None if writer.is_closing() else writer.get_extra_info("socket")  # once the call ended: none
         handoff.present(sock.fileno() if sock is not None else -1, ticket, mode, stall_s, client)
         self.handed = client is not None
         return self.handed

@@ -62,6 +62,7 @@ class PeerCall:
         self._done = False  # the peer's [DONE]: its stream ended as it should
         self._relayed = 0  # token chunks relayed: the count billed if the stream ends unfinished
         self.ended = False
+        self._closed = False  # the upstream response is closed (``ended`` may come first: ``read``)
         self._closing: asyncio.Future | None = None
 
     # --- what the relay reads ------------------------------------------------------------------
@@ -102,8 +103,9 @@ class PeerCall:
         return not self.ended
 
     def hang_up(self) -> None:
-        """The client left (or the relay is done): closing the connection stops the peer's engine."""
-        if not self.ended:
+        """The client left (or the relay is done): closing the connection stops the peer's engine.
+        Also after ``read`` saw the stream end, when the client left before ``trailer`` closed it."""
+        if not self._closed and self._closing is None:
             self._closing = asyncio.ensure_future(self._close())
 
     async def last(self) -> Trailer:
@@ -203,6 +205,6 @@ class PeerCall:
                        replica=self.replica, generated=generated, terminal=self._terminal, response=response)
 
     async def _close(self) -> None:
-        self.ended = True
+        self.ended = self._closed = True
         with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
             await self._upstream.aclose()

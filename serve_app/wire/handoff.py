@@ -100,10 +100,12 @@ async def open_streams(sock: socket.socket) -> tuple[asyncio.StreamReader, async
     only libuv ever closes it. asyncio's own transports do their I/O through ``sock``: theirs."""
     try:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
+    except (KeyboardInterrupt, SystemExit):
+        raise  # uvloop leaves its transport open then: closing ``sock`` too would close it twice
     except BaseException:
         sock.close()  # uvloop has detached it already: then a no-op
         raise
-    if not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
         sock.detach()
     return reader, writer
 

@@ -286,8 +286,11 @@ class Listener:
             self._expected.pop(ticket, None)
 
     def forget(self, ticket: str) -> None:
-        """Drop a ticket whose connection will never be accepted (the call ended first)."""
-        self._expected.pop(ticket, None)
+        """Drop a ticket whose connection will never be accepted (the call ended first). A router
+        connecting for it meanwhile finds its future cancelled, and its connection closed."""
+        future = self._expected.pop(ticket, None)
+        if future is not None:
+            future.cancel()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -320,9 +323,23 @@ class Listener:
         """A router on this node: its line says whether it handed its client's connection over."""
         try:
             data, fds = await handoff.receive_line(connection, CONNECT_TIMEOUT_S)
-        except (asyncio.TimeoutError, OSError):  # ConnectionError included
+        except BaseException as err:  # timed out, closed (ConnectionError), or this listener closing
             connection.close()
+            if not isinstance(err, (asyncio.TimeoutError, OSError)):
+                raise
             return
+        try:
+            await self._start_local(connection, data, fds)
+        except BaseException:  # this listener closing while it opened the streams: nothing is served
+            for fd in fds:
+                try:
+                    os.close(fd)  # not yet a ClientWriter's: ours alone
+                except OSError:
+                    pass
+            connection.close()  # detached once the transport took it: then a no-op
+            raise
+
+    async def _start_local(self, connection: socket.socket, data: bytes, fds: list[int]) -> None:
         parsed = handoff.parse_line(data)
         if parsed is not None and self._is_line_key(parsed[0]) and parsed[1] == "S" and not fds:
             self._serve_line(*await handoff.open_streams(connection))

@@ -201,12 +201,14 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
                      engine: FakeEngine | None = None, region: str = "local", peers: tuple[Peer, ...] = (),
                      transport=None, models: tuple[str, ...] = (MODEL, OTHER_MODEL),
                      replicas: tuple[FakeEngine, ...] = (), model_settings: dict[str, dict] | None = None,
-                     **auth_overrides) -> RouterApp:
+                     uvloop: bool = False, **auth_overrides) -> RouterApp:
+    """The real router and model replicas in this process, on one event loop: asyncio's, or
+    ``uvloop`` (the loop every Ray actor runs in a region)."""
     auth = auth or authenticator(tmp_path, region=region, **auth_overrides)
     engine = engine or FakeEngine()
     monkeypatch.setattr(serve, "get_replica_context", _replica_context)
     monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
-    client = TestClient(ingress.app)
+    client = TestClient(ingress.app, backend_options={"use_uvloop": uvloop})
     client.__enter__()  # one event loop for the test's whole life: the replica's listener lives on it
     fake_serve = FakeServe(models, running=1 + len(replicas))  # each engine is a replica Serve lists
     args = [ModelDeploymentArgs(id=model, **(model_settings or {}).get(model, {})) for model in models]

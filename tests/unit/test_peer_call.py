@@ -88,3 +88,22 @@ def test_a_client_leaving_closes_the_peer_connection():
 
     trailer = asyncio.run(leave())
     assert body.closed and not trailer.complete and trailer.generated.completion_tokens == 1
+
+
+def test_a_client_leaving_after_the_peer_stream_broke_but_before_its_trailer_still_closes_the_peer():
+    """The relay read the stream's end, a broken one (the call has ended; httpx closes a response
+    read to its end itself, not one whose read failed), and the client left before the relay's
+    ``trailer`` closed the connection: the relay's own hang-up closes it."""
+    body = Chunks([_chunk("t6 ").encode()], breaks=True)
+    call = PeerCall("yvr-01", httpx.Response(200, stream=body), tokens_before=5)
+
+    async def leave():
+        while await call.read(65536):
+            pass
+        assert not call.under_way  # nothing left to bill from the peer
+        call.hang_up()
+        await asyncio.sleep(0)  # the close runs as its own task
+        await asyncio.sleep(0)
+
+    asyncio.run(leave())
+    assert body.closed
