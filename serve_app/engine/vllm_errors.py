@@ -35,6 +35,8 @@ def error_answer(response, exc: BaseException | None = None, *, body: dict | Non
     if not rendered.is_context_overflow(error):
         if message.startswith(_UNREADABLE_TOOL_GRAMMAR) and (found := _uncompilable_tool_schema(body.get("tools"))):
             param, message = found
+        elif param is None and message.startswith(_GRAMMAR_REFUSALS):
+            param = grammar_field(body)
         return Answer(error.code, error_body(error.code, message, param=param))
     field = prompt_field(body)
     if field is not None and param in rendered.VLLM_PROMPT_TOO_LONG_PARAMS:
@@ -108,3 +110,38 @@ def _uncompilable_tool_schema(tools: Any) -> tuple[str, str] | None:
         except Exception as err:  # xgrammar raises RuntimeError, its reason in the text
             return param, f"{param} cannot be compiled into a grammar: {_XGRAMMAR_PREFIX.sub('', str(err)).strip()}"
     return None
+
+
+# vLLM's refusals of a grammar no backend can compile (xgrammar's words; guidance's, after vLLM's
+# fallback from xgrammar, as the CPU engine answers; outlines'; its own checks of the fields) name
+# no parameter.
+_GRAMMAR_REFUSALS = (
+    "Grammar error:", "Invalid grammar specification", "Invalid JSON grammar specification", "Failed to transform",
+    "The provided JSON schema", "Choice '", "structured_outputs.", "Invalid structural tag specification",
+    "No compatible structured output backend",
+)
+_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object")
+
+
+def grammar_field(body: dict) -> str | None:
+    """The field the request's one grammar came from, as the client sent it: vLLM's
+    ``structured_outputs``, chat's and completions' ``response_format``, a Responses
+    ``text.format``, a Messages ``output_config.format``. None when the request carries several,
+    or a forced tool call (whose grammar vLLM builds from the tools), or none: nothing is guessed."""
+    fields = []
+    if isinstance(sent := body.get("structured_outputs"), dict):
+        fields += [f"structured_outputs.{key}" for key in _STRUCTURED_OUTPUTS if sent.get(key) not in (None, False)]
+    if isinstance(response_format := body.get("response_format"), dict):
+        kind = response_format.get("type")
+        if kind == "json_schema":
+            fields.append("response_format.json_schema.schema")
+        elif kind == "structural_tag":
+            fields.append("response_format")
+    formats = ((body.get("text"), "text.format.schema"), (body.get("output_config"), "output_config.format.schema"))
+    for holder, name in formats:
+        fmt = holder.get("format") if isinstance(holder, dict) else None
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fields.append(name)
+    if body.get("tools") and body.get("tool_choice") not in (None, "auto", "none"):
+        return None
+    return fields[0] if len(fields) == 1 else None

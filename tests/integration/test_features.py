@@ -218,6 +218,14 @@ def test_invalid_json_schema_is_400(client, stream):
             stream=stream,
         )
     assert "no-such-type" in err.value.body["message"]
+    assert err.value.body["param"] == "response_format.json_schema.schema"  # vLLM names none
+
+
+def test_a_regex_no_grammar_can_be_made_of_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                       extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert err.value.body["param"] == "structured_outputs.regex" and "regex" in err.value.body["message"]
 
 
 @pytest.mark.parametrize("prompt, refused", [

@@ -258,3 +258,41 @@ def test_a_tool_schema_nested_past_vllms_limit_is_named_without_being_compiled()
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}]
     error = vllm_errors.error_answer(unreadable, body={"tools": tools}).body["error"]
     assert error["param"] == "tools[0].parameters" and "nested too deeply" in error["message"]
+
+
+BAD_GRAMMAR = {"type": "no-such-type"}
+
+
+@pytest.mark.parametrize("message, body, param", [
+    # The CPU engine's words (guidance, after vLLM's fallback from xgrammar), as the live service answers.
+    ("Grammar error: Invalid type: no-such-type",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_GRAMMAR}}},
+     "response_format.json_schema.schema"),
+    ("Grammar error: at 1(8): invalid regex \"(a\"", {"structured_outputs": {"regex": "(a"}},
+     "structured_outputs.regex"),
+    ("Invalid grammar specification: Failed to convert the grammar from GBNF to Lark",
+     {"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+    ("Choice '[]' cannot be an empty list", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("Grammar error: Invalid type: no-such-type",
+     {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_GRAMMAR}}},
+     "text.format.schema"),  # Responses
+    ("Failed to transform json schema into a grammar: x",  # xgrammar's words (a GPU engine's first backend)
+     {"output_config": {"format": {"type": "json_schema", "schema": BAD_GRAMMAR}}}, "output_config.format.schema"),
+    # Nothing guessed: two grammars, a forced tool call's grammar, none, another refusal.
+    ("Grammar error: x", {"structured_outputs": {"regex": "(a"},
+                          "response_format": {"type": "json_schema", "json_schema": {"schema": BAD_GRAMMAR}}}, None),
+    ("Grammar error: x", {"structured_outputs": {"regex": "(a"}, "tools": [{"type": "function"}],
+                          "tool_choice": "required"}, None),
+    ("Grammar error: x", {"response_format": {"type": "json_object"}}, None),
+    ("temperature must be non-negative", {"structured_outputs": {"regex": "(a"}}, None),
+])
+def test_a_grammar_the_engine_cannot_compile_names_the_field_it_came_from(message, body, param):
+    """vLLM names no parameter for a grammar no backend compiles; the client's field is named when
+    the request carries exactly one grammar."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    from serve_app.engine import vllm_errors
+
+    refused = ErrorResponse(error=ErrorInfo(message=message, type="BadRequestError", code=400))
+    error = vllm_errors.error_answer(refused, body={"model": "m", **body}).body["error"]
+    assert error["param"] == param and error["message"] == message
