@@ -13,6 +13,7 @@ The relay reads nothing of what it relays but the first event (its id names the 
 for Responses, the last ``sequence_number`` (an error event continues the numbering).
 """
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
@@ -23,7 +24,7 @@ from serve_app.router.context import Context, abandoned, failed, served
 from serve_app.surfaces import seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Answer
-from serve_app.wire.socket import READ_BYTES
+from serve_app.wire.socket import READ_BYTES, until_done
 from serve_app.wire.sse import first_event
 
 logger = module_logger(__name__)
@@ -44,7 +45,7 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     error = body.get("error") if status >= 400 else None
     code = (error or {}).get("code") or (error or {}).get("type")
     if ctx.keep is not None and status == 200:
-        ctx.stored_bytes = await ctx.keep(body)
+        await kept(ctx, body)
     if ctx.surface.counts is not None and status == 200 and isinstance(counted := body.get(ctx.surface.counts), int):
         ctx.counted_tokens = counted  # what the tokenizer really counted: reconciled as it settles
     ctx.telemetry.finish(status, code)
@@ -52,6 +53,18 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
         body["pg_metadata"] = ctx.telemetry.metadata()
     ctx.settle(served(status, code))
     return JSONResponse(body, status_code=status, headers={**ctx.headers, "Server-Timing": ctx.telemetry.server_timing()})
+
+
+async def kept(ctx: Context, response: dict | None) -> None:
+    """Store a Responses answer (``ctx.keep``); its size goes on the request's record. A client that
+    leaves during the write does not stop it (the database's thread goes on, and the response is
+    stored): the wait goes on too, so that the record still says what is stored."""
+    storing = asyncio.ensure_future(ctx.keep(response))
+    try:
+        await until_done(storing)
+    finally:
+        if storing.done() and not storing.cancelled() and storing.exception() is None:
+            ctx.stored_bytes = storing.result()
 
 
 def stream(ctx: Context) -> RelayedStream:
@@ -117,7 +130,7 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
         # The status line said 200; a stream that ended with an error event is counted as what it was.
         status = trailer.error_status or 200
         if ctx.keep is not None and not trailer.error_status:
-            ctx.stored_bytes = await ctx.keep(trailer.response)
+            await kept(ctx, trailer.response)
         ctx.telemetry.finish(status, trailer.error_code)
         client_wants_usage = bool((ctx.body.get("stream_options") or {}).get("include_usage"))
         yield dialect.closing(

@@ -279,9 +279,11 @@ class RecordingMeter:
 
     def __init__(self):
         self.records: list[tuple[Any, ...]] = []
+        self.stored_bytes: list[int] = []  # each record's, in order
 
     def record(self, record_id, caller, request, generated, *, origin, stored_bytes=0, **_):
         self.records.append((record_id, caller, request, generated, origin))
+        self.stored_bytes.append(stored_bytes)
 
 
 def bare_context(surface=None, *, model: str = "m"):

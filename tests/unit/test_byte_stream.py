@@ -4,7 +4,9 @@
 small fake that yields the replica's items."""
 
 import asyncio
+import contextlib
 import json
+import threading
 from dataclasses import replace
 
 import pytest
@@ -518,3 +520,39 @@ def test_a_started_prefetch_of_a_source_that_never_waits_stops_before_the_head_a
 
     assert asyncio.run(scenario(8)) == (9, list(range(40)))  # 8 kept, the 9th being made
     assert asyncio.run(scenario(0)) == (1, list(range(40)))
+
+
+@pytest.mark.parametrize("leaves", [False, True])
+def test_a_client_leaving_while_its_response_is_stored_still_has_the_stored_bytes_on_its_record(leaves):
+    """The store's write runs in the database's thread: a client leaving meanwhile does not stop it
+    (the response is stored), so the request's record must still say how much is stored."""
+
+    async def scenario():
+        server, replica, _, ctx = await _start(EVENTS)
+        writing, written = asyncio.Event(), threading.Event()
+
+        async def keep(response):
+            writing.set()
+            await asyncio.to_thread(written.wait, 5)  # the database's write, in its thread
+            return 321
+
+        ctx.keep = keep
+        consumer = asyncio.ensure_future(_drain(relay.events(ctx)))
+        await writing.wait()
+        if leaves:
+            consumer.cancel()  # the client leaves: Serve cancels the request's task mid-write
+            await asyncio.sleep(0.05)
+        written.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        await replica
+        await _until_billed(ctx)
+        server.close()
+        return ctx
+
+    ctx = asyncio.run(scenario())
+    assert ctx.services.meter.stored_bytes == [321]
+
+
+async def _drain(events):
+    return [chunk async for chunk in events]
