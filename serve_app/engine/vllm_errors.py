@@ -33,10 +33,11 @@ def error_answer(response, exc: BaseException | None = None, *, body: dict | Non
         return Answer(error.code, error_body(error.code, message, code=code))
     body, param, message = body or {}, error.param, error.message
     if not rendered.is_context_overflow(error):
-        if message.startswith(_UNREADABLE_TOOL_GRAMMAR) and (found := _uncompilable_tool_schema(body.get("tools"))):
-            param, message = found
+        if message.startswith(_UNREADABLE_TOOL_GRAMMAR) and body.get("tools"):  # the tools' grammar (or merged)
+            if found := _uncompilable_tool_schema(body.get("tools")):
+                param, message = found
         elif param is None and message.startswith(_GRAMMAR_REFUSALS):
-            param = grammar_field(body)
+            param = grammar_field(body, message)
         return Answer(error.code, error_body(error.code, message, param=param))
     field = prompt_field(body)
     if field is not None and param in rendered.VLLM_PROMPT_TOO_LONG_PARAMS:
@@ -113,35 +114,41 @@ def _uncompilable_tool_schema(tools: Any) -> tuple[str, str] | None:
 
 
 # vLLM's refusals of a grammar no backend can compile (xgrammar's words; guidance's, after vLLM's
-# fallback from xgrammar, as the CPU engine answers; outlines'; its own checks of the fields) name
-# no parameter.
+# fallback from xgrammar, as the CPU engine answers; outlines'; its own checks) name no parameter.
 _GRAMMAR_REFUSALS = (
     "Grammar error:", "Invalid grammar specification", "Invalid JSON grammar specification", "Failed to transform",
-    "The provided JSON schema", "Choice '", "structured_outputs.", "Invalid structural tag specification",
-    "No compatible structured output backend",
+    "The provided JSON schema", "The JSON schema is nested too deeply", "Choice '", "structured_outputs.",
+    "Invalid structural tag specification", "No compatible structured output backend", "Error parsing regex",
+    "Regex uses unsupported feature", "Regex does not have a anchored", "Error serializing structured outputs",
 )
-_STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object")
+# vLLM's own checks of one field name it in their words ("structured_outputs.regex must not ...").
+_NAMED_FIELD = re.compile(r"^(structured_outputs\.[a-z_]+)\b")
 
 
-def grammar_field(body: dict) -> str | None:
+def grammar_field(body: dict, message: str = "") -> str | None:
     """The field the request's one grammar came from, as the client sent it: vLLM's
-    ``structured_outputs``, chat's and completions' ``response_format``, a Responses
-    ``text.format``, a Messages ``output_config.format``. None when the request carries several,
-    or a forced tool call (whose grammar vLLM builds from the tools), or none: nothing is guessed."""
-    fields = []
-    if isinstance(sent := body.get("structured_outputs"), dict):
-        fields += [f"structured_outputs.{key}" for key in _STRUCTURED_OUTPUTS if sent.get(key) not in (None, False)]
-    if isinstance(response_format := body.get("response_format"), dict):
-        kind = response_format.get("type")
-        if kind == "json_schema":
-            fields.append("response_format.json_schema.schema")
-        elif kind == "structural_tag":
-            fields.append("response_format")
-    formats = ((body.get("text"), "text.format.schema"), (body.get("output_config"), "output_config.format.schema"))
-    for holder, name in formats:
-        fmt = holder.get("format") if isinstance(holder, dict) else None
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            fields.append(name)
-    if body.get("tools") and body.get("tool_choice") not in (None, "auto", "none"):
+    ``structured_outputs`` (one key of it, or the one vLLM's message names), chat's and
+    completions' ``response_format``, a Responses ``text.format``. None whenever it could be
+    another: more than one of these in the request, or tools the model may call (vLLM merges the
+    format into the tools' grammar), or none: nothing is guessed. (Messages' ``output_config``
+    is never named: Anthropic's error shape has no ``param``.)"""
+    if body.get("tools") and body.get("tool_choice") != "none":
         return None
-    return fields[0] if len(fields) == 1 else None
+    sources: list[tuple[str, str | None]] = []  # (where, the field when it can be told)
+    if isinstance(sent := body.get("structured_outputs"), dict) and sent:
+        keys = [key for key, value in sent.items() if value not in (None, False)]
+        named = _NAMED_FIELD.match(message)
+        field = named.group(1) if named else f"structured_outputs.{keys[0]}" if len(keys) == 1 else None
+        sources.append(("structured_outputs", field))
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text", "json_object"):
+        json_schema = response_format.get("type") == "json_schema"
+        sources.append(("response_format", "response_format.json_schema.schema" if json_schema else "response_format"))
+    fmt = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text", "json_object"):
+        sources.append(("text", "text.format.schema" if fmt.get("type") == "json_schema" else "text.format"))
+    if isinstance(output_config := body.get("output_config"), dict) and output_config.get("format"):
+        sources.append(("output_config", None))
+    if len(sources) != 1 or (_NAMED_FIELD.match(message) and sources[0][0] != "structured_outputs"):
+        return None
+    return sources[0][1]

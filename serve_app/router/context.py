@@ -66,6 +66,10 @@ def forwarded(status: int, code: str | None = None) -> Outcome:
     return Outcome(FORWARDED, status, code)
 
 
+# How long a request whose client left during its response's store write waits for the write
+# before its record is written without the stored bytes (the write's statements have their own
+# timeouts; this bounds its wait for one of the store's threads).
+STORE_WAIT_S = 30.0
 _settling: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
 
@@ -115,6 +119,7 @@ class Context:
     taken_over_limit_lowerable: bool = False
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
+    storing: asyncio.Future | None = None  # the store's write its client left during (``relay.kept``)
     counted_tokens: int = 0  # a counting surface's answer: the tokens the engine really counted
     generated: Generated | None = None
     outcome: Outcome | None = None
@@ -173,7 +178,21 @@ class Context:
             self.call.hang_up()
             in_background(self._close_when_last_item_is_in())
             return
+        if self.storing is not None and not self.storing.done():
+            in_background(self._close_when_stored())
+            return
         self._close()
+
+    async def _close_when_stored(self) -> None:
+        """A client that left while its response was written: the write goes on (in the
+        database's thread, the response is stored), and the record says how much, once it is
+        done — or without it past ``STORE_WAIT_S`` (a registry that slow is logged by the store)."""
+        try:
+            done, _ = await asyncio.wait({self.storing}, timeout=STORE_WAIT_S)
+            if done and not self.storing.cancelled() and self.storing.exception() is None:
+                self.stored_bytes = self.storing.result()
+        finally:
+            self._close()
 
     async def _close_when_last_item_is_in(self) -> None:
         try:

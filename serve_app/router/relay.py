@@ -24,7 +24,7 @@ from serve_app.router.context import Context, abandoned, failed, served
 from serve_app.surfaces import seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Answer
-from serve_app.wire.socket import READ_BYTES, until_done
+from serve_app.wire.socket import READ_BYTES
 from serve_app.wire.sse import first_event
 
 logger = module_logger(__name__)
@@ -58,13 +58,14 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
 async def kept(ctx: Context, response: dict | None) -> None:
     """Store a Responses answer (``ctx.keep``); its size goes on the request's record. A client that
     leaves during the write does not stop it (the database's thread goes on, and the response is
-    stored): the wait goes on too, so that the record still says what is stored."""
+    stored): the request is settled once the write is done, in the background (``Context.settle``),
+    so that its record still says what is stored, while the request's own task ends at once."""
     storing = asyncio.ensure_future(ctx.keep(response))
     try:
-        await until_done(storing)
-    finally:
-        if storing.done() and not storing.cancelled() and storing.exception() is None:
-            ctx.stored_bytes = storing.result()
+        ctx.stored_bytes = await asyncio.shield(storing)
+    except asyncio.CancelledError:
+        ctx.storing = storing
+        raise
 
 
 def stream(ctx: Context) -> RelayedStream:

@@ -277,13 +277,27 @@ BAD_GRAMMAR = {"type": "no-such-type"}
      {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_GRAMMAR}}},
      "text.format.schema"),  # Responses
     ("Failed to transform json schema into a grammar: x",  # xgrammar's words (a GPU engine's first backend)
-     {"output_config": {"format": {"type": "json_schema", "schema": BAD_GRAMMAR}}}, "output_config.format.schema"),
+     {"response_format": {"type": "json_schema", "json_schema": {"schema": BAD_GRAMMAR}}},
+     "response_format.json_schema.schema"),
+    ("structured_outputs.regex must not contain a NUL character ('\\x00')",  # vLLM names it in its words
+     {"structured_outputs": {"regex": "a\x00", "json_object": False, "choice": None}}, "structured_outputs.regex"),
+    ("Grammar error: x", {"structured_outputs": {"regex": "(a"}, "tools": [{"type": "function"}],
+                          "tool_choice": "none"}, "structured_outputs.regex"),  # tools the model may not call
     # Nothing guessed: two grammars, a forced tool call's grammar, none, another refusal.
     ("Grammar error: x", {"structured_outputs": {"regex": "(a"},
                           "response_format": {"type": "json_schema", "json_schema": {"schema": BAD_GRAMMAR}}}, None),
     ("Grammar error: x", {"structured_outputs": {"regex": "(a"}, "tools": [{"type": "function"}],
                           "tool_choice": "required"}, None),
     ("Grammar error: x", {"response_format": {"type": "json_object"}}, None),
+    ("Grammar error: x", {"structured_outputs": {"json_object": False},  # vLLM takes structured_outputs then
+                          "response_format": {"type": "json_schema", "json_schema": {"schema": BAD_GRAMMAR}}}, None),
+    ("Grammar error: x", {"structured_outputs": {"regex": "(a", "grammar": "root ::= x"}}, None),
+    ("Grammar error: x", {"response_format": {"type": "json_schema", "json_schema": {"schema": BAD_GRAMMAR}},
+                          "tools": [{"type": "function"}]}, None),  # tool_choice auto: vLLM merges the two
+    ("Invalid structural tag specification.", {"response_format": {"type": "json_schema"},
+                                               "tools": [{"type": "function"}]}, None),  # no tool schema to blame
+    ("Grammar error: x", {"output_config": {"format": {"type": "json_schema", "schema": BAD_GRAMMAR}}},
+     None),  # Messages: Anthropic's errors have no param
     ("temperature must be non-negative", {"structured_outputs": {"regex": "(a"}}, None),
 ])
 def test_a_grammar_the_engine_cannot_compile_names_the_field_it_came_from(message, body, param):
