@@ -162,8 +162,7 @@ class ReplicaCall:
                 self.present(None, keep=False, stall_s=0)
             except OSError:
                 pass
-        if self.socket is not None:
-            self.socket[1].close()
+        self._close_socket()
 
     async def last(self) -> Trailer | None:
         """After ``hang_up``: the trailer the replica still sends (the tokens generated), or None
@@ -187,6 +186,9 @@ class ReplicaCall:
         """The call's last item is read, or the call given up: its byte socket closes now, not when
         the call is collected (a resumed stream's earlier calls, a non-stream request's hang-up line)."""
         self.ended = True
+        self._close_socket()
+
+    def _close_socket(self) -> None:
         if self.socket is not None:
             self.socket[1].close()
 

@@ -194,6 +194,15 @@ class KeptRead:
             task.add_done_callback(_read_out)
 
 
+def _close_all(fds: list[int]) -> None:
+    """Close the descriptors a router attached, each once: taken out of ``fds`` as it is closed."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
 def _read_out(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()
@@ -331,11 +340,7 @@ class Listener:
         try:
             await self._start_local(connection, data, fds)
         except BaseException:  # this listener closing while it opened the streams: nothing is served
-            for fd in fds:
-                try:
-                    os.close(fd)  # not yet a ClientWriter's: ours alone
-                except OSError:
-                    pass
+            _close_all(fds)  # what no ClientWriter took
             connection.close()  # detached once the transport took it: then a no-op
             raise
 
@@ -347,13 +352,13 @@ class Listener:
         future = self._expected.get(parsed[0]) if parsed else None
         handed = parsed is not None and parsed[1] != "S"
         if future is None or future.done() or handed != (len(fds) == 1):  # not ours, or malformed
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             connection.close()
             return
         _, mode, stall_s = parsed
         reader, writer = await handoff.open_streams(connection)
-        client = handoff.ClientWriter(fds[0], keep=mode == "K", stall_s=stall_s, first_to=writer) if handed else None
+        # Taken out of ``fds`` as the ClientWriter takes it: its to close, never closed here again.
+        client = handoff.ClientWriter(fds.pop(), keep=mode == "K", stall_s=stall_s, first_to=writer) if handed else None
         if future.done():  # the wait for it ended meanwhile
             StreamConnection(reader, writer, client).close()
             return
