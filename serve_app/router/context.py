@@ -19,6 +19,7 @@ reservation. Nothing else in the router ends a request.
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,7 +33,7 @@ from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.request import RequestTelemetry
-from serve_app.wire.messages import Generated, Resume, Trailer
+from serve_app.wire.messages import Answer, Generated, Resume, Trailer
 
 logger = module_logger(__name__)
 
@@ -70,6 +71,9 @@ def forwarded(status: int, code: str | None = None) -> Outcome:
 # before its record is written without the stored bytes (the write's statements have their own
 # timeouts; this bounds its wait for one of the store's threads).
 STORE_WAIT_S = 30.0
+# How long a counting request (tokenize, count_tokens) whose client left waits for the replica's
+# count, its real charge, before it is charged its estimate (a count takes milliseconds).
+COUNT_WAIT_S = 10.0
 _settling: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
 
 
@@ -87,6 +91,27 @@ def in_background(work) -> None:
     task = asyncio.get_running_loop().create_task(work)
     _settling.add(task)
     task.add_done_callback(_settling.discard)
+
+
+@dataclass(frozen=True)
+class Finishing:
+    """Work a request's client left during, whose result its record needs (``even_if_left``)."""
+
+    work: asyncio.Future
+    apply: Callable[[Any], None]  # the result onto the request (``Context.note_stored``, ...)
+    wait_s: float  # how long the record waits for it
+
+
+async def even_if_left(ctx: "Context", work: Awaitable[Any], apply: Callable[[Any], None], wait_s: float) -> Any:
+    """``work``'s result. A client that leaves meanwhile does not stop it: the request's own task
+    ends at once, and its record, written in the background as it settles, waits up to ``wait_s``
+    for ``apply`` to put the result on it (a stored response's size, a count's tokens)."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        ctx.finishing = Finishing(task, apply, wait_s)
+        raise
 
 
 @dataclass(eq=False)
@@ -119,7 +144,7 @@ class Context:
     taken_over_limit_lowerable: bool = False
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
-    storing: asyncio.Future | None = None  # the store's write its client left during (``relay.kept``)
+    finishing: "Finishing | None" = None  # work its client left during, whose result the record needs
     counted_tokens: int = 0  # a counting surface's answer: the tokens the engine really counted
     generated: Generated | None = None
     outcome: Outcome | None = None
@@ -178,21 +203,34 @@ class Context:
             self.call.hang_up()
             in_background(self._close_when_last_item_is_in())
             return
-        if self.storing is not None and not self.storing.done():
-            in_background(self._close_when_stored())
+        if self.finishing is not None and not self.finishing.work.done():
+            in_background(self._close_when_finished())
             return
         self._close()
 
-    async def _close_when_stored(self) -> None:
-        """A client that left while its response was written: the write goes on (in the
-        database's thread, the response is stored), and the record says how much, once it is
-        done — or without it past ``STORE_WAIT_S`` (a registry that slow is logged by the store)."""
+    async def _close_when_finished(self) -> None:
+        """The work its client left during (``even_if_left``) goes on; the record takes its result
+        once it is done, or is written without it past the work's bound (the work is cancelled)."""
+        work, apply, wait_s = self.finishing.work, self.finishing.apply, self.finishing.wait_s
         try:
-            done, _ = await asyncio.wait({self.storing}, timeout=STORE_WAIT_S)
-            if done and not self.storing.cancelled() and self.storing.exception() is None:
-                self.stored_bytes = self.storing.result()
+            done, _ = await asyncio.wait({work}, timeout=wait_s)
+            if not done:
+                work.cancel()
+            elif not work.cancelled() and work.exception() is None:  # an error is the work's own to log
+                apply(work.result())
         finally:
             self._close()
+
+    def note_stored(self, stored_bytes: int) -> None:
+        self.stored_bytes = stored_bytes
+
+    def note_counted(self, answer: Any) -> None:
+        """A counting surface's answer: the tokens the engine really counted, reconciled with the
+        estimate it was charged as the request settles."""
+        counts = self.surface.counts
+        if counts is not None and isinstance(answer, Answer) and answer.status == 200:
+            if isinstance(counted := answer.body.get(counts), int):
+                self.counted_tokens = counted
 
     async def _close_when_last_item_is_in(self) -> None:
         try:

@@ -33,7 +33,9 @@ from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import read_body
 from serve_app.router.call import REPLICA_FAILURES
-from serve_app.router.context import CLIENT_CLOSED, Context, abandoned, failed, forwarded, in_background, refused
+from serve_app.router.context import (
+    CLIENT_CLOSED, COUNT_WAIT_S, Context, abandoned, even_if_left, failed, forwarded, in_background, refused,
+)
 from serve_app.router.failover import REGION_HEADER
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
@@ -235,7 +237,10 @@ async def call(ctx: Context) -> Head:
         session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),
     )
     ctx.call = services.replica_call(ctx.model, ctx.surface.name, wire_call)
-    head = await ctx.call.first()
+    if ctx.surface.counts is not None:  # a count the client leaves before is still its charge
+        head = await even_if_left(ctx, ctx.call.first(), ctx.note_counted, COUNT_WAIT_S)
+    else:
+        head = await ctx.call.first()
     if isinstance(head, Accepted):
         return await ctx.call.answer()
     if isinstance(head, StreamOpen):  # should its engine fail mid-stream, another replica resumes it

@@ -13,14 +13,13 @@ The relay reads nothing of what it relays but the first event (its id names the 
 for Responses, the last ``sequence_number`` (an error event continues the numbering).
 """
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
 from serve_app.errors import engine_failed_mid_stream, error_body
 from serve_app.router.client_socket import ClientLink, ClientStalled, RelayedStream
-from serve_app.router.context import Context, abandoned, failed, served
+from serve_app.router.context import STORE_WAIT_S, Context, abandoned, even_if_left, failed, served
 from serve_app.surfaces import seam
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, Answer
@@ -46,8 +45,7 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     code = (error or {}).get("code") or (error or {}).get("type")
     if ctx.keep is not None and status == 200:
         await kept(ctx, body)
-    if ctx.surface.counts is not None and status == 200 and isinstance(counted := body.get(ctx.surface.counts), int):
-        ctx.counted_tokens = counted  # what the tokenizer really counted: reconciled as it settles
+    ctx.note_counted(reply)
     ctx.telemetry.finish(status, code)
     if status < 400:
         body["pg_metadata"] = ctx.telemetry.metadata()
@@ -58,14 +56,8 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
 async def kept(ctx: Context, response: dict | None) -> None:
     """Store a Responses answer (``ctx.keep``); its size goes on the request's record. A client that
     leaves during the write does not stop it (the database's thread goes on, and the response is
-    stored): the request is settled once the write is done, in the background (``Context.settle``),
-    so that its record still says what is stored, while the request's own task ends at once."""
-    storing = asyncio.ensure_future(ctx.keep(response))
-    try:
-        ctx.stored_bytes = await asyncio.shield(storing)
-    except asyncio.CancelledError:
-        ctx.storing = storing
-        raise
+    stored): the record waits for it (``even_if_left``)."""
+    ctx.note_stored(await even_if_left(ctx, ctx.keep(response), ctx.note_stored, STORE_WAIT_S))
 
 
 def stream(ctx: Context) -> RelayedStream:

@@ -114,6 +114,7 @@ class FakeEngine:
         if surface == "embeddings":
             return await self._embeddings(body)
         if surface in ("tokenize", "detokenize", "count_tokens"):
+            await asyncio.sleep(self.latency_s)  # a large input's tokenization
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
             if self.counted is not None and surface != "detokenize":
                 answer = {**answer, ("count" if surface == "tokenize" else "input_tokens"): self.counted}

@@ -202,3 +202,36 @@ def test_detokenize_is_priced_by_its_ids_exactly(app):
     response = post(app, "/detokenize", {"model": MODEL, "tokens": ids})
     assert len(response.request.content) // 4 < len(ids)
     assert 1_000_000 - _charged(response)[1] == len(ids)
+
+
+def test_a_client_that_leaves_before_the_count_is_still_charged_what_was_counted(router_app, tmp_path):
+    """The count is the charge (above): a client that hangs up before the replica's answer, to be
+    charged its size estimate only (a fourth of what digits count), still has the count charged."""
+    import asyncio
+    import contextlib
+
+    import httpx
+
+    from serve_app.router.context import wait_settled
+
+    app = router_app(auth=authenticator(tmp_path, limiter=RateLimiter(clock=lambda: 1000.0)),
+                     engine=FakeEngine(counted=5_000, latency_s=0.3))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    digits = {"model": MODEL, "prompt": "7" * 5_000}
+    first = post(app, "/tokenize", digits, key)
+    estimate = len(first.request.content) // 4
+    _, left_before = _charged(first)
+
+    async def leave_before_the_answer():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.app), base_url="http://r") as client:
+            asking = asyncio.ensure_future(client.post("/tokenize", json=digits, headers=bearer(key)))
+            await asyncio.sleep(0.1)  # admitted and charged its estimate; the replica still counting
+            asking.cancel()  # the client hangs up: Serve cancels the request's task
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+        await wait_settled()
+
+    app.run(leave_before_the_answer)
+    third = post(app, "/tokenize", digits, key)
+    # Between: the first's miss, the one that left (its estimate and its miss), the third's estimate.
+    assert left_before - _charged(third)[1] == (5_000 - estimate) + 5_000 + estimate
