@@ -203,7 +203,7 @@ class Context:
             self.call.hang_up()
             in_background(self._close_when_last_item_is_in())
             return
-        if self.finishing is not None and not self.finishing.work.done():
+        if self.finishing is not None:  # done already too: its result came as the client left
             in_background(self._close_when_finished())
             return
         self._close()

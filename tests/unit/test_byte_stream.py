@@ -559,3 +559,29 @@ def test_a_client_leaving_while_its_response_is_stored_still_has_the_stored_byte
 
 async def _drain(events):
     return [chunk async for chunk in events]
+
+
+def test_a_result_that_came_as_its_client_left_is_still_on_the_record():
+    """The work finished, and the request's task was cancelled before it resumed: the record
+    still takes the result (``Context.settle`` closes through the finished work too)."""
+    from serve_app.router.context import abandoned, even_if_left
+
+    async def scenario():
+        ctx = bare_context()
+        work = asyncio.get_running_loop().create_future()
+
+        async def waiting():
+            return await even_if_left(ctx, work, ctx.note_stored, 1.0)
+
+        task = asyncio.ensure_future(waiting())
+        await asyncio.sleep(0)  # the request waits for the work
+        work.set_result(99)  # the result comes...
+        task.cancel()  # ...and the client leaves before the request's task resumes
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx.settle(abandoned())
+        await _until_billed(ctx)
+        return ctx
+
+    ctx = asyncio.run(scenario())
+    assert ctx.services.meter.stored_bytes == [99]

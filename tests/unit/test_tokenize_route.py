@@ -224,14 +224,17 @@ def test_a_client_that_leaves_before_the_count_is_still_charged_what_was_counted
 
     async def leave_before_the_answer():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.app), base_url="http://r") as client:
+            calls = len(app.engine.calls)
             asking = asyncio.ensure_future(client.post("/tokenize", json=digits, headers=bearer(key)))
-            await asyncio.sleep(0.1)  # admitted and charged its estimate; the replica still counting
+            while len(app.engine.calls) == calls:  # admitted, charged its estimate; the replica counting
+                await asyncio.sleep(0.005)
             asking.cancel()  # the client hangs up: Serve cancels the request's task
             with contextlib.suppress(asyncio.CancelledError):
                 await asking
         await wait_settled()
+        return asking.cancelled()
 
-    app.run(leave_before_the_answer)
+    assert app.run(leave_before_the_answer)  # it left before any answer
     third = post(app, "/tokenize", digits, key)
     # Between: the first's miss, the one that left (its estimate and its miss), the third's estimate.
     assert left_before - _charged(third)[1] == (5_000 - estimate) + 5_000 + estimate
