@@ -134,10 +134,10 @@ def grammar_field(body: dict, message: str = "") -> str | None:
     is never named: Anthropic's error shape has no ``param``.)"""
     if body.get("tools") and body.get("tool_choice") != "none":
         return None
+    named = _NAMED_FIELD.match(message)
     sources: list[tuple[str, str | None]] = []  # (where, the field when it can be told)
     if isinstance(sent := body.get("structured_outputs"), dict) and sent:
         keys = [key for key, value in sent.items() if value not in (None, False)]
-        named = _NAMED_FIELD.match(message)
         field = named.group(1) if named else f"structured_outputs.{keys[0]}" if len(keys) == 1 else None
         sources.append(("structured_outputs", field))
     response_format = body.get("response_format")
@@ -149,6 +149,6 @@ def grammar_field(body: dict, message: str = "") -> str | None:
         sources.append(("text", "text.format.schema" if fmt.get("type") == "json_schema" else "text.format"))
     if isinstance(output_config := body.get("output_config"), dict) and output_config.get("format"):
         sources.append(("output_config", None))
-    if len(sources) != 1 or (_NAMED_FIELD.match(message) and sources[0][0] != "structured_outputs"):
+    if len(sources) != 1 or (named and sources[0][0] != "structured_outputs"):
         return None
     return sources[0][1]
