@@ -33,7 +33,7 @@ request queued there would make Serve start a replica by itself.
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ LOADED, LOADING, RECOVERING, FAILED, UNLOADING, COLD = (
 )
 Wanted = Literal["loaded", "cold"]
 KV_NAMESPACE = "serve_app"
+READ_TIMEOUT_S = 10  # a GCS that does not answer: the refresh fails and the last view stands
 
 # Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller.
 _STARTING = ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
@@ -66,7 +67,26 @@ def read_wanted(app_name: str, deployment: str) -> WantedRecord | None:
     """The wanted state set through the API, or None if it was never set in this cluster."""
     from ray.experimental import internal_kv
 
-    raw = internal_kv._internal_kv_get(_key(app_name, deployment), namespace=KV_NAMESPACE)
+    return _record(internal_kv._internal_kv_get(_key(app_name, deployment), namespace=KV_NAMESPACE))
+
+
+async def read_wanted_all(locations: Iterable[tuple[str, str]]) -> dict[tuple[str, str], WantedRecord]:
+    """The wanted states of ``locations`` (application, deployment) set through the API; those never
+    set are left out. One GCS call from the event loop: the router asks every second
+    (serve_app/hot_load/tracker.py), and a call per model from a worker thread cost that thread and
+    the GCS a wake-up each (docs/benchmarks.md, "The router's idle event loop")."""
+    from ray.experimental import internal_kv
+
+    keys = {_key(app_name, deployment): (app_name, deployment) for app_name, deployment in locations}
+    if not keys:
+        return {}
+    found = await internal_kv.internal_kv_get_gcs_client().async_internal_kv_multi_get(
+        list(keys), KV_NAMESPACE.encode(), timeout=READ_TIMEOUT_S
+    )
+    return {keys[key]: record for key, raw in found.items() if (record := _record(raw)) is not None}
+
+
+def _record(raw: bytes | None) -> WantedRecord | None:
     if not raw:
         return None
     data = json.loads(raw)

@@ -1,8 +1,9 @@
 """The router's view of each model's hot-load state (serve_app/hot_load/state.py), kept fresh.
 
 A background task refreshes every model's state from the wanted state in the GCS KV store once a
-second (one small KV read per model) and from Serve's status only when it may have changed: every
-``STATUS_MAX_AGE_S``, or at once while a model is not settled as loaded or its wanted state changed.
+second (one small KV call for all models, from the event loop) and from Serve's status only when it
+may have changed: every ``STATUS_MAX_AGE_S``, or at once while a model is not settled as loaded or
+its wanted state changed.
 Serve's status is read as the controller's plain details dict (``_serve_status``): ``serve.status()``
 builds pydantic models of it and cloudpickles every deployment's request router class, ~0.2 s of
 the router's CPU a call under load (py-spy, docs/benchmarks.md).
@@ -24,7 +25,7 @@ deployment. The models served change in place when the router is reconfigured (`
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -43,7 +44,7 @@ from serve_app.hot_load.state import (
     Wanted,
     WantedRecord,
     derive_state,
-    read_wanted,
+    read_wanted_all,
     write_wanted,
 )
 from serve_app.telemetry.logs import module_logger
@@ -51,6 +52,7 @@ from serve_app.telemetry.logs import module_logger
 logger = module_logger(__name__)
 
 REFRESH_S = 1.0
+Location = tuple[str, str]  # a model's Serve application and deployment
 # While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in
 # between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover).
 STATUS_MAX_AGE_S = 10.0
@@ -76,7 +78,7 @@ class ModelStates:
         models: Sequence[ModelDeploymentArgs],
         *,
         serve_status: Callable[[], Any] | None = None,
-        read: Callable[[str, str], WantedRecord | None] = read_wanted,
+        read_all: Callable[[Iterable[Location]], Awaitable[Mapping[Location, WantedRecord]]] = read_wanted_all,
         write: Callable[[str, str, Wanted, str], WantedRecord] = write_wanted,
     ):
         self.router_app = router_app
@@ -84,7 +86,7 @@ class ModelStates:
         self._initial: dict[str, WantedRecord] = {}
         self._states: dict[str, ModelState] = {}
         self._serve_status = serve_status or _serve_status
-        self._read, self._write = read, write
+        self._read_all_of, self._write = read_all, write
         self._refreshed = False
         self._task: asyncio.Task | None = None
         self._wanted: dict[str, WantedRecord] = {}
@@ -144,7 +146,7 @@ class ModelStates:
     async def refresh(self, *, status: bool = True, wanted: dict[str, WantedRecord] | None = None) -> None:
         """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
         if wanted is None:
-            wanted = await asyncio.to_thread(self._read_all)
+            wanted = await self._read_all()
         wanted = await self._load_required(wanted)
         locations = self.locations  # as they are now: set_models may run while Serve answers
         if status:
@@ -263,20 +265,17 @@ class ModelStates:
             param="model",
         )
 
-    def _read_all(self) -> dict[str, WantedRecord]:
-        # In a worker thread: set_models may replace either mapping meanwhile.
-        locations, initial = self.locations, self._initial
-        return {
-            model_id: self._read(*locations[model_id]) or wanted
-            for model_id, wanted in initial.items()
-            if model_id in locations
-        }
+    async def _read_all(self) -> dict[str, WantedRecord]:
+        locations, initial = self.locations, self._initial  # set_models may replace either meanwhile
+        models = [model_id for model_id in initial if model_id in locations]
+        found = await self._read_all_of([locations[model_id] for model_id in models])
+        return {model_id: found.get(locations[model_id]) or initial[model_id] for model_id in models}
 
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_S)
             try:
-                wanted = await asyncio.to_thread(self._read_all)
+                wanted = await self._read_all()
                 await self.refresh(status=self._status_may_have_changed(wanted), wanted=wanted)
             except Exception:  # the controller restarting, say: keep the last view and retry
                 logger.warning("could not refresh model states", exc_info=True)

@@ -26,7 +26,7 @@ from serve_app.router import openapi, operations, pipeline
 from serve_app.router.context import wait_settled
 from serve_app.router.request_schema import describe_validation_errors
 from serve_app.router.services import Services
-from serve_app.runtime import cpus, heap
+from serve_app.runtime import cpus, heap, http_tick
 from serve_app.surfaces.dialects import ANTHROPIC, OPENAI, Dialect
 from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.logs import module_logger
@@ -112,6 +112,7 @@ class Router:
         context = serve.get_replica_context()
         self.app_name, self.replica = context.app_name, context.replica_id.unique_id
         cpus.keep_off_engine_cores("router replica")  # on a CPU host (runtime/cpus.py)
+        http_tick.install()  # before Serve starts this replica's HTTP server: one idle wake-up a second
         self.startup = startup
         telemetry = TelemetryArgs.model_validate(startup.get("telemetry") or {})
         region = startup.get("region", AppArgs.model_fields["region"].default)

@@ -131,6 +131,10 @@ class FakeServe:
     def read(self, app, deployment):
         return self.kv.get((app, deployment))
 
+    async def read_all(self, locations):
+        """``state.read_wanted_all`` on this fake's store: those never set left out."""
+        return {location: self.kv[location] for location in locations if location in self.kv}
+
     def write(self, app, deployment, state, by):
         self.kv[(app, deployment)] = record = WantedRecord(state, time.time(), by)
         return record
@@ -220,7 +224,8 @@ def build_router_app(tmp_path: Path, monkeypatch, *, auth: Authenticator | None 
         auth=auth,
         meter=Meter(UsageStore(auth.keys.database), tmp_path / "spool", region=region, writer_id="router-1",
                     cache_ttl_s=0),
-        states=ModelStates("llm", args, serve_status=fake_serve.status, read=fake_serve.read, write=fake_serve.write),
+        states=ModelStates("llm", args, serve_status=fake_serve.status, read_all=fake_serve.read_all,
+                           write=fake_serve.write),
         in_flight=InFlight(args),
         responses=ResponsesAPI(ResponseStore(auth.keys.database, ResponsesArgs())),
         forwarder=Forwarder(region, list(peers), transport=transport, unreachable_hold_s=0),

@@ -301,6 +301,10 @@ class FakeServe:
     def read(self, app, deployment):
         return self.kv.get((app, deployment))
 
+    async def read_all(self, locations):
+        """``state.read_wanted_all`` on this fake's store: those never set left out."""
+        return {location: self.kv[location] for location in locations if location in self.kv}
+
     def write(self, app, deployment, state, by):
         self.kv[(app, deployment)] = record = WantedRecord(state, time.time(), by)
         return record
@@ -308,7 +312,7 @@ class FakeServe:
 
 def _states(fake: FakeServe) -> ModelStates:
     models = [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING, initial_state="cold")]
-    return ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
+    return ModelStates("llm", models, serve_status=fake.status, read_all=fake.read_all, write=fake.write)
 
 
 def test_router_serves_only_loaded_models_and_says_why_not():
@@ -442,22 +446,22 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
     calls = []
     models = [ModelDeploymentArgs(id=MODEL)]
     states = ModelStates(
-        "llm", models, serve_status=lambda: calls.append(1) or fake.status(), read=fake.read, write=fake.write
+        "llm", models, serve_status=lambda: calls.append(1) or fake.status(), read_all=fake.read_all, write=fake.write
     )
     asyncio.run(states.refresh())
     assert states.get(MODEL).state == "loaded" and len(calls) == 1
-    assert not states._status_may_have_changed(states._read_all())  # steady: the KV read only
+    assert not states._status_may_have_changed(asyncio.run(states._read_all()))  # steady: the KV read only
     fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "elsewhere")
-    assert states._status_may_have_changed(states._read_all())  # an unload elsewhere: read it
+    assert states._status_may_have_changed(asyncio.run(states._read_all()))  # an unload elsewhere: read it
     states._status_read_at -= model_states.STATUS_MAX_AGE_S + 1
     fake.kv.clear()
-    assert states._status_may_have_changed(states._read_all())  # too old: read it
+    assert states._status_may_have_changed(asyncio.run(states._read_all()))  # too old: read it
 
     asyncio.run(states.ensure_fresh(max_status_age_s=1.0))  # /health wants a recent view
     assert len(calls) == 2
-    assert not states._status_may_have_changed(states._read_all())
+    assert not states._status_may_have_changed(asyncio.run(states._read_all()))
     states.suspect()  # a replica said its engine died: follow Serve closely for a while
-    assert states._status_may_have_changed(states._read_all())
+    assert states._status_may_have_changed(asyncio.run(states._read_all()))
 
 
 def test_in_flight_says_busy_when_every_slot_is_taken_and_shedding_when_the_queue_is_too():
@@ -486,7 +490,8 @@ def test_health_answers_from_the_last_view_while_serve_is_slow_to_say():
             time.sleep(0.5)
         return fake.status()
 
-    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=status, read=fake.read, write=fake.write)
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=status, read_all=fake.read_all,
+                         write=fake.write)
 
     async def scenario():
         await states.ensure_fresh()
@@ -523,13 +528,14 @@ def test_each_model_is_followed_in_its_own_application():
 
 def test_models_joining_and_leaving_the_settings_are_followed_in_place():
     fake = FakeServe()
-    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read=fake.read, write=fake.write)
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read_all=fake.read_all,
+                         write=fake.write)
 
     async def scenario():
         await states.refresh()
         states.set_models([ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)])
         assert states.get(SIBLING).state == "loading"  # wanted loaded, no replica seen yet
-        assert states._status_may_have_changed(states._read_all())  # a model joined: ask Serve
+        assert states._status_may_have_changed(await states._read_all())  # a model joined: ask Serve
         fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
         await states.refresh()
         assert states.get(SIBLING).state == "loaded"
@@ -552,7 +558,7 @@ def test_a_deploy_that_marks_a_cold_model_required_loads_it(caplog):
     fake = FakeServe()
     states = ModelStates(
         "llm", [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)],
-        serve_status=fake.status, read=fake.read, write=fake.write,
+        serve_status=fake.status, read_all=fake.read_all, write=fake.write,
     )
     sibling = (model_app_name("llm", SIBLING), "model-" + SIBLING)
 
@@ -587,9 +593,9 @@ def test_a_required_model_found_cold_when_a_router_starts_is_loaded_by_its_backg
               ModelDeploymentArgs(id=SIBLING, initial_state="cold")]
     fake.write(model_app_name("llm", SIBLING), "model-" + SIBLING, "cold", "key-admin")
     time.sleep(0.01)
-    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=fake.write)
+    states = ModelStates("llm", models, serve_status=fake.status, read_all=fake.read_all, write=fake.write)
     caplog.set_level(logging.WARNING)
-    asyncio.run(states.refresh(wanted=states._read_all()))
+    asyncio.run(states.refresh(wanted=asyncio.run(states._read_all())))
     record = fake.kv[(model_app_name("llm", MODEL), "model-" + MODEL)]
     assert (record.state, record.by) == ("loaded", REQUIRED_BY) and states.get(MODEL).state == "loaded"
     assert states.get(SIBLING).state == "cold"  # optional: the admin's unload stands
@@ -602,7 +608,7 @@ def test_an_unload_through_a_router_on_other_settings_after_this_one_required_th
     said once."""
     fake = FakeServe()
     states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL, region_health="required")],
-                         serve_status=fake.status, read=fake.read, write=fake.write)
+                         serve_status=fake.status, read_all=fake.read_all, write=fake.write)
     asyncio.run(states.refresh())
     time.sleep(0.01)
     fake.write(model_app_name("llm", MODEL), "model-" + MODEL, "cold", "key-admin")
@@ -623,7 +629,7 @@ def test_a_failed_write_back_leaves_the_view_refreshing_and_is_said_once(caplog)
         raise ConnectionError("GCS unavailable")
 
     models = [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING, region_health="required")]
-    states = ModelStates("llm", models, serve_status=fake.status, read=fake.read, write=broken)
+    states = ModelStates("llm", models, serve_status=fake.status, read_all=fake.read_all, write=broken)
     fake.replicas["model-" + MODEL] = {"RUNNING": 1}
     caplog.set_level(logging.WARNING)
     asyncio.run(states.refresh())
