@@ -35,7 +35,10 @@ from serve_app.telemetry.tracing import setup_tracing
 
 logger = module_logger(__name__)
 
-app = FastAPI(title="serve_app", docs_url=None, redoc_url=None)
+# No redirect for a trailing slash: Starlette's is an empty-bodied 307 to a Location built from the
+# router's own hop (``http://``), which an SDK follows without its credentials; a 404 in the
+# route's own shape says what is wrong (``_http_error``).
+app = FastAPI(title="serve_app", docs_url=None, redoc_url=None, redirect_slashes=False)
 
 
 _MESSAGES = surfaces.MESSAGES.route
@@ -59,9 +62,16 @@ openapi.install(app)
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message, path = str(exc.detail), request.url.path
+    if exc.status_code == 404 and path.endswith("/") and _is_route(path.rstrip("/")):
+        message = f"no route {path!r}: the route is {path.rstrip('/')!r}, without the trailing slash"
     # A 405 carries Starlette's Allow header: the methods the path does take.
-    error = APIError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
+    error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
     return _dialect_of(request).error_response(error)
+
+
+def _is_route(path: str) -> bool:
+    return any(route.path_regex.match(path) for route in app.router.routes if hasattr(route, "path_regex"))
 
 
 @app.exception_handler(RegistryUnavailable)

@@ -225,14 +225,17 @@ class TokenizeBody(Body):
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeBody":
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either 'prompt' (text) or 'messages' (a chat), not both or neither")
+        if self.prompt is None and self.messages is None:  # no one field to name
+            raise ValueError("give either 'prompt' (text) or 'messages' (a chat)")
+        if self.prompt is not None and self.messages is not None:
+            raise FieldError("messages", "give either 'prompt' (text) or 'messages' (a chat), not both")
         if self.prompt is not None:
             stray = [name for name in _CHAT_TOKENIZE_FIELDS if getattr(self, name) is not None]
             if stray:
-                raise ValueError(f"only with 'messages', not with 'prompt': {', '.join(stray)}")
+                raise FieldError(stray[0], f"only with 'messages', not with 'prompt': {', '.join(stray)}")
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+            raise FieldError("continue_final_message",
+                             "add_generation_prompt and continue_final_message cannot both be true")
         return self
 
 

@@ -94,6 +94,13 @@ class Sweep:
     evicted: dict[str, int] = field(default_factory=dict)  # owner -> rows past the global bound
 
 
+def could_be_stored(response_id: str) -> bool:
+    """Whether a client's id could name a stored row. Ids are the server's (``resp_`` and hex): one
+    that is not ASCII, or has a NUL, was never stored, and PostgreSQL refuses to even look up a NUL
+    or a lone surrogate (an error, not "not found"): such an id is missing, found without a query."""
+    return response_id.isascii() and "\x00" not in response_id
+
+
 class ResponseStore:
     # Class attributes rather than arguments: they tune cost, not behaviour (tests override them).
     SWEEP_INTERVAL_S = 60.0
@@ -131,10 +138,14 @@ class ResponseStore:
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """None when missing, expired or another owner's: the three look the same from outside, so
         nobody learns whether someone else's response id exists."""
+        if not could_be_stored(response_id):
+            return None
         return await self._run(self._get, response_id, owner, self._now_ms())
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
+        if not could_be_stored(response_id):
+            return False
         return await self._run(self._delete, response_id, owner, self._now_ms())
 
     async def history(self, response_id: str, owner: str) -> tuple[list, int] | None:
@@ -142,6 +153,8 @@ class ResponseStore:
         then the response's output items, and its size in bytes (what it adds to the request's
         price); None like get(). Decoded and measured on the store's threads: up to 4 MiB of
         JSON is no work for the router's event loop."""
+        if not could_be_stored(response_id):
+            return None
         return await self._run(self._history, response_id, owner, self._now_ms())
 
     async def footprint(self, owner: str) -> tuple[int, int]:

@@ -46,6 +46,29 @@ def test_openais_routes_keep_openais_shape(app, key):
     assert response.status_code == 405 and response.json()["error"]["code"] == "method_not_allowed"
 
 
+@pytest.mark.parametrize("method, path, dialect", [
+    ("POST", "/v1/chat/completions/", "openai"),
+    ("GET", "/v1/responses/resp_x/", "openai"),
+    ("GET", "/health/", "openai"),
+    ("POST", "/v1/messages/", "anthropic"),
+])
+def test_a_trailing_slash_is_a_404_naming_the_route_not_a_redirect_without_credentials(app, key, method, path,
+                                                                                        dialect):
+    # Starlette's redirect would be an empty 307 to http://… that SDKs follow without the credential.
+    headers = _anthropic(key) if dialect == "anthropic" else bearer(key)
+    response = app.client.request(method, path, json={"model": MODEL}, headers=headers, follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+    error = response.json()["error"]
+    assert f"the route is {path.rstrip('/')!r}, without the trailing slash" in error["message"]
+    assert (error["type"] == "not_found_error") if dialect == "anthropic" else (error["code"] == "not_found")
+    assert app.engine.calls == []
+
+
+def test_a_path_that_is_no_route_with_or_without_its_slash_says_not_found(app, key):
+    response = app.client.get("/v1/nothing/", headers=bearer(key), follow_redirects=False)
+    assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+
+
 @pytest.mark.parametrize("prompt", [[], [[1], []], [-1]])
 def test_an_empty_or_negative_completions_prompt_is_a_400_naming_it_not_a_500(app, key, prompt):
     for extra in ({}, {"max_tokens": 4}, {"stream": True}):

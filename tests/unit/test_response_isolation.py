@@ -106,3 +106,28 @@ def test_a_taken_id_is_logged_and_stores_nothing(regions, caplog):
 
     asyncio.run(scenario())
     assert "resp_1 not stored: that id is stored already" in caplog.text
+
+
+# --- ids no stored response can have, on PostgreSQL (which refuses to look a NUL up) ---------------
+def test_an_id_no_response_can_have_is_not_found_and_charged_like_any_unknown_one(router_app, fresh_database,
+                                                                                 monkeypatch):
+    from fake_engine import FakeEngine
+
+    monkeypatch.setenv("ISOLATION_REGISTRY_DSN", fresh_database)
+    app = router_app(engine=FakeEngine(), key_registry_dsn_env="ISOLATION_REGISTRY_DSN")
+    app.client._transport.raise_server_exceptions = False
+    key, _ = app.auth.keys.create_key(owner="bob", tier="standard")
+    for path in ("%00", "resp_%00x", "resp_%C3%A9"):  # a NUL; a NUL inside; not ASCII
+        for method, suffix in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+            answer = app.client.request(method, f"/v1/responses/{path}{suffix}", headers=bearer(key))
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.json()["error"]["code"] == "response_not_found"
+    tiny, _ = app.auth.keys.create_key(owner="alice", tier="tiny")  # 2 requests a minute
+    headers = {**bearer(tiny), "content-type": "application/json"}
+    surrogate = '{"model": "%s", "input": "hi", "previous_response_id": "resp_\\ud800"}' % MODEL
+    answer = app.client.post("/v1/responses", content=surrogate, headers=headers)  # refused as it is read
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "previous_response_id"
+    body = json.dumps({"model": MODEL, "input": "hi", "previous_response_id": "resp_\x00"})
+    answers = [app.client.post("/v1/responses", content=body, headers=headers) for _ in range(3)]
+    assert [a.json()["error"]["param"] for a in answers[:2]] == ["previous_response_id"] * 2
+    assert [a.status_code for a in answers] == [404, 404, 429]  # charged as any unknown id: no free 500s
