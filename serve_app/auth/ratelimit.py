@@ -88,6 +88,9 @@ class RateLimiter:
         """Admit one request costing ``tokens``, or not; both buckets or neither are charged."""
         now = self.clock()
         self._prune(now)
+        return self._admit(key_id, requests_per_minute, tokens_per_minute, tokens, now)
+
+    def _admit(self, key_id: str, requests_per_minute: int, tokens_per_minute: int, tokens: int, now: float) -> Decision:
         requests = self._bucket(key_id, "requests", requests_per_minute, now)
         token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
         # A request larger than a whole minute's tokens could never pass: it costs a full bucket.
@@ -123,11 +126,12 @@ class RateLimiter:
         to admit locally (serve_app/auth/lease.py): ``(decision, requests, tokens)`` granted on top
         of this request. ``returned_*``: what the caller's previous lease left unused."""
         now = self.clock()
+        self._prune(now)  # first: a sweep between here and the grant would debit buckets no longer kept
         requests = self._bucket(key_id, "requests", requests_per_minute, now)
         token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
         requests.level = min(requests.capacity, requests.level + max(0, returned_requests))
         token_bucket.level = min(token_bucket.capacity, token_bucket.level + max(0, returned_tokens))
-        decision = self.acquire(key_id, requests_per_minute, tokens_per_minute, tokens)
+        decision = self._admit(key_id, requests_per_minute, tokens_per_minute, tokens, now)
         if not decision.allowed:
             return decision, 0, 0
         granted_requests = max(0, min(want_requests, int(requests.level)))

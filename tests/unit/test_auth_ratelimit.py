@@ -78,6 +78,18 @@ def test_idle_full_buckets_are_forgotten(clock):
     assert limiter.bucket_count() == 2  # c's two buckets; a and b are gone
 
 
+def test_a_lease_granted_as_a_sweep_runs_comes_out_of_the_buckets_kept(clock):
+    """A full bucket is swept away; the lease on it must debit the bucket the limiter keeps."""
+    limiter = RateLimiter(clock)
+    limiter.PRUNE_EVERY = 2
+    limiter.acquire("other", 10, 1000, 1)  # the next call is the one that sweeps
+    decision, requests, tokens = limiter.lease("k", 600, 1_000_000, 1000, want_requests=30, want_tokens=50_000)
+    assert decision.allowed and (requests, tokens) == (30, 50_000)
+    assert decision.requests.remaining == 569 and decision.tokens.remaining == 949_000
+    kept = limiter.peek("k", 600, 1_000_000, 0)
+    assert (kept.requests.remaining, kept.tokens.remaining) == (569, 949_000)  # not a free slice
+
+
 def test_headers_follow_openai_names():
     limiter = RateLimiter(Clock())
     limiter.acquire("k", 1, 1000, 10)
