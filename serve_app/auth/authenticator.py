@@ -323,8 +323,21 @@ class Authenticator:
         turned out to cost beyond what ``admit`` charged (its real prompt over the estimate,
         docs/auth.md). Synchronous, for the moment a request ends; the limiter is told in the
         background (no actor call when this replica holds a lease of the key)."""
+        if tokens > 0:
+            self._tell_limiter(principal, tokens)
+
+    def refund(self, principal: Principal, tokens: int) -> None:
+        """Give back ``tokens`` of what ``admit`` charged, for a request this region admitted and
+        then did not serve: refused by the gateway itself before the engine did anything (503
+        ``model_loading``, ``overloaded``, a replica gone…), or served by a peer region, which
+        charges its own limits. The request itself still counts (requests/min). Never for a
+        shorter answer (docs/auth.md, "Rate limits")."""
+        if tokens > 0:
+            self._tell_limiter(principal, -tokens)
+
+    def _tell_limiter(self, principal: Principal, tokens: int) -> None:
         tier = self.args.tiers.get(principal.tier)
-        if tokens <= 0 or tier is None:
+        if tier is None:
             return
         charged = self.limiter.charge(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens)
         task = asyncio.get_running_loop().create_task(charged)

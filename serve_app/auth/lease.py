@@ -212,13 +212,18 @@ class LeasedRateLimiter:
 
     async def charge(self, key_id: str, rpm: int, tpm: int, tokens: int) -> None:
         """Charge ``tokens`` more to ``key_id``, never refused: from its live lease here first,
-        the rest in the actor (or, while it is away, in this replica's buckets)."""
+        the rest in the actor (or, while it is away, in this replica's buckets). Below zero,
+        tokens given back: to the live lease (it returns what it leaves unused to the region's
+        bucket with its renewal), else where a charge would go, never over the bucket's capacity."""
         lease = self._leases.get(key_id)
+        if tokens < 0 and lease is not None and lease.expires >= self.clock():
+            lease.tokens -= tokens
+            return
         if tokens > 0 and lease is not None and lease.expires >= self.clock():
             taken = min(lease.tokens, tokens)  # carved out of the region's bucket for this key already
             lease.tokens -= taken
             tokens -= taken
-        if tokens <= 0:
+        if tokens == 0:
             return
         if self._outage is not None and self._outage.knows(key_id):
             self._outage.charge(key_id, tpm, tokens)

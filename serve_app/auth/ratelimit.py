@@ -144,9 +144,10 @@ class RateLimiter:
     def charge(self, key_id: str, tokens_per_minute: int, tokens: int) -> Window:
         """Charge ``tokens`` a request turned out to cost beyond what admitting it charged (its
         real prompt over the estimate). Never refused: the bucket may go below zero, and the
-        key's next requests wait until it has refilled past their cost (their Retry-After)."""
+        key's next requests wait until it has refilled past their cost (their Retry-After).
+        Below zero, tokens given back (a request the region did not serve): never over capacity."""
         bucket = self._bucket(key_id, "tokens", tokens_per_minute, self.clock())
-        bucket.level -= max(0, tokens)
+        bucket.level = min(bucket.capacity, bucket.level - tokens)
         return self._window(bucket)
 
     def knows(self, key_id: str) -> bool:

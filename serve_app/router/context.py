@@ -238,6 +238,14 @@ class Context:
         finally:
             self._close()
 
+    def _not_served_here(self, outcome: Outcome) -> bool:
+        """A peer region served it (and charges its own limits), or the gateway failed it (5xx)
+        before the engine did anything: its admission's tokens go back (``Authenticator.refund``)."""
+        if self.billed_elsewhere:
+            return True
+        done = self.generated
+        return outcome.status >= 500 and (done is None or done.prompt_tokens == done.completion_tokens == 0)
+
     def _close(self) -> None:
         outcome = self.outcome
         self.release_slot()
@@ -252,5 +260,7 @@ class Context:
                 self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
         elif self.admitted and self.counted_tokens:  # counting tokens: not billed, but rate-limited
             self.services.auth.charge(self.caller, self.counted_tokens - self.price.total)
+        if self.admitted and self._not_served_here(outcome):
+            self.services.auth.refund(self.caller, self.price.total)
         if self.reservation is not None:  # after the record: its real tokens count from now on
             self.reservation.release()

@@ -1,0 +1,83 @@
+"""A key's tokens/min pay for what this region serves: a request the gateway admitted and then
+did not serve gives its admission's tokens back (``Authenticator.refund``); a shorter answer does
+not (found by a metering review: an SDK retrying a short overload locked its key out for a minute)."""
+
+import asyncio
+
+import httpx
+
+from auth_support import MODEL, bearer, federated_regions
+from fake_engine import FakeEngine
+from router_app import to_router
+from serve_app.auth.config import Tier
+from serve_app.auth.lease import LeasedRateLimiter
+from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter
+from serve_app.config import Peer
+
+BODY = {"model": MODEL, "max_tokens": 900, "messages": [{"role": "user", "content": "hi"}]}
+TIERS = {"small": Tier(requests_per_minute=3, tokens_per_minute=1_000),
+         "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
+         "dev": Tier(requests_per_minute=600, tokens_per_minute=1_000_000)}
+
+
+def _tokens_left(app, key: str) -> int:
+    return int(app.auth.limiter.limiter.peek(key.split("_")[1], 3, 1_000, 0).tokens.remaining)
+
+
+def test_a_503_of_the_gateways_own_gives_the_tokens_back_and_still_counts_the_request(router_app):
+    app = router_app(engine=FakeEngine(tokens=3), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")  # 3 requests, 1,000 tokens a minute
+    app.serve.stop(MODEL)  # not served here (loading), and no peer: the region answers 503
+    app.run(app.services.states.refresh)
+    for _ in range(2):  # the openai SDK retries a 503
+        refused = app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_loading"
+        assert _tokens_left(app, key) >= 990  # its ~905 tokens given back
+    app.serve.replicas[f"model-{MODEL}"] = {"RUNNING": 1}
+    app.run(app.services.states.refresh)
+    served = app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+    assert served.status_code == 200  # before: 429, the minute spent on two 503s
+    again = app.client.post("/v1/chat/completions", json={**BODY, "max_tokens": 1}, headers=bearer(key))
+    assert again.status_code == 429  # the two 503s were requests all the same: 3 a minute
+
+
+def test_a_shorter_answer_gives_nothing_back(router_app):
+    app = router_app(engine=FakeEngine(tokens=3), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
+    assert app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key)).status_code == 200
+    assert _tokens_left(app, key) < 100  # charged its 900-token limit, though 3 were generated
+
+
+def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, router_app):
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=3),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="tiny")  # 2 requests, 1,000 tokens a minute
+    home.serve.stop(MODEL)
+    home.run(home.services.states.refresh)
+    served = home.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+    assert served.status_code == 200 and served.headers["x-pg-region"] == "yvr-01"
+    home.serve.replicas[f"model-{MODEL}"] = {"RUNNING": 1}
+    home.run(home.services.states.refresh)
+    assert home.client.post("/v1/chat/completions", json=BODY, headers=bearer(key)).status_code == 200
+    assert [r["failover_origin"] for r in peer.recorded()] == ["yul-02"]  # the peer billed the first
+
+
+def test_tokens_given_back_go_to_the_live_lease_else_the_region_and_never_past_its_capacity():
+    region = RateLimiter()
+    leased = LeasedRateLimiter(LocalRateLimiter(region))
+
+    async def scenario():
+        assert (await leased.acquire("k", 600, 100_000, 40_000)).allowed  # with a lease of 5,000
+        slice_before = leased._leases["k"].tokens
+        await leased.charge("k", 600, 100_000, -40_000)
+        assert leased._leases["k"].tokens == slice_before + 40_000  # no actor call
+        leased._leases.clear()  # the lease is gone (expired): the region's bucket takes it
+        await leased.charge("k", 600, 100_000, -40_000)
+        assert region.peek("k", 600, 100_000, 0).tokens.remaining == 100_000 - 40_000 - 5_000 + 40_000
+        await leased.charge("k", 600, 100_000, -10**9)
+        assert region.peek("k", 600, 100_000, 0).tokens.remaining == 100_000  # a full bucket, no more
+
+    asyncio.run(scenario())
