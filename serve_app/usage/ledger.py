@@ -204,7 +204,7 @@ class UsageLedger:
     def _replay_file(self, path: Path) -> list[UsageRecord] | None:
         """Insert a spool file's records and unlink it; None if it is already gone."""
         try:
-            lines = path.read_text().splitlines()
+            lines = path.read_bytes().splitlines()  # decoded line by line: one bad byte spoils one line
         except FileNotFoundError:
             return None
         records = []
@@ -212,8 +212,8 @@ class UsageLedger:
             if not line.strip():
                 continue
             try:
-                records.append(UsageRecord.from_json(json.loads(line)))
-            except ValueError as err:  # json's errors are ValueErrors too
+                records.append(UsageRecord.from_json(json.loads(line.decode())))
+            except ValueError as err:  # json's and the decoder's errors are ValueErrors too
                 logger.error("usage ledger: skipping corrupt line %d of %s (%s)", number, path.name, err)
         self.store.insert(records)
         path.unlink(missing_ok=True)

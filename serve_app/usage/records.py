@@ -77,7 +77,24 @@ class UsageRecord:
             # bool is an int to isinstance; a record never has one.
             if isinstance(value, bool) or not isinstance(value, allowed):
                 raise ValueError(f"field {name!r} has the wrong type ({type(value).__name__})")
+            # What the database's columns cannot hold: every number is a count, a status or a time
+            # (BIGINT, never negative), and PostgreSQL's text takes neither a NUL nor a lone surrogate.
+            if isinstance(value, int) and not 0 <= value <= _INT64_MAX:
+                raise ValueError(f"field {name!r} is out of range ({value})")
+            if isinstance(value, str) and ("\x00" in value or not _utf8(value)):
+                raise ValueError(f"field {name!r} is not text the database can store")
         return cls(**raw)
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _allowed_types(annotation: Any) -> tuple[type, ...]:

@@ -177,6 +177,30 @@ def test_a_corrupt_spool_line_is_skipped_and_the_rest_is_replayed(store, tmp_pat
     assert "line 2 " in caplog.text and "line 3 " in caplog.text and "line 4 " in caplog.text
 
 
+@pytest.mark.parametrize("bad", [
+    b'{"id": "\xff\xfe"}',  # not UTF-8
+    json.dumps({**usage_record().to_json(), "prompt_tokens": 2**70}).encode(),  # past the column's BIGINT
+    json.dumps({**usage_record().to_json(), "completion_tokens": -5}).encode(),  # no count is negative
+    json.dumps({**usage_record().to_json(), "model": "a\x00b"}).encode(),  # PostgreSQL's text takes no NUL
+    json.dumps({**usage_record().to_json(), "route": "\ud800"}).encode(),  # nor a lone surrogate
+], ids=["not utf-8", "int past 64 bits", "negative", "nul", "lone surrogate"])
+def test_a_line_the_database_would_refuse_is_skipped_and_never_blocks_later_files(store, tmp_path, caplog, bad):
+    """Files replay oldest first: one the database refused every time would keep every later
+    file, of every writer, out of the ledger for good."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    stamp = time.time_ns()
+    kept = usage_record(key_id="k0")
+    (spool / f"dead-{stamp}.jsonl").write_bytes(bad + b"\n" + json.dumps(kept.to_json()).encode() + b"\n")
+    later = [usage_record(key_id="k1") for _ in range(3)]
+    (spool / f"other-{stamp + 1}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in later))
+    ledger = UsageLedger(store, spool, writer_id="live")
+    with caplog.at_level(logging.ERROR, logger="ray.serve"):
+        asyncio.run(_record_and_flush(ledger, usage_record(key_id="k2")))
+    assert (_requests(store, "k0"), _requests(store, "k1"), _spool_files(spool)) == (1, 3, [])
+    assert "skipping corrupt line 1 " in caplog.text
+
+
 def test_spool_files_are_replayed_oldest_first(store, tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
