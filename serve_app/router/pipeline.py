@@ -83,6 +83,8 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
 # --- the stages before the model --------------------------------------------------------------
 async def authenticate(ctx: Context) -> None:
     ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
+    if not ctx.caller.peer_bound:  # the hop header is a peer router's word (its failover token), nobody else's
+        ctx.origin = None
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
     # over its limit, a body its tier could never admit), so that it costs no parse.
     declared = ctx.request.headers.get("content-length", "")

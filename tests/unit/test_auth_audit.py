@@ -22,7 +22,7 @@ from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, SharedRateLi
 from serve_app.errors import APIError
 from serve_app.router import ingress, openapi
 from serve_app.config import Peer
-from serve_app.router.failover import Forwarder
+from serve_app.router.failover import HOP_HEADER, Forwarder
 from tests.unit.auth_support import (
     MODEL,
     OTHER_MODEL,
@@ -217,6 +217,28 @@ def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path
     _, app = _fail_over(router_app, yul, f"Bearer {key}", peers, lambda r: httpx.Response(peer_status, json={}))
     # A peer that answered (whatever it said) records the request; none did: this region does.
     assert len(app.recorded()) == (1 if billed_here else 0)
+
+
+def test_the_hop_header_from_a_client_is_ignored_its_request_fails_over_and_its_record_names_no_origin(
+        tmp_path, router_app):
+    """Only a peer's router (its failover token, for this region alone) says a request was
+    forwarded: from a client the header would write any origin on its bill and keep its request
+    from failing over (the one-hop rule)."""
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01")
+    yul = regions["yul-02"]
+    key, _ = yul.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    forged = {"Authorization": f"Bearer {key}", HOP_HEADER: "fra-01; not a failover at all"}
+    served_here = router_app(auth=yul, region=yul.region)
+    assert served_here.client.post("/v1/chat/completions", json=body, headers=forged).status_code == 200
+    assert [r["failover_origin"] for r in served_here.recorded()] == [None]
+    seen = []
+    away = router_app(auth=yul, region=yul.region, peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(lambda r: seen.append(r) or httpx.Response(200, json={})))
+    away.serve.stop(MODEL)
+    away.run(away.services.states.refresh)
+    assert away.client.post("/v1/chat/completions", json=body, headers=forged).status_code == 200
+    assert [r.headers[HOP_HEADER] for r in seen] == ["yul-02"]  # failed over, with its own hop header
 
 
 def test_a_forwarding_token_never_outlives_the_callers_own_token(tmp_path):
