@@ -120,8 +120,12 @@ class Forwarder:
     def _http(self) -> httpx.AsyncClient:
         # Created lazily: the client's pool belongs to the event loop that first uses it.
         if self._client is None:
+            # No cap on connections: the router's own admission bounds what it forwards (one
+            # connection a request, HTTP/1.1), and httpx's default of 100 would make the 101st
+            # forwarded stream of a region fail over wait, then time out, as if the peer were down.
             self._client = httpx.AsyncClient(timeout=self._timeout, follow_redirects=False,
-                                             verify=self._verify, transport=self._transport)
+                                             verify=self._verify, transport=self._transport,
+                                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
         return self._client
 
     async def aclose(self) -> None:
@@ -177,6 +181,8 @@ class Forwarder:
                 outcome = "unavailable" if upstream.status_code == 503 else "served"
             except httpx.ConnectError:
                 outcome = "connect_error"
+            except httpx.PoolTimeout:  # waiting for this router's own pool: says nothing of the peer
+                detail = "PoolTimeout"
             except httpx.TimeoutException:  # connect, write, or no response head within the read timeout
                 outcome = "timeout"
             except httpx.HTTPError as err:  # e.g. the peer closed the connection before answering

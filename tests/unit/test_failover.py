@@ -178,6 +178,7 @@ def test_first_peer_503_then_second_serves_and_attempts_are_recorded():
         (httpx.ConnectTimeout("connect timed out"), "timeout"),
         (httpx.ReadTimeout("no response head"), "timeout"),
         (httpx.RemoteProtocolError("server disconnected"), "error"),
+        (httpx.PoolTimeout("this router's pool is full"), "error"),  # ours, not the peer's: not held back
     ],
 )
 def test_network_failures_move_on_to_the_next_peer(failure, outcome):
@@ -227,6 +228,38 @@ def test_an_unreachable_peer_is_skipped_for_a_while_then_tried_again():
     peers.requests.clear()
     peers.answers["yvr.test"] = httpx.Response(200, json={})
     assert forward(fwd).region == "yvr-01"
+
+
+def test_waiting_for_this_routers_own_pool_does_not_hold_a_peer_back():
+    now = [100.0]
+    peers = Peers(yvr=httpx.PoolTimeout("no free connection"), yyz=httpx.Response(200, json={}))
+    fwd = Forwarder("yul-02", PEERS, transport=httpx.MockTransport(peers), clock=lambda: now[0])
+    assert forward(fwd).region == "yyz-01"
+    peers.answers["yvr.test"] = httpx.Response(200, json={})
+    assert forward(fwd).region == "yvr-01"  # tried again at once
+
+
+def test_more_streams_forwarded_at_once_than_httpxs_default_pool_all_reach_the_peer():
+    """httpx caps a client at 100 connections: the 101st forwarded stream waited for the pool,
+    timed out, and the peer was held back as unreachable. The router's admission bounds it."""
+    async def scenario():
+        async def hold(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # the stream stays open until the router closes it
+
+        server = await asyncio.start_server(hold, "127.0.0.1", 0, backlog=256)
+        port = server.sockets[0].getsockname()[1]
+        fwd = Forwarder("yul-02", [Peer(region="yvr-01", endpoint=f"http://127.0.0.1:{port}")], connect_timeout_s=0.5)
+        opened = await asyncio.gather(*(fwd.open(ROUTE, {**BODY, "stream": True}, AUTH) for _ in range(105)))
+        assert [attempts[0].outcome for _, _, attempts in opened] == ["served"] * 105
+        for _, upstream, _ in opened:
+            await upstream.aclose()
+        await fwd.aclose()
+        server.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_peer_answering_503_is_not_held_back():
