@@ -240,11 +240,14 @@ class Context:
 
     def _not_served_here(self, outcome: Outcome) -> bool:
         """A peer region served it (and charges its own limits), or the gateway failed it (5xx)
-        before the engine did anything: its admission's tokens go back (``Authenticator.refund``)."""
+        with no byte of an answer sent and no token counted: its admission's tokens go back
+        (``Authenticator.refund``). A stream cut off by a replica that died has sent tokens:
+        nothing back, though it reports none."""
         if self.billed_elsewhere:
             return True
         done = self.generated
-        return outcome.status >= 500 and (done is None or done.prompt_tokens == done.completion_tokens == 0)
+        return (outcome.status >= 500 and self.record.first_chunk_ms is None
+                and (done is None or done.prompt_tokens == done.completion_tokens == 0))
 
     def _close(self) -> None:
         outcome = self.outcome

@@ -133,11 +133,20 @@ def test_each_admitted_request_is_recorded_once_with_the_engines_tokens(setup):
     assert len({r["id"] for r in rows}) == 2
 
 
-def test_a_request_forwarded_here_names_the_region_it_came_from(setup):
-    headers = {**bearer(setup.key), "x-pg-forwarded-from": "yul-02"}
-    assert setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=headers).status_code == 200
-    (row,) = _recorded(setup)
-    assert (row["region"], row["failover_origin"]) == ("local", "yul-02")
+def test_a_request_forwarded_here_names_the_region_it_came_from(tmp_path, router_app):
+    """With the forwarding region's failover token (a client's hop header is ignored:
+    test_auth_audit.py)."""
+    from auth_support import federated_regions
+    from serve_app.auth.keys import SCOPE_INFERENCE
+
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    here = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
+    key, _ = regions["yul-02"].keys.create_key(owner="alice", tier="standard")
+    caller = regions["yul-02"].authenticate(f"Bearer {key}", scope=SCOPE_INFERENCE)
+    forwarding = regions["yul-02"].forwarding_token(caller, "yvr-01")
+    headers = {"Authorization": f"Bearer {forwarding}", "x-pg-forwarded-from": "yul-02"}
+    assert here.client.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers=headers).status_code == 200
+    assert [(r["region"], r["failover_origin"]) for r in here.recorded()] == [("yvr-01", "yul-02")]
 
 
 def test_a_spent_budget_is_a_429_with_its_reset_in_anthropic_shape_too(setup):
@@ -188,6 +197,7 @@ def test_a_follow_up_that_fails_over_is_continued_by_the_peer_from_the_shared_st
     import httpx
 
     from auth_support import federated_regions
+    from serve_app.auth.keys import SCOPE_INFERENCE
     from router_app import to_router
     from serve_app.config import Peer
 

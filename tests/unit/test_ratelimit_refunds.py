@@ -81,3 +81,12 @@ def test_tokens_given_back_go_to_the_live_lease_else_the_region_and_never_past_i
         assert region.peek("k", 600, 100_000, 0).tokens.remaining == 100_000  # a full bucket, no more
 
     asyncio.run(scenario())
+
+
+def test_a_stream_that_sent_tokens_before_its_engine_failed_gives_nothing_back(router_app):
+    app = router_app(engine=FakeEngine(tokens=10, fail_after=2), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
+    with app.client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True}, headers=bearer(key)) as s:
+        text = "".join(s.iter_text())
+    assert '"content":' in text and '"error"' in text  # tokens, then the failure
+    assert _tokens_left(app, key) < 100  # the client had its tokens: the admission stands
