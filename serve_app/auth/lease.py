@@ -217,8 +217,12 @@ class LeasedRateLimiter:
         bucket with its renewal), else where a charge would go, never over the bucket's capacity."""
         lease = self._leases.get(key_id)
         if tokens < 0 and lease is not None and lease.expires >= self.clock():
-            lease.tokens -= tokens
-            return
+            # Never more than one slice in a lease (what the actor grants one): the rest goes back
+            # where a charge goes, so a refund of a charge made elsewhere (an outage's buckets)
+            # cannot grow what this replica admits alone.
+            back = min(-tokens, max(0, int(tpm * LEASE_FRACTION) - lease.tokens))
+            lease.tokens += back
+            tokens += back
         if tokens > 0 and lease is not None and lease.expires >= self.clock():
             taken = min(lease.tokens, tokens)  # carved out of the region's bucket for this key already
             lease.tokens -= taken
@@ -228,7 +232,8 @@ class LeasedRateLimiter:
         if self._outage is not None and self._outage.knows(key_id):
             self._outage.charge(key_id, tpm, tokens)
         elif await self.source.charge(key_id, rpm, tpm, tokens) is None:
-            logger.warning("rate limiter unavailable: %d tokens key %s used beyond its charge are not counted", tokens, key_id)
+            logger.warning("rate limiter unavailable: %+d tokens of key %s (beyond its admission) are not counted",
+                           tokens, key_id)
 
     def _decide_alone(self, key_id: str, rpm: int, tpm: int, tokens: int, left: _Lease | None) -> Decision:
         if self._outage is None:

@@ -240,14 +240,14 @@ class Context:
 
     def _not_served_here(self, outcome: Outcome) -> bool:
         """A peer region served it (and charges its own limits), or the gateway failed it (5xx)
-        with no byte of an answer sent and no token counted: its admission's tokens go back
-        (``Authenticator.refund``). A stream cut off by a replica that died has sent tokens:
-        nothing back, though it reports none."""
+        before any replica took it (no head: loading, overloaded, the replica gone): its
+        admission's tokens go back (``Authenticator.refund``). Once a replica has taken it, its
+        engine may have worked — a non-stream answer that failed reports no count, a stream cut
+        off by a replica that died none either — so nothing goes back."""
         if self.billed_elsewhere:
             return True
-        done = self.generated
-        return (outcome.status >= 500 and self.record.first_chunk_ms is None
-                and (done is None or done.prompt_tokens == done.completion_tokens == 0))
+        taken = self.call is not None and getattr(self.call, "head", None) is not None
+        return outcome.status >= 500 and not taken and self.record.first_chunk_ms is None
 
     def _close(self) -> None:
         outcome = self.outcome

@@ -77,16 +77,18 @@ class UsageRecord:
             # bool is an int to isinstance; a record never has one.
             if isinstance(value, bool) or not isinstance(value, allowed):
                 raise ValueError(f"field {name!r} has the wrong type ({type(value).__name__})")
-            # What the database's columns cannot hold: every number is a count, a status or a time
-            # (BIGINT, never negative), and PostgreSQL's text takes neither a NUL nor a lone surrogate.
-            if isinstance(value, int) and not 0 <= value <= _INT64_MAX:
+            # What no request has, or the database cannot take: a time past year 9999 (the record's
+            # day), a count or status past 2^31 (summed by the day's rollup, it could overflow a
+            # BIGINT), anything negative; and PostgreSQL's text takes neither a NUL nor a lone surrogate.
+            if isinstance(value, int) and not 0 <= value <= (_MAX_MS if name.endswith("_ms") else _MAX_COUNT):
                 raise ValueError(f"field {name!r} is out of range ({value})")
             if isinstance(value, str) and ("\x00" in value or not _utf8(value)):
                 raise ValueError(f"field {name!r} is not text the database can store")
         return cls(**raw)
 
 
-_INT64_MAX = 2**63 - 1
+_MAX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
+_MAX_COUNT = 2**31 - 1
 
 
 def _utf8(value: str) -> bool:

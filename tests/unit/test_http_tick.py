@@ -86,15 +86,25 @@ def test_exit_set_does_not_wait_for_the_tick(ticking, monkeypatch, from_thread):
     uvloop.run(scenario())
 
 
-def test_exit_set_before_the_first_wait_is_seen(ticking, monkeypatch):
+def test_exit_set_after_a_tick_read_it_and_before_the_wait_is_not_left_for_the_next_tick(ticking, monkeypatch):
+    """From another thread, the flag can be set after ``on_tick`` said "go on" and before the new
+    tick's waiter exists (its wake-up then goes to the old waiter): the loop must look again."""
     async def scenario():
         monkeypatch.setattr(http_tick, "TICK_S", 60.0)
         server = _server()
-        server.should_exit = False
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-        server.should_exit = True  # before serve() has run at all
-        await asyncio.wait_for(task, 10)
+        counted = uvicorn.Server.on_tick
+
+        async def racing(self, counter):
+            go_on = await counted(self, counter)
+            if len(ticking) == 2:
+                self.__dict__[http_tick._FLAG] = True  # as a set from another thread that woke no waiter
+            return go_on
+
+        monkeypatch.setattr(uvicorn.Server, "on_tick", racing)
+        task, _port = await _serving(server)
+        await asyncio.sleep(0.1)
+        server.__dict__[http_tick._WAITER].set_result(None)  # the first tick ends (as its timer would)
+        await asyncio.wait_for(task, 10)  # not the next 60 s tick
+        assert len(ticking) == 3
 
     uvloop.run(scenario())

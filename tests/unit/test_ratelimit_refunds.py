@@ -65,20 +65,24 @@ def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, 
     assert [r["failover_origin"] for r in peer.recorded()] == ["yul-02"]  # the peer billed the first
 
 
-def test_tokens_given_back_go_to_the_live_lease_else_the_region_and_never_past_its_capacity():
+def test_tokens_given_back_fill_the_live_lease_to_one_slice_the_rest_goes_to_the_region_never_past_capacity():
     region = RateLimiter()
     leased = LeasedRateLimiter(LocalRateLimiter(region))
 
+    def left_in_region() -> int:
+        return region.peek("k", 600, 100_000, 0).tokens.remaining
+
     async def scenario():
-        assert (await leased.acquire("k", 600, 100_000, 40_000)).allowed  # with a lease of 5,000
-        slice_before = leased._leases["k"].tokens
-        await leased.charge("k", 600, 100_000, -40_000)
-        assert leased._leases["k"].tokens == slice_before + 40_000  # no actor call
-        leased._leases.clear()  # the lease is gone (expired): the region's bucket takes it
-        await leased.charge("k", 600, 100_000, -40_000)
-        assert region.peek("k", 600, 100_000, 0).tokens.remaining == 100_000 - 40_000 - 5_000 + 40_000
+        assert (await leased.acquire("k", 600, 100_000, 40_000)).allowed  # the actor's, with a slice of 5,000
+        assert (leased._leases["k"].tokens, left_in_region()) == (5_000, 55_000)
+        await leased.charge("k", 600, 100_000, -40_000)  # the lease is full: back to the region
+        assert (leased._leases["k"].tokens, left_in_region()) == (5_000, 95_000)
+        assert (await leased.acquire("k", 600, 100_000, 3_000)).allowed  # from the lease, no actor call
+        await leased.charge("k", 600, 100_000, -3_000)
+        assert (leased._leases["k"].tokens, left_in_region()) == (5_000, 95_000)  # the lease is whole again
+        leased._leases.clear()  # the lease is gone (expired)
         await leased.charge("k", 600, 100_000, -10**9)
-        assert region.peek("k", 600, 100_000, 0).tokens.remaining == 100_000  # a full bucket, no more
+        assert left_in_region() == 100_000  # a full bucket, no more
 
     asyncio.run(scenario())
 
@@ -90,3 +94,13 @@ def test_a_stream_that_sent_tokens_before_its_engine_failed_gives_nothing_back(r
         text = "".join(s.iter_text())
     assert '"content":' in text and '"error"' in text  # tokens, then the failure
     assert _tokens_left(app, key) < 100  # the client had its tokens: the admission stands
+
+
+def test_a_non_stream_answer_the_engine_worked_on_then_failed_gives_nothing_back(router_app):
+    """A replica took it (its head came): the engine may have generated, though a failed answer
+    reports no count. Only refusals before any replica took the request give tokens back."""
+    app = router_app(engine=FakeEngine(tokens=600, fail_after=500), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
+    failed = app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+    assert failed.status_code >= 500 and app.engine.generated >= 500
+    assert _tokens_left(app, key) < 100

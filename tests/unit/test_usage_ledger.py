@@ -181,9 +181,11 @@ def test_a_corrupt_spool_line_is_skipped_and_the_rest_is_replayed(store, tmp_pat
     b'{"id": "\xff\xfe"}',  # not UTF-8
     json.dumps({**usage_record().to_json(), "prompt_tokens": 2**70}).encode(),  # past the column's BIGINT
     json.dumps({**usage_record().to_json(), "completion_tokens": -5}).encode(),  # no count is negative
+    json.dumps({**usage_record().to_json(), "cached_tokens": 2**62}).encode(),  # the day's sum would overflow
+    json.dumps({**usage_record().to_json(), "started_at_ms": 2**62}).encode(),  # no day after year 9999
     json.dumps({**usage_record().to_json(), "model": "a\x00b"}).encode(),  # PostgreSQL's text takes no NUL
     json.dumps({**usage_record().to_json(), "route": "\ud800"}).encode(),  # nor a lone surrogate
-], ids=["not utf-8", "int past 64 bits", "negative", "nul", "lone surrogate"])
+], ids=["not utf-8", "int past 64 bits", "negative", "huge count", "past year 9999", "nul", "lone surrogate"])
 def test_a_line_the_database_would_refuse_is_skipped_and_never_blocks_later_files(store, tmp_path, caplog, bad):
     """Files replay oldest first: one the database refused every time would keep every later
     file, of every writer, out of the ledger for good."""
