@@ -131,7 +131,12 @@ class ModelStates:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
         if not self._refreshed:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception as err:  # nothing to answer from yet: a 503 the router may fail over
+                logger.warning("could not read the model states (%s: %s)", type(err).__name__, err)
+                raise retry_later("this region's model states could not be read (Serve's controller or the GCS did "
+                                  "not answer)", "model_states_unavailable", retry_after_s=5) from err
             return
         if max_status_age_s is None or time.monotonic() - self._status_read_at <= max_status_age_s:
             return

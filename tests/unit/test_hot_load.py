@@ -678,3 +678,28 @@ def test_the_status_read_from_the_controllers_details_is_what_serve_status_says(
         assert we_read.replica_states == {str(getattr(k, "value", k)): n for k, n in serve_says.replica_states.items()}
     assert ours.applications["llm-m"].deployments["model-m"].replica_states == {"RUNNING": 2, "STARTING": 1}
     assert status_view({}).applications == {}
+
+
+def test_a_first_view_that_cannot_be_read_is_a_503_the_router_can_fail_over_not_a_500():
+    fake = FakeServe()
+    away = {"on": True}
+
+    async def read_all(locations):
+        if away["on"]:
+            raise TimeoutError("the GCS did not answer")
+        return await fake.read_all(locations)
+
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read_all=read_all,
+                         write=fake.write)
+
+    async def scenario():
+        with pytest.raises(APIError) as refused:
+            await states.ensure_fresh()
+        assert (refused.value.status, refused.value.code) == (503, "model_states_unavailable")
+        assert refused.value.headers["Retry-After"] == "5"
+        away["on"] = False
+        await states.ensure_fresh()  # the next request reads it
+        assert states.get(MODEL).state == "loaded"
+        states.stop()
+
+    asyncio.run(scenario())
