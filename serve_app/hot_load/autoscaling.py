@@ -72,13 +72,15 @@ class HotLoadPolicy:
         # An attribute, not the module's constant at each call: the class runs as a copy pickled
         # by value, whose globals a test cannot patch.
         self.wanted_refresh_s = WANTED_REFRESH_S
-        self._wanted = WantedRecord(initial_state, 0.0)
+        self._wanted: WantedRecord | None = None  # nothing read yet (see _wanted_record)
         self._read_at = float("-inf")
         self._busy_at = float("-inf")  # when requests were last in flight (``_draining``)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         _with_line_calls(ctx)
         wanted = self._wanted_record(ctx)
+        if wanted is None:  # no read has answered since Serve built this policy: change nothing
+            return ctx.target_num_replicas, {}
         now = ctx.current_time or time.time()
         if ctx.total_num_requests > 0:
             self._busy_at = now
@@ -106,7 +108,12 @@ class HotLoadPolicy:
         lag_s = record_s + serve_constants.RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S + 1.0
         return now - wanted.since < lag_s
 
-    def _wanted_record(self, ctx) -> WantedRecord:
+    def _wanted_record(self, ctx) -> WantedRecord | None:
+        """The wanted state, read at most every ``wanted_refresh_s``; a failed read keeps the last
+        one. None until a read has answered: Serve builds a new policy on every change of the
+        deployment's config and on a controller restart, and the config's ``initial_state`` is not
+        the model's state (an admin may have loaded a model the region file says cold: taking it
+        for the state on a failed first read scaled a serving model to zero)."""
         now = time.monotonic()
         if now - self._read_at >= self.wanted_refresh_s:
             self._read_at = now

@@ -105,6 +105,7 @@ class ModelStates:
         """Follow ``models`` from now on (the router's settings changed): a new model starts from
         its ``initial_state`` until the next refresh; one no longer listed keeps its last state
         for the requests already on their way to it, and is refreshed no more."""
+        joined = {m.id for m in models} - self.locations.keys()
         self.locations = {m.id: (model_app_name(self.router_app, m.id), m.deployment_name) for m in models}
         self.required = {m.id for m in models if m.region_health == "required"}
         now = time.time()
@@ -116,7 +117,10 @@ class ModelStates:
             for m in models
         }
         for model_id, wanted in self._initial.items():
-            self._states.setdefault(model_id, derive_state(wanted, {}))
+            if model_id in joined:  # a model added back is not what it was when it left: not deployed yet
+                self._states[model_id] = derive_state(wanted, {})
+            else:
+                self._states.setdefault(model_id, derive_state(wanted, {}))
         self._wanted = {}  # the next refresh reads Serve's status: a model may have joined
 
     def get(self, model_id: str) -> ModelState:
@@ -236,7 +240,8 @@ class ModelStates:
             time.monotonic() - self._status_read_at > STATUS_MAX_AGE_S
             or time.monotonic() < self._suspect_until
             or wanted != self._wanted
-            or any(state.state != LOADED or state.message for state in self._states.values())
+            or any(state.state != LOADED or state.message
+                   for model_id, state in self._states.items() if model_id in self.locations)
         )
 
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:

@@ -183,7 +183,7 @@ async def _charge_refusal(ctx: Context) -> None:
 
 
 def _wrong_task(ctx: Context) -> APIError:
-    served = [model for model, facts in ctx.services.models.items() if facts.task == ctx.surface.task]
+    served = [model for model in ctx.services.served if ctx.services.models[model].task == ctx.surface.task]
     return APIError(
         400,
         f"{ctx.model} does not serve {ctx.surface.route}: it is a model of task {ctx.services.models[ctx.model].task!r}"

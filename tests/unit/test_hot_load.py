@@ -3,6 +3,7 @@ the router's state tracker. The Serve controller and the GCS KV store are replac
 fakes here; tests/integration/test_hot_load_failover.py loads and unloads a real model."""
 
 import asyncio
+import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -276,6 +277,27 @@ def test_a_kv_outage_keeps_the_last_known_state():
 
     policy._read = broken
     assert policy._wanted_record(ctx).state == "loaded"
+
+
+def test_a_policy_serve_rebuilt_changes_nothing_until_its_first_read_answers():
+    """Serve builds a new policy on every change of the deployment's config and on a controller
+    restart: a failed first read must not take the config's initial_state (cold here) for the
+    state of a model an admin loaded, which scaled a busy model from 3 replicas to 0."""
+    wanted = {("llm", "model-x"): WantedRecord("loaded", time.time() - 3600, "admin")}
+    cluster = Cluster(_model(initial_state="cold"), wanted)
+    cluster.running = cluster.target = 3
+    reads = []
+
+    def flaky(app, deployment):
+        reads.append(app)
+        if len(reads) <= 2:
+            raise ConnectionError("GCS unavailable")
+        return wanted.get((app, deployment))
+
+    cluster.policy.__wrapped__._read = flaky
+    now = time.time()
+    assert [cluster.tick(requests=20, now=now + i) for i in range(4)] == [3, 3, 3, 3]
+    assert len(reads) == 4
 
 
 # --- the router's tracker -----------------------------------------------------------------------
@@ -701,5 +723,29 @@ def test_a_first_view_that_cannot_be_read_is_a_503_the_router_can_fail_over_not_
         await states.ensure_fresh()  # the next request reads it
         assert states.get(MODEL).state == "loaded"
         states.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_model_added_back_starts_from_not_deployed_and_one_removed_stops_costing_status_reads():
+    fake = FakeServe()
+    fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
+    both = [ModelDeploymentArgs(id=MODEL), ModelDeploymentArgs(id=SIBLING)]
+    states = ModelStates("llm", both, serve_status=fake.status, read_all=fake.read_all, write=fake.write)
+
+    async def scenario():
+        await states.refresh()
+        assert states.get(SIBLING).state == "loaded"
+        states.set_models(both[:1])  # the sibling leaves the settings (its application is deleted)
+        states.set_models(both)  # and comes back, a new deployment with no replica yet
+        assert states.get(SIBLING).state == "loading"  # not the "loaded" it left with
+        states.set_models(both[:1])
+        fake.replicas["model-" + SIBLING] = {}
+        await states.refresh()  # the removed one is not refreshed: its last state stands
+        states._status_read_at = time.monotonic()
+        # Only the models served now decide whether Serve's status is read again every second.
+        assert not states._status_may_have_changed(await states._read_all())
+        states._states[SIBLING] = dataclasses.replace(states._states[SIBLING], state="loading")
+        assert not states._status_may_have_changed(await states._read_all())
 
     asyncio.run(scenario())

@@ -115,6 +115,20 @@ def test_a_model_the_settings_no_longer_list_is_not_served_but_its_requests_fini
     assert set(health["models"]) == {MODEL}
 
 
+def test_a_wrong_task_refusal_lists_only_the_models_served_now(router_app):
+    embed = "qwen-3-embedding-0.6b"
+    app = router_app(models=(MODEL, embed))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+
+    def without_embed(settings):
+        settings["models"] = [m for m in settings["models"] if m["id"] != embed]
+
+    app.run(app.services.reconfigure, _changed(app, without_embed), lambda model_id: pytest.fail("no new handle"))
+    refused = app.client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=bearer(key)).json()
+    assert refused["error"]["code"] == "model_does_not_serve_route"
+    assert refused["error"]["message"].endswith("models of task 'embed' here: none")
+
+
 def test_settings_read_at_start_are_refused_in_place(router_app):
     """Serve never sends them this way (they are the router application's args, whose change
     restarts the replica); Services refuses them rather than half-apply them."""
