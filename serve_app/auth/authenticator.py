@@ -295,12 +295,17 @@ class Authenticator:
             await asyncio.gather(self._following, return_exceptions=True)
             self._following = None
 
+    async def list_key_ids(self) -> None:
+        """List the registry's key ids now (``KeyStore.refresh_known_ids``), on a thread; a failure
+        is logged (the registry away: what is listed stays, the budget still holds)."""
+        try:
+            await asyncio.to_thread(self.keys.refresh_known_ids)
+        except Exception as err:
+            logger.warning("key registry: listing key ids failed (%s); retrying", err)
+
     async def _follow_known_ids(self) -> None:
         while True:
-            try:
-                await asyncio.to_thread(self.keys.refresh_known_ids)
-            except Exception as err:  # the registry away: what is listed stays, the budget still holds
-                logger.warning("key registry: listing key ids failed (%s); retrying", err)
+            await self.list_key_ids()
             await asyncio.sleep(KNOWN_IDS_REFRESH_S)
 
     async def count_refused(self, principal: Principal) -> None:

@@ -209,6 +209,13 @@ class KeyStore:
         """No more background re-reads (the router stopping); lookups still work."""
         self._refresher.close()
 
+    def know_ids_of(self, other: "KeyStore") -> None:
+        """Start from ``other``'s listing (a router's new store after its settings changed): the
+        ids it knows are never budgeted as made-up here either, and the next listing goes on from
+        where its last one got. Updated in place: the lookup cache holds the set's membership test."""
+        self._known_ids.update(other._known_ids)
+        self._known_since = max(self._known_since, other._known_since)
+
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the
         ids whose lookups a flood of made-up ids can never hold back (``cache.py``), at most

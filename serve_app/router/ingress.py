@@ -7,6 +7,7 @@ their rows (``serve_app/surfaces``, ``_with_surface_routes``): a new surface nee
 written here. The router never imports vLLM.
 """
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -108,6 +109,32 @@ def _surface_route(surface: surfaces.Surface):
     return route
 
 
+RETRY_FIRST_S, RETRY_MAX_S = 2.0, 60.0  # a refused user_config is tried again, the wait doubling
+
+
+async def _apply(services: Services, args: Any, handle: Any) -> bool:
+    """Apply a new user_config in place; False when it could not be and trying again may help."""
+    try:
+        changed = await services.reconfigure(args, handle)
+    except ValueError:  # settings read at start: a restart applies them, trying again never
+        logger.exception("the Router's new user_config cannot be applied in place; serving on the previous one")
+        return True
+    except Exception:
+        logger.exception("could not apply the Router's new user_config; serving on the previous one, trying again")
+        return False
+    logger.info("settings changed in place: %s", ", ".join(changed) or "none")
+    return True
+
+
+async def _retry_apply(services: Services, args: Any, handle: Any) -> None:
+    wait_s = RETRY_FIRST_S
+    while True:
+        await asyncio.sleep(wait_s)
+        if await _apply(services, args, handle):
+            return
+        wait_s = min(2 * wait_s, RETRY_MAX_S)
+
+
 @serve.deployment
 @serve.ingress(app)
 @_with_surface_routes
@@ -130,12 +157,15 @@ class Router:
         setup_tracing(telemetry, region=region, deployment=ROUTER_DEPLOYMENT, replica=self.replica)
         setup_metrics(telemetry)
         self.services: Services | None = None
+        self.retrying: asyncio.Task | None = None  # a user_config this replica could not apply yet
 
     async def reconfigure(self, settings: dict[str, Any]) -> None:
         """Serve's ``user_config``: the first one builds the services; a later one changes them in
         place (``Services.reconfigure``). A later one that is invalid, or that cannot be applied,
         is refused with an ERROR in this replica's log and the replica keeps serving on what it
-        has: raising would make Serve stop it, and a replacement would fail the same way."""
+        has: raising would make Serve stop it, and a replacement would fail the same way. One
+        that failed for a reason that may pass (the key registry away) is tried again in the
+        background, the wait doubling from 2 s to a minute, until it applies or a newer one comes."""
         try:
             args = parse_app_args(merge_settings(self.startup, settings))
         except ValueError as err:
@@ -145,15 +175,18 @@ class Router:
             return
         if self.services is None:
             self.services = Services.build(self.handle, args, app_name=self.app_name, replica=self.replica)
+            # Before the first request: a real key arriving first is never budgeted as a made-up id.
+            await self.services.auth.list_key_ids()
             self.services.start()
             heap.freeze_startup()  # start-up's objects, out of the collector's reach
             return
-        try:
-            changed = await self.services.reconfigure(args, self.handle)
-        except Exception:
-            logger.exception("could not apply the Router's new user_config; serving on the previous one")
-            return
-        logger.info("settings changed in place: %s", ", ".join(changed) or "none")
+        if getattr(self, "retrying", None) is not None:  # a newer config supersedes one being retried
+            self.retrying.cancel()
+        self.retrying = None
+        if not await _apply(self.services, args, self.handle):
+            # Serve sends a config once: a replica that failed to apply it (the key registry away
+            # a moment) would serve the old one until the next deploy, unlike the region's others.
+            self.retrying = asyncio.get_running_loop().create_task(_retry_apply(self.services, args, self.handle))
 
     def handle(self, model_id: str) -> DeploymentHandle:
         """The model's deployment, in its own application. Not checked to exist: every application
@@ -174,6 +207,8 @@ class Router:
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: abandoned requests' last items (their
         usage records), then the ledger's last write, the state refresh, peer connections."""
+        if self.retrying is not None:
+            self.retrying.cancel()
         await wait_settled()
         if self.services is not None:
             await self.services.aclose()

@@ -148,6 +148,9 @@ class Services:
             # A new key cache and keyset view (what the registry holds is unchanged); its key
             # store opens the same registry, so the ledger and the response store keep theirs.
             auth = await asyncio.to_thread(Authenticator, args.auth, args.region, self.auth.limiter)
+            # Its store knows the key ids the old one listed: real keys are never budgeted as
+            # made-up ids (503 key_registry_busy) while its own first listing runs.
+            auth.keys.know_ids_of(old_auth.keys)
         added = {m.id: handle_for(m.id).options(stream=True) for m in args.models if m.id not in self.handles}
         # No await from here on: a request sees the old settings or the new ones, never a mix.
         self.auth = auth

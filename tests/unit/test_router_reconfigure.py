@@ -129,6 +129,28 @@ def test_a_wrong_task_refusal_lists_only_the_models_served_now(router_app):
     assert refused["error"]["message"].endswith("models of task 'embed' here: none")
 
 
+def test_an_auth_change_keeps_the_listed_key_ids_so_real_keys_are_never_budgeted_as_made_up(router_app,
+                                                                                             monkeypatch):
+    from serve_app.auth.keys import KeyStore
+
+    app = router_app(registry_miss_lookups_per_s=1)
+    keys = [app.auth.keys.create_key(owner=f"owner-{i}", tier="standard")[0] for i in range(5)]
+    app.run(app.auth.list_key_ids)  # as the replica does before its first request
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+    def listing_away(self):
+        raise ConnectionError("the registry's listing did not answer")
+
+    monkeypatch.setattr(KeyStore, "refresh_known_ids", listing_away)  # the new store lists nothing itself
+
+    def tier_raised(settings):
+        settings["auth"]["tiers"]["standard"]["requests_per_minute"] = 700
+
+    app.run(app.services.reconfigure, _changed(app, tier_raised), lambda model_id: pytest.fail("no new handle"))
+    statuses = [app.client.post(CHAT, json=body, headers=bearer(key)).status_code for key in keys]
+    assert statuses == [200] * 5  # not 503 key_registry_busy past the made-up ids' 1 lookup a second
+
+
 def test_settings_read_at_start_are_refused_in_place(router_app):
     """Serve never sends them this way (they are the router application's args, whose change
     restarts the replica); Services refuses them rather than half-apply them."""
@@ -165,6 +187,66 @@ def test_an_invalid_user_config_leaves_the_running_router_as_it_was(router_app, 
     assert "failover.max_attempts" in caplog.text and "auht" in caplog.text
     chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert app.client.post(CHAT, json=chat, headers=bearer(key)).status_code == 200
+
+
+def test_a_user_config_refused_for_a_passing_reason_is_applied_once_it_can_be(router_app, monkeypatch, caplog):
+    """Serve sends a config once: a replica that could not apply it would serve the old one until
+    the next deploy while the region's other routers serve the new one."""
+    from serve_app.router import services as services_module
+
+    app = router_app()
+    router = _router(app)
+    _, settings = _settings(app.services.args)
+    real = services_module.Authenticator
+    refusals = []
+
+    def registry_away_once(*args, **kwargs):
+        if not refusals:
+            refusals.append(1)
+            raise ConnectionError("the key registry did not answer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(services_module, "Authenticator", registry_away_once)
+    monkeypatch.setattr(ingress, "RETRY_FIRST_S", 0.05)
+    raised = {**settings, "auth": {**settings["auth"], "cache_ttl_s": 7}}
+
+    async def scenario():
+        await ROUTER.reconfigure(router, raised)
+        assert app.services.args.auth.cache_ttl_s != 7 and router.retrying is not None  # refused, to be tried again
+        await asyncio.wait_for(router.retrying, 10)
+        assert app.services.args.auth.cache_ttl_s == 7
+
+    caplog.set_level(logging.ERROR)
+    app.run(scenario)
+    assert "trying again" in caplog.text
+
+
+def test_a_newer_user_config_supersedes_one_being_tried_again(router_app, monkeypatch):
+    from serve_app.router import services as services_module
+
+    app = router_app()
+    router = _router(app)
+    _, settings = _settings(app.services.args)
+    real = services_module.Authenticator
+    away = {"on": True}
+
+    def registry(*args, **kwargs):
+        if away["on"]:
+            raise ConnectionError("the key registry did not answer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(services_module, "Authenticator", registry)
+    monkeypatch.setattr(ingress, "RETRY_FIRST_S", 60.0)
+
+    async def scenario():
+        await ROUTER.reconfigure(router, {**settings, "auth": {**settings["auth"], "cache_ttl_s": 7}})
+        first = router.retrying
+        away["on"] = False
+        await ROUTER.reconfigure(router, {**settings, "auth": {**settings["auth"], "cache_ttl_s": 9}})
+        await asyncio.sleep(0)
+        assert first.cancelled() and router.retrying is None and app.services.args.auth.cache_ttl_s == 9
+
+    app.run(scenario)
 
 
 def test_a_router_without_a_user_config_fails_its_health_check_and_says_where_settings_go():
