@@ -83,11 +83,22 @@ def _wait_for_state(url: str, key: str, wanted: str, timeout_s: float) -> list[d
     pytest.fail(f"{MODEL} never became {wanted}: {seen}, last card {_card(url, key)}")
 
 
-def _post_forwarded(url: str, key: str) -> httpx.Response:
-    """What a peer region's router sends: the hop header says it was forwarded already."""
+def _post_forwarded(serve_app, key: str) -> httpx.Response:
+    """What the local region's router sends the peer region when it fails a request over: the
+    hop header, with a minute-long token for the same key whose audience is the peer alone (the
+    header counts only with such a token; from a client it is ignored)."""
+    from serve_app.auth.authenticator import Authenticator
+    from serve_app.auth.keys import SCOPE_INFERENCE
+    from serve_app.auth.ratelimit import LocalRateLimiter
+
+    local = Authenticator(serve_app["auth"], "local", LocalRateLimiter())
+    try:
+        token = local.forwarding_token(local.authenticate(f"Bearer {key}", scope=SCOPE_INFERENCE), "peer")
+    finally:
+        local.keys.close()
     return httpx.post(
-        f"{url}/v1/chat/completions",
-        headers={**_bearer(key), "x-pg-forwarded-from": "elsewhere"},
+        f"{serve_app['peer_url']}/v1/chat/completions",
+        headers={**_bearer(token), "x-pg-forwarded-from": "local"},
         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
         timeout=60,
     )
@@ -126,7 +137,7 @@ def test_a_stream_fails_over_too_and_ends_with_done(serve_app, keys, peer_cold):
 
 
 def test_a_forwarded_request_is_never_forwarded_again(serve_app, keys, peer_cold):
-    response = _post_forwarded(serve_app["peer_url"], keys["user"])
+    response = _post_forwarded(serve_app, keys["user"])
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "model_cold"
     assert int(response.headers["Retry-After"]) > 0
@@ -182,7 +193,7 @@ def test_load_by_hf_repo_id_reports_progress_until_loaded(serve_app, keys, peer_
     assert card["id"] == MODEL and card["state"] == "loading" and card["since"] is not None
 
     # While it loads, requests that cannot fail over are told to come back.
-    refused = _post_forwarded(url, keys["user"])
+    refused = _post_forwarded(serve_app, keys["user"])
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_loading"
     assert int(refused.headers["Retry-After"]) > 0
 
