@@ -56,6 +56,7 @@ class PeerCall:
         self._before = tokens_before  # generated before the seam (the peer's usage counts them)
         self._pending = b""
         self._usage: dict | None = None
+        self._cached = 0  # the prompt tokens the peer's engine read from its prefix cache
         self._metadata: dict | None = None
         self._finish_reasons: list[str] = []
         self._error: str | None = None
@@ -128,6 +129,7 @@ class PeerCall:
         if event.startswith(_METADATA):
             payload = sse.json_of(event)
             self._usage, self._metadata = payload.get("usage"), payload.get("pg_metadata") or {}
+            self._cached = _cached_tokens(self._usage or {})
             return False
         if event.startswith(_ERROR):
             error = sse.json_of(event).get("error") or {}
@@ -159,6 +161,7 @@ class PeerCall:
             payload = sse.json_of(event)
             usage = payload.get("usage") or {}
             self._usage = token_usage(anthropic_prompt_tokens(usage) or 0, usage.get("output_tokens") or 0)
+            self._cached = _cached_tokens(usage)
             if stop := (payload.get("delta") or {}).get("stop_reason"):
                 self._finish_reasons.append(stop)
         elif event.startswith(b"event: content_block_delta"):
@@ -172,6 +175,7 @@ class PeerCall:
             self._metadata = response.pop("pg_metadata", None) or {}
             summary = ResponsesOutput().summarize(dict(response))  # usage and finish, as the replica reads them
             self._usage = summary.usage or token_usage(0, 0)
+            self._cached = _cached_tokens(response.get("usage") or {})
             self._finish_reasons += summary.finish_reasons
             self._terminal, self._done = {**payload, "response": response}, True
             return False
@@ -196,7 +200,7 @@ class PeerCall:
         # character, the peer replayed fewer than ``_before`` and generated those again: they
         # were billed with the first engine's, so never below none.)
         generated = Generated(usage.get("prompt_tokens", 0) + self._before,
-                              max(0, usage.get("completion_tokens", 0) - self._before))
+                              max(0, usage.get("completion_tokens", 0) - self._before), self._cached)
         prefill, total = metadata.get("inference_ttft_ms"), metadata.get("inference_total_ms")
         timing = EngineTiming(queue_ms=metadata.get("queue_ms"), prefill_ms=prefill,
                               decode_ms=total - prefill if None not in (prefill, total) else None)
@@ -208,3 +212,11 @@ class PeerCall:
         self.ended = self._closed = True
         with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
             await self._upstream.aclose()
+
+
+def _cached_tokens(usage: dict) -> int:
+    """The cached prompt tokens of a usage object, in any of the surfaces' shapes (OpenAI's
+    ``prompt_tokens_details``, Responses' ``input_tokens_details``, Anthropic's
+    ``cache_read_input_tokens``): the record's, when the first engine died before counting its prompt."""
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    return int(details.get("cached_tokens") or usage.get("cache_read_input_tokens") or 0)

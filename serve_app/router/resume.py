@@ -72,14 +72,28 @@ def resumable(surface: str, body: dict[str, Any]) -> bool:
         return False
     if (body.get("n") or 1) != 1 or (surface == "completions" and pricing.prompt_count(body) != 1):
         return False
-    if any(body.get(field) not in (None, False, [], 0) for field in _UNRESUMABLE_FIELDS):
+    if any(_set(field, body.get(field)) for field in _UNRESUMABLE_FIELDS):
         return False
     if body.get("seed") is not None:  # a fresh generator after the seam: not the seeded answer (0 is a seed)
         return False
     if surface == "responses" and not _responses_resumable(body):
         return False
+    # Messages' structured output (vLLM makes it a response_format: its grammar would restart).
+    if surface == "messages" and ((body.get("output_config") or {}).get("format") or None) is not None:
+        return False
     choice = body.get("tool_choice")
     return (choice.get("type") if isinstance(choice, dict) else choice) in _FREE_TOOL_CHOICES
+
+
+def _set(field: str, value: Any) -> bool:
+    """Whether ``field`` asks for something a continuation cannot give. ``logprobs: 0`` does on
+    completions (the sampled token's logprob; 0 is not "off", nor is it False), and
+    ``response_format: {"type": "text"}`` does not (no grammar)."""
+    if value is None or value is False or value == []:
+        return False
+    if field == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return False
+    return not (value == 0 and field not in ("logprobs", "prompt_logprobs"))
 
 
 def _responses_resumable(body: dict[str, Any]) -> bool:
@@ -147,11 +161,11 @@ class Resumer:
         ctx = self.ctx
         if broken.error_code != ENGINE_UNAVAILABLE:
             return False
-        field = ctx.surface.limit.field if self.left > 0 else None
+        # None: the replica (or a peer's continuation) could not say what was generated; () is
+        # none yet: the continuation is the whole answer, which the client has not seen a token of.
+        field = ctx.surface.limit.field if self.left > 0 and broken.token_ids is not None else None
         remaining = ctx.body[field] - len(broken.token_ids) if field else 0
-        # None: the replica could not say what was generated (it vanished); () is none yet: the
-        # continuation is the whole answer, which the client has not seen a token of.
-        if broken.token_ids is None or remaining < 1:  # not resumable, resumed enough, or nothing left to say
+        if remaining < 1:  # not resumable, resumed enough, or nothing left to say
             ctx.telemetry.note_not_resumed()
             return False
         self.left -= 1
@@ -166,6 +180,11 @@ class Resumer:
         body = {**ctx.body, field: remaining}
         if isinstance(min_tokens := body.get("min_tokens"), int):  # counted from the continuation's start
             body["min_tokens"] = max(0, min_tokens - len(broken.token_ids))
+        if surface == "messages" and (body.get("thinking") or {}).get("type") == "enabled":
+            # Its budget must stay under max_tokens, which is now what is left; vLLM does not
+            # enforce the budget (its thinking_token_budget is None either way): adaptive keeps
+            # the thinking on with no budget to refuse.
+            body["thinking"] = {"type": "adaptive"}
         span = ctx.telemetry.start_resume("engine_unavailable", len(resume.token_ids))
         call = peer = None
         try:

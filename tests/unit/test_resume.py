@@ -465,3 +465,59 @@ def test_a_stream_run_again_from_its_prompt_that_breaks_again_is_billed_its_prom
     assert _text(events) == "t1 t2 t3 t4 " and any('"error"' in e for e in events)
     (row,) = app.recorded()
     assert (row["prompt_tokens"], row["completion_tokens"], row["resume_prompt_tokens"]) == (5, 4, 5)
+
+
+# --- from a review of the seam (2026-12-06) -------------------------------------------------------
+@pytest.mark.parametrize("surface, body, expected", [
+    ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, False),
+    ("messages", {"output_config": {"effort": "low"}}, True),
+    ("completions", {"prompt": "x", "logprobs": 0}, False),  # the sampled token's logprob: the replay has none
+    ("completions", {"prompt": "x", "logprobs": None}, True),
+    ("chat", {"response_format": {"type": "text"}}, True),  # no grammar
+    ("chat", {"logprobs": False, "top_logprobs": 0}, True),
+], ids=["messages-format", "messages-effort", "logprobs-0", "logprobs-none", "format-text", "logprobs-off"])
+def test_what_a_continuation_cannot_give_is_read_from_every_surfaces_own_fields(surface, body, expected):
+    from serve_app.router import resume
+
+    assert resume.resumable(surface, {"model": MODEL, "stream": True, **body}) is expected
+
+
+def test_a_messages_stream_thinking_on_a_budget_resumes_past_max_tokens_less_its_budget(router_app):
+    """The budget must stay under max_tokens, which a continuation asks for what is left of: its
+    body thinks adaptively (the budget was never enforced here: vllm_engine sets none)."""
+    dying = FakeEngine(tokens=1030, fail_after=10, dies=True)
+    healthy = FakeEngine(tokens=1030)
+    app = router_app(engine=dying, replicas=(healthy,))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response = app.client.post("/v1/messages", headers=bearer(key), json={
+        "model": MODEL, "max_tokens": 1030, "stream": True, "messages": ASK,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    })
+    assert response.status_code == 200 and "overloaded_error" not in response.text
+    ((_, resumed),) = healthy.calls
+    assert resumed.body["max_tokens"] == 1020 and resumed.body["thinking"] == {"type": "adaptive"}
+    (row,) = app.recorded()
+    assert (row["status"], row["resumes"], row["completion_tokens"]) == (200, 1, 1030)
+
+
+def test_a_second_failure_in_a_peers_continuation_ends_with_the_engine_failure_not_a_500(two_regions):
+    home, _, key, healthy = two_regions
+    home.services.max_resumes = 2
+    healthy.fail_after, healthy.dies = 3, True  # the peer's engine dies too: it cannot say what it generated
+    _, events = _stream(home, key)
+    assert json.loads(events[-2][6:])["error"]["code"] == "engine_unavailable"
+    (row,) = home.recorded()
+    assert row["status"] == 503
+
+
+def test_a_peer_that_ran_the_whole_answer_reports_its_cached_prompt_tokens(tmp_path, router_app):
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=12, cached_tokens=4))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=12, fail_after=0, dies=True),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    _, events = _stream(home, key, stream_options={"include_usage": True})
+    metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
+    (row,) = home.recorded()
+    assert metadata["pg_metadata"]["cached_tokens"] == row["cached_tokens"] == 4
