@@ -86,16 +86,21 @@ async def authenticate(ctx: Context) -> None:
     if not ctx.caller.peer_bound:  # the hop header is a peer router's word (its failover token), nobody else's
         ctx.origin = None
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
-    # over its limit, a body its tier could never admit), so that it costs no parse.
-    declared = ctx.request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else 0
-    ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
+    # over its limit, a body its tier could never admit), so that it costs no parse. Not from a
+    # peer's router: a stream it resumes here carries every token generated so far (admitted
+    # there, billed there), and a request it forwards meets this region's limits at admission.
+    if not ctx.caller.peer_bound:
+        declared = ctx.request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else 0
+        ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
 
 
 async def parse(ctx: Context) -> None:
-    # A chunked body declares no size: its reading stops where its tier's minute of prompt ends.
+    # A chunked body declares no size: its reading stops where its tier's minute of prompt ends
+    # (a peer router's: at the size limit of every body, as ``authenticate`` says why).
     tier_bytes = ctx.services.auth.body_limit(ctx.caller, pricing.CHARS_PER_TOKEN)
-    ctx.raw = await read_body(ctx.request, refuse_past=(tier_bytes, _over_tier(ctx)))
+    refuse_past = None if ctx.caller.peer_bound else (tier_bytes, _over_tier(ctx))
+    ctx.raw = await read_body(ctx.request, refuse_past=refuse_past)
     ctx.body = parse_json_object(ctx.raw)
     ctx.taken_over = taken_over(ctx)  # a peer region's stream to continue (its router only)
 

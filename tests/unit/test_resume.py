@@ -521,3 +521,29 @@ def test_a_peer_that_ran_the_whole_answer_reports_its_cached_prompt_tokens(tmp_p
     metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
     (row,) = home.recorded()
     assert metadata["pg_metadata"]["cached_tokens"] == row["cached_tokens"] == 4
+
+
+def test_a_peer_resumes_a_long_stream_of_a_small_tier_its_token_ids_are_not_priced_as_prompt(tmp_path, router_app):
+    """The continuation's body carries every token generated so far: the origin admitted (and
+    bills) the request; the peer must not refuse it as a prompt over the tier's minute."""
+    class RealIds(FakeEngine):
+        """Token ids as a real vocabulary's (~150k: six digits), not 1, 2, 3…"""
+
+        async def _generate(self, prompt, sampling_params, request_id, *, max_tokens, first=1):
+            first = first + 150_000 if first < 150_000 else first
+            async for out in super()._generate(prompt, sampling_params, request_id, max_tokens=max_tokens, first=first):
+                yield out
+
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    healthy = RealIds(tokens=400)
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=healthy)
+    dying = RealIds(tokens=400, fail_after=390, dies=True)
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=dying,
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="tiny")  # 1,000 tokens a minute
+    response, events = _stream(home, key, max_tokens=400, messages=[{"role": "user", "content": "x" * 2000}])
+    assert response.status_code == 200 and not any('"error"' in e for e in events)
+    assert len(healthy.calls) == 1  # ~3,100 bytes of ids on top of a ~2,100-byte request
+    (row,) = home.recorded()
+    assert (row["status"], row["resumes"], row["completion_tokens"]) == (200, 1, 400)
