@@ -60,6 +60,16 @@ class ClientLink:
 
     socket: Any = None
     handed: bool = False
+    pending: Any = None  # the bytes the router's transport still holds for the client (a callable)
+
+    def idle_socket(self) -> Any:
+        """``socket`` if nothing the router wrote to the client still waits to go out, else None.
+        A replica writing to the connection itself would overtake those bytes: a resumed stream's
+        continuation, after keep-alive comments the router wrote to a slow client during the
+        seam, is relayed instead of handed over."""
+        if self.socket is None or (self.pending is not None and self.pending()):
+            return None
+        return self.socket
 
 
 class ClientStalled(Exception):
@@ -104,6 +114,7 @@ class RelayedStream(StreamingResponse):
             # Handed over only as plain TCP (behind HAProxy), and once the head is in the kernel.
             if transport.get_extra_info("sslcontext") is None and not transport.get_write_buffer_size():
                 self.link.socket = transport.get_extra_info("socket")
+                self.link.pending = transport.get_write_buffer_size
             self._cycle = cycle
             silent = Silent.of_this_loop(self.keepalive_s)
             silent.add(self)

@@ -86,9 +86,9 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
     relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
     sequence = dialect.sequence_watch()  # Responses: an error event goes on with the numbering
     link = link or ClientLink()
-    client = link.socket if ctx.services.hand_off else None
     try:
         while True:
+            client = link.idle_socket() if ctx.services.hand_off else None
             link.handed = ctx.call.present(client, keep=relayed is not None or sequence.reads,
                                            stall_s=ctx.services.stall_timeout_s)
             reader = ctx.call.reader

@@ -241,3 +241,16 @@ def test_with_real_uvicorn_a_client_that_stops_reading_is_cut_and_its_stream_end
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_connection_is_handed_over_only_with_nothing_of_the_routers_still_to_go_out():
+    """A resumed stream's continuation would overtake keep-alive comments the router wrote to a
+    slow client during the seam: it is relayed, not handed over, while any wait in the transport."""
+    from serve_app.router.client_socket import ClientLink
+
+    buffered = [0]
+    link = ClientLink(socket="the client's socket", pending=lambda: buffered[0])
+    assert link.idle_socket() == "the client's socket"
+    buffered[0] = 26  # ": keep-alive" frames not yet in the kernel
+    assert link.idle_socket() is None
+    assert ClientLink().idle_socket() is None  # never handed: TLS, a test client
