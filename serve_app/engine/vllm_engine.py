@@ -384,7 +384,7 @@ def _resumed(surface: str, watcher, call: Call):
     has is not sent again (``surfaces/seam.py``)."""
     if watcher is None or call.resume is None:
         return watcher
-    return seam.Cut(surface, call.resume.received, watcher, replay.current().is_past_seam)
+    return seam.Cut(surface, call.resume.received, watcher, replay.current().is_past_seam, call.resume.created)
 
 
 def _engine_body(call: Call, request_id: str | None = None) -> Body:

@@ -122,6 +122,7 @@ def taken_over(ctx) -> Resume | None:
     ids, received, request_id = sent.get("token_ids"), sent.get("received"), sent.get("request_id")
     item_ids, previous = sent.get("ids", {}), sent.get("previous_response_id")
     cached = sent.get("cached_tokens")  # None: the continuation's own count (a peer one release behind)
+    created = sent.get("created")  # None: a peer one release behind, or not chat or completions
     if received is None and isinstance(sent.get("text"), str):  # a peer one release behind
         received = {"content": len(sent["text"]), "opening": int(sent.get("opened", True))}
         received = {channel: n for channel, n in received.items() if n}
@@ -129,12 +130,13 @@ def taken_over(ctx) -> Resume | None:
             and seam.valid_received(received) and seam.valid_ids(item_ids)
             and isinstance(request_id, str) and 0 < len(request_id) <= 64
             and (cached is None or (type(cached) is int and 0 <= cached < 2**31))
+            and (created is None or (type(created) is int and 0 <= created < 2**40))
             and (previous is None or (isinstance(previous, str) and len(previous) <= 128))):
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
     ctx.previous_response_id = previous  # Responses: the id the answer echoes (the sender recalled it)
     ctx.taken_over_limit_lowerable = sent.get("limit_set_by_router") is True
-    return Resume(tuple(ids), received, item_ids, cached)
+    return Resume(tuple(ids), received, item_ids, cached, created)
 
 
 class Resumer:
@@ -176,7 +178,7 @@ class Resumer:
         counted = ctx.generated if ctx.generated is not None and ctx.generated.prompt_tokens else None
         resume = Resume(tuple(broken.token_ids), seam.received(surface, relayed),
                         seam.item_ids(relayed) if surface == "responses" else {},
-                        counted.cached_tokens if counted is not None else None)
+                        counted.cached_tokens if counted is not None else None, seam.created(surface, relayed))
         body = {**ctx.body, field: remaining}
         if isinstance(min_tokens := body.get("min_tokens"), int):  # counted from the continuation's start
             body["min_tokens"] = max(0, min_tokens - len(broken.token_ids))
@@ -261,7 +263,7 @@ class Resumer:
         surface = ctx.surface.name
         sent = {**body, RESUME_FIELD: {"token_ids": list(resume.token_ids), "received": resume.received,
                                        "ids": resume.ids, "request_id": ctx.id,
-                                       "cached_tokens": resume.cached_tokens,
+                                       "cached_tokens": resume.cached_tokens, "created": resume.created,
                                        "previous_response_id": ctx.previous_response_id,
                                        "limit_set_by_router": ctx.price.limit_set_by_router}}  # lowerable, as here
         if surface in ("chat", "completions"):

@@ -28,6 +28,7 @@ its terminal one and the response stored go out under the client's ids and numbe
 
 import dataclasses
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -38,6 +39,7 @@ logger = module_logger(__name__)
 
 Received = dict[str, int]
 
+_CREATED = re.compile(r'"created":\s*\d+,')  # vLLM's chunks: "created":<int>, before "model"
 _REASONING_KEYS = ("reasoning", "reasoning_content")  # vLLM's name, and the older one clients read
 _ANTHROPIC_TEXT = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
 
@@ -221,6 +223,17 @@ def _payloads(events, relayed: bytes):
             yield payload
 
 
+def created(surface: str, relayed: bytes) -> int | None:
+    """The ``created`` of a chat or completions stream's chunks the client has (None: another
+    surface, or no chunk yet)."""
+    if _BY_SURFACE.get(surface) is not _OpenAIChunks:
+        return None
+    for payload in _payloads(_OpenAIChunks, relayed):
+        if type(stamp := payload.get("created")) is int:
+            return stamp
+    return None
+
+
 def item_ids(relayed: bytes) -> dict[str, str]:
     """The ids of a Responses stream's output items the client has (``item<i>``, and ``call<i>``
     for a function call), by output index."""
@@ -302,11 +315,13 @@ class Cut:
     Cutting stops once the client's channels are all counted off, or once the continuation is
     past its seam (``_still_cutting``)."""
 
-    def __init__(self, surface: str, client_has: Received, watcher: Any, past_seam):
+    def __init__(self, surface: str, client_has: Received, watcher: Any, past_seam, created: int | None = None):
         self.watcher = watcher
         self._events = _BY_SURFACE[surface]
         self._left = Counter(client_has)
         self._past_seam = past_seam
+        # The first call's ``created`` (``Resume.created``), on every chunk that carries one.
+        self._created = f'"created":{created},' if created is not None else None
 
     def pass_on(self, event: str) -> str | None:
         if _still_cutting(self._left, self._past_seam):
@@ -315,6 +330,8 @@ class Cut:
                 if not self._events.cut(payload, self._left):
                     return None
                 event = self._events.frame(payload)
+        if self._created is not None and '"created":' in event:
+            event = _CREATED.sub(self._created, event, count=1)
         return self.watcher.pass_on(event)
 
     def refusal(self, first: Any):

@@ -37,6 +37,9 @@ class Resume:
     # engine's business, recorded apart). None: no call counted the prompt yet (the engine died
     # before its first output), so the continuation's own count stands.
     cached_tokens: int | None = None
+    # Chat and completions: the ``created`` of the chunks the client has. vLLM stamps each stream
+    # when its generator starts: the continuation's chunks say the first call's, as one stream's do.
+    created: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from serve_app.engine import outputs as engine_outputs
 from serve_app.engine import pooling_timing, replay, token_count, trailer
 from serve_app.engine.prefetch import AHEAD, Prefetched
 from serve_app.engine.protocol import Stream
-from serve_app.engine.vllm_engine import _with_room_for
+from serve_app.engine.vllm_engine import _resumed, _with_room_for  # a continuation's cut, as VLLMEngine's
 from serve_app.errors import error_body
 from serve_app.surfaces import seam
 from serve_app.wire.messages import Answer, Call, Trailer
@@ -310,13 +310,6 @@ async def _failure_as_event(events):
     except EngineFailed as failure:
         error = {"message": f"EngineCore failed: {failure}", "type": "InternalServerError", "param": None, "code": 500}
         yield f"data: {json.dumps({'error': error})}\n\n"
-
-
-def _resumed(surface: str, watcher, call: Call):
-    """As ``VLLMEngine``'s: a continuation's events behind the seam's cut."""
-    if call.resume is None:
-        return watcher
-    return seam.Cut(surface, call.resume.received, watcher, replay.current().is_past_seam)
 
 
 class FakeTokenizer:

@@ -547,3 +547,40 @@ def test_a_peer_resumes_a_long_stream_of_a_small_tier_its_token_ids_are_not_pric
     assert len(healthy.calls) == 1  # ~3,100 bytes of ids on top of a ~2,100-byte request
     (row,) = home.recorded()
     assert (row["status"], row["resumes"], row["completion_tokens"]) == (200, 1, 400)
+
+
+class _Clocked(FakeEngine):
+    """As vLLM's: every stream's chunks stamped with the second its generator started."""
+
+    stamps = iter(range(1_700_000_000, 1_800_000_000, 7))
+
+    async def _events(self, outputs, body, surface="chat"):
+        created = next(self.stamps)
+        async for event in super()._events(outputs, body, surface):
+            yield event.replace('"created":1,', f'"created":{created},')
+
+
+def _created(response) -> set[int]:
+    return {json.loads(e[6:])["created"] for e in response.text.split("\n\n") if e.startswith("data: {")}
+
+
+@pytest.mark.parametrize("route, extra", [("/v1/chat/completions", {"messages": ASK}),
+                                          ("/v1/completions", {"prompt": "x"})], ids=["chat", "completions"])
+def test_the_continuations_chunks_say_the_streams_created_as_one_streams_do(router_app, route, extra):
+    """A continuation's generator starts later: its chunks would say a later second."""
+    app = router_app(engine=_Clocked(tokens=12, fail_after=5, dies=True), replicas=(_Clocked(tokens=12),))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response = app.client.post(route, headers=bearer(key), json={"model": MODEL, "max_tokens": 12, "stream": True,
+                                                                 **extra})
+    assert len(_created(response)) == 1 and app.recorded()[0]["resumes"] == 1
+
+
+def test_a_peers_continuation_says_the_streams_created_too(tmp_path, router_app):
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=_Clocked(tokens=12))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=_Clocked(tokens=12, fail_after=5, dies=True),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    response, _ = _stream(home, key)
+    assert len(_created(response)) == 1 and home.recorded()[0]["resumed_in"] == "yvr-01"
