@@ -26,6 +26,7 @@ import contextvars
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from serve_app.engine import token_count
 from serve_app.engine.prefetch import Prefetched
 from serve_app.engine.seam_stops import SeamStops
 
@@ -122,6 +123,11 @@ async def _replayed(outputs, replay: Replay, prompt_ids: list[int], params, requ
             if replay.cached_tokens is not None:
                 output.num_cached_tokens = replay.cached_tokens
             stopped = stops is not None and stops.see(output)
+            if stopped and (count := token_count.current()) is not None:
+                # Counted beneath this replay as the engine made them: this output's tokens past
+                # the stop, and what the engine makes until the abort takes. The bill is the
+                # answer's, as its usage is.
+                count.cut_at(stops.tokens)
             yield output
             replay.past_seam = True  # the next output is asked for: this one's events are out
             if stopped:  # a stop string across the seam ended the answer: the engine request is aborted

@@ -36,7 +36,7 @@ class TokenCount:
     from the prefix cache."""
 
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "token_ids", "_counting", "_settled",
-                 "_streams")
+                 "_streams", "_ends_at")
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
@@ -48,6 +48,21 @@ class TokenCount:
         self._counting = 0  # final-only or stream generations of this request not closed yet
         self._settled: asyncio.Event | None = None
         self._streams: weakref.WeakSet = weakref.WeakSet()  # its stream generations (``_counted``)
+        self._ends_at: int | None = None  # where the completion ended, once the replica stopped it (``cut_at``)
+
+    def cut_at(self, completion_tokens: int) -> None:
+        """The completion ends at ``completion_tokens`` (a stop the replica matched itself: a stop
+        string across a resumed stream's seam): what the engine made past it is not the answer's,
+        as past a stop vLLM matches, whose usage counts none of it."""
+        self._ends_at = completion_tokens
+        self._clamp()
+
+    def _clamp(self) -> None:
+        # Also for what is counted later: the engine's outputs read after the abort (``settled``).
+        if self._ends_at is not None:
+            self.completion_tokens = min(self.completion_tokens, self._ends_at)
+            if self.token_ids is not None:
+                del self.token_ids[self._ends_at:]
 
     def snapshot(self) -> Generated:
         """The count so far, as the trailer carries it."""
@@ -79,6 +94,11 @@ class TokenCount:
         self._counting -= 1
         if self._counting == 0 and self._settled is not None:
             self._settled.set()
+
+
+def current() -> TokenCount | None:
+    """The count of the request this task serves, if one was started."""
+    return _CURRENT.get()
 
 
 def start() -> TokenCount:
@@ -272,6 +292,7 @@ def _add(count: TokenCount, output: Any, seen: _Seen, *, deltas: bool) -> None:
                 count.token_ids.extend(choice.token_ids)
             else:
                 count.token_ids[:] = choice.token_ids
+    count._clamp()
 
 
 def counting_encode(encode: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:

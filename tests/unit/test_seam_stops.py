@@ -141,3 +141,52 @@ def test_no_stop_string_leaves_the_replay_and_the_engine_untouched(tokenizer):
     continuation = list(_engine(tokenizer, prompt_ids + tail, params, rest))
     sent, finish, tokens = asyncio.run(_replica(tokenizer, prompt_ids, params, tail, continuation))
     assert (sent, finish, tokens) == (tokenizer.decode(answer), ("length", None), len(answer))
+
+
+@pytest.mark.parametrize("per", [1, 3])
+def test_a_stop_across_the_seam_bills_the_tokens_up_to_it_not_what_the_engine_made_past_it(tokenizer, per):
+    """The count sits beneath the replay: it saw whole engine outputs (merged steps past the stop)
+    and, once the request was aborted, what the engine had made meanwhile. The bill must be the
+    tokens up to the stop, as an uninterrupted stream's usage is."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+
+    from serve_app.engine import token_count
+
+    prompt_ids = tokenizer.encode("the prompt:")
+    answer_ids = tokenizer.encode(ASCII, add_special_tokens=False)
+    seam = next(k for k in range(1, len(answer_ids))  # "END" begins before the seam, completes after it
+                if tokenizer.decode(answer_ids[:k]).endswith(("E", "EN")))
+    tail, rest = answer_ids[:seam], answer_ids[seam:]
+    left = _params(["END"], False, 0)
+    left.output_kind = RequestOutputKind.DELTA
+    aborted = []
+
+    async def engine(prompt, sampling_params, request_id):
+        """Never stops on "END" itself (its detokenizer starts at the seam): it goes on until aborted."""
+        for i in range(0, len(rest), per):
+            if aborted:
+                break
+            tokens = rest[i : i + per]
+            yield RequestOutput(request_id, None, prompt, None, [CompletionOutput(0, "", tokens, None, None)], False)
+            await asyncio.sleep(0)
+        yield RequestOutput(request_id, None, prompt, None,  # what it made before the abort took
+                            [CompletionOutput(0, "", rest[:2], None, None, finish_reason="abort")], True)
+
+    async def abort(request_id):
+        aborted.append(request_id)
+
+    async def scenario():
+        count = token_count.start()
+        outputs = token_count.counting(engine, abort=abort)(prompt_ids + tail, left, "r")
+        seen = 0
+        async for output in replay._replayed(outputs, replay.Replay(tuple(tail)), prompt_ids, left, "r", tokenizer):
+            seen += len(output.outputs[0].token_ids)
+            if output.finished:
+                assert output.outputs[0].stop_reason == "END"
+                break
+        await count.settled(5)
+        return seen - len(tail), count.completion_tokens, len(count.token_ids)
+
+    after_seam, billed, ids = asyncio.run(scenario())
+    assert after_seam == billed == ids  # the tokens the client's usage counts past the seam, no more
