@@ -80,9 +80,9 @@ _settling: set[asyncio.Task] = set()  # strong references: the loop keeps only w
 async def wait_settled() -> None:
     """Until every abandoned request's last item is in (or given up on), and every charge of one
     is counted (``in_background``): before the router stops, so their usage records are queued
-    while the ledger can still write them."""
-    if _settling:
-        await asyncio.gather(*_settling, return_exceptions=True)
+    while the ledger can still write them. Work such a task starts meanwhile is waited for too."""
+    while pending := [task for task in _settling if not task.done()]:
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def in_background(work) -> None:

@@ -64,6 +64,7 @@ class UsageLedger:
         self._own_spool: dict[str, Counter[str]] = {}  # this writer's spool files -> their tokens
         self._wakeup = asyncio.Event()
         self._closing = False
+        self._closed = False  # the last flush is done: a later record is spooled as it comes
         self._task: asyncio.Task | None = None
         self._replayed_at = time.monotonic()
 
@@ -72,6 +73,13 @@ class UsageLedger:
         """Queue ``r`` for writing. O(1), never blocks, never raises: it runs as a request ends."""
         if not isinstance(r, UsageRecord):  # a bug in the caller must not fail the response, nor the batch
             logger.error("usage ledger: not a UsageRecord (%s); dropped", type(r).__name__)
+            return
+        if self._closed:  # after the last flush (a replica stopping): to the spool at once, not lost
+            try:
+                self._spool([r])
+                self.spooled += 1
+            except Exception as err:
+                logger.error("usage ledger: a record after close could not be spooled (%s); lost: %s", err, r.id)
             return
         self._pending.append(r)
         self._unwritten[r.key_id] += r.total_tokens
@@ -95,6 +103,7 @@ class UsageLedger:
             await self._task
         else:
             await self.flush()
+        self._closed = True
 
     async def _run(self) -> None:
         while not self._closing:

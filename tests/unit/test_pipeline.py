@@ -276,3 +276,27 @@ def test_a_client_that_leaves_while_its_stored_conversation_is_read_still_costs_
 
     app.run(send)
     assert _requests_left(app, key) == before - 2  # the one that left, and this request
+
+
+def test_waiting_for_settled_work_covers_work_that_work_started_meanwhile():
+    """A background close can start another (a last item whose record needs a store write's):
+    the router stops only once both are done, or the second's record is lost."""
+    from serve_app.router.context import in_background
+
+    done = []
+
+    async def second():
+        await asyncio.sleep(0.05)
+        done.append("second")
+
+    async def first():
+        await asyncio.sleep(0.01)
+        in_background(second())
+        done.append("first")
+
+    async def scenario():
+        in_background(first())
+        await wait_settled()
+        return list(done)
+
+    assert asyncio.run(scenario()) == ["first", "second"]

@@ -236,6 +236,17 @@ def test_aclose_flushes_what_is_pending_to_the_database_or_to_the_spool(store, t
     assert never_started.spooled == 1 and len(_spool_files(tmp_path / "spool")) == 1
 
 
+def test_a_record_after_the_last_flush_is_spooled_and_replayed_not_lost(store, tmp_path):
+    """A request that settles as its replica stops (Serve's shutdown budget spent before its
+    background work was) records after the ledger's last write."""
+    closed = UsageLedger(store, tmp_path / "spool", writer_id="a")
+    asyncio.run(closed.aclose())
+    closed.record(usage_record(key_id="late"))
+    assert closed.spooled == 1 and len(_spool_files(tmp_path / "spool")) == 1
+    asyncio.run(_record_and_flush(UsageLedger(store, tmp_path / "spool", writer_id="b"), usage_record()))
+    assert _requests(store, "late") == 1 and _spool_files(tmp_path / "spool") == []
+
+
 def test_record_never_raises_on_a_bad_record(store, tmp_path, caplog):
     ledger = UsageLedger(store, tmp_path / "spool", writer_id="a")
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
