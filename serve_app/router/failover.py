@@ -108,7 +108,12 @@ class Forwarder:
     def apply(self, peers: Sequence[Peer], *, connect_timeout_s: float, read_timeout_s: float,
               max_attempts: int, unreachable_hold_s: float) -> None:
         """New settings, in place (the router was reconfigured): requests forwarded from now on
-        use them; one under way keeps the peer list it is walking and its connection."""
+        use them; one under way keeps the peer list it is walking and its connection. A peer whose
+        endpoint changed is not held back for its old one's failures."""
+        endpoints = {peer.region: peer.endpoint for peer in getattr(self, "peers", ())}
+        for peer in peers:
+            if endpoints.get(peer.region, peer.endpoint) != peer.endpoint:
+                self._unreachable_until.pop(peer.region, None)
         self.peers = list(peers)
         self.max_attempts = max_attempts
         self.unreachable_hold_s = unreachable_hold_s

@@ -262,6 +262,19 @@ def test_more_streams_forwarded_at_once_than_httpxs_default_pool_all_reach_the_p
     asyncio.run(scenario())
 
 
+def test_a_peer_given_a_new_endpoint_is_tried_at_once_not_held_back_for_the_old_ones_failures():
+    now = [100.0]
+    peers = Peers(yvr=httpx.ConnectError("refused"), yyz=httpx.Response(200, json={}))
+    fwd = Forwarder("yul-02", PEERS, transport=httpx.MockTransport(peers), clock=lambda: now[0])
+    assert forward(fwd).region == "yyz-01"  # yvr-01 is held back now
+    moved = [Peer(region="yvr-01", endpoint="https://yvr-new.test"), *PEERS[1:]]
+    fwd.apply(moved, connect_timeout_s=2, read_timeout_s=600, max_attempts=2, unreachable_hold_s=10)
+    peers.answers["yvr-new.test"] = httpx.Response(200, json={})
+    assert forward(fwd).region == "yvr-01"
+    fwd.apply(moved, connect_timeout_s=2, read_timeout_s=600, max_attempts=2, unreachable_hold_s=10)
+    assert fwd._unreachable_until == {}  # nothing held, nothing to drop
+
+
 def test_a_peer_answering_503_is_not_held_back():
     now = [100.0]
     peers = Peers(yvr=unavailable(), yyz=httpx.Response(200, json={}))
