@@ -213,8 +213,9 @@ class KeyStore:
         """Start from ``other``'s listing (a router's new store after its settings changed): the
         ids it knows are never budgeted as made-up here either, and the next listing goes on from
         where its last one got. Updated in place: the lookup cache holds the set's membership test."""
+        since = other._known_since  # first: its listing adds ids before it moves this on
         self._known_ids.update(other._known_ids)
-        self._known_since = max(self._known_since, other._known_since)
+        self._known_since = max(self._known_since, since)
 
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the

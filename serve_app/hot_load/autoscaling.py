@@ -34,6 +34,7 @@ read from the GCS key-value store at most once a second. The policy class is pic
 the config is deployed; what it imports is imported in the controller, so it stays small.
 """
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -44,7 +45,10 @@ from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 
 from serve_app.hot_load.state import WantedRecord, read_wanted
 
+# Serve's logger by the name module_logger gives, without telemetry's imports in the controller.
+logger = logging.getLogger(f"ray.serve.{__name__}")
 WANTED_REFRESH_S = 1.0  # the config names this class as serve_app.regions.layout.POLICY_PATH
+FAILED_READ_LOG_S = 60.0  # a wanted state that cannot be read is logged this often
 # A model replica's calls in flight that came on its direct line (ModelServer.record_autoscaling_stats).
 LINE_CALLS_METRIC = "line_calls"
 
@@ -74,6 +78,7 @@ class HotLoadPolicy:
         self.wanted_refresh_s = WANTED_REFRESH_S
         self._wanted: WantedRecord | None = None  # nothing read yet (see _wanted_record)
         self._read_at = float("-inf")
+        self._said_at = float("-inf")  # when a failed read was last logged
         self._busy_at = float("-inf")  # when requests were last in flight (``_draining``)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
@@ -119,7 +124,14 @@ class HotLoadPolicy:
             self._read_at = now
             try:
                 record = self._read(ctx.app_name, ctx.deployment_name)
-            except Exception:  # a GCS hiccup: keep the last known state rather than flap
+            except Exception as err:  # a GCS hiccup: keep the last known state rather than flap
+                if now - self._said_at >= FAILED_READ_LOG_S:  # a failure that lasts is said, once a minute
+                    self._said_at = now
+                    logger.warning(
+                        "hot-load policy of %s/%s: the wanted state cannot be read (%s: %s); %s",
+                        ctx.app_name, ctx.deployment_name, type(err).__name__, err,
+                        "holding the current target" if self._wanted is None else "keeping the last state read",
+                    )
                 return self._wanted
             self._wanted = record or WantedRecord(self.initial_state, 0.0)
         return self._wanted

@@ -61,6 +61,7 @@ class ClientLink:
     socket: Any = None
     handed: bool = False
     pending: Any = None  # the bytes the router's transport still holds for the client (a callable)
+    closing: Any = None  # whether the client's connection is closing or closed (a callable)
 
     def idle_socket(self) -> Any:
         """``socket`` if nothing the router wrote to the client still waits to go out, else None.
@@ -68,6 +69,8 @@ class ClientLink:
         continuation, after keep-alive comments the router wrote to a slow client during the
         seam, is relayed instead of handed over."""
         if self.socket is None or (self.pending is not None and self.pending()):
+            return None
+        if self.closing is not None and self.closing():  # the client left: nothing to hand over
             return None
         return self.socket
 
@@ -114,7 +117,7 @@ class RelayedStream(StreamingResponse):
             # Handed over only as plain TCP (behind HAProxy), and once the head is in the kernel.
             if transport.get_extra_info("sslcontext") is None and not transport.get_write_buffer_size():
                 self.link.socket = transport.get_extra_info("socket")
-                self.link.pending = transport.get_write_buffer_size
+                self.link.pending, self.link.closing = transport.get_write_buffer_size, transport.is_closing
             self._cycle = cycle
             silent = Silent.of_this_loop(self.keepalive_s)
             silent.add(self)

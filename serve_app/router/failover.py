@@ -194,7 +194,7 @@ class Forwarder:
                 detail = type(err).__name__
             status = upstream.status_code if upstream is not None else None
             attempts.append(Attempt(peer.region, outcome, status, (time.perf_counter() - start) * 1000))
-            if outcome in ("connect_error", "timeout"):
+            if outcome in ("connect_error", "timeout") and peer in self.peers:  # not an endpoint replaced meanwhile
                 self._unreachable_until[peer.region] = self._clock() + self.unreachable_hold_s
             if outcome == "served":
                 return peer, upstream, attempts

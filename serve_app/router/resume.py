@@ -79,7 +79,8 @@ def resumable(surface: str, body: dict[str, Any]) -> bool:
     if surface == "responses" and not _responses_resumable(body):
         return False
     # Messages' structured output (vLLM makes it a response_format: its grammar would restart).
-    if surface == "messages" and ((body.get("output_config") or {}).get("format") or None) is not None:
+    output_config = body.get("output_config")
+    if surface == "messages" and isinstance(output_config, dict) and output_config.get("format") is not None:
         return False
     choice = body.get("tool_choice")
     return (choice.get("type") if isinstance(choice, dict) else choice) in _FREE_TOOL_CHOICES

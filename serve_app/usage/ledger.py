@@ -75,11 +75,7 @@ class UsageLedger:
             logger.error("usage ledger: not a UsageRecord (%s); dropped", type(r).__name__)
             return
         if self._closed:  # after the last flush (a replica stopping): to the spool at once, not lost
-            try:
-                self._spool([r])
-                self.spooled += 1
-            except Exception as err:
-                logger.error("usage ledger: a record after close could not be spooled (%s); lost: %s", err, r.id)
+            self._spool_now(r)
             return
         self._pending.append(r)
         self._unwritten[r.key_id] += r.total_tokens
@@ -103,7 +99,12 @@ class UsageLedger:
             await self._task
         else:
             await self.flush()
+        # Records that came while the last flush ran: to the spool with no await between, as any
+        # record from now on (``record``).
         self._closed = True
+        late, self._pending = self._pending, []
+        for r in late:
+            self._spool_now(r)
 
     async def _run(self) -> None:
         while not self._closing:
@@ -145,6 +146,13 @@ class UsageLedger:
         self.written += len(batch)
         self._settle(_tokens_by_key(batch))
         return True
+
+    def _spool_now(self, r: UsageRecord) -> None:
+        try:
+            self._spool([r])
+            self.spooled += 1
+        except Exception as err:
+            logger.error("usage ledger: a record after close could not be spooled (%s); lost: %s", err, r.id)
 
     async def _spool_or_keep(self, batch: list[UsageRecord]) -> None:
         if not batch:

@@ -35,6 +35,9 @@ class FakeTransport:
     def get_write_buffer_size(self):
         return 0
 
+    def is_closing(self):
+        return False
+
     def get_extra_info(self, name):
         return self.socket if name == "socket" else None
 
@@ -248,9 +251,11 @@ def test_the_connection_is_handed_over_only_with_nothing_of_the_routers_still_to
     slow client during the seam: it is relayed, not handed over, while any wait in the transport."""
     from serve_app.router.client_socket import ClientLink
 
-    buffered = [0]
-    link = ClientLink(socket="the client's socket", pending=lambda: buffered[0])
+    buffered, closing = [0], [False]
+    link = ClientLink(socket="the client's socket", pending=lambda: buffered[0], closing=lambda: closing[0])
     assert link.idle_socket() == "the client's socket"
     buffered[0] = 26  # ": keep-alive" frames not yet in the kernel
+    assert link.idle_socket() is None
+    buffered[0], closing[0] = 0, True  # the client left: a closed transport holds nothing, and no socket
     assert link.idle_socket() is None
     assert ClientLink().idle_socket() is None  # never handed: TLS, a test client

@@ -275,6 +275,20 @@ def test_a_peer_given_a_new_endpoint_is_tried_at_once_not_held_back_for_the_old_
     assert fwd._unreachable_until == {}  # nothing held, nothing to drop
 
 
+def test_a_failure_of_an_endpoint_replaced_meanwhile_holds_nothing_back():
+    now = [100.0]
+    moved = [Peer(region="yvr-01", endpoint="https://yvr-new.test"), *PEERS[1:]]
+
+    def old_endpoint_fails_after_the_change(request):
+        fwd.apply(moved, connect_timeout_s=2, read_timeout_s=600, max_attempts=2, unreachable_hold_s=10)
+        raise httpx.ConnectError("refused")
+
+    peers = Peers(yvr=old_endpoint_fails_after_the_change, yyz=httpx.Response(200, json={}))
+    fwd = Forwarder("yul-02", PEERS, transport=httpx.MockTransport(peers), clock=lambda: now[0])
+    assert forward(fwd).region == "yyz-01"
+    assert "yvr-01" not in fwd._unreachable_until  # the new endpoint is not held back for the old one
+
+
 def test_a_peer_answering_503_is_not_held_back():
     now = [100.0]
     peers = Peers(yvr=unavailable(), yyz=httpx.Response(200, json={}))

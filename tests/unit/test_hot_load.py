@@ -300,6 +300,20 @@ def test_a_policy_serve_rebuilt_changes_nothing_until_its_first_read_answers():
     assert len(reads) == 4
 
 
+def test_a_wanted_state_that_cannot_be_read_is_logged_once_a_minute_while_the_policy_holds(caplog):
+    cluster = Cluster(_model(initial_state="cold"), {})
+    cluster.running = cluster.target = 2
+
+    def broken(app, deployment):
+        raise KeyError("since")  # a record no read will ever parse
+
+    cluster.policy.__wrapped__._read = broken
+    caplog.set_level(logging.WARNING)
+    assert [cluster.tick(requests=5) for _ in range(3)] == [2, 2, 2]
+    said = [r.getMessage() for r in caplog.records if "wanted state cannot be read" in r.getMessage()]
+    assert len(said) == 1 and "holding the current target" in said[0] and "model-x" in said[0]
+
+
 # --- the router's tracker -----------------------------------------------------------------------
 class FakeServe:
     def __init__(self):

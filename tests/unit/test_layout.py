@@ -59,13 +59,15 @@ def test_serving_modules_log_under_serves_logger_by_module_name():
     ]
     # Only the client library (used outside Serve) names a logger of its own, and the CPU placement
     # and the local node's start, which HAProxy's launcher and `make run` import without
-    # telemetry's 0.7 s of imports, and the AMX and gloo plugins every vLLM process runs: under
+    # telemetry's 0.7 s of imports, the AMX and gloo plugins every vLLM process runs, and the
+    # hot-load policy the Serve controller runs: under
     # Serve's logger by the same name module_logger gives.
     named = subprocess.run(
         ["grep", "-rln", "--include=*.py", "logging.getLogger(", "serve_app"], cwd=REPO, capture_output=True, text=True
     ).stdout.split()
     assert sorted(named) == ["serve_app/client/auth.py", "serve_app/client/transport.py", "serve_app/engine/amx.py",
-                             "serve_app/engine/gloo.py", "serve_app/runtime/cpus.py", "serve_app/runtime/local_ray.py",
+                             "serve_app/engine/gloo.py", "serve_app/hot_load/autoscaling.py",
+                             "serve_app/runtime/cpus.py", "serve_app/runtime/local_ray.py",
                              "serve_app/telemetry/logs.py"]
     from serve_app.engine import amx, gloo
     from serve_app.runtime import cpus, local_ray
@@ -73,6 +75,9 @@ def test_serving_modules_log_under_serves_logger_by_module_name():
 
     assert cpus.logger is module_logger(cpus.__name__) and amx.logger is module_logger(amx.__name__)
     assert local_ray.logger is module_logger(local_ray.__name__) and gloo.logger is module_logger(gloo.__name__)
+    from serve_app.hot_load import autoscaling
+
+    assert autoscaling.logger is module_logger(autoscaling.__name__)
 
 
 def test_every_surface_is_one_row_with_its_route_replica_method_and_vllm_handler():

@@ -471,11 +471,13 @@ def test_a_stream_run_again_from_its_prompt_that_breaks_again_is_billed_its_prom
 @pytest.mark.parametrize("surface, body, expected", [
     ("messages", {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, False),
     ("messages", {"output_config": {"effort": "low"}}, True),
+    ("messages", {"output_config": "json"}, True),  # not an object: vLLM's model refuses it, never a crash here
     ("completions", {"prompt": "x", "logprobs": 0}, False),  # the sampled token's logprob: the replay has none
     ("completions", {"prompt": "x", "logprobs": None}, True),
     ("chat", {"response_format": {"type": "text"}}, True),  # no grammar
     ("chat", {"logprobs": False, "top_logprobs": 0}, True),
-], ids=["messages-format", "messages-effort", "logprobs-0", "logprobs-none", "format-text", "logprobs-off"])
+], ids=["messages-format", "messages-effort", "messages-not-object", "logprobs-0", "logprobs-none", "format-text",
+        "logprobs-off"])
 def test_what_a_continuation_cannot_give_is_read_from_every_surfaces_own_fields(surface, body, expected):
     from serve_app.router import resume
 

@@ -247,6 +247,31 @@ def test_a_record_after_the_last_flush_is_spooled_and_replayed_not_lost(store, t
     assert _requests(store, "late") == 1 and _spool_files(tmp_path / "spool") == []
 
 
+def test_a_record_that_comes_during_the_last_flush_is_spooled_not_left_in_memory(tmp_path):
+    class SlowStore:  # the database answering slowly as a replica stops
+        inserted: list = []
+
+        def insert(self, records):
+            time.sleep(0.2)
+            self.inserted.extend(r.key_id for r in records)
+
+    ledger = UsageLedger(SlowStore(), tmp_path / "spool", writer_id="a", flush_interval_s=0.05)
+
+    async def main():
+        ledger.start()
+        ledger.record(usage_record(key_id="first"))
+        await asyncio.sleep(0.08)  # the writer writes it (0.2 s)
+        ledger.record(usage_record(key_id="second"))
+        closing = asyncio.ensure_future(ledger.aclose())
+        await asyncio.sleep(0.25)  # the last flush writes "second"
+        assert not ledger._closed
+        ledger.record(usage_record(key_id="late"))  # a request settling meanwhile
+        await closing
+
+    asyncio.run(main())
+    assert ledger.spooled == 1 and len(_spool_files(tmp_path / "spool")) == 1 and ledger._pending == []
+
+
 def test_record_never_raises_on_a_bad_record(store, tmp_path, caplog):
     ledger = UsageLedger(store, tmp_path / "spool", writer_id="a")
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
