@@ -102,6 +102,7 @@ class Forwarder:
         self._transport = transport
         self._verify = verify
         self._client: httpx.AsyncClient | None = None
+        self.peers: list[Peer] = []
         self.apply(peers, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
                    max_attempts=max_attempts, unreachable_hold_s=unreachable_hold_s)
 
@@ -110,7 +111,7 @@ class Forwarder:
         """New settings, in place (the router was reconfigured): requests forwarded from now on
         use them; one under way keeps the peer list it is walking and its connection. A peer whose
         endpoint changed is not held back for its old one's failures."""
-        endpoints = {peer.region: peer.endpoint for peer in getattr(self, "peers", ())}
+        endpoints = {peer.region: peer.endpoint for peer in self.peers}
         for peer in peers:
             if endpoints.get(peer.region, peer.endpoint) != peer.endpoint:
                 self._unreachable_until.pop(peer.region, None)

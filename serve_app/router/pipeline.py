@@ -83,16 +83,18 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
 # --- the stages before the model --------------------------------------------------------------
 async def authenticate(ctx: Context) -> None:
     ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
-    if not ctx.caller.peer_bound:  # the hop header is a peer router's word (its failover token), nobody else's
-        ctx.origin = None
+    if ctx.caller.peer_bound:
+        # A peer's router (its failover token): its hop header stands, and nothing is refused
+        # before the body is read — a stream it resumes here carries every token generated so far
+        # (admitted there, billed there), and a request it forwards meets this region's limits at
+        # admission.
+        return
+    ctx.origin = None  # the hop header is a peer router's word, nobody else's
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
-    # over its limit, a body its tier could never admit), so that it costs no parse. Not from a
-    # peer's router: a stream it resumes here carries every token generated so far (admitted
-    # there, billed there), and a request it forwards meets this region's limits at admission.
-    if not ctx.caller.peer_bound:
-        declared = ctx.request.headers.get("content-length", "")
-        size = int(declared) if declared.isdigit() else 0
-        ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
+    # over its limit, a body its tier could never admit), so that it costs no parse.
+    declared = ctx.request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
 
 
 async def parse(ctx: Context) -> None:

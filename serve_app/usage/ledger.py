@@ -75,7 +75,7 @@ class UsageLedger:
             logger.error("usage ledger: not a UsageRecord (%s); dropped", type(r).__name__)
             return
         if self._closed:  # after the last flush (a replica stopping): to the spool at once, not lost
-            self._spool_now(r)
+            self._spool_now([r])
             return
         self._pending.append(r)
         self._unwritten[r.key_id] += r.total_tokens
@@ -103,8 +103,8 @@ class UsageLedger:
         # record from now on (``record``).
         self._closed = True
         late, self._pending = self._pending, []
-        for r in late:
-            self._spool_now(r)
+        if late:
+            self._spool_now(late)
 
     async def _run(self) -> None:
         while not self._closing:
@@ -147,12 +147,14 @@ class UsageLedger:
         self._settle(_tokens_by_key(batch))
         return True
 
-    def _spool_now(self, r: UsageRecord) -> None:
+    def _spool_now(self, batch: list[UsageRecord]) -> None:
+        """``batch`` to one spool file, on the loop (a replica stopping: nothing left to wait for)."""
         try:
-            self._spool([r])
-            self.spooled += 1
+            self._spool(batch)
+            self.spooled += len(batch)
         except Exception as err:
-            logger.error("usage ledger: a record after close could not be spooled (%s); lost: %s", err, r.id)
+            logger.error("usage ledger: %d records after close could not be spooled (%s); lost: %s",
+                         len(batch), err, ", ".join(r.id for r in batch))
 
     async def _spool_or_keep(self, batch: list[UsageRecord]) -> None:
         if not batch:
