@@ -14,6 +14,9 @@ pytestmark = pytest.mark.integration
 MODEL = "qwen-3.6-35b-a3b"
 ALIAS = "qwen-3.6-a3b"
 HI = [{"role": "user", "content": "Say hi in one short sentence."}]
+# Tests that assert an answer has text ask for it greedy (a sampled tiny-model answer is empty
+# now and then). The SDK has no temperature parameter; vLLM's Messages request takes one.
+GREEDY = {"extra_body": {"temperature": 0}}
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather for a city.",
@@ -58,7 +61,7 @@ def test_stream_events_follow_anthropic_order_and_schema(base_url, dev_key):
 
 
 def test_sdk_stream_helper_gives_text_and_the_final_message(claude):
-    with claude.messages.stream(model=MODEL, max_tokens=12, messages=HI) as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=12, messages=HI, **GREEDY) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and final.content[0].text == text
@@ -84,6 +87,7 @@ def test_a_forced_tool_comes_back_as_a_tool_use_block(claude):
             {"role": "assistant", "content": [block.model_dump() for block in message.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": blocks[0].id, "content": "sunny"}]},
         ],
+        **GREEDY,
     )
     assert reply.content
 
