@@ -14,15 +14,46 @@ Tokens never cross the handle: it carries control (Serve's routing, admission, q
 autoscaling and drain all count the call as one ongoing request for its whole life). These are
 plain dataclasses so that Serve pickles them as it pickled dicts, and both processes import this
 module without Ray or vLLM.
+
+**A rolling upgrade runs old and new code side by side**: a router of one version calls replicas
+of the other for as long as Serve replaces them. A message pickles as its field values in
+order (the dataclass's own state, compact), so the rule is that of a positional protocol: a new
+field goes **last, with a default**, and no field is removed, renamed or moved
+(``tests/unit/test_wire_messages.py`` holds each message's released fields and fails otherwise).
+Then an older reader drops the fields it does not know (they come last), and a newer reader
+gives the fields an older writer did not send their defaults (``_versioned``): before, such a
+field was left unset, and reading it raised (a newer router's resume of an older replica's
+stream failed to ``engine_unavailable``).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+
+def _versioned(cls):
+    """``cls`` (a frozen slots dataclass) read from the state of any version: the values it
+    carries, in field order, and the defaults of the fields it lacks."""
+    layout = tuple(fields(cls))
+
+    def __setstate__(self, state) -> None:
+        for spec, value in zip(layout, state):
+            object.__setattr__(self, spec.name, value)
+        for spec in layout[len(state):]:
+            if spec.default is not MISSING:
+                object.__setattr__(self, spec.name, spec.default)
+            elif spec.default_factory is not MISSING:
+                object.__setattr__(self, spec.name, spec.default_factory())
+            else:  # a field released without a default: the writer cannot have omitted it
+                raise TypeError(f"{cls.__name__} state lacks its field {spec.name!r}")
+
+    cls.__setstate__ = __setstate__
+    return cls
 
 Body = dict[str, Any]
 Address = tuple[str, int]
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Resume:
     """Where a stream whose engine failed continues from: what its client already has."""
@@ -42,6 +73,7 @@ class Resume:
     created: int | None = None
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Call:
     """One request of one surface, as the router sends it to a replica."""
@@ -73,6 +105,7 @@ class Call:
         return self.body.get("stream") is True
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Generated:
     """The tokens the engine handled for a request, counted as they passed (the bill of a request
@@ -83,6 +116,7 @@ class Generated:
     cached_tokens: int = 0
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class EngineTiming:
     """vLLM's per-request durations (differences of engine-core monotonic timestamps)."""
@@ -92,6 +126,7 @@ class EngineTiming:
     decode_ms: float | None = None  # first token → last token
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Trailer:
     """What the replica reports once the engine is done with a request."""
@@ -120,6 +155,7 @@ class Trailer:
     client_gone: bool = False
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A whole response: a non-stream body, or any error the replica reports before a stream."""
@@ -130,6 +166,7 @@ class Answer:
     replica_ms: float | None = None  # the replica's own time before this item (not Serve's queue)
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class StreamOpen:
     """A stream: its SSE bytes come on ``address`` to whoever presents ``ticket`` (over TLS when
@@ -146,6 +183,7 @@ class StreamOpen:
     line: "DirectLine | None" = None  # where this replica also takes calls without the handle
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Accepted:
     """A non-stream request is under way; hang up on ``address`` (after presenting ``ticket``)
@@ -162,6 +200,7 @@ class Accepted:
     line: "DirectLine | None" = None  # where this replica also takes calls without the handle
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class DirectLine:
     """A replica's direct line (``wire/line.py``): its listener takes calls there from whoever
@@ -178,6 +217,7 @@ class DirectLine:
     capacity: int = 1  # calls in flight it takes at most (its max_ongoing_requests)
 
 
+@_versioned
 @dataclass(frozen=True, slots=True)
 class Refused:
     """A direct line's answer to a call it does not take: the replica is full or stopping. The
