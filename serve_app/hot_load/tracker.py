@@ -52,6 +52,10 @@ from serve_app.telemetry.logs import module_logger
 logger = module_logger(__name__)
 
 REFRESH_S = 1.0
+# How long Serve's controller may take to say its status: as the GCS read of the wanted states
+# (``state.READ_TIMEOUT_S``). A controller that never answers (restarting, wedged) made a router's
+# first request wait with it, and every later refresh.
+STATUS_TIMEOUT_S = 10.0
 Location = tuple[str, str]  # a model's Serve application and deployment
 # While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in
 # between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover).
@@ -135,10 +139,14 @@ class ModelStates:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
         if not self._refreshed:
+            # One first read for every request that arrives before it answers (each one its own
+            # was a thread each, all stuck while the controller hangs).
+            if self._pending is None or self._pending.done():
+                self._pending = asyncio.get_running_loop().create_task(self.refresh())
+                self._pending.add_done_callback(_log_failure)
             try:
-                await self.refresh()
+                await asyncio.shield(self._pending)
             except Exception as err:  # nothing to answer from yet: a 503 the router may fail over
-                logger.warning("could not read the model states (%s: %s)", type(err).__name__, err)
                 raise retry_later("this region's model states could not be read (Serve's controller or the GCS did "
                                   "not answer)", "model_states_unavailable", retry_after_s=5) from err
             return
@@ -332,10 +340,14 @@ def _serve_status():
     request router class with cloudpickle on the way: 65 ms of the router's CPU a call on an idle
     host, ~0.2 s under load (py-spy), where this takes ~2 ms. Serve's client is private API (Ray
     2.60 as pinned): ``tests/unit/test_hot_load.py`` holds the dict to ``serve.status()``'s reading."""
+    import ray
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)
-    return status_view(client.get_serve_details() if client is not None else {})
+    if client is None:
+        return status_view({})
+    # ``client.get_serve_details()``, bounded (it waits on the controller for good).
+    return status_view(ray.get(client._controller.get_serve_instance_details.remote(), timeout=STATUS_TIMEOUT_S))
 
 
 def _deployments_of(status: Any, locations: dict[str, tuple[str, str]]) -> dict[str, Any]:

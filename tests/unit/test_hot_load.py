@@ -741,6 +741,51 @@ def test_a_first_view_that_cannot_be_read_is_a_503_the_router_can_fail_over_not_
     asyncio.run(scenario())
 
 
+
+def test_requests_before_the_first_view_share_one_read_and_all_get_the_503():
+    """While the controller is slow to answer, each request arriving before the first view waits
+    on the same read (one thread, not one each) and each gets the 503 when it fails."""
+    fake = FakeServe()
+    calls = []
+
+    def status():
+        calls.append(1)
+        time.sleep(0.2)
+        raise TimeoutError("Serve's controller did not answer")
+
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=status, read_all=fake.read_all,
+                         write=fake.write)
+
+    async def scenario():
+        outcomes = await asyncio.gather(*(states.ensure_fresh() for _ in range(5)), return_exceptions=True)
+        assert [(o.status, o.code) for o in outcomes] == [(503, "model_states_unavailable")] * 5
+        assert len(calls) == 1
+        states.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_controller_that_never_answers_fails_the_status_read_instead_of_holding_it(monkeypatch):
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.serve import context
+
+    details = SimpleNamespace(remote=lambda: "details-ref")
+    client = SimpleNamespace(_controller=SimpleNamespace(get_serve_instance_details=details))
+    monkeypatch.setattr(context, "_get_global_client", lambda **_: client)
+    waits = []
+
+    def get(ref, *, timeout=None):  # the controller never answers: only a bounded wait ends
+        waits.append((ref, timeout))
+        if timeout is None:
+            raise AssertionError("waited on the controller without a bound")
+        raise GetTimeoutError("Get timed out")
+
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(GetTimeoutError):
+        model_states._serve_status()
+    assert waits == [("details-ref", model_states.STATUS_TIMEOUT_S)]
+
 def test_a_model_added_back_starts_from_not_deployed_and_one_removed_stops_costing_status_reads():
     fake = FakeServe()
     fake.replicas["model-" + SIBLING] = {"RUNNING": 1}
