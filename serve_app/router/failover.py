@@ -3,7 +3,8 @@ model overloaded, cold, loading, replica unavailable), send the same request to 
 router and relay its answer.
 
 - One hop only. The forwarded request carries ``HOP_HEADER`` (the forwarding region); a router that
-  receives it never forwards again (``is_forwarded``), so two overloaded regions cannot ping-pong.
+  receives it with a peer router's failover token never forwards again (``Context.origin``,
+  ``pipeline.fail_over``), so two overloaded regions cannot ping-pong.
 - Peers are tried in order, at most ``max_attempts``. Only a 503, a failed connect or a timeout
   before the response head moves on to the next peer; any other status is the peer's verdict on
   this request and is relayed as is (a 400 or 429 would not change elsewhere). All failed → a
@@ -72,11 +73,6 @@ class Forwarded:
     attempts: list[Attempt] = field(default_factory=list)
     error_type: str | None = None  # peer_stream_failed when a JSON body broke off
     stream: bool = False
-
-
-def is_forwarded(headers: Mapping[str, str]) -> bool:
-    """True if the request came from a peer router (so it must not be forwarded again)."""
-    return any(key.lower() == HOP_HEADER for key in headers.keys())
 
 
 class _RelayResponse(StreamingResponse):
