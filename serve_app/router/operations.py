@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from serve_app import catalog
 from serve_app.auth import admin
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, is_key_id
-from serve_app.auth.principal import Principal
+from serve_app.auth.principal import Principal, forbidden
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
 from serve_app.router.request_schema import parse_json_object
@@ -103,8 +103,12 @@ async def set_wanted(services: Services, request: Request, wanted: str) -> JSONR
     """``POST /v1/models/load`` and ``/unload`` (admin): ``{"model": <id, alias or HF repo id>}``.
     200 when the model is already in that state, 202 while it gets there."""
     caller = await metered_caller(services, request, SCOPE_ADMIN)
+    if not admin.manages_every_key(caller):
+        # A model serves every owner in its region: an owner admin unloading one (even one of its
+        # own models) would take it from every tenant, and loading one spends the region's GPUs.
+        raise forbidden("loading and unloading a model is an operator's (an admin key for every model and "
+                        "region): a model serves every owner in the region", "insufficient_scope", SCOPE_ADMIN)
     model_id = services.resolve(parse_json_object(await read_body(request)).get("model"))
-    services.auth.authorize_model(caller, model_id)  # an admin scoped to some models manages only those
     if wanted == "cold" and services.models[model_id].required_for_health:
         # Its region's /health would turn 503 and take the region out of the global name for
         # every tenant: that is a change of the region's settings, not an admin call.
@@ -187,13 +191,20 @@ async def cancel_response(services: Services, response_id: str, request: Request
 
 
 # --- tokens --------------------------------------------------------------------------------------
+TOKEN_BODY_MAX_BYTES = 4096  # {"api_key": ...}: a key is ~60 bytes
+
+
 async def issue_token(services: Services, request: Request) -> dict[str, Any]:
     """``POST /v1/auth/token``: an API key (``{"api_key": ...}``, else the Bearer value) for a JWT.
     Rate limited per key before anything is signed; store lookups and signing run off the loop."""
     authorization = services.auth.authorization(request.headers)  # 400 if there are two
     api_key = None
     if request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers:
-        api_key = parse_json_object(await read_body(request)).get("api_key")
+        # The body is read before any credential is known: no bigger than a key needs.
+        too_large = APIError(413, f'the token endpoint takes {{"api_key": ...}}, at most {TOKEN_BODY_MAX_BYTES} bytes',
+                             code="request_too_large")
+        api_key = parse_json_object(await read_body(request, refuse_past=(TOKEN_BODY_MAX_BYTES, too_large))).get(
+            "api_key")
         if api_key is not None and not isinstance(api_key, str):
             raise APIError(400, "api_key must be a string", param="api_key", code="invalid_api_key_field")
     return await services.auth.issue_token(authorization, api_key or None)

@@ -173,13 +173,13 @@ async def admit(ctx: Context) -> None:
 
 
 STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
-# The stages whose refusals cost the router more than a parse: a Responses follow-up's stored
-# conversation read from the key registry (or looked up there and not found), and the pricing
-# after it. A request they refuse costs its key one request of its minute, as a refusal at
-# admission does, so a key cannot have registry lookups done faster than its requests/min
-# (docs/auth.md, "A refusal that was read costs a request"). A body refused by its validation
-# costs nothing: its parse is bounded by its tier's minute of prompt.
-CHARGED_WHEN_REFUSED = (recall, price)
+# Every stage after the key is known: a request they refuse costs its key one request of its
+# minute, as a refusal at admission does (docs/auth.md, "A refusal costs a request"). Each is
+# router work — a parse of up to the tier's minute of prompt (~0.3 s of the event loop for 2 MiB
+# of small objects), a Responses follow-up's stored conversation read from the key registry —
+# and a key whose refusals were free could have it done without end: a bad body sent in a loop
+# was never a 429.
+CHARGED_WHEN_REFUSED = (parse, resolve, validate, authorize, recall, price)
 
 
 async def _charge_refusal(ctx: Context) -> None:

@@ -85,17 +85,21 @@ def test_the_public_openapi_schema_lists_no_admin_route_and_keeps_the_rest():
     assert "admin" not in json.dumps(schema["paths"])
 
 
-# --- 3. load / unload check the admin's model scope ---------------------------------------------
-def test_an_admin_scoped_to_one_model_cannot_unload_another(tmp_path, router_app):
+# --- 3. load / unload are an operator's --------------------------------------------------------
+@pytest.mark.parametrize("models, regions", [((MODEL,), ("*",)), (("*",), ("local",))])
+def test_an_owner_admin_cannot_load_or_unload_a_model_every_owner_shares(tmp_path, router_app, models, regions):
+    """An admin scoped to a model or a region is an owner's (docs/auth.md, "Admin scopes"); the
+    model serves every owner in the region: unloading it, even its own, would take it from all."""
     auth = authenticator(tmp_path)
     app = router_app(auth=auth)
-    key, record = auth.keys.create_key(
-        owner="ops", tier="standard", models=(MODEL,), scopes=(SCOPE_INFERENCE, SCOPE_ADMIN)
-    )
-    refused = app.client.post("/v1/models/unload", json={"model": OTHER_MODEL}, headers=bearer(key))
-    assert _error(refused)[:2] == (403, "model_not_allowed")
+    owner_admin, _ = auth.keys.create_key(owner="acme", tier="standard", models=models, regions=regions,
+                                          scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    for action in ("unload", "load"):
+        refused = app.client.post(f"/v1/models/{action}", json={"model": MODEL}, headers=bearer(owner_admin))
+        assert _error(refused)[:2] == (403, "insufficient_scope")
     assert app.serve.kv == {}  # nothing was written
-    allowed = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
+    operator, record = auth.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    allowed = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(operator))
     assert allowed.status_code in (200, 202), allowed.text
     assert [(deployment, r.state, r.by) for (_, deployment), r in app.serve.kv.items()] == [
         (f"model-{MODEL}", "cold", record.key_id)
@@ -382,3 +386,16 @@ def test_duplicate_authorization_headers_are_400_at_the_token_endpoint(tmp_path)
     assert client.post("/v1/auth/token", headers=bearer(key)).status_code == 200
     twice = [("Authorization", f"Bearer {key}"), ("Authorization", "Bearer pgk_ffffffffffff_" + "A" * 43)]
     assert _error(client.post("/v1/auth/token", headers=twice)) == (400, "duplicate_authorization", "authorization")
+
+
+def test_the_token_endpoint_refuses_a_body_bigger_than_a_key_before_reading_it(tmp_path):
+    """The body is read before any credential is known: a megabyte of JSON objects would be
+    parsed for anyone who can reach the router."""
+    auth = authenticator(tmp_path)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    client = router_client(auth)
+    assert client.post("/v1/auth/token", json={"api_key": key}).status_code == 200
+    padded = json.dumps({"api_key": key, "padding": [{}] * 5000})
+    response = client.post("/v1/auth/token", content=padded, headers={"content-type": "application/json"})
+    assert _error(response)[:2] == (413, "request_too_large")
+

@@ -10,7 +10,7 @@ import json
 import pytest
 from starlette.requests import Request
 
-from auth_support import MODEL, bearer
+from auth_support import MODEL, OTHER_MODEL, bearer
 from fake_engine import FINAL_ONLY, FakeEngine
 from serve_app import surfaces
 from serve_app.config import RouterArgs
@@ -199,7 +199,26 @@ def test_a_request_refused_at_its_stored_conversation_or_its_price_costs_one_req
         assert response.status_code == status
     assert _requests_left(app, key) == before - 4  # three refusals and this request
     invalid = app.client.post("/v1/responses", json={"model": MODEL, "input": 5}, headers=bearer(key))
-    assert invalid.status_code == 400 and _requests_left(app, key) == before - 5  # validation: not charged
+    assert invalid.status_code == 400 and _requests_left(app, key) == before - 6  # validation too
+
+
+@pytest.mark.parametrize("content, status", [
+    (b'{"model": "qwen-3.6-35b-a3b", "messages": [', 400),  # parse: not JSON
+    (json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),  # resolve
+    (json.dumps({"model": MODEL, "messages": 5}).encode(), 400),  # validate
+    (json.dumps({"model": OTHER_MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode(), 403),  # authorize
+])
+def test_a_key_sending_refused_requests_in_a_loop_meets_its_requests_per_minute(router_app, content, status):
+    """Every refusal after the key is known is router work (a parse of up to the tier's minute of
+    prompt): each costs one request, so a key looping on a bad body is refused before its body is
+    read once its minute is spent, as any other key."""
+    app = router_app(engine=FakeEngine())
+    key, _ = app.auth.keys.create_key(owner="mallory", tier="tiny", models=(MODEL,))  # 2 requests a minute
+    headers = {**bearer(key), "content-type": "application/json"}
+    answers = [app.client.post("/v1/chat/completions", content=content, headers=headers) for _ in range(3)]
+    assert [a.status_code for a in answers[:2]] == [status] * 2
+    assert answers[2].status_code == 429 and answers[2].json()["error"]["code"] == "rate_limit_exceeded"
+    assert app.engine.calls == []
 
 
 class MergedPrompts(FakeEngine):

@@ -127,6 +127,8 @@ def test_an_id_no_response_can_have_is_not_found_and_charged_like_any_unknown_on
     surrogate = '{"model": "%s", "input": "hi", "previous_response_id": "resp_\\ud800"}' % MODEL
     answer = app.client.post("/v1/responses", content=surrogate, headers=headers)  # refused as it is read
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "previous_response_id"
+    tiny, _ = app.auth.keys.create_key(owner="alice", tier="tiny")  # that refusal cost one of the two
+    headers = {**bearer(tiny), "content-type": "application/json"}
     body = json.dumps({"model": MODEL, "input": "hi", "previous_response_id": "resp_\x00"})
     answers = [app.client.post("/v1/responses", content=body, headers=headers) for _ in range(3)]
     assert [a.json()["error"]["param"] for a in answers[:2]] == ["previous_response_id"] * 2

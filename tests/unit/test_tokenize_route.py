@@ -76,12 +76,12 @@ def test_detokenize_goes_to_the_replicas_detokenize(app):
         ("detokenize", {"model": MODEL}, "tokens"),
     ],
 )
-def test_bad_bodies_are_400_before_anything_is_charged_or_sent(app, method, body, param):
+def test_bad_bodies_are_400_before_anything_is_sent_and_cost_one_request(app, method, body, param):
     response = post(app, f"/{method}", body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
     assert app.engine.calls == []
-    assert _charged(post(app, "/tokenize", TOKENIZE))[0] == 599  # only the good request was charged
+    assert _charged(post(app, "/tokenize", TOKENIZE))[0] == 598  # the refusal cost one request too
 
 
 def test_no_credential_is_401_before_the_body_is_read(app):
@@ -95,7 +95,7 @@ def test_unknown_model_is_404_and_a_model_outside_the_keys_scope_is_403(app):
     response = post(app, "/tokenize", {"model": MODEL, "prompt": "x"}, key=narrow)
     assert response.status_code == 403
     allowed = post(app, "/tokenize", {"model": OTHER_MODEL, "prompt": "x"}, key=narrow)
-    assert _charged(allowed)[0] == 599  # the refused request cost nothing
+    assert _charged(allowed)[0] == 598  # the refused request cost one request too
 
 
 def test_a_model_not_loaded_here_is_503_with_retry_after(app):
