@@ -12,10 +12,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from serve_app.router.json_body import shown
-from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, FieldError, Strict
+from serve_app.router.strict import INT64, MAX_STOP_SEQUENCES, MAX_TOOLS, Body, Closed, FieldError, Strict
 
-# vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine.
-MAX_STOP_SEQUENCES = 4
 # Anthropic's own floor for an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
 # Anthropic's limit on metadata.user_id (its only metadata field).
@@ -141,6 +139,13 @@ class MessagesBody(_Prompt):
         if budget is not None and budget >= self.max_tokens:
             raise ValueError("thinking.budget_tokens must be less than max_tokens")
         return self
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str] | None) -> list[str] | None:
+        if stop and "" in stop:  # vLLM refuses it, after admission
+            raise ValueError("a stop sequence cannot be empty (it would end the answer before it starts)")
+        return stop
 
 
 class CountTokensBody(_Prompt):

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from serve_app.errors import APIError
 from serve_app.router.json_body import MAX_JSON_DEPTH, parse_json_object  # noqa: F401 (the routes' import)
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, FieldError, Metadata
+from serve_app.router.strict import INT64, MAX_STOP_SEQUENCES, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, FieldError, Metadata
 from serve_app.router.strict import Closed as _Closed
 from serve_app.router.strict import Strict as _Strict
 
@@ -126,7 +126,7 @@ class _Sampling(Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's sampling extras (docs/api.md, "Sampling").

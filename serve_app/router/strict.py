@@ -9,6 +9,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20  # also vLLM's default --max-logprobs
 INT64 = 2**63 - 1
+# vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine,
+# after the request was admitted and queued.
+MAX_STOP_SEQUENCES = 4
 # OpenAI's limits on ``metadata`` (Responses, chat): pairs, and characters per key and per value.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 

@@ -139,6 +139,9 @@ def test_a_messages_tool_whose_input_is_not_an_object_is_a_400_before_the_engine
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ""}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["end", ""]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop"),
+    # More than vLLM takes (VLLM_MAX_STOP_STRINGS): refused by the engine after admission before.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5},
      "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
@@ -155,6 +158,15 @@ def test_a_check_across_fields_names_the_field_to_change(app, key, path, body, p
     response = app.client.post(path, json={"model": MODEL, **body}, headers=bearer(key))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    assert app.engine.calls == []
+
+
+def test_an_empty_stop_sequence_is_refused_on_messages_too(app, key):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": [""]}
+    response = app.client.post("/v1/messages", json=body, headers=_anthropic(key))
+    error = response.json()["error"]
+    assert (response.status_code, error["type"]) == (400, "invalid_request_error")
+    assert "stop_sequences" in error["message"] and "empty" in error["message"]
     assert app.engine.calls == []
 
 
