@@ -38,6 +38,9 @@ logger = module_logger(__name__)
 
 # 503 codes that mean a replica (not the model's load) failed: its engine died, or it vanished.
 REPLICA_FAILURES = (ENGINE_UNAVAILABLE, "replica_unavailable")
+# A replica gone after its head: its direct line closed (ConnectionError), its actor died, or its
+# gRPC server did (handle_transport "grpc": a status Serve does not translate).
+REPLICA_GONE = (ConnectionError, RayActorError, AioRpcError)
 # How long a request whose client left may take to send its last item (the replica stops at once on
 # the hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
 LAST_ITEM_WAIT_S = 10.0
@@ -115,7 +118,7 @@ class ReplicaCall:
         """An ``Accepted`` request's answer (the engine's whole body)."""
         try:
             answer = await self._next()
-        except ConnectionError:  # its direct line closed: the replica is gone, and its engine request
+        except REPLICA_GONE:  # its engine request went with it
             logger.exception("model replica for %s vanished", self.model)
             self._end()
             raise self._vanished() from None
@@ -124,8 +127,14 @@ class ReplicaCall:
         return answer
 
     async def trailer(self) -> Trailer:
-        """A stream's trailer, once the replica has closed the socket: the engine is done."""
-        trailer = await self._next()
+        """A stream's trailer, once the replica has closed the socket: the engine is done. A
+        replica that died instead sends none: the stream ended as an engine's death ends one (a
+        503 error event that says retry), not resumable (what it generated died with it)."""
+        try:
+            trailer = await self._next()
+        except REPLICA_GONE:
+            logger.exception("model replica for %s vanished mid-stream", self.model)
+            trailer = Trailer(complete=False, error_code=ENGINE_UNAVAILABLE)
         self._end()
         return trailer
 

@@ -5,17 +5,19 @@ small fake that yields the replica's items."""
 
 import asyncio
 import contextlib
+import functools
 import json
 import threading
 from dataclasses import replace
 
 import pytest
+from ray.exceptions import RayActorError
 
 from router_app import bare_context
 from serve_app.errors import APIError
 from serve_app.router import relay
 from serve_app.router.call import ReplicaCall
-from serve_app.wire.messages import Call, EngineTiming, Generated, StreamOpen, Trailer
+from serve_app.wire.messages import Accepted, Call, EngineTiming, Generated, StreamOpen, Trailer
 from serve_app.wire.socket import Listener, pump
 
 EVENTS = [
@@ -81,13 +83,13 @@ async def _replica(server: Listener, ticket, future, events, done: asyncio.Event
     return complete, len(produced)
 
 
-async def _start(events, *, hold=None, trailer=TRAILER):
+async def _start(events, *, hold=None, trailer=TRAILER, handle_call_of=FakeHandleCall):
     server = Listener("127.0.0.1")
     await server.start()
     ticket, future = server.expect()
     done = asyncio.Event()
     replica = asyncio.create_task(_replica(server, ticket, future, events, done, hold))
-    handle_call = FakeHandleCall(StreamOpen(server.address, ticket), done, trailer)
+    handle_call = handle_call_of(StreamOpen(server.address, ticket), done, trailer)
     ctx = bare_context()
     ctx.call = ReplicaCall(FakeHandle(handle_call).chat, Call({}, ctx.id), "m", "local")
     await ctx.call.first()
@@ -211,6 +213,62 @@ def test_a_replica_whose_grpc_call_fails_is_a_503_the_router_can_fail_over_on():
 
     error = asyncio.run(scenario())
     assert error.status == 503 and error.code == "replica_unavailable"
+
+
+
+def _grpc_failure():
+    from grpc import StatusCode
+    from grpc.aio import AioRpcError, Metadata
+
+    return AioRpcError(StatusCode.INTERNAL, Metadata(), Metadata(), details="Stream removed")
+
+
+class DiesAfterHead(FakeHandleCall):
+    """A replica process that dies once its head is out: the handle's next read fails."""
+
+    def __init__(self, head, done: asyncio.Event, failure: Exception):
+        super().__init__(head, done)
+        self.failure = failure
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        await self.done.wait()
+        raise self.failure
+
+
+@pytest.mark.parametrize("failure", [_grpc_failure(), RayActorError()])
+def test_a_replica_dying_during_a_non_stream_answer_is_a_503_the_router_can_fail_over_on(failure):
+    """As before its head (``first``): not a 500 with a traceback, no Retry-After, no failover."""
+    async def scenario():
+        server = Listener("127.0.0.1")
+        await server.start()
+        ticket, _ = server.expect()
+        done = asyncio.Event()
+        done.set()
+        call = ReplicaCall(FakeHandle(DiesAfterHead(Accepted(server.address, ticket), done, failure)).chat,
+                           Call({}, "r"), "m", "local")
+        try:
+            await call.first()
+            with pytest.raises(APIError) as raised:
+                await call.answer()
+            return raised.value, call
+        finally:
+            server.close()
+
+    error, call = asyncio.run(scenario())
+    assert (error.status, error.code) == (503, "replica_unavailable") and call.ended
+
+
+@pytest.mark.parametrize("failure", [_grpc_failure(), RayActorError()])
+def test_a_stream_whose_replica_dies_ends_with_the_retryable_503_event(failure):
+    dies = functools.partial(DiesAfterHead, failure=failure)  # the replica's bytes end, then no trailer
+    relayed, ctx, _ = asyncio.run(_collect(EVENTS[:1], handle_call_of=lambda head, done, _: dies(head, done)))
+    text = relayed.decode()
+    assert text.startswith(EVENTS[0]) and text.endswith("data: [DONE]\n\n")
+    error = json.loads(text.split("\n\n")[1].removeprefix("data: "))["error"]
+    assert error["code"] == "engine_unavailable" and "retry" in error["message"]
+    assert ctx.record.status == 503
 
 
 def test_prefetched_starts_the_source_at_once_and_closes_it_while_pending():
