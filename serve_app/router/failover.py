@@ -25,7 +25,7 @@ router and relay its answer.
 
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +77,14 @@ class Forwarded:
 
 class _RelayResponse(StreamingResponse):
     """Starlette abandons the body iterator when the client leaves; close it here at once, so the
-    upstream connection is released and ``on_done`` runs now, not whenever the GC gets to it."""
+    upstream connection is released and ``on_done`` runs now, not whenever the GC gets to it. A
+    client gone before the body's first chunk was asked for leaves a generator that never started,
+    whose close runs none of its code: ``on_end`` runs here then (the request settles, the peer's
+    connection closes; else the peer generated on, and this region kept the request's charge)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_end: Callable[[], Awaitable[None]], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_end = on_end
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -85,6 +92,7 @@ class _RelayResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self._on_end()
 
 
 class Forwarder:
@@ -207,7 +215,9 @@ class Forwarder:
                    if k in _RELAYED or k.startswith("x-ratelimit-")]
         stream = upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
         if stream:
-            response: Response = _RelayResponse(_peer_events(peer, upstream, on_done, dialect), status_code=status)
+            end = _Ending(on_done, upstream)
+            response: Response = _RelayResponse(_peer_events(peer, upstream, end, dialect), on_end=end,
+                                                status_code=status)
         else:
             try:
                 response = Response(await upstream.aread(), status_code=status)
@@ -228,7 +238,23 @@ class Forwarder:
         return Forwarded(response, peer.region, status, attempts, error_type, stream)
 
 
-async def _peer_events(peer: Peer, upstream: httpx.Response, on_done: OnDone, dialect: Any) -> AsyncIterator[bytes]:
+class _Ending:
+    """A relayed stream's end, once however it comes (its events' own end, or the response's):
+    ``on_done`` with how it ended (a client gone: 499), then the peer's connection closed."""
+
+    def __init__(self, on_done: OnDone, upstream: httpx.Response):
+        self._on_done, self._upstream, self._ended = on_done, upstream, False
+
+    async def __call__(self, status: int = 499, error_type: str | None = "client_closed") -> None:
+        if self._ended:
+            return
+        self._ended = True
+        _call(self._on_done, status, error_type)
+        with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
+            await self._upstream.aclose()
+
+
+async def _peer_events(peer: Peer, upstream: httpx.Response, end: _Ending, dialect: Any) -> AsyncIterator[bytes]:
     """The peer's SSE bytes as they arrive; a broken peer ends the stream with an error event in
     the request's own dialect."""
     result: tuple[int, str | None] = (499, "client_closed")  # unless we reach the end below
@@ -244,9 +270,7 @@ async def _peer_events(peer: Peer, upstream: httpx.Response, on_done: OnDone, di
         result = (502, _PEER_BROKE)
         yield dialect.error_event(502, _broke(peer).body(), sequence_number=sequence.next)
     finally:
-        _call(on_done, *result)
-        with anyio.CancelScope(shield=True):  # a leaving client cancels us; still release the peer
-            await upstream.aclose()
+        await end(*result)
 
 
 def _broke(peer: Peer) -> APIError:

@@ -545,3 +545,34 @@ def test_a_messages_body_breaking_is_an_anthropic_shaped_502():
     got = asyncio.run(play(result.response))
     assert got.status_code == 502 and got.json()["type"] == "error"
     assert got.json()["error"]["type"] == "api_error" and "yvr" in got.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("send_suspends", [True, False])
+def test_a_relayed_stream_whose_client_left_before_its_body_settles_and_closes_the_peer(send_suspends):
+    """A client gone while the router waited for the peer's head: Starlette cancels the response at
+    its first suspension, before the body's generator ever started, whose close then runs none of
+    its code. The request must still settle (on_done: the charge refunded, the trace ended) and
+    the peer's connection close (else the peer generates on, billing, until its stall cut)."""
+    peer = PeerStream()
+
+    async def scenario():
+        answer = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=peer)
+        fwd = Forwarder("yul-02", [Peer(region="yvr-01", endpoint="https://yvr.test")],
+                        transport=httpx.MockTransport(lambda request: answer))
+        done = []
+        result = await fwd.forward("/v1/chat/completions", {"model": "m", "stream": True}, {},
+                                   reason="overloaded", on_done=lambda *ended: done.append(ended))
+
+        async def send(message):  # a real ASGI chain suspends somewhere (a middleware, a drain)
+            if send_suspends:
+                await asyncio.sleep(0)
+
+        async def receive():  # the client hung up while the peer was being asked
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/"}
+        await asyncio.wait_for(result.response(scope, receive, send), 2)
+        return done
+
+    assert asyncio.run(scenario()) == [(499, "client_closed")]  # once, however the response ended
+    assert peer.closed
