@@ -12,6 +12,13 @@ MAX_REQUEST_BODY_BYTES = 2 * 1024 * 1024
 _COMPRESSIONS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress"})
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length, if it declares one of ASCII digits (``str.isdigit`` also takes
+    "²", which ``int`` refuses: a 500 had a proxy ever let such a header through)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else None
+
+
 async def read_body(request: Request, *, refuse_past: tuple[int, APIError] | None = None) -> bytes:
     """The body, refusing (413) before buffering more than ``MAX_REQUEST_BODY_BYTES`` — or, with
     ``refuse_past`` (a size and its error), before buffering more than that size."""
@@ -27,8 +34,8 @@ async def read_body(request: Request, *, refuse_past: tuple[int, APIError] | Non
     )
     if refuse_past is not None and refuse_past[0] < limit:
         limit, too_large = refuse_past
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    declared = declared_length(request)
+    if declared is not None and declared > limit:
         raise too_large
     received = bytearray()
     async for chunk in request.stream():  # chunked uploads carry no content-length

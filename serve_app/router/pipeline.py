@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from serve_app import routing
 from serve_app.errors import APIError
 from serve_app.router import isolation, pricing, relay
-from serve_app.router.body import read_body
+from serve_app.router.body import declared_length, read_body
 from serve_app.router.call import REPLICA_FAILURES
 from serve_app.router.context import (
     CLIENT_CLOSED, COUNT_WAIT_S, Context, abandoned, even_if_left, failed, forwarded, in_background, refused,
@@ -92,8 +92,7 @@ async def authenticate(ctx: Context) -> None:
     ctx.origin = None  # the hop header is a peer router's word, nobody else's
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
     # over its limit, a body its tier could never admit), so that it costs no parse.
-    declared = ctx.request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else 0
+    size = declared_length(ctx.request) or 0
     ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
 
 

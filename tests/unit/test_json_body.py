@@ -149,3 +149,16 @@ def test_a_nul_in_an_api_key_is_an_unknown_key_not_a_database_error(token_client
         response = token_client.post("/v1/auth/token", content=json.dumps({"api_key": key}))
         assert (response.status_code, response.json()["error"]["code"]) == (401, "invalid_api_key")
     assert token_client.post("/v1/auth/token", json={"api_key": DEV_KEY}).status_code == 200
+
+
+@pytest.mark.parametrize("declared, length", [("12", 12), ("²", None), ("1³", None), ("", None), ("-1", None)])
+def test_only_an_ascii_content_length_is_read_as_the_bodys_size(declared, length):
+    """Headers are latin-1, whose superscripts ``str.isdigit`` takes and ``int`` refuses: the
+    router's size checks take ASCII digits only (no proxy passes others today)."""
+    from starlette.requests import Request
+
+    from serve_app.router.body import declared_length
+
+    request = Request({"type": "http", "method": "POST", "path": "/",
+                       "headers": [(b"content-length", declared.encode("latin-1"))]})
+    assert declared_length(request) == length
