@@ -30,6 +30,13 @@ OTHER_MODEL = "qwen-3.5-27b"
 DEV_KEY = "sk-unit-dev-key-0123456789"
 
 
+TIERS = {
+    "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
+    "tiny": Tier(requests_per_minute=2, tokens_per_minute=1_000),
+    "dev": Tier(requests_per_minute=100_000, tokens_per_minute=10**9),
+}
+
+
 def auth_args(tmp_path: Path, **overrides: Any) -> AuthArgs:
     values: dict[str, Any] = {
         "key_store_path": str(tmp_path / "keys.sqlite3"),
@@ -37,11 +44,7 @@ def auth_args(tmp_path: Path, **overrides: Any) -> AuthArgs:
         "issuer": "https://auth.test",
         "audience": "https://api.test",
         "cache_ttl_s": 0,  # tests see store edits at once unless they test the cache
-        "tiers": {
-            "standard": Tier(requests_per_minute=600, tokens_per_minute=1_000_000),
-            "tiny": Tier(requests_per_minute=2, tokens_per_minute=1_000),
-            "dev": Tier(requests_per_minute=100_000, tokens_per_minute=10**9),
-        },
+        "tiers": TIERS,
         "dev_api_key_env": "SERVE_APP_DEV_API_KEY",
     }
     return AuthArgs(**(values | overrides))

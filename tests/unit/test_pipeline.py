@@ -10,9 +10,10 @@ import json
 import pytest
 from starlette.requests import Request
 
-from auth_support import MODEL, OTHER_MODEL, bearer
+from auth_support import MODEL, OTHER_MODEL, TIERS, bearer
 from fake_engine import FINAL_ONLY, FakeEngine
 from serve_app import surfaces
+from serve_app.auth.config import Tier
 from serve_app.config import RouterArgs
 from serve_app.errors import error_body
 from serve_app.router import pipeline
@@ -191,8 +192,11 @@ def _requests_left(app, key) -> int:
     ({"input": "x", "max_tokens": 3}, 400),  # refused at pricing: a limit field the route ignores
 ])
 def test_a_request_refused_at_its_stored_conversation_or_its_price_costs_one_request(router_app, body, status):
-    app = router_app(engine=FakeEngine())
-    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    # A tier too small for a lease's slice (under one request): every request asks the limiter, so
+    # the remaining count is exact (a lease renewed in the background shifts it on a slow host).
+    app = router_app(engine=FakeEngine(), tiers={**TIERS, "small": Tier(requests_per_minute=10,
+                                                                        tokens_per_minute=1_000_000)})
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
     before = _requests_left(app, key)
     for _ in range(3):
         response = app.client.post("/v1/responses", json={"model": MODEL, **body}, headers=bearer(key))
