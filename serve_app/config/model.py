@@ -109,6 +109,14 @@ class Resources(Settings):
             raise ValueError("accelerator_type is set but num_gpus is 0")
         return self
 
+    @field_validator("env")
+    @classmethod
+    def _no_engine_limit_the_router_checks(cls, env: dict[str, str]) -> dict[str, str]:
+        if "VLLM_MAX_STOP_STRINGS" in env:  # the router refuses a fifth stop sequence itself (router/strict.py)
+            raise ValueError("VLLM_MAX_STOP_STRINGS cannot be set per replica: the router checks stop sequences "
+                             "against vLLM's default, 4, before a request is charged")
+        return env
+
 
 class EngineOverrides(Settings):
     """Per-deployment changes to the catalog's engine settings; None keeps the catalog value."""

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from serve_app.router.json_body import shown
-from serve_app.router.strict import INT64, MAX_STOP_SEQUENCES, MAX_TOOLS, Body, Closed, FieldError, Strict
+from serve_app.router.strict import INT64, MAX_TOOLS, Body, Closed, FieldError, StopSequences, Strict
 
 # Anthropic's own floor for an extended-thinking budget.
 MIN_THINKING_BUDGET = 1024
@@ -125,7 +125,7 @@ class _Prompt(Body):
 class MessagesBody(_Prompt):
     max_tokens: int = Field(ge=1)
     stream: bool | None = None
-    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop_sequences: StopSequences | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -139,14 +139,6 @@ class MessagesBody(_Prompt):
         if budget is not None and budget >= self.max_tokens:
             raise ValueError("thinking.budget_tokens must be less than max_tokens")
         return self
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _no_empty_stop(cls, stop: list[str] | None) -> list[str] | None:
-        if stop and "" in stop:  # vLLM refuses it, after admission
-            raise ValueError("a stop sequence cannot be empty (it would end the answer before it starts)")
-        return stop
-
 
 class CountTokensBody(_Prompt):
     pass

@@ -1,4 +1,4 @@
-"""Strict validation of inference bodies at the router, before anything is charged or sent.
+"""Strict validation of inference bodies at the router, before any token is charged or anything sent.
 
 vLLM's request models coerce (``"max_tokens": "10"`` becomes 10, ``"stream": "yes"`` is true) and
 accept roles and values OpenAI refuses, so the router checks the fields of the OpenAI spec, and
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from serve_app.errors import APIError
 from serve_app.router.json_body import MAX_JSON_DEPTH, parse_json_object  # noqa: F401 (the routes' import)
-from serve_app.router.strict import INT64, MAX_STOP_SEQUENCES, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, FieldError, Metadata
+from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, FieldError, Metadata, Stop
 from serve_app.router.strict import Closed as _Closed
 from serve_app.router.strict import Strict as _Strict
 
@@ -126,7 +126,7 @@ class _Sampling(Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-_INT64 - 1, le=_INT64)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: Stop | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's sampling extras (docs/api.md, "Sampling").
@@ -144,13 +144,6 @@ class _Sampling(Body):
         if logit_bias and any(not -100 <= bias <= 100 for bias in logit_bias.values()):
             raise ValueError("logit_bias values must be between -100 and 100")
         return logit_bias
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop == "" or (isinstance(stop, list) and "" in stop):
-            raise ValueError("a stop sequence cannot be empty (it would end the answer before it starts)")
-        return stop
 
     @model_validator(mode="after")
     def _min_tokens_within_the_limit(self) -> "_Sampling":

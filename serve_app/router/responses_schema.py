@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from serve_app.router.json_body import shown
-from serve_app.router.strict import INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, FieldError, Metadata, Strict
+from serve_app.router.strict import (INT64, MAX_TOOLS, MAX_TOP_LOGPROBS, Body, Closed, FieldError, Metadata, Stop,
+                                     Strict)
 
 # OpenAI's limit on a safety identifier; a prompt cache key's is ours (OpenAI states none): both
 # are echoed in every response object and stored with it.
@@ -123,6 +124,7 @@ class ResponsesBody(Body):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    stop: Stop | None = None  # a vLLM extra
     tools: list[ResponsesFunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -10,8 +10,20 @@ MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20  # also vLLM's default --max-logprobs
 INT64 = 2**63 - 1
 # vLLM's VLLM_MAX_STOP_STRINGS: a fifth stop sequence is a validation error deep in the engine,
-# after the request was admitted and queued.
+# after the request was admitted and queued (a region cannot change it: ``config.model.Resources``).
 MAX_STOP_SEQUENCES = 4
+
+
+def _no_empty_stop(stop: str | list[str]) -> str | list[str]:
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        raise ValueError("a stop sequence cannot be empty (it would end the answer before it starts)")
+    return stop
+
+
+# ``stop`` of chat, completions and Responses (a vLLM extra there), and Messages' ``stop_sequences``:
+# what vLLM takes, checked before the request is charged.
+StopSequences = Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES), AfterValidator(_no_empty_stop)]
+Stop = Annotated[str, AfterValidator(_no_empty_stop)] | StopSequences
 # OpenAI's limits on ``metadata`` (Responses, chat): pairs, and characters per key and per value.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 

@@ -203,3 +203,13 @@ def test_a_replica_may_ask_for_a_fraction_of_a_gpu():
     assert model_actor_options(model)["num_gpus"] == 0.1
     with pytest.raises(ValueError):
         ModelDeploymentArgs(id="qwen-3-embedding-0.6b", resources={"num_gpus": 1.5})
+
+
+def test_a_replica_env_cannot_move_the_stop_limit_the_router_checks():
+    """The router refuses a fifth stop sequence itself, before charging (router/strict.py): a
+    region raising vLLM's limit on its replicas would see its clients refused all the same."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="VLLM_MAX_STOP_STRINGS"):
+        ModelDeploymentArgs(id="qwen-3.6-35b-a3b", resources={"env": {"VLLM_MAX_STOP_STRINGS": "8"}})
+    assert ModelDeploymentArgs(id="qwen-3.6-35b-a3b", resources={"env": {"OMP_NUM_THREADS": "2"}})

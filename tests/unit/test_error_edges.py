@@ -142,6 +142,8 @@ def test_a_messages_tool_whose_input_is_not_an_object_is_a_400_before_the_engine
     # More than vLLM takes (VLLM_MAX_STOP_STRINGS): refused by the engine after admission before.
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": list("abcde")}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": list("abcde")}, "stop"),
+    ("/v1/responses", {"input": "hi", "stop": list("abcde")}, "stop"),  # a vLLM extra there
+    ("/v1/responses", {"input": "hi", "stop": ""}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "min_tokens": 5},
      "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
