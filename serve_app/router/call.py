@@ -41,6 +41,7 @@ REPLICA_FAILURES = (ENGINE_UNAVAILABLE, "replica_unavailable")
 # A replica gone after its head: its direct line closed (ConnectionError), its actor died, or its
 # gRPC server did (handle_transport "grpc": a status Serve does not translate).
 REPLICA_GONE = (ConnectionError, RayActorError, AioRpcError)
+UNKNOWN_REPLICA = "unknown"  # a replica that died before its trailer could name it
 # How long a request whose client left may take to send its last item (the replica stops at once on
 # the hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
 LAST_ITEM_WAIT_S = 10.0
@@ -134,7 +135,11 @@ class ReplicaCall:
             trailer = await self._next()
         except REPLICA_GONE:
             logger.exception("model replica for %s vanished mid-stream", self.model)
-            trailer = Trailer(complete=False, error_code=ENGINE_UNAVAILABLE)
+            # Its replica, as far as the head says (its line's id; Serve's handle names none): a
+            # stream a peer forwarded here is then recorded here, as one this region served part of.
+            line = getattr(self.head, "line", None)
+            trailer = Trailer(complete=False, error_code=ENGINE_UNAVAILABLE,
+                              replica=line.replica if line is not None else UNKNOWN_REPLICA)
         self._end()
         return trailer
 

@@ -144,7 +144,7 @@ class RequestRecord:
         response id and its own replica tag."""
         if engine_timing is not None and not isinstance(engine_timing, Mapping):  # the wire's EngineTiming
             engine_timing = {name: getattr(engine_timing, name) for name in ("queue_ms", "prefill_ms", "decode_ms")}
-        if engine_timing:
+        if engine_timing and any(value is not None for value in engine_timing.values()):  # else it says nothing
             self.queue_ms = _non_negative(engine_timing.get("queue_ms"))
             self.prefill_ms = _non_negative(engine_timing.get("prefill_ms"))
             self.decode_ms = _non_negative(engine_timing.get("decode_ms"))

@@ -780,3 +780,15 @@ def test_no_stage_calls_telemetry():
     for stage in (*pipeline.STAGES, pipeline.call, pipeline.route):
         source = inspect.getsource(stage)
         assert "ctx.record" not in source and "ctx.telemetry" not in source, stage.__name__
+
+
+def test_a_report_without_any_engine_timing_keeps_the_timing_already_noted():
+    """A replica that died mid-stream reports no timing (its trailer is the router's own): a
+    resumed stream's earlier engine times stay, not reset to unknown."""
+    from serve_app.wire.messages import EngineTiming
+
+    record = make_record()
+    record.note_engine(EngineTiming(), replica="model-qwen#xyz")
+    assert (record.queue_ms, record.prefill_ms, record.decode_ms) == (5.0, 20.0, 60.0)
+    record.note_engine(EngineTiming(queue_ms=1.0))  # a report that has any: it is the call's
+    assert (record.queue_ms, record.prefill_ms, record.decode_ms) == (1.0, None, None)
