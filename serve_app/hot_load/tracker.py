@@ -144,11 +144,13 @@ class ModelStates:
             if self._pending is None or self._pending.done():
                 self._pending = asyncio.get_running_loop().create_task(self.refresh())
                 self._pending.add_done_callback(_log_failure)
-            try:
-                await asyncio.shield(self._pending)
+            try:  # /health waits ``wait_s`` at most, as for a later view
+                await asyncio.wait_for(asyncio.shield(self._pending), wait_s)
             except Exception as err:  # nothing to answer from yet: a 503 the router may fail over
-                raise retry_later("this region's model states could not be read (Serve's controller or the GCS did "
-                                  "not answer)", "model_states_unavailable", retry_after_s=5) from err
+                if self._refreshed:  # the refresh loop's own read answered meanwhile
+                    return
+                raise retry_later("this region's model states could not be read yet (Serve's controller or the GCS has "
+                                  "not answered)", "model_states_unavailable", retry_after_s=5) from err
             return
         if max_status_age_s is None or time.monotonic() - self._status_read_at <= max_status_age_s:
             return
@@ -346,8 +348,14 @@ def _serve_status():
     client = _get_global_client(raise_if_no_controller_running=False)
     if client is None:
         return status_view({})
-    # ``client.get_serve_details()``, bounded (it waits on the controller for good).
-    return status_view(ray.get(client._controller.get_serve_instance_details.remote(), timeout=STATUS_TIMEOUT_S))
+    # ``client.get_serve_details()``, bounded (it waits on the controller for good); a call given
+    # up on is cancelled, so that a wedged controller's queue does not grow by one every read.
+    details = client._controller.get_serve_instance_details.remote()
+    try:
+        return status_view(ray.get(details, timeout=STATUS_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(details)
+        raise
 
 
 def _deployments_of(status: Any, locations: dict[str, tuple[str, str]]) -> dict[str, Any]:

@@ -782,9 +782,44 @@ def test_a_controller_that_never_answers_fails_the_status_read_instead_of_holdin
         raise GetTimeoutError("Get timed out")
 
     monkeypatch.setattr(ray, "get", get)
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
     with pytest.raises(GetTimeoutError):
         model_states._serve_status()
     assert waits == [("details-ref", model_states.STATUS_TIMEOUT_S)]
+    assert cancelled == ["details-ref"]  # not left queued on the wedged controller
+
+
+def test_health_before_the_first_view_waits_its_bound_and_a_view_read_meanwhile_answers():
+    """/health must answer at once (``wait_s``) even before the first view: a 503 while the read
+    goes on, then the view once it lands; a request whose wait failed while the refresh loop's own
+    read answered takes that view instead of a 503."""
+    fake = FakeServe()
+    gate = {"slow": True}
+
+    def status():
+        if gate["slow"]:
+            time.sleep(0.3)
+            raise TimeoutError("Serve's controller did not answer")
+        return fake.status()
+
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=status, read_all=fake.read_all,
+                         write=fake.write)
+
+    async def scenario():
+        started = time.monotonic()
+        with pytest.raises(APIError) as refused:
+            await states.ensure_fresh(max_status_age_s=2.0, wait_s=0.05)
+        assert refused.value.code == "model_states_unavailable" and time.monotonic() - started < 0.25
+        gate["slow"] = False
+        waiting = asyncio.ensure_future(states.ensure_fresh())  # waits on the failing first read
+        await asyncio.sleep(0)
+        await states.refresh()  # as the refresh loop would, meanwhile
+        await waiting  # no 503: a view is there
+        assert states.get(MODEL).state == "loaded"
+        states.stop()
+
+    asyncio.run(scenario())
 
 def test_a_model_added_back_starts_from_not_deployed_and_one_removed_stops_costing_status_reads():
     fake = FakeServe()
