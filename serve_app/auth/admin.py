@@ -10,7 +10,8 @@ the ``admin`` scope; tokens signed by another region's key never carry it):
 - an **owner admin**, any narrower one (a model or a region named): lists, revokes and reads the
   usage of its own owner's keys only. Another owner's key looks exactly like a key that does not
   exist (404 ``key_not_found``, an empty report), so an owner admin cannot learn which ids other
-  owners hold. Load and unload stay limited to the admin's own models (``authorize_model``).
+  owners hold. It cannot load or unload a model: a model serves every owner in its region
+  (``router/operations.set_wanted``).
 
 ``GET /v1/usage`` without ``key_id`` is any key's own usage (``inference`` scope); with one it is
 an admin's view, through ``usage_filter``.

@@ -309,10 +309,10 @@ class Authenticator:
             await asyncio.sleep(KNOWN_IDS_REFRESH_S)
 
     async def count_refused(self, principal: Principal) -> None:
-        """Charge one request (no tokens) for a request refused once its body was read and
-        priced (over its tier's minute, its budget spent): a refusal that cost the router a parse,
-        and a Responses follow-up its stored conversation, is not free, so a key cannot have it
-        done faster than its requests/min. Once they are spent, the next is refused unread."""
+        """Charge one request (no tokens) for a request refused after its key was known (its
+        body, its model, its stored conversation, its price, its budget): a refusal that cost the
+        router a parse or a registry read is not free, so a key cannot have it done faster than
+        its requests/min. Once they are spent, the next is refused unread."""
         tier = self.args.tiers.get(principal.tier)
         if tier is not None:
             await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, 0)

@@ -14,9 +14,12 @@ _COMPRESSIONS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd", "compress"
 
 def declared_length(request: Request) -> int | None:
     """The body's Content-Length, if it declares one of ASCII digits (``str.isdigit`` also takes
-    "²", which ``int`` refuses: a 500 had a proxy ever let such a header through)."""
+    "²", which ``int`` refuses, and ``int`` refuses 4,301 digits or more: each a 500 had a proxy
+    ever let such a header through). Past 19 digits it is past any limit: 2**63."""
     declared = request.headers.get("content-length", "")
-    return int(declared) if declared.isascii() and declared.isdigit() else None
+    if not (declared.isascii() and declared.isdigit()):
+        return None
+    return int(declared) if len(declared) <= 19 else 2**63
 
 
 async def read_body(request: Request, *, refuse_past: tuple[int, APIError] | None = None) -> bytes:

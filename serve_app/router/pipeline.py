@@ -60,12 +60,12 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         response = await dispatch(ctx)
     except APIError as err:
         ctx.settle(refused(err))
-        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
+        if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:  # a peer's: admitted where it came from
             await _charge_refusal(ctx)  # after settling: a client that leaves meanwhile leaves it settled
         return surface.dialect.error_response(err)
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())
-        if stage in CHARGED_WHEN_REFUSED and ctx.taken_over is None:
+        if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:
             # The lookup was under way: a client that leaves during it still pays its request
             # (else leaving at once would buy registry reads past the key's requests/min). This
             # task is being cancelled: the charge runs on its own.

@@ -151,7 +151,8 @@ def test_a_nul_in_an_api_key_is_an_unknown_key_not_a_database_error(token_client
     assert token_client.post("/v1/auth/token", json={"api_key": DEV_KEY}).status_code == 200
 
 
-@pytest.mark.parametrize("declared, length", [("12", 12), ("²", None), ("1³", None), ("", None), ("-1", None)])
+@pytest.mark.parametrize("declared, length", [("12", 12), ("²", None), ("1³", None), ("", None), ("-1", None),
+                                              ("9" * 19, 10**19 - 1), ("9" * 5000, 2**63)])
 def test_only_an_ascii_content_length_is_read_as_the_bodys_size(declared, length):
     """Headers are latin-1, whose superscripts ``str.isdigit`` takes and ``int`` refuses: the
     router's size checks take ASCII digits only (no proxy passes others today)."""

@@ -392,12 +392,23 @@ def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
             "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": resume,
         })
         assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
+    charged = []
+    counted = peer.auth.count_refused
+
+    async def count_refused(caller):
+        charged.append(caller.key_id)
+        await counted(caller)
+
+    peer.auth.count_refused = count_refused
     for malformed in ({**resume, "token_ids": ["1"]}, {**resume, "cached_tokens": "3"},
                       {**resume, "cached_tokens": -1}):
         refused = peer.client.post("/v1/chat/completions", headers={**bearer(peer_bound), **hop}, json={
             "model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True, "polargrid_resume": malformed,
         })
         assert (refused.status_code, refused.json()["error"]["param"]) == (400, "polargrid_resume")
+    assert charged == []  # a peer router's refusals: admitted, and charged, where the request came from
+    refused = peer.client.post("/v1/chat/completions", headers=bearer(key), json={"model": MODEL, "messages": 5})
+    assert refused.status_code == 400 and len(charged) == 1  # anyone else's: one request of its minute
     assert healthy.calls == []
 
 
