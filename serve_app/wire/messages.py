@@ -19,11 +19,12 @@ module without Ray or vLLM.
 of the other for as long as Serve replaces them. A message pickles as its field values in
 order (the dataclass's own state, compact), so the rule is that of a positional protocol: a new
 field goes **last, with a default**, and no field is removed, renamed or moved
-(``tests/unit/test_wire_messages.py`` holds each message's released fields and fails otherwise).
-Then an older reader drops the fields it does not know (they come last), and a newer reader
-gives the fields an older writer did not send their defaults (``_versioned``): before, such a
-field was left unset, and reading it raised (a newer router's resume of an older replica's
-stream failed to ``engine_unavailable``).
+(``tests/unit/test_wire_messages.py`` holds each message's released fields and fails otherwise);
+its values are builtins or classes released before it (pickle must find a value's class before
+the reader can drop the field: a new message class goes out, unused, one release ahead). Then an
+older reader drops the fields it does not know (they come last), and a newer reader gives the
+fields an older writer did not send their defaults (``_versioned``): before, such a field was
+left unset, and reading it raised (an older router's resume read by a newer replica).
 """
 
 from dataclasses import MISSING, dataclass, field, fields

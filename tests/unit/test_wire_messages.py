@@ -10,7 +10,8 @@ from serve_app.wire.messages import Call, DirectLine, Generated, Resume, StreamO
 
 # Each message's fields as released, in order. A rolling upgrade runs routers and replicas of two
 # versions side by side, and a message pickles as its values in field order: a new field goes
-# last with a default (then add it here); none is removed, renamed or moved.
+# last with a default (then add it here), holding builtins or classes released before it (an
+# older reader must find the class before it can drop the field); none is removed, renamed or moved.
 RELEASED = {
     "Call": ("body", "request_id", "limit_set_by_router", "previous_response_id", "cache_salt", "resume", "session",
              "avoid_replica"),
