@@ -37,6 +37,7 @@ from serve_app.auth.keys import (
     KeyStore,
     RegistryBusy,
     digest,
+    is_key_id,
     looks_like_key,
 )
 from serve_app.auth.principal import Principal, forbidden, unauthorized
@@ -195,6 +196,10 @@ class Authenticator:
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
+        if not (is_key_id(principal.key_id) or principal.key_id == DEV_KEY_ID):
+            # Every token names the key it was minted for. An empty or made-up subject names none,
+            # and a key id is what scopes a caller's own reads ("" once read as every key's usage).
+            raise unauthorized("token subject is not a key id", "invalid_token")
         if claims["aud"] == self._audiences[1]:  # minted by a peer's router, for this region only
             principal = replace(principal, peer_bound=True)
         if self.keys.is_jti_revoked(claims["jti"], offline):

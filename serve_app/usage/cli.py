@@ -29,6 +29,8 @@ usage_app = typer.Typer(
 budget_app = typer.Typer(no_args_is_help=True, help="Set, show and clear a key's token budget per UTC day and month.")
 usage_app.add_typer(budget_app, name="budget")
 
+MAX_BUDGET = 2**63 - 1
+
 
 class Format(str, Enum):
     table = "table"
@@ -116,8 +118,10 @@ def _limits(budget: Budget) -> str:
 def budget_set(
     ctx: typer.Context,
     key_id: str,
-    per_day: Annotated[int | None, typer.Option("--per-day", min=0, help="Tokens per UTC day.")] = None,
-    per_month: Annotated[int | None, typer.Option("--per-month", min=0, help="Tokens per UTC month.")] = None,
+    # At most a BIGINT (the registry's column): past it, a clean error, not the database's traceback.
+    per_day: Annotated[int | None, typer.Option("--per-day", min=0, max=MAX_BUDGET, help="Tokens per UTC day.")] = None,
+    per_month: Annotated[int | None, typer.Option("--per-month", min=0, max=MAX_BUDGET,
+                                                  help="Tokens per UTC month.")] = None,
 ) -> None:
     """Set KEY_ID's budget to exactly these limits (a period left out has no limit); prompt +
     completion tokens, counted across every region."""

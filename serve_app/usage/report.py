@@ -40,11 +40,13 @@ def parse_query(params: Mapping[str, str], *, today: str) -> tuple[str, str, tup
     first of ``today``'s month, until ``today``), grouped by day."""
     until = _day(params["until"], "until") if "until" in params else dt.date.fromisoformat(today)
     since = _day(params["since"], "since") if "since" in params else dt.date.fromisoformat(today).replace(day=1)
+    # The field to change is one the caller sent: ``until`` when ``since`` is the default.
+    blamed = "since" if "since" in params else "until"
     if since > until:
-        raise _bad(f"since ({since}) is after until ({until})", "since")
+        raise _bad(f"since ({since}) is after until ({until})", blamed)
     days = (until - since).days + 1
     if days > MAX_RANGE_DAYS:
-        raise _bad(f"a report covers at most {MAX_RANGE_DAYS} days; {since}..{until} is {days}", "since")
+        raise _bad(f"a report covers at most {MAX_RANGE_DAYS} days; {since}..{until} is {days}", blamed)
     names = [name.strip() for name in params.get("group_by", "day").split(",")]
     unknown = [name for name in names if name not in GROUPS]
     if unknown:
@@ -62,9 +64,11 @@ def usage_report(
     group_by: tuple[str, ...],
     owner: str | None = None,
 ) -> dict[str, Any]:
-    """The report object: its rows, and their totals. ``key_id`` None (or ""): every key's usage;
-    ``owner``: only that owner's (an owner admin's view, ``serve_app.auth.admin.usage_filter``)."""
-    key_id = key_id or None
+    """The report object: its rows, and their totals. ``key_id`` None: every key's usage (never
+    "", which names no key); ``owner``: only that owner's (an owner admin's view,
+    ``serve_app.auth.admin.usage_filter``)."""
+    if key_id == "":
+        raise ValueError("key_id '' names no key: None is every key's report")
     rows = store.totals(key_id=key_id, since=since, until=until, group_by=group_by, owner=owner)
     return {
         "object": "usage.report",

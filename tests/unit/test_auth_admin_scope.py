@@ -126,6 +126,10 @@ def test_an_empty_key_id_is_a_400_not_every_key(auth, keys):
     with pytest.raises(APIError) as refused:
         admin.usage_filter(_caller(auth, keys, "operator"), "")
     assert (refused.value.status, refused.value.param) == (400, "key_id")
+    # And a caller whose own key id were "" (no token names one now) reads nothing, not every key.
+    with pytest.raises(ValueError):
+        usage_report(UsageStore(auth.keys.database), key_id="", since="2026-12-01", until="2026-12-31",
+                     group_by=("key_id",))
 
 
 def test_a_key_id_that_is_no_key_id_never_reaches_the_registry(tmp_path):

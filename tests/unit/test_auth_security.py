@@ -76,6 +76,9 @@ def _bad_credentials(auth, client, api_key) -> dict[str, dict[str, str]]:
         "kid path injection": bearer(sign(stranger, claims(auth), kid="../../signing-keys.json")),
         "right kid, wrong key": bearer(sign(stranger, claims(auth), kid=key.kid)),
         "malformed claims": bearer(sign(key, claims(auth, models="*"))),
+        # A well-signed token must name a key: "" once read as every key's usage (GET /v1/usage).
+        "empty subject": bearer(sign(key, claims(auth, sub=""))),
+        "subject not a key id": bearer(sign(key, claims(auth, sub="ffffffffffff' OR 1=1"))),
         "garbage token": bearer("aaa.bbb.ccc"),
         "revoked key (raw)": bearer(revoked_key),
         "revoked key (token)": bearer(token_of_revoked_key),

@@ -35,6 +35,8 @@ def test_the_query_defaults_to_this_month_so_far_by_day():
         ({"until": ""}, "until"),
         ({"since": "2026-12-10", "until": "2026-12-09"}, "since"),
         ({"since": "2025-12-16", "until": "2026-12-17"}, "since"),  # 367 days
+        ({"until": "2026-11-30"}, "until"),  # before the default since (the month's first): the one sent
+        ({"until": "2028-01-01"}, "until"),  # more than a year after it
         ({"group_by": "day,owner"}, "group_by"),
         ({"group_by": ""}, "group_by"),
     ],
@@ -55,7 +57,7 @@ def test_the_report_has_its_rows_and_their_totals_and_csv_has_the_rows(tmp_path)
     assert report["totals"] == {
         "requests": 2, "prompt_tokens": 200, "completion_tokens": 40, "cached_tokens": 10, "total_tokens": 240, "stored_bytes": 900,
     }
-    everyone = usage_report(store, key_id="", since="2026-12-01", until="2026-12-01", group_by=("key_id",))
+    everyone = usage_report(store, key_id=None, since="2026-12-01", until="2026-12-01", group_by=("key_id",))
     assert everyone["key_id"] is None and [row["key_id"] for row in everyone["data"]] == ["k1", "k2"]
     rows = list(csv.reader(io.StringIO(to_csv(report))))
     assert rows[0] == ["day", "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "stored_bytes"]
@@ -139,4 +141,6 @@ def test_budgets_are_set_shown_and_cleared_for_known_keys_only(cli):
         assert "no key 'ffffffffffff'" in cli("usage", "budget", *argv, ok=False).output
     assert "--per-day, --per-month" in cli("usage", "budget", "set", cli.key_id, ok=False).output
     assert cli("usage", "budget", "set", cli.key_id, "--per-day", "-5", ok=False).exit_code == 2  # typer's range check
+    past_bigint = cli("usage", "budget", "set", cli.key_id, "--per-month", str(2**63), ok=False)
+    assert past_bigint.exit_code == 2 and "Traceback" not in past_bigint.output  # not the database's overflow
     assert cli.store.budget(cli.key_id) is None
