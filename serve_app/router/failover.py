@@ -6,8 +6,10 @@ router and relay its answer.
   receives it with a peer router's failover token never forwards again (``Context.origin``,
   ``pipeline.fail_over``), so two overloaded regions cannot ping-pong.
 - Peers are tried in order, at most ``max_attempts``. Only a 503, a failed connect or a timeout
-  before the response head moves on to the next peer; any other status is the peer's verdict on
-  this request and is relayed as is (a 400 or 429 would not change elsewhere). All failed → a
+  before the request was sent moves on to the next peer; any other status is the peer's verdict on
+  this request and is relayed as is (a 400 or 429 would not change elsewhere). A peer that had the
+  request and sent no head within ``read_timeout_s`` is running it (and will bill it): no other
+  peer runs it a second time (``no_head``). All failed → a
   ``Forwarded`` without a response (its attempts go into the trace), and the router answers with
   its own 503.
 - Timeouts: connecting must be quick (a dead peer must not eat the client's patience); reading
@@ -15,7 +17,7 @@ router and relay its answer.
   (connect error or timeout) is skipped for ``unreachable_hold_s`` afterwards, so an outage of a
   peer does not add the connect timeout to every request of an overloaded region.
 - Relayed: the status, the body (SSE byte for byte, as it arrives) and the headers a client acts on
-  (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-pg-region), plus
+  (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-budget-*, x-pg-region), plus
   ``x-pg-failover-from`` / ``x-pg-failover-reason``. Hop-by-hop headers are not relayed, and
   upstream is asked for ``identity`` encoding so the bytes relayed are the bytes the client reads.
 - Credentials: given ``authorization`` (the router always gives it), each peer gets its own
@@ -57,7 +59,7 @@ OnDone = Callable[[int, str | None], None]
 @dataclass
 class Attempt:
     region: str
-    outcome: str  # served | unavailable | connect_error | timeout | error | skipped (unreachable lately)
+    outcome: str  # served | unavailable | connect_error | timeout | no_head | error | skipped (unreachable lately)
     status: int | None
     duration_ms: float
 
@@ -193,7 +195,9 @@ class Forwarder:
                 outcome = "connect_error"
             except httpx.PoolTimeout:  # waiting for this router's own pool: says nothing of the peer
                 detail = "PoolTimeout"
-            except httpx.TimeoutException:  # connect, write, or no response head within the read timeout
+            except httpx.ReadTimeout:  # sent, and no head within the read timeout: the peer has it
+                outcome = "no_head"
+            except httpx.TimeoutException:  # connect or write
                 outcome = "timeout"
             except httpx.HTTPError as err:  # e.g. the peer closed the connection before answering
                 detail = type(err).__name__
@@ -203,6 +207,10 @@ class Forwarder:
                 self._unreachable_until[peer.region] = self._clock() + self.unreachable_hold_s
             if outcome == "served":
                 return peer, upstream, attempts
+            if outcome == "no_head":
+                logger.warning("failover to %s: no answer's head in %.0f s; not sent to another peer (it may be "
+                               "running there, billed there)", peer.region, self._timeout.read)
+                break
             logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)
             if upstream is not None:
                 await upstream.aclose()
@@ -212,7 +220,7 @@ class Forwarder:
                      on_done: OnDone, dialect: Any) -> Forwarded:
         status, error_type = upstream.status_code, None
         relayed = [(k, v) for k, v in upstream.headers.multi_items()  # multi: www-authenticate may repeat
-                   if k in _RELAYED or k.startswith("x-ratelimit-")]
+                   if k in _RELAYED or k.startswith(("x-ratelimit-", "x-budget-"))]
         stream = upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
         if stream:
             end = _Ending(on_done, upstream)

@@ -124,6 +124,7 @@ def test_json_answer_is_relayed_with_status_body_and_headers():
             "server-timing": "engine;dur=12.5",
             "x-ratelimit-remaining-requests": "99",
             "x-ratelimit-limit-tokens": "1000000",
+            "x-budget-remaining-tokens-day": "5000",  # docs/usage.md: every answer to a key with a budget
             "retry-after": "1",
             "x-internal-secret": "nope",
             "connection": "keep-alive",
@@ -143,6 +144,7 @@ def test_json_answer_is_relayed_with_status_body_and_headers():
     assert got.headers["server-timing"] == "engine;dur=12.5"
     assert got.headers["x-ratelimit-remaining-requests"] == "99"
     assert got.headers["x-ratelimit-limit-tokens"] == "1000000"
+    assert got.headers["x-budget-remaining-tokens-day"] == "5000"
     assert got.headers["retry-after"] == "1"
     assert "x-internal-secret" not in got.headers and "connection" not in got.headers
     assert got.headers.get_list("content-length") == [str(len(got.content))]
@@ -174,7 +176,7 @@ def test_first_peer_503_then_second_serves_and_attempts_are_recorded():
     [
         (httpx.ConnectError("connection refused"), "connect_error"),
         (httpx.ConnectTimeout("connect timed out"), "timeout"),
-        (httpx.ReadTimeout("no response head"), "timeout"),
+        (httpx.WriteTimeout("request not sent"), "timeout"),  # a ReadTimeout stays with its peer (below)
         (httpx.RemoteProtocolError("server disconnected"), "error"),
         (httpx.PoolTimeout("this router's pool is full"), "error"),  # ours, not the peer's: not held back
     ],
@@ -576,3 +578,28 @@ def test_a_relayed_stream_whose_client_left_before_its_body_settles_and_closes_t
 
     assert asyncio.run(scenario()) == [(499, "client_closed")]  # once, however the response ended
     assert peer.closed
+
+
+def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another():
+    """No head within the read timeout: the peer has the request, running (and billing) it. A
+    second peer would run it again and bill it twice: the local 503 answers instead."""
+    sent_to = []
+
+    def peers(request: httpx.Request) -> httpx.Response:
+        sent_to.append(request.url.host)
+        if request.url.host == "yvr.test":
+            raise httpx.ReadTimeout("no head within the read timeout", request=request)
+        return httpx.Response(200, json={"ok": True})
+
+    regions = [Peer(region="yvr-01", endpoint="https://yvr.test"), Peer(region="fra-01", endpoint="https://fra.test")]
+    fwd = Forwarder("yul-02", regions, transport=httpx.MockTransport(peers))
+
+    async def go():
+        result = await fwd.forward("/v1/chat/completions", {"model": "m", "messages": []}, {}, reason="overloaded")
+        await fwd.aclose()
+        return result
+
+    result = asyncio.run(go())
+    assert sent_to == ["yvr.test"] and result.response is None
+    assert [(a.region, a.outcome) for a in result.attempts] == [("yvr-01", "no_head")]
+    assert fwd._unreachable_until == {}  # slow, not unreachable: the next request tries it again
