@@ -192,8 +192,8 @@ def _requests_left(app, key) -> int:
     ({"input": "x", "max_tokens": 3}, 400),  # refused at pricing: a limit field the route ignores
 ])
 def test_a_request_refused_at_its_stored_conversation_or_its_price_costs_one_request(router_app, body, status):
-    # A tier too small for a lease's slice (under one request): every request asks the limiter, so
-    # the remaining count is exact (a lease renewed in the background shifts it on a slow host).
+    # A slow tier, so that the remaining count is exact: the buckets refill continuously, and at
+    # 600 requests a minute one comes back every 100 ms, which a loaded host spends between reads.
     app = router_app(engine=FakeEngine(), tiers={**TIERS, "small": Tier(requests_per_minute=10,
                                                                         tokens_per_minute=1_000_000)})
     key, _ = app.auth.keys.create_key(owner="alice", tier="small")
