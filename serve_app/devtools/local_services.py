@@ -7,11 +7,20 @@ import time
 from collections.abc import Callable
 
 
+# Ports Ray and Serve take by default on a node they start (GCS, dashboard, the dashboard agent's
+# HTTP server, Serve's HTTP and gRPC proxies, Ray Client): the dashboard agent's lies in Linux's
+# ephemeral range, and a port the OS picked there once collided with it (Ray refused to start).
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 52365, 8000, 9000, 10001})
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now (the OS picks it), never one of Ray's defaults."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 def wait_healthy(
