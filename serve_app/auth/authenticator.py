@@ -340,8 +340,8 @@ class Authenticator:
         """Give back ``tokens`` of what ``admit`` charged, for a request this region admitted and
         then did not serve: failed by the gateway itself before any model replica took it (503
         ``model_loading``, ``overloaded``, a replica gone before its answer began…), or served by
-        a peer region, which charges its own limits (``Context._not_served_here``). The request itself still counts (requests/min). Never for a
-        shorter answer (docs/auth.md, "Rate limits")."""
+        a peer region, which charges its own limits (``Context._not_served_here``). The request
+        itself still counts (requests/min). Never for a shorter answer (docs/auth.md, "Rate limits")."""
         if tokens > 0:
             self._tell_limiter(principal, -tokens)
 
