@@ -10,15 +10,20 @@ wire only to the token endpoint, except in the fallback below.
   *before* the exchange is sent, so network time only makes the client refresh early.
 - Refresh on rejection: a 401 ``token_expired`` (the server's clock ran ahead of ours, or the
   process slept) mints once and the request is sent again; a second 401 is the caller's.
-- A proactive refresh that fails while the current token is still valid keeps that token and
-  tries again on the next request: a brief outage of the token endpoint must not fail traffic.
+- While the current token is still valid, the refresh runs in the background and requests go on
+  with that token: none waits for an exchange it does not need. A refresh that fails (any error:
+  a refusal, a timeout, a connection) keeps the token and is tried again after
+  ``REFRESH_RETRY_S`` (or the server's ``Retry-After``), never later than the token's expiry: a
+  brief outage of the token endpoint must not fail, or stall, traffic. Only a client with no valid
+  token waits for the exchange (and sees its error).
 - Fallback: only when the server says it has no exchange — 404 on the token route with no error
   code of ours but ``not_found`` (FastAPI's answer for a route that does not exist: an older
   gateway, a bare vLLM), 405 or 501 — the key itself is sent as the Bearer value, which every
   route of this server accepts. Any other refusal (401 ``invalid_api_key``, 403, 429, 5xx) is raised:
   a wrong key must not be retried as a Bearer value on every request.
 
-Neither secret is ever logged or shown: both live in ``Secret``, whose repr is a mask.
+Neither secret is ever logged or shown: both live in ``Secret``, whose repr is a mask. The key
+goes to the token endpoint as the Bearer value (``Transport.exchange``), never in a JSON body.
 """
 
 import asyncio
@@ -35,6 +40,7 @@ TOKEN_PATH = "/v1/auth/token"
 DEFAULT_REFRESH_MARGIN_S = 60.0
 MODE_TOKEN, MODE_API_KEY = "token", "api_key"
 _EXCHANGE_UNAVAILABLE = {404, 405, 501}
+REFRESH_RETRY_S = 5.0  # after a failed background refresh, unless the server said when
 
 
 class Secret:
@@ -57,8 +63,8 @@ class Secret:
         raise TypeError("a Secret cannot be pickled")
 
 
-# The exchange: POST the key, get the token endpoint's JSON (or an APIStatusError raised).
-Exchange = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# The exchange: POST the key, get the token endpoint's JSON (or a ServeAppError raised).
+Exchange = Callable[[Secret], Awaitable[dict[str, Any]]]
 
 
 def exchange_unavailable(err: APIStatusError) -> bool:
@@ -83,6 +89,7 @@ class Auth:
         self._refresh_at = self._expires_at = 0.0
         self._margin, self._clock = refresh_margin_s, clock
         self._lock = asyncio.Lock()
+        self.refreshing: asyncio.Task | None = None  # the background refresh under way, if one is
         self.mode: str | None = None  # decided by the first exchange
         self.exchanges = 0  # tokens minted so far (observability and tests)
 
@@ -102,13 +109,45 @@ class Auth:
         return self._token
 
     async def ensure(self, exchange: Exchange) -> None:
-        """Have a credential that is not due for refresh (mint one if needed)."""
+        """Have a credential to send now: the current token (refreshed in the background once it
+        is due), or a new one minted first when there is none still valid."""
         if self.mode == MODE_API_KEY or (self._token is not None and self._clock() < self._refresh_at):
             return
+        if self._valid():
+            if self.refreshing is None or self.refreshing.done():
+                self.refreshing = asyncio.ensure_future(self._refresh(exchange))
+            return
         async with self._lock:  # concurrent requests share one exchange
-            if self.mode == MODE_API_KEY or (self._token is not None and self._clock() < self._refresh_at):
+            if self.mode == MODE_API_KEY or self._valid():
                 return
             await self._mint(exchange)
+
+    async def aclose(self) -> None:
+        """Stop a background refresh under way (the client is closing)."""
+        if self.refreshing is not None and not self.refreshing.done():
+            self.refreshing.cancel()
+            try:
+                await self.refreshing
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def _valid(self) -> bool:
+        return self._token is not None and self._clock() < self._expires_at
+
+    async def _refresh(self, exchange: Exchange) -> None:
+        async with self._lock:
+            if self._clock() < self._refresh_at:  # another exchange (a 401's) got there first
+                return
+            try:
+                await self._mint(exchange)
+            except ServeAppError as err:
+                retry = getattr(err, "retry_after", None)
+                self._refresh_at = min(self._expires_at, self._clock() + (retry or REFRESH_RETRY_S))
+                logger.warning("token refresh failed (%s); the current token is valid for %.0f s more",
+                               _described(err), self._expires_at - self._clock())
+            except Exception:  # a task nobody awaits: say it here, or it goes unseen
+                self._refresh_at = min(self._expires_at, self._clock() + REFRESH_RETRY_S)
+                logger.exception("token refresh failed; the current token is still valid")
 
     async def after_rejection(self, rejected: Secret, exchange: Exchange) -> bool:
         """The server said 401 ``token_expired`` to ``rejected``: mint a new token, unless another
@@ -124,14 +163,11 @@ class Auth:
     async def _mint(self, exchange: Exchange) -> None:
         started = self._clock()
         try:
-            answer = await exchange({"api_key": self._key.reveal()})
+            answer = await exchange(self._key)
         except APIStatusError as err:
             if self.mode is None and exchange_unavailable(err):
                 self.mode = MODE_API_KEY
                 logger.info("the server has no token exchange (%s on %s): sending the API key itself", err.status, TOKEN_PATH)
-                return
-            if self._token is not None and self._clock() < self._expires_at:
-                logger.warning("token refresh failed (%s %s); the current token is still valid", err.status, err.code)
                 return
             raise
         token, lifetime = answer.get("access_token"), answer.get("expires_in")
@@ -143,3 +179,9 @@ class Auth:
         self.mode = MODE_TOKEN
         self.exchanges += 1
         logger.debug("minted an access token valid for %ss", lifetime)
+
+
+def _described(err: ServeAppError) -> str:
+    if isinstance(err, APIStatusError):
+        return f"{err.status} {err.code or err.type or ''}".strip()
+    return type(err).__name__

@@ -27,7 +27,13 @@ from serve_app.client.auth import DEFAULT_REFRESH_MARGIN_S, Auth
 from serve_app.client.embeddings import AsyncEmbeddings
 from serve_app.client.calls import Calls
 from serve_app.client.streams import AsyncStream
-from serve_app.client.transport import DEFAULT_TIMEOUT, RetryPolicy, Transport, json_object
+from serve_app.client.transport import (
+    DEFAULT_STREAM_READ_TIMEOUT_S,
+    DEFAULT_TIMEOUT,
+    RetryPolicy,
+    Transport,
+    json_object,
+)
 from serve_app.client import types
 
 API_KEY_ENV, BASE_URL_ENV = "SERVE_APP_API_KEY", "SERVE_APP_BASE_URL"
@@ -62,6 +68,7 @@ class AsyncClient:
         refresh_margin_s: float = DEFAULT_REFRESH_MARGIN_S,
         trace_sample_ratio: float = 0.1,
         http_transport: httpx.AsyncBaseTransport | None = None,
+        stream_read_timeout_s: float | None = DEFAULT_STREAM_READ_TIMEOUT_S,
     ):
         """No network here: the token is minted on the first request. ``create`` mints it at once."""
         api_key = api_key or os.environ.get(API_KEY_ENV)
@@ -75,6 +82,7 @@ class AsyncClient:
             retry=RetryPolicy(max_retries=max_retries, max_retry_time_s=max_retry_time_s, region_hold_s=region_hold_s),
             trace_sample_ratio=trace_sample_ratio,
             http_transport=http_transport,
+            stream_read_timeout_s=stream_read_timeout_s,
         )
         self._calls = Calls(self._transport)
         self.responses = resources.Responses(self._calls)
@@ -138,6 +146,7 @@ class AsyncClient:
     async def close(self) -> None:
         """Close open streams and the connection pool."""
         await self._calls.close_streams()
+        await self._auth.aclose()
         await self._transport.aclose()
 
     async def __aenter__(self) -> "AsyncClient":

@@ -153,7 +153,7 @@ def from_response(response: httpx.Response, *, region: str | None, trace_id: str
     """The exception for an error response (its body must have been read)."""
     try:
         fields = _error_fields(response.json())
-    except ValueError:  # not JSON: a proxy's HTML page, say
+    except (ValueError, httpx.StreamError):  # not JSON (a proxy's HTML page), or a body that broke off
         fields = {}
     message = str(fields.get("message") or response.reason_phrase or "error")
     return _class_for(response.status_code)(

@@ -20,23 +20,31 @@ class Event:
 
 
 async def events(response: httpx.Response) -> AsyncIterator[Event]:
-    """Every event of ``response``'s body, in order; a last event without its blank line counts."""
+    """Every event of ``response``'s body, in order; a last event without its blank line counts.
+
+    The response is closed however the iteration ends: httpx closes a body read to its end, not
+    one left part-read, and a stream its caller walked away from (a ``break`` with no ``async
+    with``) would hold its pooled connection — and the server's engine — until the client closed.
+    Dropping this generator runs its ``finally`` (asyncio's finalizer hook)."""
     data: list[str] = []
     name = "message"
-    async for line in response.aiter_lines():
-        if not line:
-            if data:
-                yield Event("\n".join(data), name)
-            data, name = [], "message"
-            continue
-        if line.startswith(":"):
-            continue
-        field, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if field == "data":
-            data.append(value)
-        elif field == "event":
-            name = value or "message"
-        # "id" and "retry" steer browser reconnection, which a completion stream never does.
-    if data:
-        yield Event("\n".join(data), name)
+    try:
+        async for line in response.aiter_lines():
+            if not line:
+                if data:
+                    yield Event("\n".join(data), name)
+                data, name = [], "message"
+                continue
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "data":
+                data.append(value)
+            elif field == "event":
+                name = value or "message"
+            # "id" and "retry" steer browser reconnection, which a completion stream never does.
+        if data:
+            yield Event("\n".join(data), name)
+    finally:
+        await response.aclose()

@@ -171,7 +171,10 @@ class AsyncStream(Generic[Chunk]):
         if not protocol.typed and (event.event == METADATA_EVENT or METADATA_EVENT in payload):
             self.timing = self._timing(protocol.timing_of(payload))
             return None
-        chunk = self._chunk_type.model_validate(payload)
+        try:
+            chunk = self._chunk_type.model_validate(payload)
+        except ValueError as err:  # pydantic's ValidationError: the caller's loop gets ours (closed, below)
+            raise ServeAppError(f"the stream sent an event this client cannot read: {err}") from None
         if kind in protocol.terminal:
             self.timing, self.ended, self.last = self._timing(protocol.timing_of(payload)), True, chunk
             if isinstance(getattr(chunk, "response", None), Timed):

@@ -7,20 +7,28 @@ region across requests. What happens to one request, in order:
   a connection or answered 503 is put last for ``region_hold_s`` (its ``Retry-After`` when it sent
   one), so an outage does not cost every request a connect timeout. With one base URL it is always
   tried.
-- A connect error (nothing reached the server, so any request is safe to resend) or a 503 moves on
-  to the next region at once. The server has already tried its own peers before answering 503
-  (docs/api.md, "Cross-region failover"), so this only adds the regions the caller knows about.
+- A connect error (nothing reached the server, so any request is safe to resend), a 503, or the
+  region's HAProxy saying no router took the request (500 ``gateway_unavailable``: nothing ran)
+  moves on to the next region at once. The server has already tried its own peers before
+  answering 503 (docs/api.md, "Cross-region failover"), so this only adds the regions the caller
+  knows about.
 - When every region failed in a round, or on a 429 (the caller's budget, which another region
   would charge too), the client waits until the first region may be asked again — its
-  ``Retry-After`` if it gave one, else exponential backoff with jitter — and starts a new round
-  with the regions whose wait is over; at most ``max_retries`` waits and ``max_retry_time_s`` in
-  all. A ``Retry-After`` past that budget is not waited for: the error is
-  raised at once with ``retry_after`` set (a cold model says 60 s; the caller decides).
-- A 401 ``token_expired`` mints a new token once and resends (``Auth.after_rejection``).
+  ``Retry-After`` if it gave one (plus up to a fifth, so that clients shed together do not come
+  back together), else exponential backoff with jitter — and starts a new round with the regions
+  whose wait is over; a 429 waits for its own region's ``Retry-After``, whatever other regions
+  said. At most ``max_retries`` waits and ``max_retry_time_s`` in all. A ``Retry-After`` past that
+  budget is not waited for: the error is raised at once with ``retry_after`` set (a cold model
+  says 60 s; the caller decides).
+- A 401 ``token_expired`` mints a new token once and resends (``Auth.after_rejection``); so does a
+  401 whose body has no code but whose ``WWW-Authenticate`` says ``invalid_token`` (Messages'
+  errors are Anthropic's shape, which has no ``code``).
 - Anything else ≥ 400 is raised as is. A read timeout or a connection lost after the request was
   sent is raised, not retried: the server may have run (and billed) the generation.
 - A stream is returned as soon as its status line says 200; nothing after that is retried
-  (``streams.py``).
+  (``streams.py``). Its read timeout, unless the call sets one, is ``stream_read_timeout_s``:
+  the server writes a keep-alive comment into every stream silent for a second, so a longer
+  silence is a dead path (a dropped NAT entry), not a slow model.
 """
 
 import asyncio
@@ -33,7 +41,7 @@ from typing import Any
 
 import httpx
 
-from serve_app.client.auth import TOKEN_PATH, Auth
+from serve_app.client.auth import TOKEN_PATH, Auth, Secret
 from serve_app.client.errors import (
     APIConnectionError,
     APIStatusError,
@@ -50,6 +58,12 @@ USER_AGENT = "serve_app-client/0.1"
 # server's own request timeout (configs: request_timeout_s 600) — a long non-stream generation
 # sends nothing until it is done.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+DEFAULT_STREAM_READ_TIMEOUT_S = 30.0  # ≫ the server's 1 s keep-alive period (module docstring)
+# The token exchange: a signature and a key lookup. Bounded apart from the client's timeout (600 s
+# to read), since requests may wait on it when there is no valid token to send meanwhile.
+EXCHANGE_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
+GATEWAY_UNAVAILABLE = "gateway_unavailable"  # HAProxy's: no router took the request (haproxy/error_pages.py)
+RETRY_AFTER_SPREAD = 0.2  # a Retry-After is waited for, plus up to this fraction of it
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
@@ -95,6 +109,7 @@ class Transport:
         trace_sample_ratio: float = 0.1,
         http_transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stream_read_timeout_s: float | None = DEFAULT_STREAM_READ_TIMEOUT_S,
     ):
         if not base_urls:
             raise ValueError("at least one base URL is needed")
@@ -103,13 +118,16 @@ class Transport:
         self._held_until = [0.0] * len(self.base_urls)
         # No Authorization here: it is set per request, from whatever Auth holds at that moment.
         self._http = httpx.AsyncClient(timeout=timeout, transport=http_transport, headers={"user-agent": USER_AGENT})
+        self._stream_timeout = _with_read(self._http.timeout, stream_read_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def exchange(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``POST /v1/auth/token`` through the same regions and retries, without a credential."""
-        sent = await self.send("POST", TOKEN_PATH, body=body, authenticate=False)
+    async def exchange(self, api_key: Secret) -> dict[str, Any]:
+        """``POST /v1/auth/token`` with the key as its Bearer value, through the same regions and
+        retries. In a header, not a JSON body: no plain dict of this call's holds the key, so a
+        traceback's locals (an error reporter's) show it masked (httpx masks ``authorization``)."""
+        sent = await self.send("POST", TOKEN_PATH, credential=api_key, timeout=EXCHANGE_TIMEOUT)
         return json_object(sent.response)
 
     def _order(self) -> list[int]:
@@ -128,12 +146,13 @@ class Transport:
         *,
         body: dict[str, Any] | None = None,
         stream: bool = False,
-        authenticate: bool = True,
+        credential: Secret | None = None,
         traceparent: str | None = None,
         timeout: httpx.Timeout | float | None = None,
         extra_headers: dict[str, str] | None = None,
     ) -> Sent:
-        """The first response below 400, or the error that ended the attempts (module docstring)."""
+        """The first response below 400, or the error that ended the attempts (module docstring).
+        ``credential``: sent as the Bearer value instead of the client's (the exchange's key)."""
         traceparent = traceparent or new_traceparent(self.trace_sample_ratio)
         trace_id = trace_id_of(traceparent)
         started, retries, refreshed = self._clock(), 0, False
@@ -145,15 +164,14 @@ class Transport:
             base_url = self.base_urls[index]
             headers = httpx.Headers(extra_headers)  # the caller's, under ours: never its own Authorization
             headers.update({"traceparent": traceparent, "accept": "text/event-stream" if stream else "application/json"})
-            credential = None
-            if authenticate:
+            sent_credential = credential
+            if sent_credential is None:
                 await self.auth.ensure(self.exchange)
-                credential = self.auth.credential()
-                headers["authorization"] = f"Bearer {credential.reveal()}"
-            request = self._http.build_request(
-                method, base_url + path, json=body, headers=headers,
-                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
-            )
+                sent_credential = self.auth.credential()
+            headers["authorization"] = f"Bearer {sent_credential.reveal()}"
+            if timeout is None:
+                timeout = self._stream_timeout if stream else httpx.USE_CLIENT_DEFAULT
+            request = self._http.build_request(method, base_url + path, json=body, headers=headers, timeout=timeout)
             try:
                 response = await self._http.send(request, stream=stream)
             except _CONNECT_ERRORS as err:
@@ -169,25 +187,27 @@ class Transport:
                     return Sent(response, trace_id, base_url)
                 failure = await _error_of(response, trace_id)
                 if (
-                    failure.status == 401 and failure.code == "token_expired" and credential is not None
-                    and not refreshed and await self.auth.after_rejection(credential, self.exchange)
+                    credential is None and _token_rejected(failure, response) and not refreshed
+                    and await self.auth.after_rejection(sent_credential, self.exchange)
                 ):
                     refreshed = True
                     logger.info("token expired at %s; minted a new one and resending", base_url)
                     untried.insert(0, index)
                     continue
-                if failure.status == 503:
+                if failure.status == 503 or (failure.status == 500 and failure.code == GATEWAY_UNAVAILABLE):
                     self._hold(index, failure.retry_after)
                 elif failure.status != 429:
                     raise failure
             rate_limited = getattr(failure, "status", None) == 429
             retry_after = getattr(failure, "retry_after", None)
-            due[index] = self._clock() + (retry_after if retry_after is not None else self.retry.backoff(retries))
+            due[index] = self._clock() + (retry_after * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
+                                          if retry_after is not None else self.retry.backoff(retries))
             if untried and not rate_limited:
                 logger.info("%s failed (%s); trying %s", base_url, _why(failure), self.base_urls[untried[0]])
                 continue
-            # The round is over: wait until the first region may be asked again, within the budget.
-            wait = max(0.0, min(due.values()) - self._clock())
+            # The round is over: wait until the first region may be asked again, within the budget
+            # (a 429: until its own region may be, the only one asked again).
+            wait = max(0.0, (due[index] if rate_limited else min(due.values())) - self._clock())
             if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
                 raise failure
             logger.info("%s failed (%s); retrying in %.2fs (%d/%d)", base_url, _why(failure), wait,
@@ -209,6 +229,24 @@ async def _error_of(response: httpx.Response, trace_id: str) -> APIStatusError:
     finally:
         await response.aclose()
     return from_response(response, region=None, trace_id=trace_id)
+
+
+def _token_rejected(failure: APIStatusError, response: httpx.Response) -> bool:
+    """A 401 that a new token may cure: ``token_expired``, or one with no code of ours (an
+    Anthropic-shaped body) whose challenge says the token was refused (RFC 6750 ``invalid_token``)."""
+    if failure.status != 401:
+        return False
+    if failure.code is not None:
+        return failure.code == "token_expired"
+    return 'error="invalid_token"' in response.headers.get("www-authenticate", "")
+
+
+def _with_read(timeout: httpx.Timeout, read_s: float | None) -> httpx.Timeout:
+    """``timeout`` with its read bounded by ``read_s`` (None: as it is)."""
+    if read_s is None:
+        return timeout
+    read = read_s if timeout.read is None else min(timeout.read, read_s)
+    return httpx.Timeout(connect=timeout.connect, read=read, write=timeout.write, pool=timeout.pool)
 
 
 def _why(failure: ServeAppError) -> str:

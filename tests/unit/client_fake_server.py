@@ -81,6 +81,7 @@ class FakeRegion:
     tokens: dict[str, float] = field(default_factory=dict)  # token -> expiry (server clock)
     statuses: list[int] = field(default_factory=list)  # every status it answered inference with
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # responses by id, as stored
+    token_answers: list[Response] = field(default_factory=list)  # the token route's next answers, then mints
 
     def expire_tokens(self) -> None:
         """Expire every token minted so far, on the server's side only (the client is not told)."""
@@ -98,7 +99,9 @@ class FakeRegion:
         seen = await self._record(request)
         if not self.exchange:
             return await _not_found(request, None)
-        if (seen.body or {}).get("api_key") != self.api_key:
+        if self.token_answers:
+            return self.token_answers.pop(0)
+        if ((seen.body or {}).get("api_key") or seen.bearer) != self.api_key:  # the router takes either
             return error(401, "Incorrect API key provided", type_="authentication_error", code="invalid_api_key")
         token = f"tok-{self.name}-{len(self.tokens) + 1}-{secrets.token_hex(8)}"
         ttl = self.server_ttl_s if self.server_ttl_s is not None else self.token_ttl_s
@@ -109,6 +112,8 @@ class FakeRegion:
     async def _inference(self, request: Request) -> Response:
         seen = await self._record(request)
         refusal = self._refusal(seen.bearer)
+        if refusal is not None and seen.path.startswith("/v1/messages"):
+            refusal = _anthropic_401(refusal)
         answer = refusal or (self.answers.pop(0) if self.answers else self._success)
         response = answer if isinstance(answer, Response) else answer(seen)
         self.statuses.append(response.status_code)
@@ -202,6 +207,8 @@ class FakeRegion:
     async def _stored(self, request: Request) -> Response:
         seen = await self._record(request)
         refusal = self._refusal(seen.bearer)
+        if refusal is not None and seen.path.startswith("/v1/messages"):
+            refusal = _anthropic_401(refusal)
         if refusal is not None:
             return refusal
         response_id = request.path_params["response_id"]
@@ -246,6 +253,8 @@ class FakeRegion:
     async def _models(self, request: Request) -> Response:
         seen = await self._record(request)
         refusal = self._refusal(seen.bearer)
+        if refusal is not None and seen.path.startswith("/v1/messages"):
+            refusal = _anthropic_401(refusal)
         return refusal or JSONResponse({"object": "list", "data": [
             {"id": MODEL, "object": "model", "created": 1, "owned_by": "serve_app", "state": "loaded",
              "region": self.name, "aliases": ["qwen-3.6-a3b"]}]})
@@ -274,6 +283,15 @@ class FakeRegion:
 async def _not_found(request: Request, exc: Exception | None) -> Response:
     """What FastAPI answers the real router for a route it does not have (code ``not_found``)."""
     return error(404, "Not Found", type_="invalid_request_error", code="not_found")
+
+
+def _anthropic_401(refusal: JSONResponse) -> JSONResponse:
+    """The router's 401 on Anthropic's routes: Anthropic's error shape (no ``code``), with RFC
+    6750's challenge saying why (``principal.unauthorized``)."""
+    message = json.loads(refusal.body)["error"]["message"]
+    challenge = f'Bearer realm="serve_app", error="invalid_token", error_description="{message}"'
+    return JSONResponse({"type": "error", "error": {"type": "authentication_error", "message": message}},
+                        status_code=401, headers={"WWW-Authenticate": challenge})
 
 
 async def _iterate(events: list[bytes], delay_s: float = 0.0):

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from serve_app.client import AsyncClient, AuthenticationError, Client, PolarGrid
-from serve_app.client.auth import Secret
-from tests.unit.client_fake_server import MODEL, FakeRegion, serving
+from serve_app.client.auth import REFRESH_RETRY_S, Secret
+from tests.unit.client_fake_server import MODEL, FakeRegion, error, serving
 
 MESSAGES = [{"role": "user", "content": "Say hi in one short sentence."}]
 
@@ -55,7 +55,8 @@ def test_create_exchanges_the_key_and_then_sends_only_the_token():
 
         reply = asyncio.run(go())
     (exchange,) = region.exchanges()
-    assert exchange.body == {"api_key": region.api_key} and "authorization" not in exchange.headers
+    # The key goes to the exchange as its Bearer value, in no body (a traceback's locals would show it).
+    assert exchange.bearer == region.api_key and not exchange.body
     bearers = {s.bearer for s in region.inference()} | {s.bearer for s in region.seen if s.path == "/v1/models"}
     assert bearers == set(region.tokens) and region.api_key not in bearers
     assert reply.choices[0].message.content == "Hi there."
@@ -73,12 +74,14 @@ def test_a_token_is_refreshed_before_it_expires_without_a_401():
                 await chat(client)  # not due yet: the same token
                 assert 0 < client.token_expires_in <= 51
                 clock.offset = 51
-                await chat(client)  # due: minted before this request was sent
+                await chat(client)  # due: refreshed beside this request, which the valid token serves
+                await client._auth.refreshing
+                await chat(client)
 
         asyncio.run(go())
-    first, second, third = (s.bearer for s in region.inference())
-    assert first == second != third and len(region.exchanges()) == 2
-    assert region.statuses == [200, 200, 200]  # refreshed ahead of time: the server never refused
+    first, second, third, fourth = (s.bearer for s in region.inference())
+    assert first == second == third != fourth and len(region.exchanges()) == 2
+    assert region.statuses == [200] * 4  # refreshed ahead of time: the server never refused
 
 
 def test_a_token_that_expires_mid_session_is_refreshed_without_the_caller_noticing():
@@ -122,10 +125,53 @@ def test_concurrent_requests_share_one_refresh():
             async with await AsyncClient.create(region.api_key, base_url=url) as client:
                 skew(client).offset = 51  # past the refresh point
                 await asyncio.gather(*(chat(client) for _ in range(5)))
+                await client._auth.refreshing
 
         asyncio.run(go())
-    assert len(region.exchanges()) == 2
-    assert len({s.bearer for s in region.inference()}) == 1
+    assert len(region.exchanges()) == 2  # one refresh for the five
+    assert len({s.bearer for s in region.inference()}) == 1  # none waited for it: the old token was valid
+
+
+def test_a_failing_refresh_neither_fails_nor_stalls_requests_while_the_token_is_valid():
+    # The token endpoint is down (a registry outage) in the token's last minute: requests go on
+    # with the valid token, each does not wait for (or repeat) a failing exchange, and the refresh
+    # is tried again after a pause.
+    region = FakeRegion("a", token_ttl_s=100)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                region.token_answers.append(error(500, "registry down", type_="server_error",
+                                                  code="key_registry_unavailable"))
+                clock = skew(client)
+                clock.offset = 51
+                await chat(client)
+                await client._auth.refreshing  # failed: kept the token
+                await asyncio.gather(*(chat(client) for _ in range(5)))  # within the pause: no exchange
+                exchanges_during_pause = len(region.exchanges())
+                clock.offset = 51 + REFRESH_RETRY_S + 1
+                await chat(client)
+                await client._auth.refreshing
+                await chat(client)
+                return exchanges_during_pause
+
+        exchanges_during_pause = asyncio.run(go())
+    assert exchanges_during_pause == 2  # the first mint and the failed refresh
+    assert len(region.exchanges()) == 3 and region.statuses == [200] * 8
+    bearers = [s.bearer for s in region.inference()]
+    assert len(set(bearers[:7])) == 1 and bearers[7] != bearers[0]
+
+
+def test_a_messages_401_for_an_expired_token_is_refreshed_like_chats():
+    # Anthropic's error body has no code: the challenge (RFC 6750 invalid_token) says the token was refused.
+    region = FakeRegion("a")
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                region.expire_tokens()
+                return await client.messages.create(model=MODEL, max_tokens=8, messages=MESSAGES)
+
+        message = asyncio.run(go())
+    assert message.content and region.statuses == [401, 200] and len(region.exchanges()) == 2
 
 
 def test_the_key_itself_is_sent_only_when_the_server_has_no_token_exchange():
@@ -152,7 +198,7 @@ def test_a_wrong_key_fails_create_and_is_never_sent_as_a_bearer():
 
         err = asyncio.run(go())
     assert (err.status, err.code) == (401, "invalid_api_key")
-    assert region.inference() == [] and all("authorization" not in s.headers for s in region.seen)
+    assert region.inference() == [] and [s.path for s in region.seen] == ["/v1/auth/token"]
 
 
 def test_the_sync_client_exchanges_and_refreshes_too():

@@ -11,6 +11,7 @@ from serve_app.client import (
     APIConnectionError,
     APITimeoutError,
     AsyncClient,
+    InternalServerError,
     RateLimitError,
     ServiceUnavailableError,
 )
@@ -208,3 +209,40 @@ def test_one_connection_is_reused_across_requests():
     region._record = record
     run([region], scenario)
     assert len(ports) == 5 and len(set(ports)) == 1  # the exchange and four completions
+
+
+def test_a_region_whose_haproxy_has_no_router_fails_over_like_a_503():
+    # HAProxy's 500 gateway_unavailable: no router took the request, so nothing ran anywhere.
+    first, second = FakeRegion("yul-02"), FakeRegion("yvr-01")
+    first.answers.append(error(500, "no router could take this request; retry", type_="server_error",
+                               code="gateway_unavailable"))
+
+    async def scenario(client):
+        reply = await client.chat_completion(REQUEST)
+        return reply, client._transport._order()
+
+    reply, order = run([first, second], scenario)
+    assert reply.timing.region == "yvr-01" and first.statuses == [500] and second.statuses == [200]
+    assert order == [1, 0]  # held back like a region that answered 503
+
+
+def test_a_500_that_may_have_run_is_raised_not_failed_over():
+    first, second = FakeRegion("yul-02"), FakeRegion("yvr-01")
+    first.answers.append(error(500, "the router failed while answering", type_="server_error", code="gateway_failed"))
+
+    async def scenario(client):
+        with pytest.raises(InternalServerError) as err:
+            await client.chat_completion(REQUEST)
+        return err.value
+
+    assert run([first, second], scenario).code == "gateway_failed" and second.statuses == []
+
+
+def test_a_429_waits_its_own_retry_after_whatever_a_region_before_it_said():
+    first, second = FakeRegion("yul-02"), FakeRegion("yvr-01")
+    first.answers += [unavailable(retry_after="0.1")] * 3
+    second.answers.append(error(429, "Rate limit reached", type_="rate_limit_error", code="rate_limit_exceeded",
+                                headers={"Retry-After": "1"}))
+    reply, elapsed = run([first, second], timed(lambda c: c.chat_completion(REQUEST)))
+    assert reply.timing.region == "yvr-01" and second.statuses == [429, 200] and first.statuses == [503]
+    assert elapsed >= 1.0  # yvr-01's own second, not yul-02's 0.1

@@ -11,6 +11,7 @@ from serve_app.client import (
     BadRequestError,
     ChatCompletionChunk,
     InternalServerError,
+    ServeAppError,
     ServiceUnavailableError,
 )
 from tests.unit.client_fake_server import MODEL, SERVER_TIMING, FakeRegion, error, sse, streaming
@@ -238,3 +239,68 @@ def test_models_lists_cards_with_their_extras():
     models = run(region, scenario)
     (card,) = models.data
     assert card.id == MODEL and card.state == "loaded" and card.region == "a"
+
+
+def test_a_stream_walked_away_from_closes_its_connection():
+    # A `break` with no `async with`, the stream then dropped: its response is closed (the pooled
+    # connection freed, the server told), not held until the client closes.
+    import asyncio
+    import gc
+
+    region = FakeRegion("a")
+    region.answers.append(lambda seen: streaming(region.stream_events(seen), delay_s=0.05))
+
+    async def scenario(client):
+        stream = client.chat_completion_stream(REQUEST)
+        async for _ in stream:
+            break
+        response = stream._sent.response
+        del stream
+        gc.collect()
+        for _ in range(50):  # the finalizer's close is scheduled on the loop
+            if response.is_closed:
+                break
+            await asyncio.sleep(0.01)
+        return response.is_closed
+
+    assert run(region, scenario)
+
+
+def test_a_stream_without_a_timeout_of_its_own_times_out_after_stream_read_timeout_s():
+    region = FakeRegion("a")
+    region.answers.append(lambda seen: streaming(region.stream_events(seen), delay_s=1.0))
+
+    async def scenario(client):
+        with pytest.raises(APITimeoutError):
+            async for _ in client.chat_completion_stream(REQUEST):
+                pass
+        return await client.chat_completion(REQUEST)  # a JSON answer keeps the client's 600 s read
+
+    run(region, scenario, stream_read_timeout_s=0.3)
+
+
+def test_an_event_the_client_cannot_read_is_its_error_and_closes_the_stream():
+    region = FakeRegion("a")
+    bad = sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": "not a list"})
+    region.answers.append(lambda seen: streaming([bad, *region.stream_events(seen)]))
+
+    async def scenario(client):
+        stream = client.chat_completion_stream(REQUEST)
+        with pytest.raises(ServeAppError, match="cannot read"):
+            async for _ in stream:
+                pass
+        return stream._sent.response.is_closed
+
+    assert run(region, scenario)
+
+
+def test_an_error_whose_body_broke_off_is_still_a_typed_error():
+    # The status line said 503, then the body's read failed: the error is the status's, unread body and all.
+    import httpx
+
+    from serve_app.client.errors import from_response
+
+    response = httpx.Response(503, headers={"retry-after": "2"}, stream=httpx.ByteStream(b""),
+                              request=httpx.Request("POST", "http://127.0.0.1/v1/chat/completions"))
+    err = from_response(response, region="a", trace_id=None)  # never read: json() raises ResponseNotRead
+    assert isinstance(err, ServiceUnavailableError) and (err.status, err.retry_after) == (503, 2)
