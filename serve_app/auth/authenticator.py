@@ -273,15 +273,20 @@ class Authenticator:
         return self._tier(principal).tokens_per_minute * chars_per_token
 
     async def admit(self, principal: Principal, tokens_estimate: int) -> dict[str, str]:
-        """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429."""
+        """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429.
+        A refusal costs one request (``count_refused``): a key short of tokens cannot have its
+        bodies parsed and priced faster than its requests/min by being refused here."""
         tier = self._tier(principal)
         if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
             await self.count_refused(principal)
             raise exceeds_tier(principal, tier, tokens_estimate)
+        # At least one token: zero is the limiter's count of a refusal, not a request (ratelimit.py).
+        tokens = max(1, tokens_estimate)
         decision = decided(
-            await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate)
+            await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens)
         )
         if not decision.allowed:
+            await self.count_refused(principal)
             raise rate_limited(principal, tier, decision.retry_after_s, decision.headers())
         return decision.headers()
 

@@ -95,7 +95,7 @@ class _Known:
     """What the actor last said remains of a key's region-wide budget, and when."""
 
     requests: int
-    tokens: int
+    tokens: int  # below zero: a debt (``RateLimiter.charge``)
     at: float
 
 
@@ -257,7 +257,9 @@ class LeasedRateLimiter:
             self._known = {k: v for k, v in self._known.items() if v.at > cutoff}
             if len(self._known) >= MAX_KNOWN:
                 self._known.clear()
-        self._known[key_id] = _Known(decision.requests.remaining, decision.tokens.remaining, self.clock())
+        # The tokens with their sign: a key in debt is refused before its body (``refuses``) and
+        # stays in debt if the actor goes away (``_decide_alone``).
+        self._known[key_id] = _Known(decision.requests.remaining, decision.tokens.signed, self.clock())
 
     def _from_lease(self, key_id: str, cost: int) -> Decision | None:
         lease = self._leases.get(key_id)

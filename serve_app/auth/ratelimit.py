@@ -36,6 +36,13 @@ class Window:
     limit: int
     remaining: int
     reset_s: float  # until the bucket is full again
+    # ``remaining`` with its sign: below zero, a debt. None from a limiter actor older than the
+    # field (detached, it outlives a deploy: docs/operations.md), where ``remaining`` stands for it.
+    level: int | None = None
+
+    @property
+    def signed(self) -> int:
+        return self.remaining if self.level is None else self.level
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,11 @@ class RateLimiter:
         token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
         # A request larger than a whole minute's tokens could never pass: it costs a full bucket.
         cost = min(tokens, tokens_per_minute)
-        allowed = requests.level >= 1 and token_bucket.level >= cost
+        # Zero tokens is a count, not a request the engine runs (every request is priced at least
+        # one token, ``Authenticator.admit``): a refused request's (``count_refused``) or a lease's
+        # renewal. It needs a request only: a key in token debt (``charge``) still pays for its
+        # refusals in requests, so it cannot have bodies parsed faster than its requests/min.
+        allowed = requests.level >= 1 and (cost == 0 or token_bucket.level >= cost)
         retry_after = 0.0
         if allowed:
             requests.level -= 1
@@ -156,9 +167,11 @@ class RateLimiter:
     def seed(self, key_id: str, requests_per_minute: int, tokens_per_minute: int,
              requests: float, tokens: float, at: float) -> None:
         """Start a key's buckets at the levels someone else last reported (at ``at``, on this
-        limiter's clock); they refill from then on, as the reporter's would have."""
+        limiter's clock); they refill from then on, as the reporter's would have. A token debt
+        (below zero) is kept: the key waits it out here too."""
         for dimension, capacity, level in (("requests", requests_per_minute, requests), ("tokens", tokens_per_minute, tokens)):
-            self._buckets[(key_id, dimension)] = _Bucket(capacity, max(0.0, min(capacity, level)), at)
+            floor = 0.0 if dimension == "requests" else -math.inf
+            self._buckets[(key_id, dimension)] = _Bucket(capacity, max(floor, min(capacity, level)), at)
 
     def _bucket(self, key_id: str, dimension: str, capacity: int, now: float) -> _Bucket:
         bucket = self._buckets.setdefault((key_id, dimension), _Bucket(capacity, capacity, now))
@@ -167,8 +180,10 @@ class RateLimiter:
 
     @staticmethod
     def _window(bucket: _Bucket) -> Window:
-        # In debt (charge), nothing remains: the headers never report a negative number.
-        return Window(int(bucket.capacity), max(0, int(bucket.level)), bucket.seconds_until(bucket.capacity))
+        # In debt (charge), nothing remains: the headers never report a negative number; ``level``
+        # keeps the debt for the routers (``lease.py``: a key in debt is refused before its body).
+        return Window(int(bucket.capacity), max(0, int(bucket.level)), bucket.seconds_until(bucket.capacity),
+                      level=math.floor(bucket.level))
 
     def _prune(self, now: float) -> None:
         # A full bucket is the same as no bucket: forgetting it bounds memory by active keys.

@@ -85,6 +85,11 @@ async def wait_settled() -> None:
         await asyncio.gather(*pending, return_exceptions=True)
 
 
+def _taken(call: Any) -> bool:
+    """A replica took the call (its head came): a peer's resumed stream has no head of its own."""
+    return call is not None and getattr(call, "head", None) is not None
+
+
 def in_background(work) -> None:
     """Run ``work`` on a task of its own (the request's is being cancelled), which ``wait_settled``
     waits for."""
@@ -137,6 +142,7 @@ class Context:
     admitted: bool = False  # passed the budget and the rate limit: its usage is recorded
     billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
     call: ReplicaCall | None = None
+    replica_took: bool = False  # a call replaced since (``replace_call``) had its replica's head
     cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
     resumer: Any = None  # a stream's resumes (``resume.Resumer``), once its first call is open
     taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
@@ -238,15 +244,22 @@ class Context:
         finally:
             self._close()
 
+    def replace_call(self, call: Any) -> None:
+        """``call`` in place of ``self.call`` (a resume's, or None: failing over). Whether a
+        replica had taken the request is kept: its engine may have worked (``_not_served_here``)."""
+        self.replica_took = self.replica_took or _taken(self.call)
+        self.call = call
+
     def _not_served_here(self, outcome: Outcome) -> bool:
         """A peer region served it (and charges its own limits), or the gateway failed it (5xx)
         before any replica took it (no head: loading, overloaded, the replica gone): its
         admission's tokens go back (``Authenticator.refund``). Once a replica has taken it, its
         engine may have worked — a non-stream answer that failed reports no count, a stream cut
-        off by a replica that died none either — so nothing goes back."""
+        off by a replica that died none either — so nothing goes back, also when the call was
+        replaced since (failing over to peers that all refused, a resume that broke)."""
         if self.billed_elsewhere:
             return True
-        taken = self.call is not None and getattr(self.call, "head", None) is not None
+        taken = self.replica_took or _taken(self.call)
         return outcome.status >= 500 and not taken and self.record.first_chunk_ms is None
 
     def _close(self) -> None:

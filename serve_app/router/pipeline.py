@@ -73,6 +73,8 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         raise
     except ClientDisconnect:  # the client left while sending its body: its mistake, nobody to answer
         ctx.settle(abandoned())
+        if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:  # its read cost the router, as a refusal's
+            in_background(_charge_refusal(ctx))
         return Response(status_code=CLIENT_CLOSED)
     except Exception:
         ctx.settle(failed())
@@ -272,7 +274,7 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
         return None
     reason = local.code or "unavailable"
     ctx.release_slot()  # the local model is done with it
-    ctx.call = None
+    ctx.replace_call(None)
     propagation = ctx.telemetry.start_failover(reason)
     try:
         # Minted up front in a thread: a key-store cache miss must not block the event loop.

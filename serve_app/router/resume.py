@@ -204,7 +204,8 @@ class Resumer:
             ctx.telemetry.end_resume(span, call is not None, peer)
         if call is None:
             return False
-        ctx.call, self.done = call, self.done + 1
+        ctx.replace_call(call)
+        self.done += 1
         logger.info("stream %s resumed after %d tokens%s", ctx.telemetry.trace_id, len(resume.token_ids),
                     f" in {peer}" if peer else "")
         return True

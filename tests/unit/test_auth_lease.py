@@ -378,3 +378,37 @@ def test_what_the_actor_last_said_refuses_a_key_before_its_body_is_read_and_refi
     # A request whose prompt alone is more than the key has left of its tokens is refused too.
     assert asyncio.run(limiter.acquire("t", 600, 100, 90)).allowed
     assert limiter.refuses("t", 600, 100, 50) is not None and limiter.refuses("t", 600, 100, 5) is None
+
+
+def test_a_key_in_debt_is_refused_before_its_body_and_stays_in_debt_through_an_outage():
+    """The actor's signed level is what the router remembers: a key whose real prompts put it in
+    token debt is refused unread, also for a body of no declared size (0 tokens), and an outage
+    does not forgive the debt (the replica's own buckets start from it)."""
+    clock = Clock()
+    shared = RateLimiter(clock)
+    source = CountingSource(shared)
+    limiter = LeasedRateLimiter(source, clock)
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=1_000) == [True]  # no token slice left to lease
+    shared.charge("k", 1_000, 3_000)  # its real prompt was 3,000 over the estimate: -3,000
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=10) == [False]  # the actor says so, and its level
+    refused = limiter.refuses("k", 600, 1_000, 0)
+    assert refused is not None and refused.retry_after_s == pytest.approx(180)  # -3,000 → 0 at 1,000/min
+
+    class Down:
+        async def lease(self, *args):
+            return None
+
+    limiter.source = Down()
+    clock.now += 30  # half a minute refilled 500 of the 3,000
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=10) == [False]  # decided alone, still in debt
+    clock.now += 160  # 3,166 refilled since the actor's answer
+    assert _admit(limiter, 1, rpm=600, tpm=1_000, tokens=10) == [True]
+
+
+def test_a_refusals_count_is_taken_from_a_key_in_debt():
+    clock = Clock()
+    shared = RateLimiter(clock)
+    limiter = LeasedRateLimiter(CountingSource(shared), clock)
+    assert _admit(limiter, 1, rpm=3, tpm=1_000, tokens=900) == [True]
+    shared.charge("k", 1_000, 3_000)
+    assert _admit(limiter, 3, rpm=3, tpm=1_000, tokens=0) == [True, True, False]  # 3 requests a minute

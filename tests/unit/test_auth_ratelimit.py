@@ -285,3 +285,30 @@ def test_a_request_refused_once_read_and_priced_still_costs_a_request_of_its_key
         unread = app.client.post("/v1/chat/completions", content=b"{not json", headers=bearer(key))
         assert (unread.status_code, unread.json()["error"]["code"]) == (429, "rate_limit_exceeded")
     assert not app.engine.calls  # none of them reached a replica
+
+
+def test_a_key_in_token_debt_still_pays_its_refusals_in_requests(clock):
+    """A zero-token acquisition is a refusal's count (``count_refused``): it needs a request only,
+    so a key whose real prompts put it in token debt cannot have bodies refused for free."""
+    limiter = RateLimiter(clock)
+    assert limiter.acquire("k", 3, 1000, 900).allowed
+    limiter.charge("k", 1000, 2_000)  # its real prompt: 2,000 over the estimate
+    counted = [limiter.acquire("k", 3, 1000, 0) for _ in range(3)]
+    assert [d.allowed for d in counted] == [True, True, False]  # 3 a minute, the first request's included
+    assert counted[-1].requests.remaining == 0 and counted[-1].retry_after_s > 0
+    assert counted[0].tokens.remaining == 0 and counted[0].tokens.signed < -1_000  # the debt, kept for the routers
+    assert not limiter.acquire("k", 3, 1000, 1).allowed  # a request the engine would run waits out the debt
+
+
+def test_a_429_at_admission_costs_its_key_a_request(router_app):
+    """Short of tokens, a request is refused at admission after its parse and price: that
+    refusal costs a request as every other does, so a key cannot be refused there faster than its
+    requests/min — and once they are spent, it is refused before its body is read."""
+    app = router_app()  # the tiny tier: 2 requests/min, 1,000 tokens/min
+    key, _ = app.auth.keys.create_key(owner="a", tier="tiny")
+    assert chat(app.client, key, max_tokens=900).status_code == 200
+    short = chat(app.client, key, max_tokens=900)
+    assert (short.status_code, short.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+    unread = app.client.post("/v1/chat/completions", content=b"{not json", headers=bearer(key))
+    assert (unread.status_code, unread.json()["error"]["code"]) == (429, "rate_limit_exceeded")  # not 400
+    assert unread.headers["x-ratelimit-remaining-requests"] == "0"

@@ -323,3 +323,29 @@ def test_waiting_for_settled_work_covers_work_that_work_started_meanwhile():
         return list(done)
 
     assert asyncio.run(scenario()) == ["first", "second"]
+
+
+def test_a_client_that_hangs_up_while_its_body_is_read_still_costs_one_request(router_app):
+    """Headers and part of a body, then gone (Starlette's ClientDisconnect): the read cost the
+    router as a refusal's does, so it costs the key a request — else a loop of them is free."""
+    app = router_app(engine=FakeEngine(), tiers={**TIERS, "small": Tier(requests_per_minute=10,
+                                                                        tokens_per_minute=1_000_000)})
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
+    before = _requests_left(app, key)
+    headers = [(name.lower().encode(), value.encode()) for name, value in bearer(key).items()]
+    headers += [(b"content-type", b"application/json"), (b"content-length", b"100000")]
+    parts = [{"type": "http.request", "body": b'{"model": "', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return parts.pop(0)
+
+    async def send():
+        request = Request({"type": "http", "method": "POST", "path": surfaces.CHAT.route, "headers": headers,
+                           "query_string": b""}, receive)
+        response = await pipeline.run(app.services, request, surfaces.CHAT)
+        await wait_settled()  # the charge runs on its own task
+        return response.status_code
+
+    assert app.run(send) == 499
+    assert _requests_left(app, key) == before - 2  # the hang-up and this request
+    assert [surface for surface, _ in app.engine.calls] == ["tokenize", "tokenize"]  # the two reads only

@@ -104,3 +104,21 @@ def test_a_non_stream_answer_the_engine_worked_on_then_failed_gives_nothing_back
     failed = app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
     assert failed.status_code >= 500 and app.engine.generated >= 500
     assert _tokens_left(app, key) < 100
+
+
+def test_an_answer_the_engine_worked_on_then_failed_over_to_peers_that_refused_gives_nothing_back(
+        tmp_path, router_app):
+    """Failing over drops the local call; that a replica had taken the request (its head came)
+    is kept: every peer answering 503 leaves the local 503, and the engine's work stands."""
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
+    peer.serve.stop(MODEL)  # loading there too: 503
+    peer.run(peer.services.states.refresh)
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=600, fail_after=500, dies=True),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="tiny")  # 2 requests, 1,000 tokens a minute
+    failed = home.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+    assert failed.status_code == 503 and home.engine.generated >= 500
+    assert "x-pg-failover-from" not in failed.headers  # no peer took it: this region's own 503
+    assert _tokens_left(home, key) < 100  # before: the whole ~905 given back
