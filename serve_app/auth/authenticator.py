@@ -256,14 +256,15 @@ class Authenticator:
         floor = self.args.tiers[principal.tier].priority
         return max(floor, requested) if isinstance(requested, int) and not isinstance(requested, bool) else floor
 
-    def refuse_early(self, principal: Principal, min_tokens: int) -> None:
+    def refuse_early(self, principal: Principal, min_tokens: int, prompt_param: str = "messages") -> None:
         """Before the body is read, what ``admit`` would refuse for certain, so that it costs no
         parse: a tier this region does not offer (403), a request whose prompt alone, estimated
-        from its declared size (``min_tokens``), is over the tier's minute (400), and a key that
-        the limiter knows has no request, or fewer than ``min_tokens``, left now (429)."""
+        from its declared size (``min_tokens``), is over the tier's minute (400 naming
+        ``prompt_param``, the route's input), and a key that the limiter knows has no request, or
+        fewer than ``min_tokens``, left now (429)."""
         tier = self._tier(principal)
         if min_tokens > tier.tokens_per_minute:
-            raise exceeds_tier(principal, tier, min_tokens)
+            raise exceeds_tier(principal, tier, min_tokens, prompt_param, generates=False)
         refusal = self.limiter.refuses(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, min_tokens)
         if refusal is not None:
             raise rate_limited(principal, tier, refusal.retry_after_s, refusal.headers())
@@ -272,19 +273,18 @@ class Authenticator:
         """The most bytes a body of ``principal``'s may have: its tier's minute of prompt tokens."""
         return self._tier(principal).tokens_per_minute * chars_per_token
 
-    async def admit(self, principal: Principal, tokens_estimate: int) -> dict[str, str]:
+    async def admit(self, principal: Principal, tokens_estimate: int, param: str = "max_tokens",
+                    generates: bool = True) -> dict[str, str]:
         """Charge one request and its token estimate: the ``x-ratelimit-*`` headers, or 429.
         A refusal costs one request (``count_refused``): a key short of tokens cannot have its
-        bodies parsed and priced faster than its requests/min by being refused here."""
+        bodies parsed and priced faster than its requests/min by being refused here. ``param``,
+        ``generates``: what a request too big for the tier is told to change (``exceeds_tier``)."""
         tier = self._tier(principal)
         if tokens_estimate > tier.tokens_per_minute:  # waiting would never help: not a 429
             await self.count_refused(principal)
-            raise exceeds_tier(principal, tier, tokens_estimate)
-        # At least one token: zero is the limiter's count of a refusal, not a request (ratelimit.py).
-        tokens = max(1, tokens_estimate)
-        decision = decided(
-            await self.limiter.acquire(principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens)
-        )
+            raise exceeds_tier(principal, tier, tokens_estimate, param, generates)
+        decision = decided(await self.limiter.acquire(
+            principal.key_id, tier.requests_per_minute, tier.tokens_per_minute, tokens_estimate))
         if not decision.allowed:
             await self.count_refused(principal)
             raise rate_limited(principal, tier, decision.retry_after_s, decision.headers())

@@ -102,10 +102,11 @@ class RateLimiter:
         token_bucket = self._bucket(key_id, "tokens", tokens_per_minute, now)
         # A request larger than a whole minute's tokens could never pass: it costs a full bucket.
         cost = min(tokens, tokens_per_minute)
-        # Zero tokens is a count, not a request the engine runs (every request is priced at least
-        # one token, ``Authenticator.admit``): a refused request's (``count_refused``) or a lease's
-        # renewal. It needs a request only: a key in token debt (``charge``) still pays for its
-        # refusals in requests, so it cannot have bodies parsed faster than its requests/min.
+        # Zero tokens is a request the engine never runs — a refused one's count (``count_refused``),
+        # a lease's renewal, a route that costs no tokens (``GET /v1/models``); a request the
+        # engine runs is priced at least one token. It needs a request only: a key in token debt
+        # (``charge``) still pays for its refusals in requests, so it cannot have bodies parsed
+        # faster than its requests/min.
         allowed = requests.level >= 1 and (cost == 0 or token_bucket.level >= cost)
         retry_after = 0.0
         if allowed:

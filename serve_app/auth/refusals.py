@@ -20,13 +20,19 @@ logger = module_logger(__name__)
 LIMITER_DOWN_RETRY_S = 1
 
 
-def exceeds_tier(principal: Principal, tier: Tier, tokens: int) -> APIError:
+def exceeds_tier(principal: Principal, tier: Tier, tokens: int, param: str = "max_tokens",
+                 generates: bool = True) -> APIError:
+    """``param``: the field to change (``Surface.size_param``): a completion limit, or the input
+    of a route that generates nothing."""
+    if generates:
+        what, remedy = f"its prompt plus n × {param}", f"lower {param} or n, or shorten the prompt"
+    else:
+        what, remedy = f"its {param}", f"shorten {param} or split it across requests"
     return APIError(
         400,
-        f"this request may cost up to {tokens} tokens (its prompt plus n × max_tokens), "
-        f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); "
-        "lower max_tokens or n, or shorten the prompt",
-        param="max_tokens",
+        f"this request may cost up to {tokens} tokens ({what}), "
+        f"more than tier {principal.tier} allows in a minute ({tier.tokens_per_minute}); {remedy}",
+        param=param,
         code="request_exceeds_tier_limit",
     )
 

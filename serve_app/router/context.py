@@ -137,6 +137,7 @@ class Context:
     client_input: Any = None  # Responses: the input as the client sent it (before its history)
     history_bytes: int = 0  # Responses: the stored conversation's size (it is prompt too)
     price: Any = None  # what it may cost (``pricing.Price``), charged when it is admitted
+    size_param: str = "max_tokens"  # the field a price over its tier's minute names (``Surface.size_param``)
     reservation: Any = None  # its price held against the key's token budget (``budgets.Reservation``)
     headers: dict[str, str] = field(default_factory=dict)  # rate limits, budgets, region: on the response
     admitted: bool = False  # passed the budget and the rate limit: its usage is recorded

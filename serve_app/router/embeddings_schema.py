@@ -5,8 +5,8 @@ does not define is a 400 naming it, where vLLM's own request model would take it
 (a chat to embed), `encoding_format: bytes` (a binary body), `use_activation` (vectors left
 unnormalised), a client's chat template. Two vLLM fields are kept, documented in docs/api.md:
 ``priority`` (lower only, as on every route: the router clamps it to the key's tier) and
-``truncate_prompt_tokens`` (embed only the last N tokens of each input instead of a 400 for an
-input longer than the model's context).
+``truncate_prompt_tokens`` (embed only the first N tokens of each input — vLLM truncates a pooling
+model's inputs on the right — instead of a 400 for an input longer than the model's context).
 
 OpenAI's rules, each a 400 with ``param`` ``input`` and a message naming the entry: ``input`` is
 a string, a list of strings, a list of token ids or a list of token-id lists (never a mix); no
@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
+from serve_app.errors import APIError
 from serve_app.router.strict import INT64, Body
 
 MAX_INPUTS = 2048  # OpenAI: "any array must be 2048 dimensions or less"
@@ -85,6 +86,22 @@ def check_input(value: Any) -> None:
             raise ValueError(f"entry {index}: input must be {_SHAPE}")
     if (ids := token_ids_in(value)) > MAX_REQUEST_TOKENS:
         raise ValueError(f"{ids} token ids in one request; at most {MAX_REQUEST_TOKENS} across all inputs")
+
+
+def beyond_the_model(body: dict[str, Any], *, context_len: int, dimensions: int | None) -> APIError | None:
+    """What the engine refuses of a valid body only once the request is admitted (vLLM's
+    ``_validate_request``; its dimensions check), refused before that, naming the field: a
+    ``truncate_prompt_tokens`` past the model's context, ``dimensions`` past its vector size
+    (``dimensions``: the catalog's; None: not known here, the engine decides)."""
+    truncate = body.get("truncate_prompt_tokens")
+    if isinstance(truncate, int) and truncate > context_len:
+        return APIError(400, f"truncate_prompt_tokens is {truncate}, past the model's context of {context_len} tokens",
+                        param="truncate_prompt_tokens")
+    asked = body.get("dimensions")
+    if dimensions is not None and isinstance(asked, int) and asked > dimensions:
+        return APIError(400, f"dimensions is {asked}, past the model's {dimensions}; it may only shorten the vectors",
+                        param="dimensions")
+    return None
 
 
 def _is_token_id(value: Any) -> bool:

@@ -37,6 +37,7 @@ from serve_app.router.context import (
     CLIENT_CLOSED, COUNT_WAIT_S, Context, abandoned, even_if_left, failed, forwarded, in_background, refused,
 )
 from serve_app.router.failover import REGION_HEADER
+from serve_app.router.embeddings_schema import beyond_the_model
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
 from serve_app.router.resume import Resumer, taken_over
@@ -95,7 +96,7 @@ async def authenticate(ctx: Context) -> None:
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
     # over its limit, a body its tier could never admit), so that it costs no parse.
     size = declared_length(ctx.request) or 0
-    ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size))
+    ctx.services.auth.refuse_early(ctx.caller, pricing.estimate_prompt_tokens(size), ctx.surface.prompt)
 
 
 async def parse(ctx: Context) -> None:
@@ -121,6 +122,9 @@ async def validate(ctx: Context) -> None:
         raise _wrong_task(ctx)
     if (problem := media_problem(ctx.surface.name, ctx.body, facts.media)) is not None:
         raise problem
+    if ctx.surface.name == "embeddings" and (problem := beyond_the_model(
+            ctx.body, context_len=facts.context_len, dimensions=facts.embedding_dimensions)) is not None:
+        raise problem
 
 
 async def authorize(ctx: Context) -> None:
@@ -140,6 +144,7 @@ async def price(ctx: Context) -> None:
     """The most the engine may generate for it, with the body normalised so that the engine obeys
     exactly the limit priced (``pricing.py``; 400 for a limit field the surface ignores)."""
     facts, size = ctx.services.models[ctx.model], len(ctx.raw) + ctx.history_bytes
+    ctx.size_param = ctx.surface.size_param(ctx.body)  # as the client set it: pricing normalises the limit
     # A request without a limit gets the model's default, but never more, all its sequences
     # together, than its key's tier can ever admit in a minute: a free key's request without
     # max_tokens is served, not a 400.
@@ -166,7 +171,8 @@ async def admit(ctx: Context) -> None:
     except APIError:
         await services.auth.count_refused(caller)  # still one of its requests (see count_refused)
         raise
-    limits = await services.auth.admit(caller, ctx.price.total)  # 429 + Retry-After
+    limits = await services.auth.admit(  # 429 + Retry-After
+        caller, ctx.price.total, ctx.size_param, ctx.surface.generates)
     ctx.headers = {**limits, **ctx.reservation.headers, REGION_HEADER: services.region}
     ctx.admitted = True
     if ctx.surface.billed:
@@ -203,8 +209,9 @@ def _wrong_task(ctx: Context) -> APIError:
 def _over_tier(ctx: Context) -> APIError:
     return APIError(
         400,
-        f"the request body is larger than tier {ctx.caller.tier} could admit in a minute of tokens",
-        param="max_tokens", code="request_exceeds_tier_limit",
+        f"the request body is larger than tier {ctx.caller.tier} could admit in a minute of tokens; "
+        f"shorten {ctx.surface.prompt} or split it across requests",
+        param=ctx.surface.prompt, code="request_exceeds_tier_limit",
     )
 
 

@@ -48,12 +48,15 @@ class ModelFacts:
     media: MediaPolicy = field(default_factory=MediaPolicy)  # which media parts its requests may carry
     task: str = "generate"  # the surfaces it serves (catalog.CatalogModel.task)
     required_for_health: bool = False  # the region's /health is 503 while it serves nowhere here
+    embedding_dimensions: int | None = None  # an embedding model's vector size (``dimensions`` may lower it)
 
     @classmethod
     def of(cls, model: ModelDeploymentArgs) -> "ModelFacts":
+        card = catalog.get(model.id)
         return cls(
             context_len=model.max_model_len, default_max_tokens=model.completion_default, media=model.media,
-            task=catalog.get(model.id).task, required_for_health=model.region_health == "required",
+            task=card.task, required_for_health=model.region_health == "required",
+            embedding_dimensions=card.embedding_dimensions,
         )
 
 

@@ -75,10 +75,19 @@ class Surface:
     streams: bool = True
     chunk_object: str = "chat.completion.chunk"
     counts: str | None = None
+    prompt: str = "messages"  # the field its input is in (``/tokenize``: or ``messages``)
 
     @property
     def generates(self) -> bool:
         return self.limit is not None
+
+    def size_param(self, body: dict) -> str:
+        """The field to name when a request is too big for its key's tier (``param``): the
+        completion limit as the client set it, for a surface that generates; else its input."""
+        if self.limit is None:
+            return "messages" if self.name == "tokenize" and "messages" in body else self.prompt
+        also = self.limit.also_read
+        return also if also is not None and also in body and self.limit.field not in body else self.limit.field
 
     def __str__(self) -> str:
         return self.name
@@ -91,10 +100,11 @@ CHAT = Surface(
 COMPLETIONS = Surface(
     "completions", "/v1/completions", CompletionBody, dialects.OPENAI, "text_completion",
     limit=Limit("max_tokens", default_cap=COMPLETIONS_DEFAULT_MAX_TOKENS), chunk_object="text_completion",
+    prompt="prompt",
 )
 RESPONSES = Surface(
     "responses", "/v1/responses", ResponsesBody, dialects.RESPONSES, "chat", limit=Limit("max_output_tokens"),
-    stores=True,
+    stores=True, prompt="input",
 )
 MESSAGES = Surface("messages", "/v1/messages", MessagesBody, dialects.ANTHROPIC, "chat", limit=Limit("max_tokens"))
 COUNT_TOKENS = Surface(
@@ -104,15 +114,15 @@ COUNT_TOKENS = Surface(
 # Embeddings generate nothing, but the engine computes them: billed by their input tokens.
 EMBEDDINGS = Surface(
     "embeddings", "/v1/embeddings", EmbeddingsBody, dialects.OPENAI, "embeddings", task="embed",
-    streams=False,
+    streams=False, prompt="input",
 )
 TOKENIZE = Surface(
     "tokenize", "/tokenize", TokenizeBody, dialects.OPENAI, "tokenize", task=None, billed=False, streams=False,
-    counts="count",
+    counts="count", prompt="prompt",
 )
 DETOKENIZE = Surface(
     "detokenize", "/detokenize", DetokenizeBody, dialects.OPENAI, "detokenize", task=None, billed=False,
-    streams=False,
+    streams=False, prompt="tokens",
 )
 
 SURFACES: tuple[Surface, ...] = (

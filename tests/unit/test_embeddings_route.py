@@ -224,3 +224,32 @@ def test_an_embedding_is_traced_as_the_embeddings_operation_with_the_engines_que
     queue, inference = named["queue"], named["inference"]
     assert (inference.end_time - inference.start_time) / 1e6 == pytest.approx(4.0, abs=0.01)
     assert (queue.end_time - queue.start_time) / 1e6 >= 1.0
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/embeddings", {"model": EMBED, "input": [7] * 1_200}, "input"),  # priced by its ids, at admission
+    ("/v1/embeddings", {"model": EMBED, "input": "word " * 1_000}, "input"),  # its declared size, unread
+    ("/detokenize", {"model": MODEL, "tokens": [7] * 1_200}, "tokens"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2_000}, "max_output_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 2_000}, "max_completion_tokens"),
+])
+def test_a_request_too_big_for_its_tier_names_the_field_to_change(app, route, body, param):
+    """Before: max_tokens whatever the route, a field embeddings refuse and Responses does not have."""
+    key, _ = app.auth.keys.create_key(owner="bob", tier="tiny")  # 1,000 tokens a minute
+    refused = app.client.post(route, json=body, headers=bearer(key))
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["param"]) == (400, "request_exceeds_tier_limit", param)
+    assert param in error["message"] and not app.engine.calls
+
+
+@pytest.mark.parametrize("field, value", [("truncate_prompt_tokens", 10**6), ("dimensions", 4096)])
+def test_a_field_past_the_model_is_refused_before_admission_naming_it(app, field, value):
+    """vLLM refuses these only once the request is admitted, as a ValueError with no param (the
+    replica named it `input`): a 400 for another field, a ledger row and its tokens kept."""
+    key, _ = app.auth.keys.create_key(owner="bob", tier="tiny")  # 1,000 tokens a minute
+    refused = embed(app, key, **{field: value})
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, field)
+    assert not app.engine.calls and not app.recorded()
+    served = embed(app, key)
+    assert served.status_code == 200 and int(served.headers["x-ratelimit-remaining-tokens"]) > 980  # its ~13 only
