@@ -123,11 +123,18 @@ def merge_settings(startup: dict[str, Any], settings: dict[str, Any]) -> dict[st
 
 # --- settings -> applications -------------------------------------------------------------------
 def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
-    """Serve's autoscaling for a model: our hot-load policy between 0 and the region's maximum.
+    """Serve's autoscaling for a model: our hot-load policy between a floor and the region's maximum.
 
-    Serve's floor is 0 so an unloaded model can run no replica; the policy keeps a loaded one at
-    ``min_replicas`` or more, starts a load at ``initial_replicas``, lets an unload wait for the
-    requests in flight (at most as long as a request may last), and applies the region's
+    Serve's floor is 0 so an unloaded model can run no replica — except for a model the region's
+    health requires (``region_health: required``, never unloadable: 409 ``model_required``), whose
+    floor is its ``min_replicas``: with 0, a new Ray cluster (KubeRay's rollout of a new image)
+    reported the application RUNNING at once, with no engine started (Serve counts the policy's
+    later raise as autoscaling), and KubeRay switched the region's traffic to it for the whole
+    engine start; with the floor, the application is DEPLOYING until that many replicas are
+    healthy. A Serve floor keeps a replica count across config changes as 0 does (``register``
+    clips the current target to it). The policy keeps a loaded model at ``min_replicas`` or more,
+    starts a load at ``initial_replicas``, lets an unload wait for the requests in flight (at
+    most as long as a request may last), and applies the region's
     scaling delays itself (Serve's own are zeroed: they would also delay loads and unloads;
     serve_app/hot_load/autoscaling.py). Serve's ``initial_replicas`` stays unset: Serve resets the
     target to it on every change of the deployment's config (``_private/autoscaling_state.py``,
@@ -135,7 +142,7 @@ def autoscaling_config(model: ModelDeploymentArgs) -> dict[str, Any]:
     """
     scaling = model.autoscaling
     return {
-        "min_replicas": 0,
+        "min_replicas": scaling.min_replicas if model.region_health == "required" else 0,
         "max_replicas": scaling.max_replicas,
         "target_ongoing_requests": scaling.target_ongoing_requests,
         "upscale_delay_s": 0,

@@ -48,9 +48,12 @@ def test_region_config_runs_the_production_checkpoint_on_a_blackwell_gpu(name):
         else:
             assert flags.runner == "pooling" and flags.hf_overrides == {"is_matryoshka": True}
         scaling = options["autoscaling_config"]
-        # Serve's floor is 0 (a model can be unloaded); the hot-load policy keeps a loaded one up.
-        assert scaling["min_replicas"] == 0 and scaling["policy"]["policy_function"] == POLICY_PATH
+        # Serve's floor is 0 (a model can be unloaded; the hot-load policy keeps a loaded one up),
+        # but a model the region's health requires starts its floor's replicas with the
+        # application: a new cluster is not RUNNING (nor given traffic by KubeRay) before they are.
         loaded_floor = scaling["policy"]["policy_kwargs"]["min_replicas"]
+        assert scaling["min_replicas"] == (loaded_floor if model.region_health == "required" else 0)
+        assert scaling["policy"]["policy_function"] == POLICY_PATH
         assert 1 <= loaded_floor <= scaling["max_replicas"]
         assert "initial_replicas" not in scaling  # Serve would reset the target to it on every change
         assert loaded_floor <= scaling["policy"]["policy_kwargs"]["initial_replicas"] <= scaling["max_replicas"]

@@ -65,7 +65,6 @@ ROUTER_ONLY = {
     "the responses' retention": lambda s: s.update(responses={"retention_hours": 24}),
     "the ledger's flush": lambda s: s.update(usage={"flush_interval_s": 2}),
     "a model's default max_tokens": lambda s: _model(s).update(default_max_tokens=512),
-    "whether /health needs a model": lambda s: _model(s).update(region_health="optional"),
 }
 
 
@@ -74,6 +73,14 @@ def test_a_router_setting_reconfigures_the_routers_in_place_and_leaves_the_model
     """The measured outage of issue 23: a router-only edit restarted the model replicas."""
     config = load_serve_config("local.yaml")
     assert what_a_redeploy_does(config, _with(config, ROUTER_ONLY[change])) == {ROUTER: RECONFIGURE, QWEN: SAME, EMBED: SAME}
+
+
+def test_whether_health_needs_a_model_reconfigures_the_routers_and_that_models_floor_in_place():
+    """A required model's Serve floor is its min_replicas (a new cluster is not RUNNING before
+    they are: layout.autoscaling_config), an optional one's 0: a deployment option, no restart."""
+    config = load_serve_config("local.yaml")
+    optional = _with(config, lambda s: _model(s).update(region_health="optional"))
+    assert what_a_redeploy_does(config, optional) == {ROUTER: RECONFIGURE, QWEN: IN_PLACE, EMBED: SAME}
 
 
 def test_what_a_router_reads_at_start_restarts_the_routers_only():

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from serve_app.wire.listen_port import STREAM_PORTS_ENV, PortRange
 from serve_app.haproxy import BINARY_PATH_ENV, LAUNCHER
@@ -213,3 +214,32 @@ def test_stream_tls_is_off_unless_a_region_names_its_secret_and_then_both_ends_g
 
 def test_the_module_declares_the_range_variable_it_uses():
     assert "stream_listener_ports" in blocks(parse(MODULE / "variables.tf"), "variable")
+
+
+def test_the_gpu_worker_group_states_the_accelerator_resource_kuberays_autoscaler_scales_for():
+    """Each model replica asks Ray for ``accelerator_type``: a demand of the resource
+    ``accelerator_type:<type>``. KubeRay's autoscaler knows what a new worker pod offers only from
+    the RayService spec (Ray's own reader below), so the group must state it — or no node type
+    fits a replica, and the group never grows past its min (a surge, a rollout, a load)."""
+    from ray._common.utils import resources_from_ray_options
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+
+    accelerator = MOD.scope["var"].region.accelerator_type
+    raw = WORKER_GROUP["rayStartParams"]['"resources"']  # as python-hcl2 keeps it: HCL's escapes
+    value = json.loads(raw).replace("${var.region.accelerator_type}", accelerator)
+    offered = _get_custom_resources({}, {"resources": value}, "gpu")
+    demand = resources_from_ray_options({"accelerator_type": accelerator})  # a replica's, as Ray makes it
+    assert set(demand) == set(offered) and all(offered[k] >= v for k, v in demand.items())
+    applications = yaml.safe_load((REPO / "configs" / "yul-02.yaml").read_text())["applications"]
+    pinned = {app["args"]["model"]["resources"]["accelerator_type"] for app in applications if "model" in app["args"]}
+    assert pinned == {accelerator}  # what every model replica of the region asks for (app.build_model)
+
+
+def test_the_ingress_passes_every_body_the_router_takes():
+    """ingress-nginx refuses bodies over 1m by default, with an HTML 413 the router never sees."""
+    from serve_app.router.body import MAX_REQUEST_BODY_BYTES
+
+    ingress = resources(MODULE)["kubernetes_ingress_v1.public"]
+    annotations = MOD(ingress["metadata"][0]["annotations"])
+    size = annotations["nginx.ingress.kubernetes.io/proxy-body-size"]
+    assert size.endswith("m") and int(size[:-1]) * 1024 * 1024 == MAX_REQUEST_BODY_BYTES

@@ -12,6 +12,10 @@ resource "kubernetes_ingress_v1" "public" {
       # The Serve config's http_options.request_timeout_s.
       "nginx.ingress.kubernetes.io/proxy-read-timeout" = "600"
       "nginx.ingress.kubernetes.io/proxy-send-timeout" = "600"
+      # The router's own body limit (router/body.py, 2 MiB): past it the router answers 413 in
+      # the route's error shape; under ingress-nginx's default (1m), a 1–2 MiB body got nginx's
+      # HTML 413 and never reached a router.
+      "nginx.ingress.kubernetes.io/proxy-body-size" = "2m"
     }
   }
 

@@ -150,11 +150,19 @@ resource "kubernetes_manifest" "rayservice" {
         # One pod per Blackwell GPU, only on the tainted GPU pool. Ray sees the GPU's model as
         # accelerator_type (RTX-PRO-6000, B200), which the Serve config pins each replica to.
         workerGroupSpecs = [{
-          groupName      = local.gpu_worker_group
-          replicas       = var.region.gpu_workers.min
-          minReplicas    = var.region.gpu_workers.min
-          maxReplicas    = var.region.gpu_workers.max
-          rayStartParams = { "include-log-monitor" = "false" }
+          groupName   = local.gpu_worker_group
+          replicas    = var.region.gpu_workers.min
+          minReplicas = var.region.gpu_workers.min
+          maxReplicas = var.region.gpu_workers.max
+          rayStartParams = {
+            "include-log-monitor" = "false"
+            # The accelerator_type resource each replica asks for, stated: KubeRay's autoscaler
+            # learns what a new pod would offer from this spec alone (CPU, GPU and memory from the
+            # container, custom resources from here), never from the raylet's own detection — so
+            # without it no node type fits a replica and the group never grows past min. The
+            # raylet sets the same key to 1 on a node of that GPU anyway.
+            "resources" = "\"{\\\"accelerator_type:${var.region.accelerator_type}\\\": 1}\""
+          }
           template = {
             metadata = { labels = local.labels }
             spec = {
