@@ -102,6 +102,31 @@ def install(serving: Any, render_method: str, prompt_param: str) -> None:
     setattr(serving, render_method, render_within_cap)
 
 
+def install_request_cap(serving: Any, max_tokens: int) -> None:
+    """Cap a pooling request's tokens, all its inputs together (OpenAI's 300,000 for embeddings):
+    checked on the rendered inputs, as vLLM's pooling serving object turns them into engine
+    requests (``_prepare_generators``: all at once, each an engine request).
+
+    The router caps token-id inputs, which it can count; text it can only estimate from its size,
+    which digits undercut fourfold (one token a byte): one 2 MiB body of 2,048 strings of digits
+    was ~2M tokens — 128 full engine steps at 16,384 batched tokens, which the tier's other
+    requests queued behind (vLLM's scheduler orders by priority, then arrival)."""
+    from vllm.exceptions import VLLMValidationError
+
+    prepare = serving._prepare_generators
+
+    async def prepare_within_cap(ctx):
+        inputs = ctx.engine_inputs or ()
+        total = sum(len(engine_input["prompts"].get("prompt_token_ids") or ()) for engine_input in inputs)
+        if total > max_tokens:
+            raise VLLMValidationError(
+                f"the input is {total} tokens, all its entries together; at most {max_tokens} in one request",
+                parameter="input")
+        await prepare(ctx)
+
+    setattr(serving, "_prepare_generators", prepare_within_cap)  # this serving object's only, as ``install``
+
+
 def _lower_limit(request: Any, limit: int) -> None:
     """Set the completion limit fields the request uses to ``limit``."""
     for field in ("max_completion_tokens", "max_tokens"):

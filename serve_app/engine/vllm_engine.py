@@ -24,6 +24,7 @@ from serve_app.engine import outputs, pooling_timing, rendered, replay, token_co
 from serve_app.engine.prefetch import AHEAD, MERGED_TURNS, Prefetched
 from serve_app.engine.protocol import Stream
 from serve_app.errors import error_body
+from serve_app.router.embeddings_schema import MAX_REQUEST_TOKENS
 from serve_app.router.pricing import prompt_count
 from serve_app.surfaces import BY_NAME, seam
 from serve_app.telemetry.logs import module_logger
@@ -78,6 +79,7 @@ class VLLMEngine:
         self._embedding_serving = getattr(state, "serving_embedding", None)
         if self._embedding_serving is not None:
             pooling_timing.install(self.engine)
+            rendered.install_request_cap(self._embedding_serving, MAX_REQUEST_TOKENS)
 
     def _start_generation(self, state) -> None:
         """The serving objects of a generating model, adapted."""

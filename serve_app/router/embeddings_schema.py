@@ -12,7 +12,8 @@ OpenAI's rules, each a 400 with ``param`` ``input`` and a message naming the ent
 a string, a list of strings, a list of token ids or a list of token-id lists (never a mix); no
 string is empty, no list is empty or longer than 2048 entries; token ids are non-negative
 integers (the engine refuses one its vocabulary lacks), at most 300,000 of them in one request
-(OpenAI's cap on a request's tokens). ``encoding_format`` is ``float`` or ``base64``;
+(OpenAI's cap on a request's tokens; text, which only the tokenizer can count, is held to it by
+the replica: ``engine/rendered.install_request_cap``). ``encoding_format`` is ``float`` or ``base64``;
 ``dimensions`` a positive integer (the engine refuses it for a model that cannot shorten its
 vectors, or past the model's size).
 """

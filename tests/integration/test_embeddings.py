@@ -85,6 +85,23 @@ def test_what_openai_refuses_is_a_400_naming_the_field(serve_app, user, body, pa
     assert response.json()["error"]["param"] == param
 
 
+def test_a_request_over_300000_tokens_in_all_is_a_400_before_the_engine_runs_it(serve_app, user):
+    """The router counts token-id inputs, but only estimates text (4 bytes a token): a text its
+    tokenizer splits finer passes the router and is refused by the replica on its rendered inputs."""
+    _, key, _ = user
+    headers = {"Authorization": f"Bearer {key}"}
+    text = "".join(chr(0x2200 + i % 200) for i in range(400))  # math symbols: several tokens each
+    counted = httpx.post(f"{serve_app['base_url']}/tokenize", json={"model": EMBED, "prompt": text},
+                         headers=headers, timeout=60).json()["count"]
+    copies = 300_000 // counted + 1
+    assert copies <= 2048 and copies * len(text.encode()) // 4 < 300_000  # the router lets it through
+    response = httpx.post(f"{serve_app['base_url']}/v1/embeddings", json={"model": EMBED, "input": [text] * copies},
+                          headers=headers, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "input" and "at most 300000" in error["message"]  # without the cap: a 200
+
+
 def test_the_chat_model_does_not_embed_and_the_embedding_model_does_not_chat(user):
     client, _, _ = user
     with pytest.raises(openai.BadRequestError, match="does not serve /v1/embeddings"):

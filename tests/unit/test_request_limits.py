@@ -75,3 +75,31 @@ def test_a_body_whose_coding_names_no_compression_is_read(client, encoding):
 def test_overflow_message_states_the_numbers():
     message = overflow_message(8192, 4016, 6000)
     assert "8192" in message and "10016" in message and "4016" in message and "6000" in message
+
+
+def test_a_pooling_requests_tokens_are_capped_over_all_its_rendered_inputs():
+    """``rendered.install_request_cap`` on a stand-in for vLLM's pooling serving object (the
+    integration test runs the real one): over the cap, no engine request starts."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from serve_app.engine import rendered
+
+    class Serving:
+        started = 0
+
+        async def _prepare_generators(self, ctx):
+            self.started += len(ctx.engine_inputs)
+
+    def inputs(*lengths):
+        return SimpleNamespace(engine_inputs=[{"prompts": {"prompt_token_ids": [7] * n}} for n in lengths])
+
+    serving = Serving()
+    rendered.install_request_cap(serving, 10)
+    asyncio.run(serving._prepare_generators(inputs(4, 6)))  # 10: at the cap
+    with pytest.raises(VLLMValidationError) as refused:
+        asyncio.run(serving._prepare_generators(inputs(4, 4, 3)))
+    assert refused.value.parameter == "input" and "11 tokens" in str(refused.value)
+    assert serving.started == 2
