@@ -63,6 +63,7 @@ class ReplicaCall:
         self.handed = False  # the replica writes the stream to the client's connection itself
         self._ticket: str | None = None  # the ticket still to present on the replica's Unix listener
         self.waited_ms: float | None = None  # call → head: Serve's queue plus the replica's own time
+        self._head_at = 0.0  # perf_counter when the head came
         self.ended = False  # the call's last item has been read (or it was given up)
         self._started = time.perf_counter()
         line = lines.call(model, surface, call, replicas=replicas) if lines is not None else None
@@ -101,7 +102,8 @@ class ReplicaCall:
         except (RayActorError, AioRpcError):  # died, or its gRPC server did (handle_transport "grpc")
             logger.exception("model replica for %s died", self.model)
             raise self._vanished() from None
-        self.waited_ms = (time.perf_counter() - self._started) * 1000
+        self._head_at = time.perf_counter()
+        self.waited_ms = (self._head_at - self._started) * 1000
         self.head = head
         if self._lines is not None:
             self._learn(head)
@@ -147,6 +149,11 @@ class ReplicaCall:
     def reader(self) -> asyncio.StreamReader:
         """A stream's bytes, from the replica's byte socket."""
         return self.socket[0]
+
+    @property
+    def since_head_ms(self) -> float | None:
+        """Milliseconds since the replica's head came (None before): a failed engine's time."""
+        return None if self.head is None else (time.perf_counter() - self._head_at) * 1000
 
     @property
     def under_way(self) -> bool:

@@ -195,7 +195,8 @@ class Context:
             self.generated = Generated(first.prompt_tokens,
                                        first.completion_tokens + trailer.generated.completion_tokens,
                                        first.cached_tokens)
-        self.telemetry.note_trailer(trailer, cached_tokens=self.generated.cached_tokens)
+        self.telemetry.note_trailer(trailer, cached_tokens=self.generated.cached_tokens,
+                                    engine_ms=getattr(self.call, "since_head_ms", None))
 
     # --- the one exit --------------------------------------------------------------------------
     def settle(self, outcome: Outcome) -> None:

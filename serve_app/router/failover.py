@@ -17,7 +17,8 @@ router and relay its answer.
   (connect error or timeout) is skipped for ``unreachable_hold_s`` afterwards, so an outage of a
   peer does not add the connect timeout to every request of an overloaded region.
 - Relayed: the status, the body (SSE byte for byte, as it arrives) and the headers a client acts on
-  (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-budget-*, x-pg-region), plus
+  (content-type, retry-after, server-timing, www-authenticate, x-ratelimit-*, x-budget-*, x-pg-region,
+  x-pg-trace-id), plus
   ``x-pg-failover-from`` / ``x-pg-failover-reason``. Hop-by-hop headers are not relayed, and
   upstream is asked for ``identity`` encoding so the bytes relayed are the bytes the client reads.
 - Credentials: given ``authorization`` (the router always gives it), each peer gets its own
@@ -47,7 +48,8 @@ REGION_HEADER = "x-pg-region"
 FAILOVER_FROM_HEADER = "x-pg-failover-from"
 FAILOVER_REASON_HEADER = "x-pg-failover-reason"
 
-_RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER}
+# x-pg-trace-id: one trace across the regions (the peer continues this router's failover span).
+_RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER, "x-pg-trace-id"}
 # Never copied from the router's headers: httpx or the Forwarder set these for the request it
 # sends (a stale content-length from the client's request would corrupt the forwarded body).
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "content-type", "accept",

@@ -63,7 +63,9 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         ctx.settle(refused(err))
         if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:  # a peer's: admitted where it came from
             await _charge_refusal(ctx)  # after settling: a client that leaves meanwhile leaves it settled
-        return surface.dialect.error_response(err)
+        refusal = surface.dialect.error_response(err)
+        refusal.headers.update(ctx.telemetry.headers())  # its timing (all network) and trace id
+        return refusal
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())
         if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:

@@ -50,7 +50,7 @@ async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     if status < 400:
         body["pg_metadata"] = ctx.telemetry.metadata()
     ctx.settle(served(status, code))
-    return JSONResponse(body, status_code=status, headers={**ctx.headers, "Server-Timing": ctx.telemetry.server_timing()})
+    return JSONResponse(body, status_code=status, headers={**ctx.headers, **ctx.telemetry.headers()})
 
 
 async def kept(ctx: Context, response: dict | None) -> None:

@@ -10,7 +10,8 @@ Exported series (Prometheus names):
 
 - ``ray_serve_app_time_to_first_token_seconds`` (histogram): server-side TTFT (see ``Split.ttft_ms``)
 - ``ray_serve_app_time_per_output_token_seconds`` (histogram): decode time / (output tokens − 1)
-- ``ray_serve_app_queue_time_seconds`` (histogram): engine arrival → first scheduled
+- ``ray_serve_app_queue_time_seconds`` (histogram): the ``queue`` span: Serve's queue for a replica
+  slot (and the handle's hops) plus the engine's, arrival → first scheduled
 - ``ray_serve_app_network_time_seconds`` (histogram): the ``network`` span
 - ``ray_serve_app_inference_time_seconds`` (histogram): the ``inference`` span (prefill + decode)
 - ``ray_serve_app_request_latency_seconds`` (histogram, + ``status``): the server span, end to end
@@ -70,7 +71,8 @@ HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
     TTFT: ("Server-side time to first token: receipt to first streamed event (streams) or "
            "server time minus decode (JSON responses).", _TTFT_BUCKETS, LABELS),
     TPOT: ("Time per output token after the first (decode time / (output tokens - 1)).", _TPOT_BUCKETS, LABELS),
-    QUEUE: ("Engine queue time: arrival in vLLM to first scheduled.", _SHORT_BUCKETS, LABELS),
+    QUEUE: ("Queue time (the queue span): Serve's queue for a replica slot plus the engine's, arrival in vLLM "
+            "to first scheduled.", _SHORT_BUCKETS, LABELS),
     NETWORK: ("Router and transport time not spent in the engine (the network span).", _SHORT_BUCKETS, LABELS),
     INFERENCE: ("Engine inference time: first scheduled to last token (prefill + decode).", _LATENCY_BUCKETS, LABELS),
     LATENCY: ("End-to-end server time of a request: receipt to last byte.", _LATENCY_BUCKETS, LABELS_WITH_STATUS),

@@ -20,6 +20,9 @@ from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import RequestRecord, Split, pg_metadata, server_timing_header
 from serve_app.wire.messages import Trailer
 
+# Every JSON answer's trace id (an error's too: its body has no pg_metadata), to quote to an operator.
+TRACE_ID_HEADER = "x-pg-trace-id"
+
 
 class RequestTelemetry:
     def __init__(self, route: str, headers: Mapping[str, str], *, region: str, replica: str):
@@ -42,10 +45,17 @@ class RequestTelemetry:
             if (learned := _LEARNED.get(name)) is not None:
                 learned(self.record, ctx)
 
-    def note_trailer(self, trailer: Trailer | None, cached_tokens: int | None = None) -> None:
+    def note_trailer(self, trailer: Trailer | None, cached_tokens: int | None = None,
+                     engine_ms: float | None = None) -> None:
         """What the replica reported once the engine was done with the request; ``cached_tokens``:
-        of the customer's prompt (a resumed stream's first call's), else the replica's count."""
+        of the customer's prompt (a resumed stream's first call's), else the replica's count;
+        ``engine_ms``: the call's time since its head, counted as inference when its engine failed
+        and reported no timing."""
         if trailer is not None:
+            timing = trailer.timing
+            if not trailer.complete and engine_ms is not None and all(
+                    getattr(timing, name, None) is None for name in ("queue_ms", "prefill_ms", "decode_ms")):
+                self.record.note_failed_engine(engine_ms)
             self.record.note_engine(
                 trailer.timing, usage=trailer.usage, finish_reasons=list(trailer.finish_reasons),
                 replica=trailer.replica,
@@ -63,6 +73,11 @@ class RequestTelemetry:
 
     def server_timing(self) -> str:
         return server_timing_header(self.split or self.record.finish())
+
+    def headers(self) -> dict[str, str]:
+        """A finished JSON answer's timing and trace id, errors' too (``pg_metadata`` is on a
+        success's body only): ``Server-Timing`` and ``TRACE_ID_HEADER``."""
+        return {"Server-Timing": self.server_timing(), TRACE_ID_HEADER: self.trace_id}
 
     # --- failover ------------------------------------------------------------------------------
     def start_failover(self, reason: str) -> dict[str, str]:

@@ -75,6 +75,9 @@ class RequestRecord:
     queue_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
+    # A stream's attempts on engines that failed without reporting timing (a dying engine sends no
+    # metrics): the router's own measure of each, head to the broken trailer, counted as inference.
+    failed_engine_ms: float = 0.0
     input_tokens: int | None = None
     output_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache
@@ -145,9 +148,14 @@ class RequestRecord:
         if engine_timing is not None and not isinstance(engine_timing, Mapping):  # the wire's EngineTiming
             engine_timing = {name: getattr(engine_timing, name) for name in ("queue_ms", "prefill_ms", "decode_ms")}
         if engine_timing and any(value is not None for value in engine_timing.values()):  # else it says nothing
-            self.queue_ms = _non_negative(engine_timing.get("queue_ms"))
-            self.prefill_ms = _non_negative(engine_timing.get("prefill_ms"))
-            self.decode_ms = _non_negative(engine_timing.get("decode_ms"))
+            queue, prefill, decode = (_non_negative(engine_timing.get(name))
+                                      for name in ("queue_ms", "prefill_ms", "decode_ms"))
+            if self.resumes:  # a continuation's: its time adds to the attempts' before it
+                # Its prefill re-reads the prompt mid-answer: inference, not the answer's first token.
+                self.queue_ms = _sum(self.queue_ms, queue)
+                self.decode_ms = _sum(self.decode_ms, _sum(prefill, decode))
+            else:
+                self.queue_ms, self.prefill_ms, self.decode_ms = queue, prefill, decode
         if usage:
             self.input_tokens = _int_or_none(usage.get("prompt_tokens", usage.get("input_tokens")))
             self.output_tokens = _int_or_none(
@@ -159,6 +167,10 @@ class RequestRecord:
             self.response_id = response_id
         if replica is not None:
             self.model_replica = replica
+
+    def note_failed_engine(self, engine_ms: float) -> None:
+        """An attempt whose engine failed and reported no timing ran ``engine_ms`` (head → break)."""
+        self.failed_engine_ms += max(0.0, engine_ms)
 
     def note_routing(self, decision: Any) -> None:
         """How the request router chose the model replica (``routing.take_decision``'s; None:
@@ -219,10 +231,11 @@ def compute_split(record: RequestRecord) -> Split:
     otherwise ``server − decode`` (everything up to the first token, plus the short tail).
     """
     server = record.server_ms if record.server_ms is not None else record.elapsed_ms()
-    engine = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms))
+    engine = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms)) or bool(
+        record.failed_engine_ms)
     # Without engine timing there is no queue span to hold Serve's queue: it stays in network.
     queue = (record.queue_ms or 0.0) + (record.router_queue_ms or 0.0 if engine else 0.0)
-    inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0)
+    inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0) + record.failed_engine_ms
     clamped = False
     if queue + inference > server:
         server, clamped = queue + inference, True
@@ -234,8 +247,9 @@ def compute_split(record: RequestRecord) -> Split:
     tokens_per_s = None
     if record.output_tokens and inference > 0:
         tokens_per_s = record.output_tokens / (inference / 1000)
-    tpot = None
-    if record.decode_ms is not None and record.output_tokens and record.output_tokens > 1:
+    tpot = None  # not for a resumed stream: its decode holds a re-prefill, and a failed engine's time
+    if record.decode_ms is not None and record.output_tokens and record.output_tokens > 1 and not (
+            record.resumes or record.failed_engine_ms):
         tpot = record.decode_ms / (record.output_tokens - 1)
     return Split(
         server_ms=server,
@@ -317,6 +331,11 @@ def _non_negative(value: Any) -> float | None:
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return max(float(value), 0.0)
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    """Two durations added, either unknown counting as zero; None when both are."""
+    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -125,6 +125,7 @@ def test_json_answer_is_relayed_with_status_body_and_headers():
             "x-ratelimit-remaining-requests": "99",
             "x-ratelimit-limit-tokens": "1000000",
             "x-budget-remaining-tokens-day": "5000",  # docs/usage.md: every answer to a key with a budget
+            "x-pg-trace-id": "4bf92f3577b34da6a3ce929d0e0e4736",  # the one trace, continued there
             "retry-after": "1",
             "x-internal-secret": "nope",
             "connection": "keep-alive",
@@ -145,6 +146,7 @@ def test_json_answer_is_relayed_with_status_body_and_headers():
     assert got.headers["x-ratelimit-remaining-requests"] == "99"
     assert got.headers["x-ratelimit-limit-tokens"] == "1000000"
     assert got.headers["x-budget-remaining-tokens-day"] == "5000"
+    assert got.headers["x-pg-trace-id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
     assert got.headers["retry-after"] == "1"
     assert "x-internal-secret" not in got.headers and "connection" not in got.headers
     assert got.headers.get_list("content-length") == [str(len(got.content))]

@@ -349,3 +349,23 @@ def test_a_client_that_hangs_up_while_its_body_is_read_still_costs_one_request(r
     assert app.run(send) == 499
     assert _requests_left(app, key) == before - 2  # the hang-up and this request
     assert [surface for surface, _ in app.engine.calls] == ["tokenize", "tokenize"]  # the two reads only
+
+
+def test_a_refusal_carries_its_timing_and_its_trace_id(router_app):
+    """A refused request's body has no pg_metadata: its trace id (the client's, when it sent a
+    traceparent) and its timing, all network, come as headers, as on every JSON answer."""
+    from serve_app.telemetry.request import TRACE_ID_HEADER
+    from serve_app.telemetry.timing import parse_server_timing
+
+    app = router_app(engine=FakeEngine())
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    unknown = app.client.post("/v1/chat/completions", json={"model": MODEL, "messages": []},
+                              headers={**bearer("pgk_000000000000_wrong"), "traceparent": traceparent})
+    assert unknown.status_code == 401 and unknown.headers[TRACE_ID_HEADER] == trace_id
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    missing = app.client.post("/v1/chat/completions", json={"model": "no-such-model", "messages": []},
+                              headers=bearer(key))
+    assert missing.status_code == 404 and len(missing.headers[TRACE_ID_HEADER]) == 32
+    timing = parse_server_timing(missing.headers["server-timing"])
+    assert set(timing) == {"network", "total"} and timing["network"] == timing["total"]

@@ -597,3 +597,17 @@ def test_a_peers_continuation_says_the_streams_created_too(tmp_path, router_app)
     key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
     response, _ = _stream(home, key)
     assert len(_created(response)) == 1 and home.recorded()[0]["resumed_in"] == "yvr-01"
+
+
+def test_a_resumed_streams_timing_counts_the_failed_engines_time_as_inference(router_app):
+    """A dying engine reports no timing: its time (head to break) was all 'network' before, and
+    the continuation's figures stood for the whole answer."""
+    dying = FakeEngine(tokens=12, fail_after=5, dies=True, latency_s=0.03)  # 5 tokens: at least 150 ms
+    app = router_app(engine=dying, replicas=(FakeEngine(tokens=12),))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    _, events = _stream(app, key)
+    metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
+    timing = metadata["pg_metadata"]
+    assert timing["resumes"] == 1 and timing["inference_total_ms"] >= 150
+    assert timing["network_ms"] + timing["queue_ms"] + timing["inference_total_ms"] == pytest.approx(
+        timing["server_ms"], abs=0.01)
