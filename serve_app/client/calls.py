@@ -41,9 +41,12 @@ class Calls:
         """The stream of ``path``'s answer; nothing is sent before it is first read."""
         options = _options(params, self._transport.trace_sample_ratio)
         body = _body(request, params, stream=True)
+        # A call's own timeout is the caller's word for the whole stream; else an open stream's
+        # silence is bounded by the client's stream_read_timeout_s (transport.py).
+        silence = None if options.get("timeout") is not None else self._transport.stream_read_timeout_s
         stream: AsyncStream[Any] = AsyncStream(
             lambda: self._send(path, body, options, stream=True), chunk_type, trace_id_of(options["traceparent"]),
-            protocol,
+            protocol, silence_s=silence,
         )
         self._streams.add(stream)
         return stream

@@ -20,6 +20,7 @@ How the server ends a stream, per API (docs/api.md, "Server timing" and "Errors"
   short must not look complete.
 """
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -67,8 +68,9 @@ MESSAGES = Protocol(terminal=frozenset({"message_stop"}), typed=True, skipped=fr
 
 class AsyncStream(Generic[Chunk]):
     def __init__(self, start: Callable[[], Awaitable[Sent]], chunk_type: type[Chunk], trace_id: str,
-                 protocol: Protocol = CHAT):
+                 protocol: Protocol = CHAT, silence_s: float | None = None):
         self._start, self._chunk_type, self._protocol = start, chunk_type, protocol
+        self._silence_s = silence_s  # once open, the longest wait for its next event (None: the read timeout's)
         self._sent: Sent | None = None
         self._events: AsyncIterator[sse.Event] | None = None
         self._closed = False
@@ -127,7 +129,8 @@ class AsyncStream(Generic[Chunk]):
         try:
             while True:
                 try:
-                    event = await anext(self._events)
+                    async with asyncio.timeout(self._silence_s):  # None: no bound of its own
+                        event = await anext(self._events)
                 except StopAsyncIteration:
                     end = "its terminal event" if self._protocol.terminal else "[DONE]"
                     raise APIConnectionError(
@@ -140,7 +143,7 @@ class AsyncStream(Generic[Chunk]):
                 if self.ended:
                     await self.aclose()
                     raise StopAsyncIteration
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):  # httpx's read timeout, or ``silence_s``
             await self.aclose()
             raise APITimeoutError("the stream stalled past the read timeout", region=self.region, trace_id=self.trace_id) from None
         except httpx.TransportError as err:

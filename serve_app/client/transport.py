@@ -26,9 +26,10 @@ region across requests. What happens to one request, in order:
 - Anything else ≥ 400 is raised as is. A read timeout or a connection lost after the request was
   sent is raised, not retried: the server may have run (and billed) the generation.
 - A stream is returned as soon as its status line says 200; nothing after that is retried
-  (``streams.py``). Its read timeout, unless the call sets one, is ``stream_read_timeout_s``:
-  the server writes a keep-alive comment into every stream silent for a second, so a longer
-  silence is a dead path (a dropped NAT entry), not a slow model.
+  (``streams.py``). Its status line may wait long (Serve's queue, silent before the head), so
+  it has the client's read timeout; once it is open, a stream silent for ``stream_read_timeout_s``
+  ends (``AsyncStream``): the server writes a keep-alive comment into every open stream silent
+  for a second, so a longer silence is a dead path (a dropped NAT entry), not a slow model.
 """
 
 import asyncio
@@ -118,7 +119,7 @@ class Transport:
         self._held_until = [0.0] * len(self.base_urls)
         # No Authorization here: it is set per request, from whatever Auth holds at that moment.
         self._http = httpx.AsyncClient(timeout=timeout, transport=http_transport, headers={"user-agent": USER_AGENT})
-        self._stream_timeout = _with_read(self._http.timeout, stream_read_timeout_s)
+        self.stream_read_timeout_s = stream_read_timeout_s  # an open stream's silence (``AsyncStream``)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -169,9 +170,10 @@ class Transport:
                 await self.auth.ensure(self.exchange)
                 sent_credential = self.auth.credential()
             headers["authorization"] = f"Bearer {sent_credential.reveal()}"
-            if timeout is None:
-                timeout = self._stream_timeout if stream else httpx.USE_CLIENT_DEFAULT
-            request = self._http.build_request(method, base_url + path, json=body, headers=headers, timeout=timeout)
+            request = self._http.build_request(
+                method, base_url + path, json=body, headers=headers,
+                timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+            )
             try:
                 response = await self._http.send(request, stream=stream)
             except _CONNECT_ERRORS as err:
@@ -239,14 +241,6 @@ def _token_rejected(failure: APIStatusError, response: httpx.Response) -> bool:
     if failure.code is not None:
         return failure.code == "token_expired"
     return 'error="invalid_token"' in response.headers.get("www-authenticate", "")
-
-
-def _with_read(timeout: httpx.Timeout, read_s: float | None) -> httpx.Timeout:
-    """``timeout`` with its read bounded by ``read_s`` (None: as it is)."""
-    if read_s is None:
-        return timeout
-    read = read_s if timeout.read is None else min(timeout.read, read_s)
-    return httpx.Timeout(connect=timeout.connect, read=read, write=timeout.write, pool=timeout.pool)
 
 
 def _why(failure: ServeAppError) -> str:

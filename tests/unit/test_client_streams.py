@@ -304,3 +304,22 @@ def test_an_error_whose_body_broke_off_is_still_a_typed_error():
                               request=httpx.Request("POST", "http://127.0.0.1/v1/chat/completions"))
     err = from_response(response, region="a", trace_id=None)  # never read: json() raises ResponseNotRead
     assert isinstance(err, ServiceUnavailableError) and (err.status, err.retry_after) == (503, 2)
+
+
+def test_a_stream_whose_status_line_waits_in_the_servers_queue_is_not_cut_by_stream_read_timeout_s():
+    """Before its head the server sends nothing (Serve's queue): only an open stream's silence is
+    bounded by stream_read_timeout_s; the status line has the client's read timeout."""
+    import time
+
+    region = FakeRegion("a")
+
+    def queued(seen):
+        time.sleep(0.8)  # blocks this fake region's loop: no byte, not even the status line
+        return streaming(region.stream_events(seen))
+
+    region.answers.append(queued)
+
+    async def scenario(client):
+        return "".join([c.choices[0].delta.content or "" async for c in client.chat_completion_stream(REQUEST)])
+
+    assert run(region, scenario, stream_read_timeout_s=0.3) == "Hi there."
