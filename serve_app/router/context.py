@@ -86,8 +86,11 @@ async def wait_settled() -> None:
 
 
 def _taken(call: Any) -> bool:
-    """A replica took the call (its head came): a peer's resumed stream has no head of its own."""
-    return call is not None and getattr(call, "head", None) is not None
+    """A replica took the call: its head came, and was not a 5xx answer (a replica whose engine
+    was dead answers 503 ``engine_unavailable`` as its head, no engine request started). A
+    peer's resumed stream has no head of its own."""
+    head = getattr(call, "head", None) if call is not None else None
+    return head is not None and not (isinstance(head, Answer) and head.status >= 500)
 
 
 def in_background(work) -> None:

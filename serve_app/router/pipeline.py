@@ -173,8 +173,12 @@ async def admit(ctx: Context) -> None:
     except APIError:
         await services.auth.count_refused(caller)  # still one of its requests (see count_refused)
         raise
+    # A request that set no limit is over its tier by its prompt alone (a stored conversation's
+    # included): the router's limit, what the tier left, is already the least there is.
+    by_prompt = ctx.price.limit_set_by_router
     limits = await services.auth.admit(  # 429 + Retry-After
-        caller, ctx.price.total, ctx.size_param, ctx.surface.generates)
+        caller, ctx.price.total, ctx.surface.prompt if by_prompt else ctx.size_param,
+        ctx.surface.generates and not by_prompt)
     ctx.headers = {**limits, **ctx.reservation.headers, REGION_HEADER: services.region}
     ctx.admitted = True
     if ctx.surface.billed:

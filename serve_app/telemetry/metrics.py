@@ -161,6 +161,8 @@ class RequestMetrics:
             m[TTFT].observe(split.ttft_ms / 1000, tags=tags)
         if split.time_per_output_token_ms is not None:
             m[TPOT].observe(split.time_per_output_token_ms / 1000, tags=tags)
+        if record.continuing:  # a peer's continuation: the whole answer's tokens, counted where it began
+            return
         if record.input_tokens:
             m[INPUT_TOKENS].inc(record.input_tokens, tags=tags)
         if record.output_tokens:

@@ -18,7 +18,7 @@ from serve_app import routing
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import RequestRecord, Split, pg_metadata, server_timing_header
-from serve_app.wire.messages import Trailer
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Trailer
 
 # Every JSON answer's trace id (an error's too: its body has no pg_metadata), to quote to an operator.
 TRACE_ID_HEADER = "x-pg-trace-id"
@@ -49,11 +49,12 @@ class RequestTelemetry:
                      engine_ms: float | None = None) -> None:
         """What the replica reported once the engine was done with the request; ``cached_tokens``:
         of the customer's prompt (a resumed stream's first call's), else the replica's count;
-        ``engine_ms``: the call's time since its head, counted as inference when its engine failed
-        and reported no timing."""
+        ``engine_ms``: the call's time since its head, counted as inference when its engine died
+        (``engine_unavailable``) and reported no timing — not for a stream its client left (noted
+        after the clock stopped) nor a peer's continuation (no head here)."""
         if trailer is not None:
             timing = trailer.timing
-            if not trailer.complete and engine_ms is not None and all(
+            if trailer.error_code == ENGINE_UNAVAILABLE and engine_ms is not None and all(
                     getattr(timing, name, None) is None for name in ("queue_ms", "prefill_ms", "decode_ms")):
                 self.record.note_failed_engine(engine_ms)
             self.record.note_engine(
@@ -129,6 +130,7 @@ class RequestTelemetry:
 # What a stage learned, read off the context once it ran.
 def _parsed(record: RequestRecord, ctx: Any) -> None:
     record.note_request(ctx.body)  # alias, stream flag, sampling numbers; no text (before resolve renames)
+    record.continuing = getattr(ctx, "taken_over", None) is not None
 
 
 def _resolved(record: RequestRecord, ctx: Any) -> None:

@@ -89,6 +89,9 @@ class RequestRecord:
     resumes: int = 0  # times its stream was resumed on another replica after its engine failed
     resumes_given_up: int = 0  # engine failures mid-stream it could not be resumed from
     resumed_in: str | None = None  # the peer region that continued its stream, if one did
+    # A stream a peer region's router asked this one to continue: its usage is the whole answer's,
+    # which the region where the stream began counts (metrics.py: its tokens are not counted here).
+    continuing: bool = False
     # The model deployment's request router's decision (serve_app.routing.decisions.Decision:
     # policy, reason, replica, matched_chars, prompt_chars), None when it made none.
     routing: Any = None

@@ -253,3 +253,15 @@ def test_a_field_past_the_model_is_refused_before_admission_naming_it(app, field
     assert not app.engine.calls and not app.recorded()
     served = embed(app, key)
     assert served.status_code == 200 and int(served.headers["x-ratelimit-remaining-tokens"]) > 980  # its ~13 only
+
+
+def test_a_request_without_a_limit_over_its_tier_by_its_prompt_names_the_prompt(app):
+    """The router set its limit from what the tier leaves (here nothing): lowering a limit the
+    client never set cannot help, its prompt can (a Responses follow-up's history the same)."""
+    key, _ = app.auth.keys.create_key(owner="bob", tier="tiny")  # 1,000 tokens a minute: 4,000 bytes
+    body = {"model": MODEL, "messages": [{"role": "user", "content": ""}]}
+    body["messages"][0]["content"] = "x" * (4_000 - len(json.dumps(body)))
+    refused = app.client.post("/v1/chat/completions", content=json.dumps(body), headers=bearer(key))
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["param"]) == (400, "request_exceeds_tier_limit", "messages")
+    assert "max_completion_tokens" not in error["message"]

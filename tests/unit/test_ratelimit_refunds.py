@@ -122,3 +122,23 @@ def test_an_answer_the_engine_worked_on_then_failed_over_to_peers_that_refused_g
     assert failed.status_code == 503 and home.engine.generated >= 500
     assert "x-pg-failover-from" not in failed.headers  # no peer took it: this region's own 503
     assert _tokens_left(home, key) < 100  # before: the whole ~905 given back
+
+
+def test_a_stream_whose_replicas_engine_was_already_dead_gives_back_when_no_peer_takes_it(tmp_path, router_app):
+    """A stream's head was that replica's 503 engine_unavailable (no engine request started): not
+    a replica that took the request, so the price goes back when the peers refuse too (the review
+    of the fix above; a non-stream request's head is the replica's Accepted, before its engine is
+    asked, and keeps its price as a failed non-stream answer does)."""
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
+    peer.serve.stop(MODEL)
+    peer.run(peer.services.states.refresh)
+    dead = FakeEngine(tokens=3)
+    dead.dead = True  # its engine core died before this request came
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=dead,
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="tiny")  # 2 requests, 1,000 tokens a minute
+    failed = home.client.post("/v1/chat/completions", json={**BODY, "stream": True}, headers=bearer(key))
+    assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_unavailable"
+    assert dead.generated == 0 and _tokens_left(home, key) >= 990  # its ~905 tokens given back

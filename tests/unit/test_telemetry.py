@@ -792,3 +792,15 @@ def test_a_report_without_any_engine_timing_keeps_the_timing_already_noted():
     assert (record.queue_ms, record.prefill_ms, record.decode_ms) == (5.0, 20.0, 60.0)
     record.note_engine(EngineTiming(queue_ms=1.0))  # a report that has any: it is the call's
     assert (record.queue_ms, record.prefill_ms, record.decode_ms) == (1.0, None, None)
+
+
+def test_a_peers_continuation_of_a_stream_counts_no_tokens_the_origin_counts_them():
+    """A peer's continuation reports the whole answer's usage (the client's one request), which
+    the region where the stream began counts from the peer's ending: counted here too, the
+    region-summed token counters had every peer-resumed answer twice."""
+    request_metrics, made = fake_metrics()
+    record = make_record()
+    record.continuing = True
+    request_metrics.observe(record)
+    assert made[telemetry_metrics.REQUESTS].points and made[telemetry_metrics.INFERENCE].points
+    assert made[telemetry_metrics.INPUT_TOKENS].points == [] == made[telemetry_metrics.OUTPUT_TOKENS].points
