@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from serve_app.client.errors import APIStatusError, ServeAppError
+from serve_app.client.errors import APIStatusError, ServeAppError, described
 
 logger = logging.getLogger("serve_app.client")
 
@@ -144,7 +144,7 @@ class Auth:
                 retry = getattr(err, "retry_after", None)
                 self._refresh_at = min(self._expires_at, self._clock() + (retry or REFRESH_RETRY_S))
                 logger.warning("token refresh failed (%s); the current token is valid for %.0f s more",
-                               _described(err), self._expires_at - self._clock())
+                               described(err), self._expires_at - self._clock())
             except Exception:  # a task nobody awaits: say it here, or it goes unseen
                 self._refresh_at = min(self._expires_at, self._clock() + REFRESH_RETRY_S)
                 logger.exception("token refresh failed; the current token is still valid")
@@ -180,8 +180,3 @@ class Auth:
         self.exchanges += 1
         logger.debug("minted an access token valid for %ss", lifetime)
 
-
-def _described(err: ServeAppError) -> str:
-    if isinstance(err, APIStatusError):
-        return f"{err.status} {err.code or err.type or ''}".strip()
-    return type(err).__name__

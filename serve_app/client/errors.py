@@ -121,6 +121,13 @@ def _class_for(status: int) -> type[APIStatusError]:
     return InternalServerError if status >= 500 else APIStatusError
 
 
+def described(err: ServeAppError) -> str:
+    """A log line's word for an error: its status and code, or its class."""
+    if isinstance(err, APIStatusError):
+        return f"{err.status} {err.code or err.type or ''}".strip()
+    return type(err).__name__
+
+
 def retry_after_s(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait, from ``retry-after-ms`` (finer, sent with 429s) or ``Retry-After``.
 

@@ -48,6 +48,7 @@ from serve_app.client.errors import (
     APIStatusError,
     APITimeoutError,
     ServeAppError,
+    described,
     from_response,
 )
 from serve_app.client.timing import new_traceparent, trace_id_of
@@ -205,14 +206,14 @@ class Transport:
             due[index] = self._clock() + (retry_after * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
                                           if retry_after is not None else self.retry.backoff(retries))
             if untried and not rate_limited:
-                logger.info("%s failed (%s); trying %s", base_url, _why(failure), self.base_urls[untried[0]])
+                logger.info("%s failed (%s); trying %s", base_url, described(failure), self.base_urls[untried[0]])
                 continue
             # The round is over: wait until the first region may be asked again, within the budget
             # (a 429: until its own region may be, the only one asked again).
             wait = max(0.0, (due[index] if rate_limited else min(due.values())) - self._clock())
             if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
                 raise failure
-            logger.info("%s failed (%s); retrying in %.2fs (%d/%d)", base_url, _why(failure), wait,
+            logger.info("%s failed (%s); retrying in %.2fs (%d/%d)", base_url, described(failure), wait,
                         retries + 1, self.retry.max_retries)
             await asyncio.sleep(wait)
             retries += 1
@@ -241,12 +242,6 @@ def _token_rejected(failure: APIStatusError, response: httpx.Response) -> bool:
     if failure.code is not None:
         return failure.code == "token_expired"
     return 'error="invalid_token"' in response.headers.get("www-authenticate", "")
-
-
-def _why(failure: ServeAppError) -> str:
-    if isinstance(failure, APIStatusError):
-        return f"{failure.status} {failure.code or failure.type or ''}".strip()
-    return type(failure).__name__
 
 
 def json_object(response: httpx.Response) -> dict[str, Any]:
