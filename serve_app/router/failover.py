@@ -39,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from serve_app.config import Peer  # the peer region as a region file names it: id and router URL
 from serve_app.errors import APIError
 from serve_app.surfaces import dialects
+from serve_app.telemetry.request import TRACE_ID_HEADER
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -48,8 +49,8 @@ REGION_HEADER = "x-pg-region"
 FAILOVER_FROM_HEADER = "x-pg-failover-from"
 FAILOVER_REASON_HEADER = "x-pg-failover-reason"
 
-# x-pg-trace-id: one trace across the regions (the peer continues this router's failover span).
-_RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER, "x-pg-trace-id"}
+# The trace id: one trace across the regions (the peer continues this router's failover span).
+_RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER, TRACE_ID_HEADER}
 # Never copied from the router's headers: httpx or the Forwarder set these for the request it
 # sends (a stale content-length from the client's request would corrupt the forwarded body).
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "content-type", "accept",
