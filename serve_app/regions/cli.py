@@ -92,8 +92,9 @@ def list_regions(repo: Path = RepoOption) -> None:
     """One line per region: id, status, GPUs, models, peers."""
     for region in _load(repo).values():
         models = ", ".join(f"{m.id} {m.replicas.min}..{m.replicas.max}" for m in region.models)
+        status = f"{region.status} (draining)" if region.draining else region.status
         typer.echo(
-            f"{region.id}  {region.status:<5}  {region.gpu.count} x {region.gpu.accelerator_type:<12}  "
+            f"{region.id}  {status:<5}  {region.gpu.count} x {region.gpu.accelerator_type:<12}  "
             f"{region.location}  [{models}]  peers: {', '.join(region.peers) or '-'}"
         )
 

@@ -68,7 +68,8 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
             "status": region.status,
             "public_host": region.public_host,
             # GA regions also answer for the global name: its latency records point here, so the
-            # ingress and its certificate must cover it.
+            # ingress and its certificate must cover it. A draining one too: resolvers hold its
+            # answer for the record's TTL, and a drain must not change the region's own resources.
             "hostnames": [region.public_host] + ([GLOBAL_HOSTNAME] if region.status == "ga" else []),
             "namespace": k8s.namespace,
             "accelerator_type": region.gpu.accelerator_type,
@@ -110,6 +111,7 @@ def terraform_global_vars(regions: dict[str, Region]) -> dict[str, Any]:
             region.id: {
                 "location": region.location,
                 "status": region.status,
+                "behind_global_name": region.behind_global_name,
                 "endpoint_host": region.public_host,
                 "route53_latency_region": region.route53_latency_region,
             }

@@ -221,6 +221,11 @@ class Region(FrozenSettings):
     status: Literal["pilot", "ga"] = Field(
         description="pilot: reachable at its own endpoint only; ga: also behind the global name."
     )
+    draining: bool = Field(
+        False,
+        description="A ga region out of the global name's DNS answers (maintenance): its own endpoint, a "
+        "resolver's cached answer and its peers' failover still reach it (docs/operations.md, \"Draining a region\").",
+    )
     public_endpoint: str = Field(description=f"https://api.<id>.{DNS_ZONE}")
     route53_latency_region: str = Field(
         description="The AWS region whose latency stands for this region in Route 53 latency routing."
@@ -289,6 +294,8 @@ class Region(FrozenSettings):
         expected = public_endpoint(self.id)
         if self.public_endpoint != expected:
             raise ValueError(f"public_endpoint must be {expected!r}, got {self.public_endpoint!r}")
+        if self.draining and self.status != "ga":
+            raise ValueError("draining: only a ga region is behind the global name; a pilot region has none to leave")
         if self.id in self.peers:
             raise ValueError(f"peers: a region cannot be its own failover peer ({self.id!r})")
         if twice := listed_twice(self.peers):
@@ -322,6 +329,11 @@ class Region(FrozenSettings):
     def public_host(self) -> str:
         return self.public_endpoint.removeprefix("https://")
 
+    @property
+    def behind_global_name(self) -> bool:
+        """Route 53 answers the global name with this region (terraform/global/global_name.tf)."""
+        return self.status == "ga" and not self.draining
+
 
 # --- loading -----------------------------------------------------------------------------------
 
@@ -348,8 +360,12 @@ def load_region(path: Path) -> Region:
 
 
 def check_region_set(regions: dict[str, Region]) -> None:
-    """Rules across region files: peers exist, and no two regions share a latency region."""
+    """Rules across region files: peers exist, no two regions share a latency region, and draining
+    leaves the global name a region to answer with."""
     problems = []
+    ga = [region for region in regions.values() if region.status == "ga"]
+    if ga and all(region.draining for region in ga):
+        problems.append(f"every ga region is draining: {GLOBAL_HOSTNAME} would have no region to answer with")
     for region in regions.values():
         for peer in region.peers:
             if peer not in regions:

@@ -1,6 +1,7 @@
 # The global layer: one name, api.edge.polargrid.ai, answered by Route 53 latency routing with the
-# nearest healthy GA region, and an HTTPS health check on every region's /health (pilot regions
-# too: they are failover peers and SREs watch them). generated.auto.tfvars.json lists the regions
+# nearest healthy GA region that is not draining (global_name.tf), and an HTTPS health check on
+# every region's /health (pilot and draining regions too: they are failover peers and SREs watch
+# them). generated.auto.tfvars.json lists the regions
 # (rendered from regions/ by `python -m serve_app.regions.cli render`).
 #
 # Each region's own name (api.<id>.edge.polargrid.ai) points at that region's ingress and is
@@ -38,12 +39,6 @@ provider "aws" {
   region = var.registry_primary_region
 }
 
-locals {
-  # Only GA regions take anonymous traffic through the global name; a pilot region is reached
-  # at its own endpoint by the customers of its pilot.
-  ga_regions = { for id, region in var.regions : id => region if region.status == "ga" }
-}
-
 data "aws_route53_zone" "edge" {
   name = var.dns_zone
 }
@@ -72,7 +67,7 @@ resource "aws_route53_health_check" "region" {
 }
 
 resource "aws_route53_record" "global" {
-  for_each = local.ga_regions
+  for_each = local.global_name_regions
 
   zone_id        = data.aws_route53_zone.edge.zone_id
   name           = var.global_hostname

@@ -4,8 +4,8 @@ output "global_endpoint" {
 }
 
 output "regions_behind_global_endpoint" {
-  description = "GA regions answering for the global name."
-  value       = sort(keys(local.ga_regions))
+  description = "GA regions the global name answers with (not draining)."
+  value       = sort(keys(local.global_name_regions))
 }
 
 output "health_check_ids" {

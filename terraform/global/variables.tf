@@ -8,21 +8,6 @@ variable "global_hostname" {
   type        = string
 }
 
-variable "regions" {
-  description = "Every region, from regions/<id>.yaml (generated.auto.tfvars.json)."
-  type = map(object({
-    location               = string
-    status                 = string
-    endpoint_host          = string
-    route53_latency_region = string
-  }))
-
-  validation {
-    condition     = alltrue([for region in values(var.regions) : contains(["pilot", "ga"], region.status)])
-    error_message = "A region's status is pilot or ga."
-  }
-}
-
 # --- the key registry (registry.tf, registry_replicas.tf) --------------------------------------
 
 variable "registry_primary_region" {

