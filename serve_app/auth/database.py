@@ -238,8 +238,10 @@ class PostgresDatabase:
         self._kept = {dsn: _KeptConnections()} | ({replica: _KeptConnections()} if replica else {})
 
     def describe(self, dsn: str | None = None) -> str:
-        """A DSN without its password (for logs and errors)."""
-        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", dsn or self.dsn)
+        """A DSN without its password (for logs and errors), in any of the forms libpq reads: a
+        URL's ``user:password@``, its ``?password=`` parameter, or a ``password=`` keyword."""
+        described = re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", dsn or self.dsn)
+        return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]+)", r"\1***", described)
 
     @contextmanager
     def connect(self, read: bool = False) -> Iterator[_PostgresConnection]:

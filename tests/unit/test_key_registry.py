@@ -82,9 +82,16 @@ def test_a_region_names_its_registry_by_env_var_and_an_empty_one_fails_loudly(fr
         args.key_store({})
 
 
-def test_the_dsn_is_never_logged_with_its_password():
-    database = PostgresDatabase("postgresql://serve_app:s3cret@db.internal:5432/registry")
-    assert database.describe() == "postgresql://serve_app:***@db.internal:5432/registry"
+@pytest.mark.parametrize("dsn, described", [
+    ("postgresql://serve_app:s3cret@db.internal:5432/registry", "postgresql://serve_app:***@db.internal:5432/registry"),
+    ("postgresql://app@db/reg?password=s3cret&sslmode=require", "postgresql://app@db/reg?password=***&sslmode=require"),
+    ("postgresql:///reg?host=db&user=app&password=s3cret", "postgresql:///reg?host=db&user=app&password=***"),
+    ("host=db password='s3 cr\\'et' user=app", "host=db password=*** user=app"),
+    ("host=db password = s3cret user=app", "host=db password = *** user=app"),
+])
+def test_the_dsn_is_never_logged_with_its_password(dsn, described):
+    """Every form libpq reads a password in (a URL's user info, its query, a keyword)."""
+    assert PostgresDatabase(dsn).describe() == described
 
 
 def test_a_registry_outage_is_a_503_with_retry_after_not_a_500(tmp_path, fresh_database):
