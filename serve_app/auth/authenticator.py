@@ -204,13 +204,16 @@ class Authenticator:
             principal = replace(principal, peer_bound=True)
         if self.keys.is_jti_revoked(claims["jti"], offline):
             raise unauthorized("token has been revoked", "token_revoked")
-        # Where the registry holds the token's key, the row is the truth, whichever region signed:
-        # a peer's key (or our own, minted before an edit) cannot claim another owner or tier. A
-        # token whose key we do not hold is trusted for its short lifetime.
+        # The row is the truth, whichever region signed: a peer's key (or our own, minted before an
+        # edit) cannot claim another owner or tier. Regions share one registry, so a key it does
+        # not hold never was one: its claims (owner, tier) would be a signer's word alone, which a
+        # stolen peer key could use to read, bill or probe any owner. Only our own dev key has no row.
         record = self.keys.get(principal.key_id, offline)
         if record is not None:
             check_active(record)
             principal = principal.bound_to(record)
+        elif principal.key_id != DEV_KEY_ID or signing_key.imported:
+            raise unauthorized("token's key is not in the key registry", "invalid_token")
         if signing_key.imported:
             # Another region's key vouches for inference only: were it stolen, its holder could
             # otherwise mint admin tokens (revoke keys, unload models) valid in every region.

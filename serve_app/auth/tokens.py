@@ -115,8 +115,10 @@ class Keyset:
         return next((key for key in self.keys if key.kid == kid), None)
 
     def jwks(self, region: str | None = None) -> dict[str, Any]:
-        """The public half, safe to publish at ``/.well-known/jwks.json``."""
-        return {"keys": [key.jwk(region) for key in self.keys]}
+        """The public half of this region's own keys, safe to publish at ``/.well-known/jwks.json``.
+        Never the keys it imported: a region importing ours would trust every region we trust, and a
+        key its own region retired (compromised) would live on in our re-export."""
+        return {"keys": [key.jwk(region) for key in self.keys if not key.imported]}
 
     def rotated(self) -> "Keyset":
         return Keyset((*self.keys, SigningKey.generate()))

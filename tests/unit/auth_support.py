@@ -65,10 +65,15 @@ def authenticator(tmp_path: Path, region: str = "local", limiter: RateLimiter | 
 
 def federated_regions(tmp_path: Path, *names: str) -> dict[str, Authenticator]:
     """Regions that import each other's JWKS, as `serve-app signing import-jwks` does (from the
-    JWKS the router serves, which names each key's region)."""
+    JWKS the router serves, which names each key's region), and read one key registry, as every
+    region does (a token whose key the registry does not hold is refused)."""
     from serve_app.auth import tokens
 
-    auths = {name: authenticator(tmp_path / name, region=name, dev_api_key_env=None) for name in names}
+    registry = str(tmp_path / "registry.sqlite3")
+    auths = {
+        name: authenticator(tmp_path / name, region=name, dev_api_key_env=None, key_store_path=registry)
+        for name in names
+    }
     for auth in auths.values():
         keyset = tokens.load_keyset(auth.keyset.path)
         for other in auths.values():
@@ -102,11 +107,13 @@ def chat(client: TestClient, credential: str | None, model: str = MODEL, **body)
 
 # --- forging tokens --------------------------------------------------------------------------
 def claims(auth: Authenticator, **overrides: Any) -> dict[str, Any]:
+    """A token's claims for ``auth``; its subject, unless given, a key the registry holds
+    (mallory's, standard, every model and scope): a token for a key it does not hold is refused."""
     now = int(time.time())
     base = {
         "iss": auth.args.issuer,
         "aud": auth.args.audience,
-        "sub": "0123456789ab",
+        "sub": overrides.get("sub") or registered_key_id(auth),
         "iat": now,
         "nbf": now,
         "exp": now + 300,
@@ -119,6 +126,15 @@ def claims(auth: Authenticator, **overrides: Any) -> dict[str, Any]:
     }
     base.update(overrides)
     return {k: v for k, v in base.items() if v is not None}
+
+
+def registered_key_id(auth: Authenticator) -> str:
+    """mallory's key in ``auth``'s registry, created on first use."""
+    key_id = getattr(auth, "_unit_test_key_id", None)
+    if key_id is None:
+        _, record = auth.keys.create_key(owner="mallory", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+        key_id = auth._unit_test_key_id = record.key_id
+    return key_id
 
 
 def sign(key: SigningKey, payload: dict[str, Any], kid: str | None = None) -> str:

@@ -165,13 +165,16 @@ class RouterApp:
         return self.client.portal.call(coroutine_function, *args)
 
     def recorded(self) -> list[dict[str, Any]]:
-        """The ledger's rows, once every request has settled and the writer has flushed."""
+        """This region's ledger rows (regions share one registry, and its ledger), once every
+        request has settled and the writer has flushed."""
         from serve_app.router.context import wait_settled
 
         self.run(wait_settled)
         self.run(self.meter.ledger.flush)
         with self.meter.store.database.connect() as db:
-            return [dict(row) for row in db.execute("SELECT * FROM usage_records ORDER BY started_at_ms").fetchall()]
+            query = "SELECT * FROM usage_records WHERE region = ? ORDER BY started_at_ms"
+            rows = db.execute(query, (self.meter.region,))
+            return [dict(row) for row in rows.fetchall()]
 
 
 def to_router(peer: RouterApp):

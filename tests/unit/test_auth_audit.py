@@ -151,6 +151,25 @@ def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_pa
     assert [k.region for k in imported] == ["yul-02"]  # kid → the region that issued it
 
 
+def test_a_region_publishes_its_own_keys_only_so_trust_is_never_passed_on(tmp_path):
+    """fra imports yvr only; yvr imported yul. What yvr publishes must not make yul's tokens
+    verify in fra (nor keep a key yul removed alive in yvr's JWKS)."""
+    regions = federated_regions(tmp_path, "yul-02", "yvr-01")
+    yul, yvr = regions["yul-02"], regions["yvr-01"]
+    own = {key.kid for key in yvr.keyset.current().keys if not key.imported}
+    assert {jwk["kid"] for jwk in yvr.jwks()["keys"]} == own
+    assert {jwk["kid"] for jwk in tokens.load_keyset(yvr.keyset.path).jwks()["keys"]} == own  # `export-jwks`
+    fra = authenticator(tmp_path / "fra", region="fra-01", dev_api_key_env=None,
+                        key_store_path=str(tmp_path / "registry.sqlite3"))
+    tokens.save_keyset(fra.keyset.path, tokens.load_keyset(fra.keyset.path).with_imported(yvr.jwks()))
+    fra.keyset = tokens.KeysetFile(fra.keyset.path, check_interval_s=0)
+    key, _ = yul.keys.create_key(owner="alice", tier="standard")
+    from_yul, from_yvr = (_mint(router_client(region), key) for region in (yul, yvr))
+    assert chat(router_client(fra), from_yvr).status_code == 200
+    refused = chat(router_client(fra), from_yul)
+    assert _error(refused)[:2] == (401, "invalid_token")
+
+
 def test_a_jwks_without_region_names_still_imports_as_foreign(tmp_path):
     yul = authenticator(tmp_path, region="yul-02", dev_api_key_env=None)
     # What `serve-app signing export-jwks` prints today: no region names.

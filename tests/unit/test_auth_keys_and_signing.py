@@ -107,8 +107,9 @@ def test_the_last_signing_key_cannot_be_removed(tmp_path):
 
 
 def test_a_token_minted_in_one_region_verifies_in_another_that_imported_its_jwks(tmp_path):
-    yul = authenticator(tmp_path / "yul", region="yul-02", dev_api_key_env=None)
-    yvr = authenticator(tmp_path / "yvr", region="yvr-01", dev_api_key_env=None)
+    registry = str(tmp_path / "registry.sqlite3")  # regions share one key registry
+    yul = authenticator(tmp_path / "yul", region="yul-02", dev_api_key_env=None, key_store_path=registry)
+    yvr = authenticator(tmp_path / "yvr", region="yvr-01", dev_api_key_env=None, key_store_path=registry)
     key, _ = yul.keys.create_key(owner="alice", tier="standard")
     token = router_client(yul).post("/v1/auth/token", json={"api_key": key}).json()["access_token"]
     yvr_client = router_client(yvr)
@@ -117,9 +118,14 @@ def test_a_token_minted_in_one_region_verifies_in_another_that_imported_its_jwks
     tokens.save_keyset(yvr_path, tokens.load_keyset(yvr_path).with_imported(yul.jwks()))  # `signing import-jwks`
     response = chat(yvr_client, token)
     assert response.status_code == 200, response.text
-    # It ran as the key the token names, though the key is unknown to yvr's store: fine.
     assert yvr.authenticate(f"Bearer {token}", scope="inference").key_id == key.split("_")[1]
-    assert chat(yvr_client, key).status_code == 401  # the raw key only works where it is stored
+    # A region with a registry of its own does not know the key: the token is refused there.
+    apart = authenticator(tmp_path / "apart", region="yvr-01", dev_api_key_env=None)
+    tokens.save_keyset(apart.keyset.path, tokens.load_keyset(apart.keyset.path).with_imported(yul.jwks()))
+    apart.keyset = tokens.KeysetFile(apart.keyset.path, check_interval_s=0)
+    refused = chat(router_client(apart), token)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_token"
+    assert "not in the key registry" in refused.json()["error"]["message"]
     imported = [k for k in tokens.load_keyset(yvr_path).keys if k.private_pem is None]
     assert imported and all(k.public_jwk.keys() == {"kty", "crv", "x"} for k in imported)
 

@@ -81,10 +81,19 @@ def test_a_token_may_narrow_its_key_but_never_widen_it(regions):
     assert caller.models == {MODEL} and caller.regions == {"yvr-01"} and caller.scopes == {SCOPE_INFERENCE}
 
 
-def test_a_peer_token_for_a_key_the_registry_does_not_hold_is_trusted_for_its_lifetime(regions):
-    """The documented residual risk (docs/threat-model.md): nothing to bind it to."""
+@pytest.mark.parametrize("sub", ["0000aaaa1111", "dev"])
+def test_a_peer_token_for_a_key_the_registry_does_not_hold_is_refused(regions, sub):
+    """Regions share one registry: such a token is a signer's word alone (a stolen peer key
+    claiming any owner: its stored Responses, its bill, its cache salt). The dev key's token is
+    honoured only where our own key signed it."""
     yul, yvr = regions
     now = int(time.time())
-    token = sign(current_key(yul), claims(yvr, sub="0000aaaa1111", owner="acme", iat=now, nbf=now, exp=now + 300))
-    caller = yvr.authenticate(_bearer(token), scope=SCOPE_INFERENCE)
-    assert (caller.owner, caller.tier, caller.scopes) == ("acme", "standard", {SCOPE_INFERENCE})
+    token = sign(current_key(yul), claims(yvr, sub=sub, owner="acme", iat=now, nbf=now, exp=now + 300))
+    with pytest.raises(APIError) as refused:
+        yvr.authenticate(_bearer(token), scope=SCOPE_INFERENCE)
+    assert (refused.value.status, refused.value.code) == (401, "invalid_token")
+    assert "not in the key registry" in refused.value.message
+    ours = sign(current_key(yvr), claims(yvr, sub="0000aaaa1111", owner="acme", iat=now, nbf=now, exp=now + 300))
+    with pytest.raises(APIError) as also_refused:  # our own key's, for a key that is not (or no longer) there
+        yvr.authenticate(_bearer(ours), scope=SCOPE_INFERENCE)
+    assert also_refused.value.code == "invalid_token"
