@@ -8,8 +8,8 @@ router and relay its answer.
 - Peers are tried in order, at most ``max_attempts``. Only a 503, a failed connect or a timeout
   before the request was sent moves on to the next peer; any other status is the peer's verdict on
   this request and is relayed as is (a 400 or 429 would not change elsewhere). A peer that had the
-  request and sent no head within ``read_timeout_s`` is running it (and will bill it): no other
-  peer runs it a second time (``no_head``). All failed → a
+  request and sent no head within ``read_timeout_s``, or whose line broke after the request was
+  sent, may be running it (and will bill it): no other peer runs it a second time (``no_head``). All failed → a
   ``Forwarded`` without a response (its attempts go into the trace), and the router answers with
   its own 503.
 - Timeouts: connecting must be quick (a dead peer must not eat the client's patience); reading
@@ -56,6 +56,9 @@ _RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", 
 _NOT_FORWARDED = {"host", "content-length", "transfer-encoding", "connection", "content-type", "accept",
                   "accept-encoding", "content-encoding", HOP_HEADER}  # the body is re-encoded JSON
 _PEER_BROKE = "peer_stream_failed"
+# A pooled connection that breaks this soon after a request was sent on it was closed by the peer's
+# side before the request arrived (a round trip, not a peer's work): the request ran nowhere.
+STALE_BREAK_S = 1.0
 OnDone = Callable[[int, str | None], None]
 
 
@@ -189,10 +192,16 @@ class Forwarder:
             start = time.perf_counter()
             upstream, outcome, detail = None, "error", ""
             sent = out | {"authorization": authorization(peer.region)} if authorization else out
+            fresh: list[bool] = []  # whether this request opened its own connection (httpcore's trace)
+
+            async def trace(event: str, info: dict, fresh: list[bool] = fresh) -> None:
+                if event == "connection.connect_tcp.complete":
+                    fresh.append(True)
+
             try:
                 url = peer.endpoint.rstrip("/") + route
-                upstream = await self._http().send(self._http().build_request("POST", url, json=body, headers=sent),
-                                                   stream=True)
+                request = self._http().build_request("POST", url, json=body, headers=sent, extensions={"trace": trace})
+                upstream = await self._http().send(request, stream=True)
                 outcome = "unavailable" if upstream.status_code == 503 else "served"
             except httpx.ConnectError:
                 outcome = "connect_error"
@@ -200,9 +209,17 @@ class Forwarder:
                 detail = "PoolTimeout"
             except httpx.ReadTimeout:  # sent, and no head within the read timeout: the peer has it
                 outcome = "no_head"
+            except (httpx.ReadError, httpx.RemoteProtocolError) as err:
+                # Sent, then the line broke before the head. A pooled connection the peer's proxy
+                # had just closed (an ingress reload closes idle ones) breaks at once and ran
+                # nothing: the next peer. A new one, or a break later (a proxy's cut, a restart),
+                # reached a peer that may be running it and bills what it ran: no second peer.
+                detail = type(err).__name__
+                stale = not fresh and time.perf_counter() - start < STALE_BREAK_S
+                outcome = "error" if stale else "no_head"
             except httpx.TimeoutException:  # connect or write
                 outcome = "timeout"
-            except httpx.HTTPError as err:  # e.g. the peer closed the connection before answering
+            except httpx.HTTPError as err:  # e.g. a write that failed: the peer never had all of it
                 detail = type(err).__name__
             status = upstream.status_code if upstream is not None else None
             attempts.append(Attempt(peer.region, outcome, status, (time.perf_counter() - start) * 1000))
@@ -211,8 +228,9 @@ class Forwarder:
             if outcome == "served":
                 return peer, upstream, attempts
             if outcome == "no_head":
-                logger.warning("failover to %s: no answer's head in %.0f s; not sent to another peer (it may be "
-                               "running there, billed there)", peer.region, self._timeout.read)
+                logger.warning("failover to %s: sent, then %s before the answer's head; not sent to another peer "
+                               "(it may be running there, billed there)", peer.region,
+                               detail or f"nothing in {self._timeout.read:.0f} s")
                 break
             logger.warning("failover to %s failed: outcome=%s status=%s %s", peer.region, outcome, status, detail)
             if upstream is not None:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from serve_app.config import Peer
+from serve_app.router import failover
 from serve_app.router.failover import (
     FAILOVER_FROM_HEADER,
     FAILOVER_REASON_HEADER,
@@ -179,7 +180,10 @@ def test_first_peer_503_then_second_serves_and_attempts_are_recorded():
         (httpx.ConnectError("connection refused"), "connect_error"),
         (httpx.ConnectTimeout("connect timed out"), "timeout"),
         (httpx.WriteTimeout("request not sent"), "timeout"),  # a ReadTimeout stays with its peer (below)
-        (httpx.RemoteProtocolError("server disconnected"), "error"),
+        (httpx.WriteError("connection reset while sending"), "error"),  # the peer never had all of it
+        # A pooled connection the peer's proxy had closed, broken at once: the request ran nowhere.
+        (httpx.RemoteProtocolError("Server disconnected without sending a response."), "error"),
+        (httpx.ReadError("connection reset by peer"), "error"),
         (httpx.PoolTimeout("this router's pool is full"), "error"),  # ours, not the peer's: not held back
     ],
 )
@@ -582,15 +586,27 @@ def test_a_relayed_stream_whose_client_left_before_its_body_settles_and_closes_t
     assert peer.closed
 
 
-def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another():
-    """No head within the read timeout: the peer has the request, running (and billing) it. A
+@pytest.mark.parametrize("broke, connection", [
+    (httpx.ReadTimeout("no head within the read timeout"), "pooled"),
+    (httpx.RemoteProtocolError("Server disconnected without sending a response."), "new"),  # a proxy's cut
+    (httpx.ReadError("connection reset by peer"), "new"),
+    (httpx.RemoteProtocolError("Server disconnected without sending a response."), "pooled, broke late"),
+])
+def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another(broke, connection, monkeypatch):
+    """Sent, then no head: none within the read timeout, or the line broke on a connection of its
+    own or later than a stale pooled one breaks. The peer may be running (and billing) it; a
     second peer would run it again and bill it twice: the local 503 answers instead."""
     sent_to = []
+    if connection == "pooled, broke late":
+        monkeypatch.setattr(failover, "STALE_BREAK_S", 0.0)
 
-    def peers(request: httpx.Request) -> httpx.Response:
+    async def peers(request: httpx.Request) -> httpx.Response:
         sent_to.append(request.url.host)
+        if connection == "new":  # what httpcore tells the request's trace when it opens one
+            await request.extensions["trace"]("connection.connect_tcp.complete", {})
         if request.url.host == "yvr.test":
-            raise httpx.ReadTimeout("no head within the read timeout", request=request)
+            broke.request = request
+            raise broke
         return httpx.Response(200, json={"ok": True})
 
     regions = [Peer(region="yvr-01", endpoint="https://yvr.test"), Peer(region="fra-01", endpoint="https://fra.test")]
@@ -605,3 +621,52 @@ def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another
     assert sent_to == ["yvr.test"] and result.response is None
     assert [(a.region, a.outcome) for a in result.attempts] == [("yvr-01", "no_head")]
     assert fwd._unreachable_until == {}  # slow, not unreachable: the next request tries it again
+
+
+def test_on_real_sockets_a_new_connection_that_breaks_stays_a_stale_pooled_one_moves_on():
+    """httpcore's trace says whether the request opened its own connection. yvr answers its first
+    request (keep-alive) and then closes every connection as soon as a request arrives on it: the
+    next request, on the pooled connection, ran nowhere and goes to fra; a request on a new
+    connection that breaks the same way stays with yvr (no_head)."""
+    async def scenario():
+        got: dict[str, int] = {"yvr": 0, "fra": 0}
+
+        def server(name: str, answers_first: bool):
+            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                try:
+                    while True:
+                        head = await reader.readuntil(b"\r\n\r\n")
+                        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                          if line.lower().startswith(b"content-length")))
+                        await reader.readexactly(length)
+                        got[name] += 1
+                        if name == "yvr" and not (answers_first and got[name] == 1):
+                            break  # the request reached it; the line breaks before any head
+                        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                     b"content-length: 2\r\n\r\n{}")
+                        await writer.drain()
+                finally:
+                    writer.close()
+            return handle
+
+        yvr = await asyncio.start_server(server("yvr", answers_first=True), "127.0.0.1", 0)
+        fra = await asyncio.start_server(server("fra", answers_first=False), "127.0.0.1", 0)
+        peers = [Peer(region="yvr-01", endpoint=f"http://127.0.0.1:{yvr.sockets[0].getsockname()[1]}"),
+                 Peer(region="fra-01", endpoint=f"http://127.0.0.1:{fra.sockets[0].getsockname()[1]}")]
+        fwd = Forwarder("yul-02", peers)
+        body = {"model": "m", "messages": []}
+        first = await fwd.forward(ROUTE, body, {}, reason="overloaded")  # answered, read: its connection pooled
+        second = await fwd.forward(ROUTE, body, {}, reason="overloaded")  # the pooled connection breaks
+        outcomes = [[(a.region, a.outcome) for a in result.attempts] for result in (first, second)]
+        await fwd.aclose()
+        fresh_fwd = Forwarder("yul-02", peers)
+        third = await fresh_fwd.forward(ROUTE, body, {}, reason="overloaded")  # a new connection breaks
+        outcomes.append([(a.region, a.outcome) for a in third.attempts])
+        await fresh_fwd.aclose()
+        yvr.close()
+        fra.close()
+        return outcomes, got
+
+    outcomes, got = asyncio.run(scenario())
+    assert outcomes == [[("yvr-01", "served")], [("yvr-01", "error"), ("fra-01", "served")], [("yvr-01", "no_head")]]
+    assert got == {"yvr": 3, "fra": 1}
