@@ -76,13 +76,15 @@ def plan(
     full = not unsaturated
     unsaturated = unsaturated or list(loads)
 
-    def by_load(load: Load) -> tuple[int, int]:
-        return (load.ongoing or 0, cache_size(load.replica))
+    def by_load(load: Load) -> tuple[bool, int, int]:
+        # A replica whose count is unknown did not answer its probe (hung, dying): last, not "empty".
+        return (load.ongoing is None, load.ongoing or 0, cache_size(load.replica))
 
     least = _pick(unsaturated, by_load)
 
     def near_least(load: Load) -> bool:
-        return (load.ongoing or 0) - (least.ongoing or 0) <= thresholds.imbalance(load)
+        return (_known(load) or not _known(least)) and (
+            (load.ongoing or 0) - (least.ongoing or 0) <= thresholds.imbalance(load))
 
     def best_holder(among: Sequence[Load]) -> Load | None:
         needed = max(1, math.ceil(thresholds.min_match_fraction * prompt_blocks))
@@ -93,7 +95,8 @@ def plan(
 
     wanted = next((load for load in loads if pinned is not None and load.replica == pinned), None)
     if wanted is not None:
-        reason, acceptable = SESSION, full or not thresholds.saturated(wanted)
+        reason = SESSION  # a session sticks through imbalance, not to a replica that did not answer its probe
+        acceptable = (full or not thresholds.saturated(wanted)) and (_known(wanted) or not _known(least))
     else:
         wanted, reason = best_holder(loads), PREFIX
         acceptable = wanted is not None and (full or not thresholds.saturated(wanted)) and near_least(wanted)
@@ -116,9 +119,14 @@ def default_plan(replicas: Sequence[Hashable], matched_blocks: Mapping[Hashable,
 
 def _ranks(choice: Load, loads: Sequence[Load], thresholds: Thresholds, by_load) -> list[list[Hashable]]:
     rest = sorted((load for load in loads if load is not choice), key=by_load)
-    ranks = [[choice.replica], [load.replica for load in rest if not thresholds.saturated(load)],
-             [load.replica for load in rest if thresholds.saturated(load)]]
+    ranks = [[choice.replica], [load.replica for load in rest if _known(load) and not thresholds.saturated(load)],
+             [load.replica for load in rest if thresholds.saturated(load)],
+             [load.replica for load in rest if not _known(load)]]
     return [rank for rank in ranks if rank]
+
+
+def _known(load: Load) -> bool:
+    return load.ongoing is not None
 
 
 def _pick(loads: Sequence[Load], key) -> Load:

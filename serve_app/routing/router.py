@@ -76,11 +76,18 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         if hasattr(self, "_index"):  # Serve may call it before initialize_state
-            self._index.sync(self._replica_id_set)
+            self._forget_the_gone()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget_the_gone()
+
+    def _forget_the_gone(self) -> None:
+        """A replica that left takes its index entries and its sessions' pins with it (its cache
+        went with it; a pin kept fresh by lookups would outlive it for good)."""
         self._index.sync(self._replica_id_set)
+        for session in [s for s, replica in self._sessions.items() if replica not in self._replica_id_set]:
+            del self._sessions[session]
 
     # --- one request ---------------------------------------------------------------------------
     async def choose_replicas(

@@ -146,3 +146,19 @@ def test_decisions_are_taken_once_and_bounded(monkeypatch):
     for i in range(5):
         decisions.publish(f"r{i}", decisions.Decision("prefix", "a", 0, 0))
     assert decisions.take("r0") is None and decisions.take("r4") is not None and decisions.take("r4") is None
+
+
+def test_a_replica_that_did_not_answer_its_probe_ranks_last_and_keeps_no_session_or_prefix():
+    """An unknown count (the probe failed: a hung or dying replica) is not an empty replica."""
+    loads = [policy.Load("a", 5, 32), policy.Load("hung", None, 32), policy.Load("full", 20, 32)]
+    chosen = policy.plan(loads, {}, 5, T)
+    assert (chosen.choice, chosen.reason) == ("a", "least_loaded")
+    assert chosen.ranks == [["a"], ["full"], ["hung"]]
+    pinned = policy.plan(loads, {}, 5, T, pinned="hung")
+    assert (pinned.choice, pinned.reason) == ("a", "shed")
+    holder = policy.plan(loads, {"hung": 5}, 5, T)
+    assert holder.choice == "a"
+    alone = policy.plan([policy.Load("hung", None, 32)], {"hung": 5}, 5, T, pinned="hung")
+    assert (alone.choice, alone.reason) == ("hung", "session")  # nothing better: Serve probes it again
+    unknown = [policy.Load("x", None, 32), policy.Load("y", None, 32)]
+    assert policy.plan(unknown, {"y": 5}, 5, T).choice == "y"  # none known: the prefix still decides
