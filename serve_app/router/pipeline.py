@@ -295,7 +295,8 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
             lambda: {region: f"Bearer {services.auth.forwarding_token(caller, region)}" for region in peers}
         )
         result = await services.forwarder.forward(
-            ctx.surface.route, _as_the_client_set_it(ctx), propagation, reason=reason, allowed=caller.allows_region,
+            # The peers tokens were minted for: a deploy meanwhile may have listed another one.
+            ctx.surface.route, _as_the_client_set_it(ctx), propagation, reason=reason, allowed=bound.__contains__,
             on_done=lambda status, code: ctx.settle(forwarded(status, code)),  # a stream: its last byte
             authorization=bound.__getitem__, dialect=ctx.surface.dialect,
         )

@@ -275,7 +275,7 @@ class Resumer:
         )
         peer, upstream, attempts = await services.forwarder.open(
             ctx.surface.route, sent, ctx.telemetry.resume_propagation(span),
-            allowed=caller.allows_region, authorization=bound.__getitem__,
+            allowed=bound.__contains__, authorization=bound.__getitem__,  # the peers it minted for
         )
         if upstream is None:
             logger.warning("no peer region resumed stream %s: %s", ctx.telemetry.trace_id,

@@ -259,3 +259,38 @@ def test_the_first_user_config_must_be_valid():
     while a replacement fails: the deployment surges)."""
     with pytest.raises(ValueError, match="models"):
         asyncio.run(ROUTER.reconfigure(SimpleNamespace(services=None, startup={"region": "local"}), {"auth": {}}))
+
+
+def test_a_peer_listed_while_a_request_fails_over_is_not_asked_without_a_token(router_app):
+    """A deploy that adds a peer while a failing-over request mints its tokens: that request
+    walks the peers it minted for (the new one was a KeyError, a 500, before)."""
+    import httpx
+
+    from serve_app.config import Peer
+    from serve_app.router.failover import Forwarder
+
+    asked = []
+
+    def peers(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.host)
+        return httpx.Response(503, json={"error": {"message": "overloaded", "code": "overloaded"}})
+
+    app = router_app(engine=FakeEngine(tokens=3), peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                     transport=httpx.MockTransport(peers))
+    forwarder: Forwarder = app.services.forwarder
+    minting = app.services.auth.forwarding_token
+
+    def mint_while_a_deploy_lands(caller, region):
+        forwarder.apply([*forwarder.peers, Peer(region="fra-01", endpoint="https://fra.test")], connect_timeout_s=2,
+                        read_timeout_s=5, max_attempts=2, unreachable_hold_s=0)
+        return minting(caller, region)
+
+    app.services.auth.forwarding_token = mint_while_a_deploy_lands
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    app.serve.stop(MODEL)
+    app.run(app.services.states.refresh)
+    refused = app.client.post(CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                              headers=bearer(key))
+    assert refused.status_code == 503, refused.text
+    assert asked == ["yvr.test"]
+    assert [p.region for p in forwarder.peers] == ["yvr-01", "fra-01"]  # the next request asks both
