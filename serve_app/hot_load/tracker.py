@@ -58,7 +58,8 @@ REFRESH_S = 1.0
 STATUS_TIMEOUT_S = 10.0
 Location = tuple[str, str]  # a model's Serve application and deployment
 # While every model is steadily loaded, Serve's status is read this rarely: a replica that dies in
-# between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover).
+# between is still answered (503 ``engine_unavailable``/``replica_unavailable``, then failover; a
+# call Serve's queue holds for want of a replica, once the view says so: ``call.SERVING_CHECK_S``).
 STATUS_MAX_AGE_S = 10.0
 # After a replica reports a dead engine: long enough to cover Serve's health checks failing
 # three times and the replica being stopped (about 10 s here, docs/reliability.md).

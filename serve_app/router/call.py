@@ -45,6 +45,10 @@ UNKNOWN_REPLICA = "unknown"  # a replica that died before its trailer could name
 # How long a request whose client left may take to send its last item (the replica stops at once on
 # the hang-up; this bounds a replica that cannot). Past it the call is cancelled, billed as counted.
 LAST_ITEM_WAIT_S = 10.0
+# How often a call still waiting for its head through Serve's handle looks whether its model still
+# serves here: Serve's queue holds a call while the model has no running replica (its only one
+# died) until a replacement starts, minutes on a GPU; the model's 503 fails it over instead.
+SERVING_CHECK_S = 1.0
 
 
 class ReplicaCall:
@@ -55,9 +59,14 @@ class ReplicaCall:
     the line does not start it; heads name lines to learn."""
 
     def __init__(self, method: DeploymentHandle, call: Call, model: str, region: str, *,
-                 surface: str = "", lines: Lines | None = None, replicas: int = 0):
+                 surface: str = "", lines: Lines | None = None, replicas: int = 0,
+                 serving: Callable[[], None] | None = None, on_unreachable: Callable[[], None] | None = None):
+        """``serving()`` raises the model's 503 once it no longer serves here; ``on_unreachable()``
+        is told when a replica's line could not be reached (the tracker then reads Serve's status
+        every second, ``ModelStates.suspect``)."""
         self.model, self.region = model, region
         self._method, self._call, self._lines = method, call, lines
+        self._serving, self._on_unreachable = serving, on_unreachable
         self.head: Head | None = None
         self.socket: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.handed = False  # the replica writes the stream to the client's connection itself
@@ -77,12 +86,33 @@ class ReplicaCall:
         return detached(lambda: self._method.remote(self._call))
 
     async def _first_item(self) -> Any:
+        if isinstance(self._items, LineCall):
+            try:
+                return await self._items.__anext__()
+            except LineUnavailable as err:  # nothing started: through Serve's handle instead
+                logger.info("%s: %s; calling through the handle", self.model, err)
+                if err.unreachable and self._on_unreachable is not None:
+                    self._on_unreachable()
+                self._items = self._by_handle()
+        return await self._while_serving(self._items.__anext__())
+
+    async def _while_serving(self, head: Any) -> Any:
+        """The handle's first item, unless the model stops serving here first: Serve's queue would
+        hold the call until a replica is back. No replica had it; ``first``'s caller fails it over."""
+        if self._serving is None:
+            return await head
+        waiting = asyncio.ensure_future(head)
         try:
-            return await self._items.__anext__()
-        except LineUnavailable as err:  # nothing started: through Serve's handle instead
-            logger.info("%s: %s; calling through the handle", self.model, err)
-            self._items = self._by_handle()
-            return await self._items.__anext__()
+            while True:
+                done, _ = await asyncio.wait((waiting,), timeout=SERVING_CHECK_S)
+                if done:
+                    return waiting.result()
+                self._serving()
+        except APIError:
+            self.cancel()
+            raise
+        finally:
+            waiting.cancel()  # done already, or given up (the client left: ``first`` cancels the call)
 
     @property
     def by_line(self) -> bool:

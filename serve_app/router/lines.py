@@ -35,7 +35,12 @@ USER_TIMEOUT_MS = 25_000
 
 
 class LineUnavailable(Exception):
-    """The call did not start on the line: send it through the handle."""
+    """The call did not start on the line: send it through the handle. ``unreachable``: the
+    replica could not be reached (gone, or going), not a refusal of a replica that is there."""
+
+    def __init__(self, message: str, *, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -189,7 +194,8 @@ class LineCall:
         except Exception as err:  # unreachable, closed, TLS it cannot verify, a frame it cannot read
             self._end(keep=False)
             self.forget_line()
-            raise LineUnavailable(f"replica {self.replica} not reachable on its line: {err!r}") from None
+            raise LineUnavailable(f"replica {self.replica} not reachable on its line: {err!r}",
+                                  unreachable=True) from None
         if isinstance(item, Refused):
             self._end(keep=True)
             if item.reason != "full":

@@ -11,6 +11,7 @@ What a replica reads once when it starts (``layout.ROUTER_STARTUP``) never chang
 """
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,8 +205,9 @@ class Services:
         state = self.states.get(model)
         # A replica stopping (a redeploy, a scale-down): Serve knows which one serves, the line may not.
         replicas = state.running if not state.stopping else 0
+        serving = functools.partial(self.states.require_serving, model, self.region)
         return ReplicaCall(self.method_handle(model, surface), call, model, self.region, surface=surface, lines=lines,
-                           replicas=replicas)
+                           replicas=replicas, serving=serving, on_unreachable=self.states.suspect)
 
     def method_handle(self, model: str, method: str) -> Any:
         """``handles[model]``'s ``method`` on the transport set (``handle_transport``), made once:

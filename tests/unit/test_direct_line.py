@@ -13,7 +13,7 @@ import pytest
 
 from auth_support import MODEL, bearer
 from fake_engine import FakeEngine
-from router_app import InProcessHandle
+from router_app import InProcessCall, InProcessHandle
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine.deployment import ModelServer
 from serve_app.router import lines as router_lines
@@ -377,3 +377,69 @@ def test_a_handle_call_that_finds_the_slots_taken_by_line_calls_waits_and_lines_
 
     waited, third = _run(scenario)
     assert waited and "full" in third and engine.count == 2
+
+
+def test_an_unreachable_line_has_the_tracker_read_serves_status_every_second(direct):
+    app, key = direct
+    with socket.socket() as probe:  # a port nothing listens on: the replica behind it is gone
+        probe.bind(("127.0.0.1", 0))
+        gone = ("127.0.0.1", probe.getsockname()[1])
+    app.services.lines.learn(MODEL, DirectLine("gone", "0" * 32, gone))
+    states = app.services.states
+    app.run(states.refresh)
+    assert not states._status_may_have_changed(states._wanted)  # steadily loaded: read every 10 s
+    _chat(app, key)
+    assert states._status_may_have_changed(states._wanted)  # suspect: read at every refresh
+
+
+def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here(tmp_path, router_app, monkeypatch):
+    """Serve's queue holds a call while the model has no running replica (its only one died) until
+    a replacement starts, minutes on a GPU. Once the router's view says the model no longer serves
+    here, the waiting call is given up (no replica had it) and the request fails over."""
+    import threading
+
+    import httpx
+
+    from auth_support import federated_regions
+    from router_app import to_router
+    from serve_app.config import Peer
+    from serve_app.router import call as router_call
+
+    monkeypatch.setattr(router_call, "SERVING_CHECK_S", 0.05)
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=4))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=4),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    home.services.handle_transport = "direct"
+    queued = []
+
+    async def held_in_serves_queue():
+        home.serve.stop(MODEL)  # its only replica died meanwhile; the tracker reads Serve's status
+        await home.services.states.refresh()
+        await asyncio.Event().wait()  # no replica: Serve would hold it until one is back
+        yield  # pragma: no cover
+
+    class HeldInServesQueue:  # this region's handle of the model
+        def options(self, **options):
+            return self
+
+        def __getattr__(self, method):
+            return self
+
+        def remote(self, call):
+            queued.append(made := InProcessCall(held_in_serves_queue()))
+            return made
+
+    own = home.services.handles[MODEL]
+    home.services.handles[MODEL] = HeldInServesQueue()
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    answer = []
+    request = threading.Thread(target=lambda: answer.append(_chat(home, key)), daemon=True)
+    request.start()
+    request.join(10)
+    home.services.handles[MODEL] = own  # the fixture's teardown stops its replicas
+    assert answer, "the request waited in Serve's queue for a replica that is not coming"
+    assert answer[0].headers["x-pg-region"] == "yvr-01" and answer[0].headers["x-pg-failover-reason"] == "model_loading"
+    assert [call.cancelled for call in queued] == [True]  # given up in Serve's queue: never assigned
+    assert [r["status"] for r in peer.recorded()] == [200] and home.recorded() == []
