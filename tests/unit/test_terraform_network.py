@@ -243,3 +243,18 @@ def test_the_ingress_passes_every_body_the_router_takes():
     annotations = MOD(ingress["metadata"][0]["annotations"])
     size = annotations["nginx.ingress.kubernetes.io/proxy-body-size"]
     assert size.endswith("m") and int(size[:-1]) * 1024 * 1024 == MAX_REQUEST_BODY_BYTES
+
+
+def test_no_eviction_takes_the_head_and_the_gpu_workers_go_one_at_a_time():
+    """disruption.tf: a node drain may not evict the head pod (its loss restarts the region's Ray
+    pods: no GCS fault tolerance), and evicts GPU workers one by one; each budget selects exactly
+    its pods as KubeRay labels them."""
+    budgets = {name: MOD(body["spec"][0]) for name, body in resources(MODULE).items()
+               if name.startswith("kubernetes_pod_disruption_budget_v1.")}
+    head, workers = budgets.pop("kubernetes_pod_disruption_budget_v1.head"), budgets.pop(
+        "kubernetes_pod_disruption_budget_v1.gpu_workers")
+    assert not budgets
+    assert (head["max_unavailable"], workers["max_unavailable"]) == ("0", "1")
+    assert selects(head["selector"][0], HEAD) and not selects(head["selector"][0], GPU_WORKER)
+    assert selects(workers["selector"][0], GPU_WORKER) and not selects(workers["selector"][0], HEAD)
+    assert not any(selects(b["selector"][0], pod) for b in (head, workers) for pod in (OTHER_POD, LOOKALIKE))
