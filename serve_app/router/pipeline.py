@@ -315,13 +315,19 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
 
 def _as_the_client_set_it(ctx: Context) -> dict:
     """The body a peer region gets: as priced here, but without a completion limit this router
-    set (the peer sets and prices its own, and may lower it to what the real prompt leaves), and
-    a Responses follow-up as the client sent it, ``previous_response_id`` and its own input: the
-    regions share the store, so the peer recalls the conversation itself and echoes the id."""
+    set (the peer sets and prices its own, and may lower it to what the real prompt leaves), a
+    limit the client set under the name it used (pricing renames chat's ``max_tokens``: the peer's
+    errors must name the client's field), and a Responses follow-up as the client sent it,
+    ``previous_response_id`` and its own input: the regions share the store, so the peer recalls
+    the conversation itself and echoes the id."""
     body = ctx.body
     if ctx.previous_response_id is not None:
         body = {**body, "input": ctx.client_input, "previous_response_id": ctx.previous_response_id}
-    if not ctx.price.limit_set_by_router:
+    if ctx.surface.limit is None:
         return body
     field = ctx.surface.limit.field
-    return {key: value for key, value in body.items() if key != field}
+    if ctx.price.limit_set_by_router:
+        return {key: value for key, value in body.items() if key != field}
+    if ctx.size_param != field and field in body:
+        return {ctx.size_param if key == field else key: value for key, value in body.items()}
+    return body

@@ -213,6 +213,9 @@ def test_failover_sends_each_peer_a_minute_long_token_for_that_peer_only(tmp_pat
         router_app, yul, credential, peers, lambda r: httpx.Response(503 if r.url.host == "yvr.test" else 200, json={})
     )
     assert [r.url.host for r in seen] == ["yvr.test", "yyz.test"]
+    # The limit under the client's own name (pricing renames chat's max_tokens here).
+    assert all(json.loads(r.content)["max_tokens"] == 4 and "max_completion_tokens" not in json.loads(r.content)
+               for r in seen)
     for request, region in zip(seen, ["yvr-01", "yyz-01"]):
         sent = request.headers["authorization"]
         assert sent != credential and client_token not in sent and key not in sent
