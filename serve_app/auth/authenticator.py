@@ -207,12 +207,12 @@ class Authenticator:
         # The row is the truth, whichever region signed: a peer's key (or our own, minted before an
         # edit) cannot claim another owner or tier. Regions share one registry, so a key it does
         # not hold never was one: its claims (owner, tier) would be a signer's word alone, which a
-        # stolen peer key could use to read, bill or probe any owner. Only our own dev key has no row.
+        # stolen peer key could use to read, bill or probe any owner. Only a dev key (``make run``) has none.
         record = self.keys.get(principal.key_id, offline)
         if record is not None:
             check_active(record)
             principal = principal.bound_to(record)
-        elif principal.key_id != DEV_KEY_ID or signing_key.imported:
+        elif principal.key_id != DEV_KEY_ID or signing_key.imported or self._dev_key_digest is None:
             raise unauthorized("token's key is not in the key registry", "invalid_token")
         if signing_key.imported:
             # Another region's key vouches for inference only: were it stolen, its holder could

@@ -225,6 +225,9 @@ class _PostgresConnection:
         return self._connection.execute(sql.replace("?", "%s"), params)
 
 
+_SECRET_PARAMS = ("password", "sslpassword")  # libpq's keywords that carry a secret
+
+
 class PostgresDatabase:
     kind = "postgres"
     CONNECT_TIMEOUT_S = 5
@@ -238,10 +241,16 @@ class PostgresDatabase:
         self._kept = {dsn: _KeptConnections()} | ({replica: _KeptConnections()} if replica else {})
 
     def describe(self, dsn: str | None = None) -> str:
-        """A DSN without its password (for logs and errors), in any of the forms libpq reads: a
-        URL's ``user:password@``, its ``?password=`` parameter, or a ``password=`` keyword."""
-        described = re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", dsn or self.dsn)
-        return re.sub(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^&\s]+)", r"\1***", described)
+        """A DSN without its secrets (for logs and errors): read as libpq reads it, whatever its
+        form (a URL's user info or query, keywords, quoting), its password and the client key's
+        passphrase masked, written back as keywords. One libpq cannot read is not shown at all."""
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+        try:
+            parts = conninfo_to_dict(dsn or self.dsn)
+        except Exception:
+            return "(a DSN libpq cannot read)"
+        return make_conninfo(**(parts | {name: "***" for name in _SECRET_PARAMS if name in parts}))
 
     @contextmanager
     def connect(self, read: bool = False) -> Iterator[_PostgresConnection]:

@@ -184,7 +184,7 @@ class KeyStore:
         """``offline``: from the cache only, or CacheMiss (the router's event loop never waits on
         the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``).
         Never budgeted: callers hold a verified token or are the operator (``lookup`` is budgeted)."""
-        return self._keys.get(key_id, lambda: self._load(key_id), offline)
+        return self._keys.get(key_id, lambda: self._load(key_id, primary_too=True), offline)
 
     def lookup(self, raw_key: str, offline: bool = False) -> KeyRecord | None:
         """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret).
@@ -236,9 +236,15 @@ class KeyStore:
             self._known_since = max(self._known_since, int(row["created_at"]))
         return len(self._known_ids)
 
-    def _load(self, key_id: str) -> KeyRecord | None:
+    def _load(self, key_id: str, primary_too: bool = False) -> KeyRecord | None:
+        """``primary_too``: a token's key that the read replica does not hold yet is read from the
+        primary (a key created a moment ago, whose token another region minted: it would be
+        refused). Only signed tokens name such ids, so no outsider chooses these queries."""
         with self._connect(read=True) as db:
             row = db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+        if row is None and primary_too and getattr(self.database, "replica", None):
+            with self._connect(read=False) as db:
+                row = db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
         return _record(row) if row else None
 
     def _jti_row_exists(self, jti: str) -> bool:

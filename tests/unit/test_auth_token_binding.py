@@ -97,3 +97,16 @@ def test_a_peer_token_for_a_key_the_registry_does_not_hold_is_refused(regions, s
     with pytest.raises(APIError) as also_refused:  # our own key's, for a key that is not (or no longer) there
         yvr.authenticate(_bearer(ours), scope=SCOPE_INFERENCE)
     assert also_refused.value.code == "invalid_token"
+
+
+def test_a_dev_token_is_honoured_only_where_a_dev_key_is_set_and_our_own_key_signed_it(regions, tmp_path):
+    _, yvr = regions  # a production region: no dev key
+    now = int(time.time())
+    dev = claims(yvr, sub="dev", owner="acme", tier="enterprise", iat=now, nbf=now, exp=now + 300)
+    with pytest.raises(APIError) as refused:
+        yvr.authenticate(_bearer(sign(current_key(yvr), dev)), scope=SCOPE_INFERENCE)
+    assert refused.value.code == "invalid_token"
+    local = authenticator(tmp_path / "local")  # make run's: the dev key is set
+    caller = local.authenticate(_bearer(sign(current_key(local), claims(local, sub="dev", iat=now, nbf=now,
+                                                                         exp=now + 300))), scope=SCOPE_INFERENCE)
+    assert caller.key_id == "dev"
