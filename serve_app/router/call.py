@@ -97,8 +97,10 @@ class ReplicaCall:
         return await self._while_serving(self._items.__anext__())
 
     async def _while_serving(self, head: Any) -> Any:
-        """The handle's first item, unless the model stops serving here first: Serve's queue would
-        hold the call until a replica is back. No replica had it; ``first``'s caller fails it over."""
+        """The handle's first item, unless the model stops serving here while Serve still holds
+        the call unassigned: it would wait there until a replica is back. No replica had it;
+        ``first``'s caller fails it over. A call a replica took waits for that replica's answer
+        (the router's view may lag Serve's: a replacement up a moment ago)."""
         if self._serving is None:
             return await head
         waiting = asyncio.ensure_future(head)
@@ -107,12 +109,20 @@ class ReplicaCall:
                 done, _ = await asyncio.wait((waiting,), timeout=SERVING_CHECK_S)
                 if done:
                     return waiting.result()
-                self._serving()
+                if not self._assigned():
+                    self._serving()
         except APIError:
+            waiting.cancel()  # first: cancelled after the call, Ray's read ends in an error nobody reads
             self.cancel()
             raise
         finally:
             waiting.cancel()  # done already, or given up (the client left: ``first`` cancels the call)
+
+    def _assigned(self) -> bool:
+        """Serve's router has handed the call to a replica (Ray 2.60's handle response resolves
+        its replica future then: private API, held by ``tests/unit/test_byte_stream.py``)."""
+        future = getattr(self._items, "_replica_result_future", None)
+        return future is not None and future.done()
 
     @property
     def by_line(self) -> bool:

@@ -76,18 +76,11 @@ class PrefixAffinityRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         if hasattr(self, "_index"):  # Serve may call it before initialize_state
-            self._forget_the_gone()
+            self._index.sync(self._replica_id_set)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._forget_the_gone()
-
-    def _forget_the_gone(self) -> None:
-        """A replica that left takes its index entries and its sessions' pins with it (its cache
-        went with it; a pin kept fresh by lookups would outlive it for good)."""
         self._index.sync(self._replica_id_set)
-        for session in [s for s, replica in self._sessions.items() if replica not in self._replica_id_set]:
-            del self._sessions[session]
 
     # --- one request ---------------------------------------------------------------------------
     async def choose_replicas(
@@ -161,6 +154,9 @@ class PrefixAffinityRouter(RequestRouter):
 
     def _pinned(self, session: int | None) -> ReplicaID | None:
         if session is None or (replica := self._sessions.get(session)) is None:
+            return None
+        if replica not in self._replica_id_set:  # it left, its cache with it: the pin goes too
+            del self._sessions[session]  # (here, not on leaving: Serve reports a death per failed call)
             return None
         self._sessions.move_to_end(session)
         return replica

@@ -643,3 +643,21 @@ def test_a_result_that_came_as_its_client_left_is_still_on_the_record():
 
     ctx = asyncio.run(scenario())
     assert ctx.services.meter.stored_bytes == [99]
+
+
+def test_a_handle_response_says_when_serve_has_handed_it_to_a_replica():
+    """``ReplicaCall._assigned`` reads Ray's private ``_replica_result_future`` (Ray 2.60, as
+    pinned): a handle response holds the future its router resolves with the chosen replica."""
+    import concurrent.futures
+
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    from serve_app.router.call import ReplicaCall
+
+    future = concurrent.futures.Future()
+    response = DeploymentResponseGenerator(future, request_metadata=None)
+    call = object.__new__(ReplicaCall)
+    call._items = response
+    assert not call._assigned()
+    future.set_result(object())  # the replica Serve chose
+    assert call._assigned()

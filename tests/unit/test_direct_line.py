@@ -13,7 +13,7 @@ import pytest
 
 from auth_support import MODEL, bearer
 from fake_engine import FakeEngine
-from router_app import InProcessCall, InProcessHandle
+from router_app import InProcessHandle
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine.deployment import ModelServer
 from serve_app.router import lines as router_lines
@@ -392,13 +392,20 @@ def test_an_unreachable_line_has_the_tracker_read_serves_status_every_second(dir
     assert states._status_may_have_changed(states._wanted)  # suspect: read at every refresh
 
 
-def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here(tmp_path, router_app, monkeypatch):
+@pytest.mark.parametrize("assigned", [False, True], ids=["in-serves-queue", "taken-by-a-replica"])
+def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here(tmp_path, router_app, monkeypatch,
+                                                                                  assigned):
     """Serve's queue holds a call while the model has no running replica (its only one died) until
     a replacement starts, minutes on a GPU. Once the router's view says the model no longer serves
-    here, the waiting call is given up (no replica had it) and the request fails over."""
+    here, the waiting call is given up (no replica had it) and the request fails over. A call a
+    replica has taken (the view lags Serve's) waits for that replica's answer instead: here, its
+    death (503 replica_unavailable), which fails over too."""
+    import concurrent.futures
     import threading
+    import time
 
     import httpx
+    from ray.exceptions import RayActorError
 
     from auth_support import federated_regions
     from router_app import to_router
@@ -412,13 +419,24 @@ def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here
                       peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
                       transport=httpx.MockTransport(to_router(peer)))
     home.services.handle_transport = "direct"
-    queued = []
+    queued, released = [], threading.Event()
 
-    async def held_in_serves_queue():
-        home.serve.stop(MODEL)  # its only replica died meanwhile; the tracker reads Serve's status
-        await home.services.states.refresh()
-        await asyncio.Event().wait()  # no replica: Serve would hold it until one is back
-        yield  # pragma: no cover
+    class Held:  # a handle call whose head does not come
+        def __init__(self):
+            self.cancelled = False
+            self._replica_result_future = concurrent.futures.Future()  # Ray's: done once a replica has it
+            if assigned:
+                self._replica_result_future.set_result(object())
+
+        async def __anext__(self):
+            home.serve.stop(MODEL)  # its only replica died meanwhile; the tracker reads Serve's status
+            await home.services.states.refresh()
+            while not released.is_set():  # no replica: Serve would hold it until one is back
+                await asyncio.sleep(0.01)
+            raise RayActorError()  # the replica that had taken it died
+
+        def cancel(self):
+            self.cancelled = True
 
     class HeldInServesQueue:  # this region's handle of the model
         def options(self, **options):
@@ -428,7 +446,7 @@ def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here
             return self
 
         def remote(self, call):
-            queued.append(made := InProcessCall(held_in_serves_queue()))
+            queued.append(made := Held())
             return made
 
     own = home.services.handles[MODEL]
@@ -437,9 +455,15 @@ def test_a_call_serves_queue_holds_fails_over_once_the_model_has_no_replica_here
     answer = []
     request = threading.Thread(target=lambda: answer.append(_chat(home, key)), daemon=True)
     request.start()
+    if assigned:
+        time.sleep(0.5)  # ten looks at a model that no longer serves
+        assert not answer and not queued[0].cancelled  # its replica has it: not given up
+        released.set()
     request.join(10)
+    released.set()
     home.services.handles[MODEL] = own  # the fixture's teardown stops its replicas
     assert answer, "the request waited in Serve's queue for a replica that is not coming"
-    assert answer[0].headers["x-pg-region"] == "yvr-01" and answer[0].headers["x-pg-failover-reason"] == "model_loading"
-    assert [call.cancelled for call in queued] == [True]  # given up in Serve's queue: never assigned
+    reason = "replica_unavailable" if assigned else "model_loading"
+    assert answer[0].headers["x-pg-region"] == "yvr-01" and answer[0].headers["x-pg-failover-reason"] == reason
+    assert [call.cancelled for call in queued] == [not assigned]  # given up in Serve's queue only
     assert [r["status"] for r in peer.recorded()] == [200] and home.recorded() == []

@@ -218,13 +218,14 @@ def test_a_replica_that_leaves_takes_its_index_and_pins_with_it():
         await h.route(call := chat(["Hello there.", "Hi.", "Go on."], sess=key))
         pins = list(h.router._sessions.values())
         h.router.on_replica_actor_died(survivor.replica_id)  # the session's new home dies too
+        session_key = next(iter(h.router._sessions))
         return survivor, decisions.take(call.request_id), h.router._index.size(h.replicas[home].replica_id), pins, \
-            list(h.router._sessions.values())
+            h.router._pinned(session_key), list(h.router._sessions.values())
 
-    survivor, decision, left_blocks, pins, pins_after_death = run(scenario)
+    survivor, decision, left_blocks, pins, pinned_after_death, pins_after_death = run(scenario)
     assert decision.replica == survivor.replica_id.unique_id
     assert decision.reason == "least_loaded" and left_blocks == 0
-    assert pins == [survivor.replica_id] and pins_after_death == []
+    assert pins == [survivor.replica_id] and pinned_after_death is None and pins_after_death == []
 
 
 def test_when_the_chosen_replica_turns_out_full_serve_falls_through_and_the_span_says_so():
