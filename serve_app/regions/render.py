@@ -83,6 +83,8 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
             "head": {"cpus": k8s.head.cpus, "memory_gib": k8s.head.memory_gib},
             "gpu_worker": {"cpus": k8s.gpu_worker.cpus, "memory_gib": k8s.gpu_worker.memory_gib},
             "otlp_endpoint": region.otlp_endpoint,
+            # "" and "": the GCS in the head's memory (no fault tolerance).
+            "gcs_redis": k8s.gcs_redis.model_dump() if k8s.gcs_redis else {"address": "", "password_secret": ""},
         },
         "ray_version": ray_version(),
         "auth_mounts": {
@@ -168,6 +170,7 @@ variable "region" {
     head             = object({ cpus = number, memory_gib = number })
     gpu_worker       = object({ cpus = number, memory_gib = number })
     otlp_endpoint    = string
+    gcs_redis        = object({ address = string, password_secret = string })
   })
 }
 

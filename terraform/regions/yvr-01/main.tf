@@ -45,6 +45,7 @@ variable "region" {
     head             = object({ cpus = number, memory_gib = number })
     gpu_worker       = object({ cpus = number, memory_gib = number })
     otlp_endpoint    = string
+    gcs_redis        = object({ address = string, password_secret = string })
   })
 }
 
