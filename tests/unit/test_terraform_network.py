@@ -30,7 +30,8 @@ def unquote(key):
 
 
 class Module:
-    """Evaluates the region module's values: ``${local.x}``, ``${var.x.y}``, ``tostring(...)``, ``a - 1``."""
+    """Evaluates the region module's values: ``${local.x}``, ``${var.x.y}``, ``tostring(...)``, ``max(...)``,
+    ``a - 1``."""
 
     def __init__(self, directory: Path, inputs: dict):
         self.locals = {}
@@ -42,6 +43,7 @@ class Module:
             "local": SimpleNamespace(**{name: _Lazy(self, name) for name in self.locals}),
             "var": _namespace(defaults | inputs),
             "tostring": str,
+            "max": max,
         }
 
     def __call__(self, value):
@@ -245,16 +247,20 @@ def test_the_ingress_passes_every_body_the_router_takes():
     assert size.endswith("m") and int(size[:-1]) * 1024 * 1024 == MAX_REQUEST_BODY_BYTES
 
 
-def test_no_eviction_takes_the_head_and_the_gpu_workers_go_one_at_a_time():
-    """disruption.tf: a node drain may not evict the head pod (its loss restarts the region's Ray
-    pods: no GCS fault tolerance), and evicts GPU workers one by one; each budget selects exactly
-    its pods as KubeRay labels them."""
+def test_no_eviction_takes_the_head_and_gpu_workers_go_while_the_region_keeps_its_floor_less_one():
+    """disruption.tf: a node drain may not evict the head pod (without GCS fault tolerance its
+    loss restarts the region's Ray pods), and evicts GPU workers while the floor less one stays;
+    each budget selects exactly its pods as KubeRay labels them, and uses only an integer
+    minAvailable: the pods' owner (a RayCluster) has no scale subresource, and a maxUnavailable
+    budget then fails to sync and allows no eviction at all."""
     budgets = {name: MOD(body["spec"][0]) for name, body in resources(MODULE).items()
                if name.startswith("kubernetes_pod_disruption_budget_v1.")}
     head, workers = budgets.pop("kubernetes_pod_disruption_budget_v1.head"), budgets.pop(
         "kubernetes_pod_disruption_budget_v1.gpu_workers")
     assert not budgets
-    assert (head["max_unavailable"], workers["max_unavailable"]) == ("0", "1")
+    assert "max_unavailable" not in head and "max_unavailable" not in workers
+    floor = MOD.scope["var"].region.gpu_workers.min
+    assert floor >= 1 and (head["min_available"], workers["min_available"]) == ("1", str(floor - 1))
     assert selects(head["selector"][0], HEAD) and not selects(head["selector"][0], GPU_WORKER)
     assert selects(workers["selector"][0], GPU_WORKER) and not selects(workers["selector"][0], HEAD)
     assert not any(selects(b["selector"][0], pod) for b in (head, workers) for pod in (OTHER_POD, LOOKALIKE))
