@@ -195,7 +195,7 @@ class Forwarder:
             fresh: list[bool] = []  # whether this request opened its own connection (httpcore's trace)
 
             async def trace(event: str, info: dict, fresh: list[bool] = fresh) -> None:
-                if event == "connection.connect_tcp.complete":
+                if event.endswith(".connect_tcp.complete"):  # "connection.", or "socks." through a SOCKS proxy
                     fresh.append(True)
 
             try:

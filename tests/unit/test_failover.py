@@ -591,6 +591,7 @@ def test_a_relayed_stream_whose_client_left_before_its_body_settles_and_closes_t
     (httpx.RemoteProtocolError("Server disconnected without sending a response."), "new"),  # a proxy's cut
     (httpx.ReadError("connection reset by peer"), "new"),
     (httpx.RemoteProtocolError("Server disconnected without sending a response."), "pooled, broke late"),
+    (httpx.ReadError("connection reset by peer"), "new, through a SOCKS proxy"),
 ])
 def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another(broke, connection, monkeypatch):
     """Sent, then no head: none within the read timeout, or the line broke on a connection of its
@@ -602,8 +603,9 @@ def test_a_peer_that_had_the_request_and_sent_no_head_is_not_followed_by_another
 
     async def peers(request: httpx.Request) -> httpx.Response:
         sent_to.append(request.url.host)
-        if connection == "new":  # what httpcore tells the request's trace when it opens one
-            await request.extensions["trace"]("connection.connect_tcp.complete", {})
+        if connection.startswith("new"):  # what httpcore tells the request's trace when it opens one
+            prefix = "socks" if "SOCKS" in connection else "connection"
+            await request.extensions["trace"](f"{prefix}.connect_tcp.complete", {})
         if request.url.host == "yvr.test":
             broke.request = request
             raise broke
