@@ -20,6 +20,7 @@ from serve_app import catalog
 from serve_app.config import Autoscaling, MediaPolicy, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import gpu_memory
+from serve_app.regions.kubernetes import K8S_NAME, RegionKubernetes, secret_name
 from serve_app.settings import FrozenSettings, describe_errors, listed_twice
 from serve_app.wire.tls import STREAM_TLS_NAME
 
@@ -31,12 +32,9 @@ BLACKWELL_CAPABILITY = {"B200": (10, 0), "RTX-PRO-6000": (12, 0)}
 BLACKWELL_ACCELERATORS = tuple(BLACKWELL_CAPABILITY)
 
 DNS_ZONE = "edge.polargrid.ai"
-# A Kubernetes object name (DNS-1123 subdomain).
-_K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 GLOBAL_HOSTNAME = f"api.{DNS_ZONE}"  # latency-routed across GA regions (terraform/global)
 
 _REGION_ID = re.compile(r"^[a-z]{3}-[0-9]{2}$")  # IATA code of the nearest airport + index
-_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # Kubernetes node name
 _AWS_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]$")
 
 
@@ -56,7 +54,7 @@ class GpuNode(FrozenSettings):
     @field_validator("name")
     @classmethod
     def _node_name(cls, value: str) -> str:
-        if not _NODE_NAME.match(value):
+        if not K8S_NAME.match(value):
             raise ValueError(f"{value!r} is not a valid Kubernetes node name")
         return value
 
@@ -200,47 +198,6 @@ class RegionModel(FrozenSettings):
 class RegionRouter(FrozenSettings):
     replicas: int = Field(2, ge=1)
     cpus: float = Field(1, ge=0)
-
-
-class PodSize(FrozenSettings):
-    cpus: int = Field(ge=1)
-    memory_gib: int = Field(ge=1)
-
-
-def secret_name(value: str) -> str:
-    if not _K8S_NAME.match(value):
-        raise ValueError(f"{value!r} is not a Kubernetes Secret name (lowercase letters, digits, '-', '.')")
-    return value
-
-
-class GcsRedis(FrozenSettings):
-    """The highly available Redis the head's GCS keeps its state in (KubeRay's GCS fault
-    tolerance): a head pod lost then restarts alone, the engines and routers on workers live on."""
-
-    address: str = Field(description="host:port of a single-shard Redis (Sentinel, or a managed one) the head reaches.")
-    password_secret: str = Field(description="Kubernetes Secret in the region's namespace holding it, key `password`.")
-
-    @field_validator("address")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9.-]+:\d{1,5}$", value):
-            raise ValueError(f"{value!r} is not host:port")
-        return value
-
-    @field_validator("password_secret")
-    @classmethod
-    def _secret_name(cls, value: str) -> str:
-        return secret_name(value)
-
-
-class RegionKubernetes(FrozenSettings):
-    """Sizes of the region's Ray pods: one head pod, one worker pod per GPU; where the GCS keeps
-    its state (unset: in the head's memory, which a head loss takes with it)."""
-
-    namespace: str = "serve"
-    head: PodSize = PodSize(cpus=4, memory_gib=16)
-    gpu_worker: PodSize = PodSize(cpus=12, memory_gib=128)
-    gcs_redis: GcsRedis | None = None
 
 
 class Region(FrozenSettings):
