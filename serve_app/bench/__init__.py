@@ -32,17 +32,20 @@ Errors (non-200, a broken stream, no token) are counted by reason and never stop
 Fairness on a small machine (2 cores here, shared by client, router, proxy and engine):
 
 - ``--baseline-vllm CONFIG`` starts bare vLLM's OpenAI server with exactly the engine flags the
-  config's first model gets inside Serve, under ``nice -n 15`` because Ray runs its workers (our
+  config gives ``--model``'s replica inside Serve, under ``nice -n 15`` because Ray runs its workers (our
   engine) at nice 15, and stops it afterwards. ``--baseline URL`` uses a server already running.
-- The same workload runs against both sides **interleaved**, never both at once: per
+- The same workload runs against both sides **interleaved**, never both busy at once, and each
+  side **alone**: the other side's processes are stopped (SIGSTOP) during its batches and the
+  quiet around them (``serve_app.bench.alone``; ``--no-alone``). Per
   concurrency, one uncounted warm-up batch per side (``--warmup`` requests per worker), then
   ``--rounds`` rounds (default 5) of one batch per side, the order flipping each round (A,B
   then B,A…) to cancel order effects. In a batch every worker sends ``--requests-per-worker``
   (default 5) requests back to back (or ``--batch-s`` seconds of them; ``--round-size`` /
   ``--runs`` set the sizes directly, as before).
-- Before every batch, ``--quiet-s`` of sleep, then the **measured quiet**: both servers' CPU
-  sampled until it is at most the idle floor measured at the start plus ``--quiet-cpu-pct``
-  (``serve_app.bench.cpu``), with a timeout the record keeps.
+- Before every batch, ``--quiet-s`` of sleep, then the **measured quiet**: the host's CPU (less
+  the client's) sampled until it is at most the idle floor measured at the start plus
+  ``--quiet-cpu-pct`` (``serve_app.bench.cpu``), with a timeout the record keeps; a round one of
+  whose batches shared the host with another process anyway is left out of the ratios.
 - **CPU**: every process of each side (``serve_app.bench.procs``) is sampled before and after
   each counted batch, and every ``--quiet-window-s`` during it: CPU-seconds per 1,000 completion
   tokens per process group and side, and ours / baseline (``serve_app.bench.cpu.per_1k_tokens``),
@@ -54,8 +57,8 @@ Fairness on a small machine (2 cores here, shared by client, router, proxy and e
   TTFT overhead = ours − baseline at p50 and p95, in ms and in % of the baseline. Per round:
   sustained tok/s and CPU per token (steady load, whole batch) ours / baseline, and the TTFT
   overhead paired (ours − baseline of the two batches' p50s), with median and range over rounds
-  (``stats.round_ratios``); ``--gate`` compares the tok/s median with its floors
-  (``serve_app.bench.gate``).
+  (``stats.round_ratios``); ``--gate`` compares the tok/s median with its floors and fails on
+  what it would not stand on (``serve_app.bench.gate``).
 
 Targets must be 127.0.0.1 / localhost. Results go to ``docs/benchmarks/<region>-<UTC date>/<model>/``
 (region: ``--region``, else the target's ``/health`` ``region``, else ``local``):

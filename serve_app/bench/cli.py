@@ -12,12 +12,13 @@ import httpx
 import typer
 import yaml
 
+from serve_app.bench.alone import Alone
 from serve_app.bench.capacity import CAPACITY_HEADERS, bench_capacity, capacity_table
 from serve_app.bench.client import DEFAULT_MODEL, Side, check_local
 from serve_app.bench.cpu import Meter
 from serve_app.bench.cpu_report import SPREAD_HEADERS, spread_rows
 from serve_app.bench.engine_env import engine_envs, mismatches, warning_block
-from serve_app.bench.gate import DEFAULT_FLOORS, gate_failures, parse_floors
+from serve_app.bench.gate import DEFAULT_FLOORS, gate_failures, parse_floors, run_failures
 from serve_app.bench.idle import DEFAULT_TARGET_PCT, idle_text, measure_idle
 from serve_app.bench.plot import plot
 from serve_app.bench.host import PsutilTable
@@ -27,8 +28,7 @@ from serve_app.bench.schedule import BASELINE, OURS
 from serve_app.bench.setting import bench_setting, config_with, summary_table
 from serve_app.bench.streams import REQUESTS_PER_WORKER, ROUNDS, bench_streams
 from serve_app.bench.vllm import RAY_WORKER_NICENESS, bare_vllm
-from serve_app.devtools.local_services import wait_healthy
-from serve_app.devtools.serve_cli import deploy_or_raise, serve_status, settled
+from serve_app.devtools.serve_cli import deploy_or_raise, until_applied
 from serve_app.paths import REPO_ROOT
 
 # Options both commands take.
@@ -36,7 +36,7 @@ Target = Annotated[str, typer.Option(help="Our server's base URL (127.0.0.1 / lo
 ApiKey = Annotated[str | None, typer.Option(envvar="SERVE_APP_DEV_API_KEY", help="Bearer key or token for --target.")]
 Model = Annotated[str, typer.Option(help="Model id to request.")]
 Baseline = Annotated[str | None, typer.Option(help="Base URL of an already running OpenAI server (e.g. bare vLLM).")]
-BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with this Serve config's first model's engine flags.")]
+BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with the engine flags this Serve config gives --model's replica.")]
 BaselineModel = Annotated[str | None, typer.Option(help="Model id for --baseline (default: --model).")]
 BaselineKey = Annotated[str | None, typer.Option(help="Bearer key for --baseline, if it wants one.")]
 RoundSize = Annotated[int | None, typer.Option(help="Requests per side per batch (default: bench, --requests-per-worker "
@@ -85,7 +85,11 @@ def _sides(stack: ExitStack, flags: dict[str, Any]) -> list[Side]:
         model = flags["baseline_model"] or flags["model"]
         sides.append(Side(BASELINE, _local(baseline), model, flags["baseline_api_key"]))
     elif baseline_vllm:
-        url, served = stack.enter_context(bare_vllm(baseline_vllm, niceness=RAY_WORKER_NICENESS))
+        try:
+            started = bare_vllm(baseline_vllm, niceness=RAY_WORKER_NICENESS, model_id=flags["model"])
+            url, served = stack.enter_context(started)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--baseline-vllm") from None
         sides.append(Side(BASELINE, url, served))
     return sides
 
@@ -185,12 +189,20 @@ def stream(
     gate: Annotated[bool, typer.Option(help="Exit 1 when a tok/s ratio (median over rounds) is below its floor.")
                     ] = False,
     gate_floors: Annotated[str, typer.Option(help="Floors per concurrency for --gate.")] = DEFAULT_FLOORS,
+    gate_cpu_ceiling: Annotated[float | None, typer.Option(min=0, help="--gate also fails above this CPU per token "
+                                                           "ratio (steady load), e.g. 1.3.")] = None,
+    alone: Annotated[bool, typer.Option(help="Stop (SIGSTOP) the other side's server during each batch and the "
+                                        "quiet around it, so neither side's batches carry the other's idle CPU.")
+                     ] = True,
     region: Region = None,
     out_dir: OutDir = BENCHMARKS_DIR,
 ) -> None:
     """Streaming TTFT, tokens/s and CPU per token, ours vs a baseline, interleaved (the model card's method)."""
     levels = _concurrency_list(concurrency)
     floors = _floors(gate_floors) if gate else None
+    if round_size is not None and round_size < max(levels) and not batch_s:
+        raise typer.BadParameter(f"{round_size} requests a batch cannot keep {max(levels)} streams in flight",
+                                 param_hint="--round-size")
     if gate and not (baseline or baseline_vllm):
         raise typer.BadParameter("--gate compares against a baseline: give --baseline-vllm CONFIG or --baseline URL")
     flags = dict(locals())
@@ -210,18 +222,20 @@ def stream(
             document["quiet"] = {"floor_cores": floor, "margin_cores": meter.margin_cores, "window_s": meter.window_s,
                                  "threshold_cores": meter.threshold_cores, "timeout_s": meter.timeout_s}
             _engine_check(meter)
+        solo = Alone(meter, say=lambda line: typer.echo(line, err=True)) if meter and alone else None
+        document["alone"] = solo is not None and len(sides) > 1
         results = await bench_streams(
             sides, levels, runs=runs, max_tokens=max_tokens, ignore_eos=ignore_eos, round_size=round_size,
             warmup=warmup, quiet_s=pause, rounds=rounds, requests_per_worker=requests_per_worker, batch_s=batch_s,
-            meter=meter, progress=progress,
+            meter=meter, alone=solo, progress=progress,
         )
         document["engine_env"] = _engine_check(meter)
         return results
 
     sides, meta, results = _measure(flags, run)
-    meta.update({k: document.pop(k) for k in ("cpu", "quiet", "sleep_s") if k in document})
+    meta.update({k: document.pop(k) for k in ("cpu", "quiet", "sleep_s", "alone") if k in document})
     document = {"meta": meta, "sides": _sides_meta(sides), "results": results, **document}
-    failures = gate_failures(results, floors) if floors else []
+    failures = [*gate_failures(results, floors, gate_cpu_ceiling), *run_failures(document)] if floors else []
     if floors:
         document["gate"] = {"floors": {str(k): v for k, v in floors.items()}, "failures": failures}
     out = output_dir(out_dir, meta["region"], model)
@@ -355,7 +369,7 @@ def setting(
     async def deploy(document: dict) -> None:
         deployed_at = time.time()
         await asyncio.to_thread(deploy_or_raise, document)
-        await _until_applied(url, deployed_at)
+        await until_applied(url, deployed_at)
 
     async def apply(value) -> None:
         await deploy(config_with(base, name, value))
@@ -379,16 +393,3 @@ def setting(
     write_json(where, payload)
     typer.echo(summary_table(result))
     typer.echo(f"wrote {where}")
-
-
-async def _until_applied(url: str, deployed_at: float, timeout_s: float = 120.0) -> None:
-    """After a deploy: wait until Serve has applied it (every application deployed since
-    ``deployed_at`` and RUNNING with only RUNNING replicas: ``serve_cli.settled``; a user_config
-    change takes a few control-loop passes, a second each), then for /health to answer 200
-    (``wait_healthy``). RuntimeError past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not await asyncio.to_thread(lambda: settled(serve_status(), deployed_at)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"serve deploy not applied within {timeout_s:.0f} s (serve status)")
-        await asyncio.sleep(1.0)
-    await asyncio.to_thread(wait_healthy, url, max(1.0, deadline - time.monotonic()), poll_s=1.0)

@@ -3,12 +3,15 @@
 ``Meter`` holds the processes ``serve_app.bench.procs`` found for each side and reads their
 utime + stime (``/proc/<pid>/stat`` through psutil):
 
-- **quiet** (``Meter.wait_quiet``): before a batch, sample both servers' summed CPU over
+- **quiet** (``Meter.wait_quiet``): before a batch, sample the host's CPU (every process but the
+  benchmark's client: the servers and anything else that would share the batch's cores) over
   ``window_s`` windows until one is at most ``threshold_cores`` (the idle floor measured when the
   run starts, ``Meter.measure_floor``, plus ``margin_cores``), or ``timeout_s`` passed (the
   batch then starts anyway and the record says so). The floor is there because our service is
   not idle when idle (issue #24: ≈ 27 % of a core on the 2-core host): an absolute few % would
   never be reached; once the idle tax is gone the floor is ≈ 0 and the threshold is the margin.
+  What ran beside a batch anyway is its ``host_other_cores`` (``cpu_between``): a round where
+  it passed ``stats.OUTSIDE_CORES`` is left out of the ratios (``stats.round_ratios``).
 - **the batch's CPU** (``Meter.snapshot`` before, and after the batch *and* the quiet after it,
   ``cpu_between``): what the load caused, the engine's post-batch spin and deferred work (the
   ledger's writes) included. A process that appeared meanwhile counts whole (it was born in the
@@ -34,6 +37,7 @@ from typing import Any
 from serve_app.bench.procs import BASELINE, CLIENT, GROUPS, OURS, DiscoveryError, ProcessTable, Tracked
 
 SERVERS = (OURS, BASELINE)
+BORN_MARGIN_S = 1.5
 
 
 @dataclass
@@ -76,19 +80,33 @@ class Meter:
         for t in found:
             self.tracked[t.pid] = t
 
-    def _servers_cpu(self) -> float:
-        total = 0.0
+    def _busy(self) -> tuple[float | None, dict[int, float]]:
+        """The host's busy CPU-seconds less the client's (None where the host's are unknown), and
+        every server process's, by pid."""
+        servers, client = {}, 0.0
         for t in self.tracked.values():
-            if t.side in SERVERS and (value := self.table.cpu_seconds(t.pid, t.create_time)) is not None:
-                total += value
-        return total
+            if (value := self.table.cpu_seconds(t.pid, t.create_time)) is None:
+                continue
+            if t.side in SERVERS:
+                servers[t.pid] = value
+            else:
+                client += value
+        host = self.table.host_busy_s()
+        return (None if host is None else host - client), servers
 
     async def _window(self) -> float:
-        """Both servers' CPU over one window, in cores (1.0 = one core busy)."""
-        cpu, at = self._servers_cpu(), self.clock()
+        """The host's CPU over one window less the client's, in cores (1.0 = one core busy): the
+        servers' and anything else's, since a batch shares the host with both. Where the host's
+        is unknown, the servers' processes alive at both ends (one that exits meanwhile takes its
+        lifetime's seconds with it, which would read as a negative rate)."""
+        (host, servers), at = self._busy(), self.clock()
         await self.sleep(self.window_s)
-        elapsed = self.clock() - at
-        return (self._servers_cpu() - cpu) / elapsed if elapsed > 0 else 0.0
+        (host_after, servers_after), elapsed = self._busy(), self.clock() - at
+        if elapsed <= 0:
+            return 0.0
+        if host is not None and host_after is not None:
+            return max(host_after - host, 0.0) / elapsed
+        return sum(servers_after[pid] - servers[pid] for pid in servers.keys() & servers_after.keys()) / elapsed
 
     async def measure_floor(self, windows: int = 4) -> float:
         """The servers' idle CPU (cores): the least of ``windows`` windows, so one spike does not count."""
@@ -96,7 +114,7 @@ class Meter:
         return self.floor_cores
 
     async def wait_quiet(self) -> dict[str, Any]:
-        """Wait until both servers are idle (see the module doc); how long it took, and the last rate."""
+        """Wait until the host is idle (see the module doc); how long it took, and the last rate."""
         started = self.clock()
         while True:
             cores = await self._window()
@@ -128,7 +146,9 @@ class Meter:
                 continue
             if start is not None and start[0] == end[0]:
                 used = end[1] - start[1]
-            elif end[0] >= before.wall - 0.5:  # born in the window: all its CPU is the window's
+            # Born in the window: all its CPU is the window's. psutil's create_time counts from the
+            # boot time in whole seconds, so it reads up to 1 s early.
+            elif end[0] >= before.wall - BORN_MARGIN_S:
                 used = end[1]
             else:  # older than the window but not seen at its start: its share is unknown
                 missed.append(f"{t.label} [{pid}]")
@@ -142,7 +162,9 @@ class Meter:
         if before.host_busy_s is not None and after.host_busy_s is not None:
             counted = sum(side["total"] for side in sides.values())
             busy = max(after.host_busy_s - before.host_busy_s - counted, 0.0)
-        return {"window_s": after.at - before.at, "sides": sides, "host_other_s": busy,
+        window = after.at - before.at
+        return {"window_s": window, "sides": sides, "host_other_s": busy,
+                "host_other_cores": busy / window if busy is not None and window > 0 else None,
                 "exited": exited, "missed": missed}
 
 
@@ -196,8 +218,9 @@ def _per_1k(cpu_s: float, tokens: float) -> float | None:
 def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The counted batches of one concurrency (``{"side", "completion_tokens", "cpu"}`` each, and
     ``"steady_cpu"`` when measured) → per loaded side: CPU-s per 1,000 completion tokens of its
-    own processes (by group and in total), of the client, and the other server's CPU-seconds
-    meanwhile (its idle tax); ``steady``: the same per group and in total over the batches'
+    own processes (by group and in total), of the client, the other server's CPU-seconds
+    meanwhile (its idle tax, ≈ 0 where it was stopped: ``bench.alone``), the CPU-seconds of
+    processes of neither side, and the processes that exited or were missed; ``steady``: the same per group and in total over the batches'
     steady-load windows (``steady_cpu``); plus ``ratio_total`` and ``ratio_steady`` = ours / baseline."""
     out: dict[str, Any] = {}
     for batch in batches:
@@ -206,7 +229,8 @@ def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             continue
         loaded = batch["side"]
         entry = out.setdefault(loaded, {"tokens": 0, "cpu_s": 0.0, "groups_cpu_s": {}, "processes_cpu_s": {},
-                                        "client_cpu_s": 0.0, "other_server_cpu_s": 0.0, "window_s": 0.0,
+                                        "client_cpu_s": 0.0, "other_server_cpu_s": 0.0, "outside_cpu_s": 0.0,
+                                        "exited": [], "missed": [], "window_s": 0.0,
                                         "steady": {"tokens": 0.0, "cpu_s": 0.0, "groups_cpu_s": {}, "window_s": 0.0}})
         entry["tokens"] += batch["completion_tokens"]
         entry["window_s"] += cpu["window_s"]
@@ -216,6 +240,9 @@ def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             _add(entry[key], own.get(name, {}))
         entry["client_cpu_s"] += cpu["sides"].get(CLIENT, {}).get("total", 0.0)
         entry["other_server_cpu_s"] += sum(cpu["sides"].get(s, {}).get("total", 0.0) for s in SERVERS if s != loaded)
+        entry["outside_cpu_s"] += cpu.get("host_other_s") or 0.0
+        entry["exited"] += cpu.get("exited", [])
+        entry["missed"] += cpu.get("missed", [])
         if steady := batch.get("steady_cpu"):
             mine, acc = steady["sides"].get(loaded, {}), entry["steady"]
             acc["tokens"] += steady["tokens"]

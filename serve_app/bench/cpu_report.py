@@ -39,7 +39,8 @@ def spread_rows(results: Mapping[str, Any]) -> list[list[str]]:
             tok, cpu = entry["spread"]["tokens_per_s_ratio"], entry["spread"]["cpu_ratio"]
             steady = entry["spread"].get("steady_cpu_ratio") or spread([])
             ttft = entry["spread"].get("ttft_overhead_ms") or spread([])
-            rows.append([concurrency, str(tok["n"]), _x(tok["median"]), _range(tok),
+            run = entry["spread"].get("rounds_run", tok["n"])
+            rows.append([concurrency, f"{tok['n']} of {run}", _x(tok["median"]), _range(tok),
                          _x(steady["median"]), _range(steady), _x(cpu["median"]), _range(cpu),
                          fmt_ms_signed(ttft["median"]), _ms_range(ttft)])
     return rows
@@ -56,11 +57,12 @@ def rounds_table(entry: Mapping[str, Any]) -> str:
              _x(r.get("steady_cpu_ratio")),
              fmt(r["ours_cpu_per_1k"], "", 2), fmt(r["baseline_cpu_per_1k"], "", 2), _x(r["cpu_ratio"]), r["basis"],
              fmt(r.get("ours_ttft_p50_ms"), " ms"), fmt(r.get("baseline_ttft_p50_ms"), " ms"),
-             fmt_ms_signed(r.get("ttft_overhead_ms"))]
+             fmt_ms_signed(r.get("ttft_overhead_ms")), fmt(r.get("outside_cores"), "", 2), str(r.get("errors", "—")),
+             r.get("excluded") or ""]
             for r in entry["spread"]["rounds"]]
     return md_table(["round", "ours tok/s", "baseline tok/s", "ratio", "steady: ours CPU-s/1k tok", "bare", "ratio",
                      "whole batch: ours CPU-s/1k tok", "bare", "ratio", "rate over", "TTFT p50 ours", "bare",
-                     "ours − bare"], rows)
+                     "ours − bare", "other processes (cores)", "failed requests", "left out"], rows)
 
 
 def cpu_table(cpu: Mapping[str, Any]) -> str:
@@ -82,12 +84,20 @@ def cpu_table(cpu: Mapping[str, Any]) -> str:
         ["bench client (not in the totals)", "", "", fmt(ours.get("client"), "", 3), fmt(base.get("client"), "", 3)],
         ["the other server during this side's batches (CPU-s)", "", "", fmt(ours.get("other_server_cpu_s"), " s", 2),
          fmt(base.get("other_server_cpu_s"), " s", 2)],
+        ["processes of neither side meanwhile (CPU-s)", "", "", fmt(ours.get("outside_cpu_s"), " s", 2),
+         fmt(base.get("outside_cpu_s"), " s", 2)],
         row("seconds measured", ours.get("window_s"), base.get("window_s"), steady_o.get("window_s"),
             steady_b.get("window_s"), " s", 1),
         row("tokens counted", ours.get("tokens"), base.get("tokens"), steady_o.get("tokens"), steady_b.get("tokens"),
             "", 0),
     ]
-    return md_table(["process", "steady load: ours", "bare vLLM", "whole batch: ours", "bare vLLM"], rows)
+    table = md_table(["process", "steady load: ours", "bare vLLM", "whole batch: ours", "bare vLLM"], rows)
+    gone = [f"{side}: {what} {', '.join(entry[key])} (their last seconds not counted)" if key == "exited" else
+            f"{side}: {what} {', '.join(entry[key])} (not counted: older than a batch, unseen at its start)"
+            for side, entry in ((OURS, ours), (BASELINE, base)) for key, what in (("exited", "exited"),
+                                                                                   ("missed", "missed"))
+            if entry.get(key)]
+    return "\n".join([table, *(f"\n- {line}" for line in gone)])
 
 
 def quiet_rows(results: Mapping[str, Any]) -> list[list[str]]:

@@ -63,6 +63,17 @@ class PsutilTable:
             self._handles.pop(pid, None)
             return None
 
+    def signal(self, pid: int, create_time: float, signum: int) -> bool:
+        try:
+            handle = self._process(pid, create_time)
+            if handle is None:
+                return False
+            handle.send_signal(signum)
+            return True
+        except (self._psutil.NoSuchProcess, self._psutil.AccessDenied, self._psutil.ZombieProcess):
+            self._handles.pop(pid, None)
+            return False
+
     def host_busy_s(self) -> float | None:
         times = self._psutil.cpu_times()
         idle = times.idle + getattr(times, "iowait", 0.0)

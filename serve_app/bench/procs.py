@@ -85,6 +85,10 @@ class ProcessTable(Protocol):
         """The whole host's busy CPU-seconds since boot (every core, every process)."""
         ...
 
+    def signal(self, pid: int, create_time: float, signum: int) -> bool:
+        """Send ``signum`` to that very process; False when it is gone (or its pid is someone else's)."""
+        ...
+
     def thread_cpu(self, pid: int, create_time: float) -> dict[int, tuple[str, float]] | None:
         """utime + stime of each thread of that process, by thread id: (its name, ``MAIN_THREAD``
         for the thread whose id is the pid; seconds); None once it is gone (or its pid is someone

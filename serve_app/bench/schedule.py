@@ -2,17 +2,20 @@
 
 ``plan_batches`` decides the order (pure, tested on its own); ``run_plan`` carries it out with a
 pool of ``concurrency`` workers per batch and a quiet pause before every batch: ``quiet_s`` of
-sleep, then, with a ``Meter`` (``serve_app.bench.cpu``), the measured wait until both servers are
-idle, and the batch's CPU-seconds per process.
+sleep, then, with a ``Meter`` (``serve_app.bench.cpu``), the measured wait until the host is
+idle, and the batch's CPU-seconds per process; with ``Alone`` (``serve_app.bench.alone``), the
+other side's server stopped meanwhile.
 """
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve_app.bench.alone import Alone
 from serve_app.bench.client import Run
 from serve_app.bench.cpu import Meter, measured, steady_cpu
 from serve_app.bench.procs import BASELINE, OURS
@@ -101,10 +104,12 @@ async def run_plan(
     budget_s: float | None = None,
     meter: Meter | None = None,
     batch_s: float | None = None,
+    alone: Alone | None = None,
 ) -> dict[str, SideRuns]:
     """Run the batches in order; ``budget_s`` caps each side's counted wall time; ``batch_s``
     makes each counted batch last that long (workers start no request after it) instead of
-    ``batch.size`` requests. Counted batch i belongs to round i // (number of sides)."""
+    ``batch.size`` requests; ``alone``: the other side's server stopped during each batch and
+    the quiet around it. Counted batch i belongs to round i // (number of sides)."""
     results = {side: SideRuns() for side in requests}
     counted = 0
     for batch in plan:
@@ -112,10 +117,6 @@ async def run_plan(
         left = None if budget_s is None or not batch.counted else budget_s - side.wall_s
         if left is not None and left <= 0:
             continue
-        # A just-busy engine keeps spinning (busy-polling, finishing its step) for a while; the
-        # pause lets it go idle so this batch does not share the cores with the last one's tail.
-        await sleep(quiet_s)
-        quiet = await meter.wait_quiet() if meter else None
         limits = [x for x in (left, batch_s if batch.counted else None) if x is not None]
         size = batch.size if not (batch_s and batch.counted) else 2**31
         tick = (lambda name=batch.side: on_done(name)) if on_done else None
@@ -125,10 +126,15 @@ async def run_plan(
             return run_batch(requests[batch.side], size, concurrency, tick, deadline)
 
         samples = []
-        if meter:
-            (runs, wall_s), cpu, samples = await measured(meter, one_batch)
-        else:
-            (runs, wall_s), cpu = await one_batch(), None
+        with alone.running(batch.side) if alone else contextlib.nullcontext():
+            # A just-busy engine keeps spinning (busy-polling, finishing its step) for a while; the
+            # pause lets it go idle so this batch does not share the cores with the last one's tail.
+            await sleep(quiet_s)
+            quiet = await meter.wait_quiet() if meter else None
+            if meter:
+                (runs, wall_s), cpu, samples = await measured(meter, one_batch)
+            else:
+                (runs, wall_s), cpu = await one_batch(), None
         if batch.counted:
             window = sustained(runs)
             steady = None

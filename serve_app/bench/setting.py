@@ -92,9 +92,10 @@ async def bench_setting(
                 await meter.wait_quiet()
                 cpu = meter.cpu_between(before, meter.snapshot())
                 own = cpu["sides"].get(OURS, {"total": 0.0, "groups": {}})
-                per_1k = 1000 / result["tokens"] if result["tokens"] else 0.0
-                result["cpu_per_1k"] = {group: used * per_1k for group, used in own["groups"].items()}
-                result["cpu_per_1k"]["whole service"] = own["total"] * per_1k
+                if result["tokens"]:  # none: no CPU per token either (not 0, which would read cheapest)
+                    per_1k = 1000 / result["tokens"]
+                    result["cpu_per_1k"] = {group: used * per_1k for group, used in own["groups"].items()}
+                    result["cpu_per_1k"]["whole service"] = own["total"] * per_1k
             batches.append({"round": round_index, "value": value, **result})
             progress(f"round {round_index} {path}={value!r}: {result['tok_s'] or 0:.1f} tok/s, "
                      f"{len(result['errors'])} errors")
@@ -105,18 +106,21 @@ async def bench_setting(
 
 def summary(batches: Sequence[dict[str, Any]], values: Sequence[Any]) -> list[dict[str, Any]]:
     """Per value: mean tok/s and mean CPU-seconds per 1,000 tokens per process group over its
-    batches; TTFT p50 and p95 over all its counted streams."""
+    batches without a failed request (a failure takes no time and no tokens: such a batch reads
+    cheaper and no slower, ``batches_used`` says how many are left); TTFT p50 and p95 over all
+    its counted streams."""
     out = []
     for value in values:
         mine = [b for b in batches if b["value"] == value]
-        groups = sorted({g for b in mine for g in b.get("cpu_per_1k", {})})
+        used = [b for b in mine if b["tokens"] and not b["errors"]]
+        groups = sorted({g for b in used for g in b.get("cpu_per_1k", {})})
         ttfts = [ttft for b in mine for ttft in b.get("ttft_ms", ())]
         out.append({
-            "value": value, "batches": len(mine),
-            "tok_s": _mean([b["tok_s"] for b in mine if b["tok_s"]]),
+            "value": value, "batches": len(mine), "batches_used": len(used),
+            "tok_s": _mean([b["tok_s"] for b in used]),
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p95": percentile(ttfts, 95),
             "errors": sum(len(b["errors"]) for b in mine),
-            "cpu_per_1k": {g: _mean([b["cpu_per_1k"][g] for b in mine if g in b.get("cpu_per_1k", {})]) for g in groups},
+            "cpu_per_1k": {g: _mean([b["cpu_per_1k"][g] for b in used if g in b.get("cpu_per_1k", {})]) for g in groups},
         })
     return out
 
@@ -139,4 +143,6 @@ def summary_table(result: dict[str, Any]) -> str:
         cells = [f"{row[f'ttft_ms_{q}']:.1f}" if row.get(f"ttft_ms_{q}") is not None else "—" for row in rows]
         lines.append(f"| TTFT {q}, ms | " + " | ".join(cells) + " |")
     lines.append("| failed requests | " + " | ".join(str(row["errors"]) for row in rows) + " |")
+    lines.append("| batches in the means | " + " | ".join(f"{row.get('batches_used', row['batches'])} of "
+                                                        f"{row['batches']}" for row in rows) + " |")
     return "\n".join(lines)

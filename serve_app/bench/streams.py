@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from serve_app.bench.alone import Alone
 from serve_app.bench.client import Side, chat_body, check_local, side_clients, stream_once
 from serve_app.bench.cpu import Meter, per_1k_tokens
 from serve_app.bench.schedule import BASELINE, OURS, SideRuns, collect, plan_batches, run_plan
@@ -33,6 +34,7 @@ async def bench_streams(
     requests_per_worker: int = REQUESTS_PER_WORKER,
     batch_s: float | None = None,
     meter: Meter | None = None,
+    alone: Alone | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     progress: Progress | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
@@ -42,7 +44,8 @@ async def bench_streams(
     Each round is one batch per side of ``round_size`` requests (default ``requests_per_worker``
     × concurrency: every worker sends that many back to back), or of ``batch_s`` seconds;
     ``rounds`` rounds, or as many as ``runs`` counted streams per side take. ``warmup``
-    uncounted requests per worker first (every connection and engine slot used once).
+    uncounted requests per worker first (every connection and engine slot used once). ``alone``:
+    the side not measured is stopped meanwhile (``serve_app.bench.alone``).
     """
     results: dict[str, Any] = {}
     async with side_clients(sides, max(concurrencies), transport) as clients:
@@ -53,12 +56,16 @@ async def bench_streams(
                 for side in sides
             }
             size = 1 if batch_s else (round_size or requests_per_worker * concurrency)
-            counted = runs if runs is not None and not batch_s else rounds * size
+            if size < concurrency and not batch_s:  # fewer workers than the concurrency reported
+                raise ValueError(f"a batch of {size} requests cannot keep {concurrency} streams in flight; "
+                                 f"give --round-size of at least {concurrency}")
+            # whole batches only: a last short one would be a round at a lower concurrency
+            counted = -(-runs // size) * size if runs is not None and not batch_s else rounds * size
             plan = plan_batches(list(requests), counted, size, warmup * concurrency)
             total = None if batch_s else sum(b.size for b in plan)
             tick = progress(f"c={concurrency}", total) if progress else None
             done = await run_plan(plan, requests, concurrency, quiet_s, sleep=sleep, on_done=tick, meter=meter,
-                                  batch_s=batch_s)
+                                  batch_s=batch_s, alone=alone)
             results[str(concurrency)] = level_results(done)
     return results
 

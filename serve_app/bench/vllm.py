@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from serve_app import catalog
 from serve_app.devtools.local_services import free_port, wait_healthy
 from serve_app.runtime import cpus
 
@@ -51,17 +52,35 @@ def place_like_ours(pid: int) -> None:
         print(f"bare vLLM's engine core {core} {placed} (as ours on this host)")
 
 
+def replica_model(config: dict, model_id: str | None = None):
+    """The model ``model_id`` (default: the first) as the config's model application runs it.
+    The router's settings list it (``parse_region``) and the drift check holds them equal to the
+    model applications Serve builds the replicas from; a config that fails it is refused (bare
+    vLLM would not get the replica's flags), and so is a model it does not serve."""
+    from serve_app.regions.layout import parse_region, problems
+
+    if drift := problems(config):
+        raise ValueError("the config's model applications are not what its router's settings render: "
+                         + "; ".join(drift))
+    models = parse_region(config).models
+    wanted = None if model_id is None else catalog.canonical_id(model_id) or model_id  # an alias names its model
+    chosen = [m for m in models if wanted is None or m.id == wanted]
+    if not chosen:
+        raise ValueError(f"the config serves no model {model_id!r} (it serves {', '.join(m.id for m in models)})")
+    return chosen[0]
+
+
 @contextmanager
-def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS):
-    """Bare vLLM's OpenAI server with the same engine flags the config gives the Serve replica.
+def bare_vllm(config_path: Path, niceness: int | None = RAY_WORKER_NICENESS, model_id: str | None = None):
+    """Bare vLLM's OpenAI server with the same engine flags the config gives the Serve replica
+    of ``model_id`` (default: the config's first model).
 
     Yields ``(url, served model id)``; stops the process (by PID) on exit. ``niceness``: run it
     under ``nice -n`` (default: Ray's worker niceness, see above); None runs it at ours.
     """
     from serve_app.app import resolve_model_path
-    from serve_app.regions.layout import parse_region
 
-    model = parse_region(yaml.safe_load(config_path.read_text())).models[0]
+    model = replica_model(yaml.safe_load(config_path.read_text()), model_id)
     port = free_port()
     flags = model.engine_cli_args(resolve_model_path(model))
     command = vllm_command(flags, port, niceness)

@@ -11,16 +11,19 @@ looks for one — what ``ray start --head`` decides for the same environment. A 
 token auth ignores the header; an explicit ``RAY_AUTH_MODE`` (``disabled``) wins.
 """
 
+import asyncio
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from serve_app.devtools.local_services import wait_healthy
 from serve_app.hot_load.tracker import status_name  # Serve's enum or the CLI's string alike
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -103,3 +106,16 @@ def settled(status: Mapping[str, Any], deployed_at: float, apps: Iterable[str] |
             if {status_name(state) for state, count in replicas.items() if count} - {"RUNNING"}:
                 return False
     return bool(applications)
+
+
+async def until_applied(url: str, deployed_at: float, timeout_s: float = 120.0) -> None:
+    """After a deploy: wait until Serve has applied it (every application deployed since
+    ``deployed_at`` and RUNNING with only RUNNING replicas: ``serve_cli.settled``; a user_config
+    change takes a few control-loop passes, a second each), then for /health to answer 200
+    (``wait_healthy``). RuntimeError past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(lambda: settled(serve_status(), deployed_at)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"serve deploy not applied within {timeout_s:.0f} s (serve status)")
+        await asyncio.sleep(1.0)
+    await asyncio.to_thread(wait_healthy, url, max(1.0, deadline - time.monotonic()), poll_s=1.0)

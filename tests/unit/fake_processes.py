@@ -104,6 +104,15 @@ class FakeTable:
     thread_shares: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: share}
     wakeup_rates: dict[int, dict[str, float]] = field(default_factory=dict)  # pid → {thread name: per second}
     wakeup_counts: dict[int, dict[int, tuple[str, int]]] = field(default_factory=dict)  # pid → {tid: (name, count)}
+    signals: list[tuple[int, int]] = field(default_factory=list)  # (pid, signal number) sent, in order
+    last_read: dict[int, float] = field(default_factory=dict)  # pid → CPU-seconds when last seen (host_busy_s)
+
+    def signal(self, pid: int, create_time: float, signum: int) -> bool:
+        """Recorded, never sent: the pids are made up (or this test's own)."""
+        if self.cpu_seconds(pid, create_time) is None:
+            return False
+        self.signals.append((pid, signum))
+        return True
 
     def processes(self) -> list[Proc]:
         return [p for p in self.procs if p.pid not in self.gone]
@@ -118,7 +127,12 @@ class FakeTable:
         return self.base.get(pid, 0.0) + self.rates.get(pid, 0.0) * self.clock.now
 
     def host_busy_s(self) -> float | None:
-        every = sum(self.cpu_seconds(p.pid, p.create_time) or 0.0 for p in self.processes())
+        """Every process's CPU, an exited one's as it was when last read (the host's total never
+        goes down), and ``OTHER_TENANT``'s."""
+        for p in self.processes():
+            if (used := self.cpu_seconds(p.pid, p.create_time)) is not None:
+                self.last_read[p.pid] = used
+        every = sum(self.last_read.values())
         return every + self.base.get(OTHER_TENANT, 0.0) + self.rates.get(OTHER_TENANT, 0.0) * self.clock.now
 
     def thread_cpu(self, pid: int, create_time: float) -> dict[int, tuple[str, float]] | None:

@@ -274,3 +274,26 @@ def test_bare_vllm_gets_the_replicas_openmp_threads_as_ray_sets_them_and_the_mod
     # Set by whoever started the bench (Ray's workers inherit it too), or by the model: kept.
     assert engine_environment({"OMP_NUM_THREADS": "2"}, {}, 0.5)["OMP_NUM_THREADS"] == "2"
     assert engine_environment({}, {"OMP_NUM_THREADS": "4"}, 0.5)["OMP_NUM_THREADS"] == "4"
+
+
+def test_bare_vllm_takes_the_flags_of_the_replica_it_is_compared_with():
+    import copy
+
+    import yaml
+
+    from serve_app.bench.vllm import replica_model
+    from serve_app.paths import REPO_ROOT
+
+    config = yaml.safe_load((REPO_ROOT / "configs" / "local.yaml").read_text())  # a chat and an embedding model
+    served = [app["args"]["model"]["id"] for app in config["applications"] if "model" in (app.get("args") or {})]
+    assert len(served) == 2 and replica_model(config).id == served[0]
+    assert replica_model(config, served[1]).id == served[1]  # --model names the second: its flags, not the first's
+    assert replica_model(config, "qwen-3.6-a3b").id == "qwen-3.6-35b-a3b"  # an alias names its model
+    with pytest.raises(ValueError, match="serves no model 'nope'"):
+        replica_model(config, "nope")
+    drifted = copy.deepcopy(config)
+    model_app = next(app for app in drifted["applications"] if (app.get("args") or {}).get("model", {}).get("id")
+                     == served[0])
+    model_app["args"]["model"]["max_ongoing_requests"] = 7  # the replica runs what the router's list does not say
+    with pytest.raises(ValueError, match="not what its router's settings render"):
+        replica_model(drifted, served[0])

@@ -134,7 +134,8 @@ def test_stream_bench_writes_json_md_png(fake, tmp_path):
     assert "sk-test" not in (out / "llm_bench.json").read_text()
     assert set(document["results"]) == {"1", "2"}
     level = document["results"]["2"]
-    assert level["ours"]["summary"]["runs"] == level["baseline"]["summary"]["runs"] == 3
+    # 3 streams asked for in batches of 2: two whole batches (a last one of 1 would be a round at c=1)
+    assert level["ours"]["summary"]["runs"] == level["baseline"]["summary"]["runs"] == 4
     assert level["ours"]["summary"]["errors"] == 0 and level["ours"]["batches"] == 2
     assert level["ours"]["summary"]["server_ttft_ms_p50"] == 6.0  # queue 1 + prefill 5
     assert level["baseline"]["summary"]["server_ttft_ms_p50"] is None
@@ -145,11 +146,11 @@ def test_stream_bench_writes_json_md_png(fake, tmp_path):
     markdown = (out / "llm_bench.md").read_text()
     assert "| End-to-end (with network) |" in markdown and "TTFT overhead p50" in markdown
     assert "TTFT overhead p50" in result.output  # the tables go to stdout too
-    assert "> p95 at concurrency 2 is the slowest stream of 3 (ours) and 3 (baseline)" in markdown
+    assert "> p95 at concurrency 2 is the slowest stream of 4 (ours) and 4 (baseline)" in markdown
 
-    # 2 levels × 2 sides × (warm-up of 1 per worker + 3 counted)
+    # 2 levels × 2 sides × (warm-up of 1 per worker + 3 counted, rounded up to whole batches of 2)
     chats = [r for r in sides.requests if r["path"].endswith(ROUTE_CHAT)]
-    assert len(chats) == (1 + 3) * 2 + (2 + 3) * 2
+    assert len(chats) == (1 + 4) * 2 + (2 + 4) * 2
     assert sides.overlaps == 0
     assert all(r["body"]["ignore_eos"] is True for r in chats)
     assert len({r["headers"]["traceparent"] for r in chats}) == len(chats)
@@ -278,10 +279,11 @@ def test_gate_fails_with_one_line_per_concurrency_and_writes_the_results(served,
     result = CliRunner().invoke(_cli(), args)
     assert result.exit_code == 1
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("gate: ")]
-    assert [ln.split(":")[1].strip() for ln in lines] == ["c=1", "c=2", "c=4"]
+    assert [ln.split(":")[1].strip() for ln in lines] == ["c=1", "c=2", "c=4", "engines differ"]
     assert "is below the floor 10.00×" in lines[0] and lines[2].endswith("not measured (floor 0.90×); add it to --concurrency")
+    assert lines[3] == "gate: engines differ: EngineCore: nice is 15 in ours, 0 in the baseline"  # the fake's bare vLLM
     document = json.loads(next(tmp_path.glob("here-*/qwen-3.6-35b-a3b/llm_bench.json")).read_text())
-    assert len(document["gate"]["failures"]) == 3
+    assert len(document["gate"]["failures"]) == 4
     assert document["meta"]["quiet"]["floor_cores"] == 0.02 and document["meta"]["quiet"]["threshold_cores"] == 0.07
 
 
@@ -350,3 +352,11 @@ def test_idle_command_prints_every_process_and_fails_over_the_target(monkeypatch
     assert within.exit_code == 0 and json.loads(within.output)["total_pct"] == pytest.approx(6.0)
     lost = CliRunner().invoke(cli, ["idle", "--seconds", "0.1", "--target", "http://127.0.0.1:9"])
     assert lost.exit_code == 2 and "no Ray cluster on this host listens on port 9" in lost.stderr
+
+
+def test_a_batch_smaller_than_the_concurrency_is_refused_before_anything_starts(tmp_path):
+    # 16 requests a batch at concurrency 32: 16 workers, reported as 32 streams
+    result = CliRunner().invoke(_cli(), ["bench", "--concurrency", "1,32", "--round-size", "16", "--baseline-vllm",
+                                         "configs/local-bench.yaml", "--out-dir", str(tmp_path)])
+    message = " ".join(result.output.replace("│", " ").split())
+    assert result.exit_code == 2 and "16 requests a batch cannot keep 32 streams in flight" in message

@@ -3,6 +3,7 @@ the batch's CPU and CPU per 1,000 tokens, the idle command. Fake process tables 
 (tests/unit/fake_processes.py); no Ray, no vLLM."""
 
 import asyncio
+import signal
 import time
 from dataclasses import replace
 
@@ -126,6 +127,68 @@ def test_quiet_gives_up_at_the_timeout_and_says_so():
     m = meter(table, window_s=0.5, timeout_s=3)
     quiet = asyncio.run(m.wait_quiet())
     assert quiet["timed_out"] and quiet["waited_s"] == pytest.approx(3.0) and quiet["cores"] == pytest.approx(1.5)
+
+
+def test_quiet_waits_for_a_job_beside_the_servers_too():
+    # A test suite or a build on the host takes the batch's cores as surely as a server would.
+    table = FakeTable(Clock())
+    m = meter(table, window_s=0.5, margin_cores=0.05, timeout_s=10)
+    table.set_rate(OTHER_TENANT, 0.8)
+    clock, job_ends = table.clock, table.clock.now + 1.5
+
+    async def sleep(seconds):
+        clock.now += seconds
+        if clock.now >= job_ends:
+            table.set_rate(OTHER_TENANT, 0.0)
+
+    m.sleep = sleep
+    quiet = asyncio.run(m.wait_quiet())
+    assert not quiet["timed_out"] and quiet["waited_s"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("host_known", [True, False])
+def test_a_process_exiting_in_a_window_is_not_a_negative_rate(host_known):
+    # Its lifetime's CPU-seconds left the servers' sum with it: read as a rate, -7.6 cores, and a
+    # floor below zero that no later window reaches (every wait then ran to its timeout).
+    table = FakeTable(Clock())
+    table.base[228] = 4.0  # an idle worker with 4 CPU-s behind it
+    table.set_rate(226, 0.4)  # the engine, still spinning
+    if not host_known:
+        table.host_busy_s = lambda: None
+    m = meter(table, window_s=0.5, timeout_s=10)
+
+    async def sleep(seconds):
+        table.clock.now += seconds
+        table.gone.add(228)
+
+    m.sleep = sleep
+    assert asyncio.run(m.measure_floor(windows=1)) == pytest.approx(0.4)
+
+
+def test_each_side_runs_alone_and_the_other_is_continued_whatever_happens():
+    from serve_app.bench.alone import Alone, continue_all
+
+    table = FakeTable(Clock())
+    said = []
+    alone = Alone(meter(table), say=said.append)
+    with alone.running(OURS) as stopped:
+        assert {t.pid for t in stopped} == {300, 301, 302}  # bare vLLM: never the client, never ours
+        assert table.signals == [(pid, signal.SIGSTOP) for pid in (300, 301, 302)]
+    assert table.signals[3:] == [(pid, signal.SIGCONT) for pid in (300, 301, 302)]
+    assert "kill -CONT" in said[0] and len(said) == 1  # the pids for a SIGKILLed benchmark, said once
+    table.signals.clear()
+    with pytest.raises(KeyError), alone.running(BASELINE):
+        raise KeyError("a batch that failed")
+    ours = {pid for pid, sig in table.signals if sig == signal.SIGSTOP}
+    assert 222 in ours and 226 in ours and CLIENT_PID not in ours and not ours & {300, 301, 302}
+    assert {pid for pid, sig in table.signals if sig == signal.SIGCONT} == ours
+    table.signals.clear()
+    running = alone.running(OURS)
+    running.__enter__()  # then SIGTERM: the handler continues what is stopped before the process ends
+    continue_all()
+    assert [sig for _, sig in table.signals] == [signal.SIGSTOP] * 3 + [signal.SIGCONT] * 3
+    running.__exit__(None, None, None)  # nothing left to continue twice
+    assert len(table.signals) == 6
 
 
 # --- the batch's CPU ----------------------------------------------------------------------------

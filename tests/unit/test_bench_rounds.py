@@ -8,7 +8,7 @@ import pytest
 
 from serve_app.bench.client import Run
 from serve_app.bench.engine_env import engine_envs, mismatches, warning_block
-from serve_app.bench.gate import gate_failures, parse_floors
+from serve_app.bench.gate import gate_failures, parse_floors, run_failures
 from serve_app.bench.procs import BASELINE, OURS, discover
 from serve_app.bench.schedule import plan_batches, run_plan
 from serve_app.bench.stats import batch_rate, round_ratios, spread, sustained
@@ -91,6 +91,26 @@ def test_a_round_without_a_sustained_window_falls_back_to_the_whole_batch_and_sa
     assert rounds[0]["basis"] == "batch" and rounds[0]["cpu_ratio"] is None
 
 
+def test_a_round_with_one_side_on_its_whole_batch_rates_both_sides_so():
+    # ours without a sustained window (10 s wall), the baseline with one: sustained against
+    # whole-batch rates would differ by the ramp-up and tail alone
+    rounds = round_ratios([batch(OURS, 0, None, tokens=500), batch(BASELINE, 0, 100, tokens=800)])["rounds"]
+    assert rounds[0]["ours_tokens_per_s"] == 50.0 and rounds[0]["baseline_tokens_per_s"] == 80.0
+
+
+def test_a_round_that_shared_the_host_is_left_out_of_the_median_and_says_why():
+    crowded = {**batch(BASELINE, 1, 200), "cpu": {"sides": {}, "host_other_cores": 0.84}}
+    quiet = {**batch(OURS, 2, 90), "cpu": {"sides": {}, "host_other_cores": 0.03}}
+    failed = {**batch(OURS, 0, 90), "requests": 10, "ok": 8}
+    result = round_ratios([failed, {**batch(BASELINE, 0, 100), "requests": 10, "ok": 10},
+                           batch(OURS, 1, 90), crowded, quiet, batch(BASELINE, 2, 100), batch(OURS, 3, 90)])
+    assert result["rounds_run"] == 4 and result["errors"] == 2
+    assert [r["excluded"] for r in result["rounds"]] == [None, "another process used 0.84 cores beside a batch", None]
+    assert result["rounds"][0]["errors"] == 2 and result["rounds"][2]["outside_cores"] == 0.03
+    assert result["tokens_per_s_ratio"] == {"n": 2, "median": pytest.approx(0.9), "min": pytest.approx(0.9),
+                                            "max": pytest.approx(0.9)}  # not 0.45 from the crowded round
+
+
 # --- the gate -----------------------------------------------------------------------------------
 def level(median, low=None, high=None, n=5):
     return {"spread": {"tokens_per_s_ratio": {"n": n, "median": median, "min": low or median, "max": high or median}}}
@@ -115,6 +135,26 @@ def test_a_gate_that_cannot_see_does_not_pass():
     failures = gate_failures(results, {1: 0.97, 16: 0.95, 64: 0.9})
     assert failures[0].startswith("c=1: no tokens/s ratio") and failures[1].startswith("c=16: no tokens/s ratio")
     assert failures[2] == "c=64: not measured (floor 0.90×); add it to --concurrency"
+
+
+def test_a_gate_fails_on_what_its_figures_do_not_stand_on():
+    spread_ = {"tokens_per_s_ratio": {"n": 2, "median": 1.0, "min": 0.99, "max": 1.01}, "rounds_run": 3,
+               "rounds": [{"excluded": "another process used 0.84 cores beside a batch"}],
+               "steady_cpu_ratio": {"n": 2, "median": 1.35, "min": 1.3, "max": 1.4}}
+    quiet = [{"quiet": {"timed_out": True}}, {"quiet": {"timed_out": False}}]
+    entry = {"spread": spread_, "ours": {"summary": {"errors": 3}, "rounds": quiet}, "baseline": {"summary": {"errors": 0}}}
+    assert gate_failures({"16": entry}, {16: 0.95}, cpu_ceiling=1.3) == [
+        "c=16: 2 of 3 rounds in the median (another process used 0.84 cores beside a batch); run it again",
+        "c=16: failed requests (ours 3): the rates do not compare like with like",
+        "c=16: 1 batch(es) started before the host was quiet (--quiet-timeout-s): something else was running",
+        "c=16: CPU per token ratio under steady load 1.350× is above the ceiling 1.30×",
+    ]
+    assert gate_failures({"16": entry}, {16: 0.95})[-1].startswith("c=16: 1 batch(es)")  # no ceiling, no CPU line
+    assert run_failures({"meta": {"cpu": "off (--no-cpu)"}}) == [
+        "CPU off (--no-cpu): no measured quiet, no engine check; the gate needs both"]
+    assert run_failures({"meta": {}, "engine_env": {"mismatches": ["EngineCore: nice is 15 in ours, 0 in the baseline"]}}
+                        ) == ["engines differ: EngineCore: nice is 15 in ours, 0 in the baseline"]
+    assert run_failures({"meta": {}, "engine_env": {"mismatches": []}}) == []
 
 
 # --- the engine's environment -------------------------------------------------------------------
@@ -225,3 +265,28 @@ def test_a_fixed_duration_batch_starts_no_request_after_its_end(monkeypatch):
     assert [len(done[side].runs) for side in (OURS, BASELINE)] == [8, 8] and done[OURS].batches == 2
     starts = [r.started_at - began for r in done[OURS].runs[:4]]
     assert starts == pytest.approx([0.06, 0.09, 0.12, 0.15])  # after the two warm-ups (0, 0.03)
+
+
+def test_the_other_side_is_stopped_around_each_batch_its_quiet_waits_included():
+    import contextlib
+
+    meter = StubMeter()
+
+    class StubAlone:
+        @contextlib.contextmanager
+        def running(self, side):
+            meter.log.append(f"alone {side}")
+            yield []
+            meter.log.append("both")
+
+    async def request():
+        now = time.perf_counter()
+        return Run(ok=True, completion_tokens=1, token_times=[now], started_at=now, ended_at=now)
+
+    async def sleep(_):
+        meter.log.append("sleep")
+
+    plan = plan_batches([OURS, BASELINE], runs=1, round_size=1, warmup=0)
+    asyncio.run(run_plan(plan, {OURS: request, BASELINE: request}, 1, 0, sleep=sleep, meter=meter, alone=StubAlone()))
+    per_batch = ["sleep", "quiet", "snapshot", "quiet", "snapshot"]
+    assert meter.log == [f"alone {OURS}", *per_batch, "both", f"alone {BASELINE}", *per_batch, "both"]

@@ -74,3 +74,15 @@ def test_each_value_is_applied_before_its_batches_and_summarised_apart():
     every_on = sorted(t for b in result["batches"] if b["value"] for t in b["ttft_ms"])
     assert on["ttft_ms_p50"] == every_on[5] and on["ttft_ms_p95"] == every_on[11]  # nearest rank of 12
     assert "| TTFT p50, ms | " in table and "| TTFT p95, ms | " in table
+
+
+def test_a_batch_with_failed_requests_or_no_tokens_is_left_out_of_the_means():
+    from serve_app.bench.setting import summary
+
+    good = {"value": "a", "tokens": 1000, "tok_s": 860.0, "errors": [], "cpu_per_1k": {"whole service": 1.0}}
+    broken = {"value": "a", "tokens": 0, "tok_s": None, "errors": ["http 503"] * 160}  # no CPU per token: none
+    partly = {"value": "a", "tokens": 600, "tok_s": 950.0, "errors": ["http 503"] * 60,
+              "cpu_per_1k": {"whole service": 0.6}}  # failures take no time: cheaper, no slower
+    (row,) = summary([good, broken, partly], ["a"])
+    assert row["tok_s"] == 860.0 and row["cpu_per_1k"] == {"whole service": 1.0}
+    assert row["batches"] == 3 and row["batches_used"] == 1 and row["errors"] == 220
