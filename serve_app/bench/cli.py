@@ -36,7 +36,8 @@ Target = Annotated[str, typer.Option(help="Our server's base URL (127.0.0.1 / lo
 ApiKey = Annotated[str | None, typer.Option(envvar="SERVE_APP_DEV_API_KEY", help="Bearer key or token for --target.")]
 Model = Annotated[str, typer.Option(help="Model id to request.")]
 Baseline = Annotated[str | None, typer.Option(help="Base URL of an already running OpenAI server (e.g. bare vLLM).")]
-BaselineVllm = Annotated[Path | None, typer.Option(help="Start bare vLLM (nice 15) with the engine flags this Serve config gives --model's replica.")]
+BaselineVllm = Annotated[Path | None, typer.Option(
+    help="Start bare vLLM (nice 15) with the engine flags this Serve config gives --model's replica.")]
 BaselineModel = Annotated[str | None, typer.Option(help="Model id for --baseline (default: --model).")]
 BaselineKey = Annotated[str | None, typer.Option(help="Bearer key for --baseline, if it wants one.")]
 RoundSize = Annotated[int | None, typer.Option(help="Requests per side per batch (default: bench, --requests-per-worker "

@@ -220,8 +220,9 @@ def per_1k_tokens(batches: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     ``"steady_cpu"`` when measured) → per loaded side: CPU-s per 1,000 completion tokens of its
     own processes (by group and in total), of the client, the other server's CPU-seconds
     meanwhile (its idle tax, ≈ 0 where it was stopped: ``bench.alone``), the CPU-seconds of
-    processes of neither side, and the processes that exited or were missed; ``steady``: the same per group and in total over the batches'
-    steady-load windows (``steady_cpu``); plus ``ratio_total`` and ``ratio_steady`` = ours / baseline."""
+    processes of neither side, and the processes that exited or were missed; ``steady``: the same per
+    group and in total over the batches' steady-load windows (``steady_cpu``); plus ``ratio_total``
+    and ``ratio_steady`` = ours / baseline."""
     out: dict[str, Any] = {}
     for batch in batches:
         cpu = batch.get("cpu")

@@ -120,7 +120,8 @@ def summary(batches: Sequence[dict[str, Any]], values: Sequence[Any]) -> list[di
             "tok_s": _mean([b["tok_s"] for b in used]),
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p95": percentile(ttfts, 95),
             "errors": sum(len(b["errors"]) for b in mine),
-            "cpu_per_1k": {g: _mean([b["cpu_per_1k"][g] for b in used if g in b.get("cpu_per_1k", {})]) for g in groups},
+            "cpu_per_1k": {g: _mean([b["cpu_per_1k"][g] for b in used if g in b.get("cpu_per_1k", {})])
+                           for g in groups},
         })
     return out
 

@@ -142,7 +142,8 @@ def test_a_gate_fails_on_what_its_figures_do_not_stand_on():
                "rounds": [{"excluded": "another process used 0.84 cores beside a batch"}],
                "steady_cpu_ratio": {"n": 2, "median": 1.35, "min": 1.3, "max": 1.4}}
     quiet = [{"quiet": {"timed_out": True}}, {"quiet": {"timed_out": False}}]
-    entry = {"spread": spread_, "ours": {"summary": {"errors": 3}, "rounds": quiet}, "baseline": {"summary": {"errors": 0}}}
+    entry = {"spread": spread_, "ours": {"summary": {"errors": 3}, "rounds": quiet},
+             "baseline": {"summary": {"errors": 0}}}
     assert gate_failures({"16": entry}, {16: 0.95}, cpu_ceiling=1.3) == [
         "c=16: 2 of 3 rounds in the median (another process used 0.84 cores beside a batch); run it again",
         "c=16: failed requests (ours 3): the rates do not compare like with like",
@@ -152,8 +153,8 @@ def test_a_gate_fails_on_what_its_figures_do_not_stand_on():
     assert gate_failures({"16": entry}, {16: 0.95})[-1].startswith("c=16: 1 batch(es)")  # no ceiling, no CPU line
     assert run_failures({"meta": {"cpu": "off (--no-cpu)"}}) == [
         "CPU off (--no-cpu): no measured quiet, no engine check; the gate needs both"]
-    assert run_failures({"meta": {}, "engine_env": {"mismatches": ["EngineCore: nice is 15 in ours, 0 in the baseline"]}}
-                        ) == ["engines differ: EngineCore: nice is 15 in ours, 0 in the baseline"]
+    unlike = {"meta": {}, "engine_env": {"mismatches": ["EngineCore: nice is 15 in ours, 0 in the baseline"]}}
+    assert run_failures(unlike) == ["engines differ: EngineCore: nice is 15 in ours, 0 in the baseline"]
     assert run_failures({"meta": {}, "engine_env": {"mismatches": []}}) == []
 
 
