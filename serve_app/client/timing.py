@@ -82,8 +82,9 @@ def server_timing(
 def new_traceparent(sample_ratio: float) -> str:
     """A W3C traceparent for a new trace: random ids, sampled with probability ``sample_ratio``.
 
-    The server's sampler follows a caller's flag (ParentBased), so always setting it would record
-    every SDK request and bypass the region's own ratio; the caller decides how many.
+    The server does not follow the flag: its region records a share of traces chosen by their
+    trace id (``serve_app/telemetry/tracing.py``, ``region_sampler``), since anyone can set it. The
+    flag is for the caller's own tracing, which may follow it.
     """
     trace_id = secrets.token_hex(16)
     span_id = secrets.token_hex(8)

@@ -32,7 +32,7 @@ from serve_app.surfaces.dialects import ANTHROPIC, OPENAI, Dialect
 from serve_app.telemetry.config import TelemetryArgs
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.metrics import setup_metrics
-from serve_app.telemetry.tracing import setup_tracing
+from serve_app.telemetry.tracing import flush_before_exit, setup_tracing
 
 logger = module_logger(__name__)
 
@@ -206,12 +206,17 @@ class Router:
 
     async def __del__(self) -> None:
         """Serve calls this when it stops the replica: abandoned requests' last items (their
-        usage records), then the ledger's last write, the state refresh, peer connections."""
+        usage records), then the ledger's last write, the state refresh, peer connections, and
+        last the spans still batched (their requests are all closed by then). Serve kills the
+        actor afterwards: no atexit hook would export them."""
         if self.retrying is not None:
             self.retrying.cancel()
-        await wait_settled()
-        if self.services is not None:
-            await self.services.aclose()
+        try:
+            await wait_settled()
+            if self.services is not None:
+                await self.services.aclose()
+        finally:
+            await flush_before_exit()
 
     # --- without a credential ---------------------------------------------------------------
     @app.get("/health")

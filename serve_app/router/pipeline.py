@@ -80,8 +80,13 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
             in_background(_charge_refusal(ctx))
         return Response(status_code=CLIENT_CLOSED)
     except Exception:
+        # Our own fault, answered here rather than by ingress's catch-all, which cannot know the
+        # request: in the surface's dialect, with its trace id and timing, as every JSON answer.
+        logger.exception("unhandled error in router, request %s (trace %s)", ctx.id, ctx.telemetry.trace_id)
         ctx.settle(failed())
-        raise
+        error = surface.dialect.error_response(APIError(500, "internal error; it has been logged", code="internal"))
+        error.headers.update(ctx.telemetry.headers())
+        return error
     return surface.dialect.reshape(response)
 
 

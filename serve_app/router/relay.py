@@ -10,7 +10,8 @@ the surface's dialect. A JSON answer is one body with ``pg_metadata`` added and 
 ``Server-Timing``.
 
 The relay reads nothing of what it relays but the first event (its id names the timing chunk) and,
-for Responses, the last ``sequence_number`` (an error event continues the numbering).
+for Responses, the last ``sequence_number`` (an error event continues the numbering) and, until it
+passes, where the first output begins (``FirstOutput``: the stream's TTFT).
 """
 
 from collections.abc import AsyncIterator
@@ -27,6 +28,53 @@ from serve_app.wire.socket import READ_BYTES
 from serve_app.wire.sse import first_event
 
 logger = module_logger(__name__)
+
+
+# Responses: vLLM yields these before the engine has made a token (the replica even sends them
+# ahead of its head, engine/prefetch.py); a stream's first output is the first other event.
+_OPENING_EVENTS = (b"event: response.created", b"event: response.in_progress")
+
+
+class FirstOutput:
+    """Whether a stream's first output has passed, read off its bytes (the first few reads only):
+    the moment its TTFT is measured to. Chat, completions and Messages: their first bytes, as
+    vLLM writes nothing before the engine's first output. Responses: the first event that is not
+    one of ``_OPENING_EVENTS`` (nor an SSE comment). A handed-over stream (``wire/handoff.py``)
+    shows the router its first write only: if that holds just the opening events, none passes
+    here, and the TTFT falls back to the server time less the engine's decode (``compute_split``)."""
+
+    def __init__(self, surface: str):
+        self.passed = False
+        self._any = surface != "responses"  # any first bytes are output
+        self._rest = b""  # the start of a frame whose first line has not all come yet
+        self._skipping = False  # inside an opening event or a comment: looking for its end
+
+    def saw(self, data: bytes) -> bool:
+        """True once the stream's bytes so far, ``data`` the latest, hold its first output."""
+        if self.passed or self._any:
+            self.passed = True
+            return True
+        text, at = self._rest + data, 0
+        self._rest = b""
+        while True:
+            if self._skipping:
+                end = text.find(b"\n\n", at)
+                if end < 0:
+                    self._rest = text[-1:]  # the end's first newline may be this read's last byte
+                    return False
+                at, self._skipping = end + 2, False
+            line_end = text.find(b"\n", at)
+            if line_end < 0:
+                self._rest = text[at:]
+                return False
+            line = text[at:line_end]
+            if not line:
+                at = line_end + 1
+            elif line.startswith(b":") or line in _OPENING_EVENTS:
+                at, self._skipping = line_end, True
+            else:
+                self.passed = True
+                return True
 
 
 class StreamBrokeOff(Exception):
@@ -64,8 +112,10 @@ def stream(ctx: Context) -> RelayedStream:
     """The client's streaming response; however it ends, the request settles (a client gone before
     the first byte included)."""
     link = ClientLink()
+    # The trace id goes in the head: a stream that fails never sends the pg_metadata that has it.
     return RelayedStream(
-        events(ctx, link), link=link, media_type="text/event-stream", headers=ctx.headers,
+        events(ctx, link), link=link, media_type="text/event-stream",
+        headers={**ctx.headers, **ctx.telemetry.trace_headers()},
         on_end=lambda: ctx.settle(abandoned()), stall_timeout_s=ctx.services.stall_timeout_s,
     )
 
@@ -85,6 +135,7 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
     first: dict | None = None  # the first event: the timing chunk reuses its id
     relayed = bytearray() if ctx.resumer is not None and ctx.resumer.keeps_bytes else None
     sequence = dialect.sequence_watch()  # Responses: an error event goes on with the numbering
+    output = FirstOutput(ctx.surface.name)  # TTFT: when the first output passes
     link = link or ClientLink()
     try:
         while True:
@@ -93,9 +144,9 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
                                            stall_s=ctx.services.stall_timeout_s)
             reader = ctx.call.reader
             while data := await reader.read(READ_BYTES):
+                if not output.passed and output.saw(data):
+                    ctx.record.mark_first_chunk()
                 if first is None:
-                    if not opening:
-                        ctx.record.mark_first_chunk()
                     opening += data
                     first = first_event(bytes(opening))
                 if link.handed:
@@ -137,10 +188,11 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
     except Exception as err:
         # The status line is sent already: end the stream with an error event, never a hang.
         if isinstance(err, StreamBrokeOff) and err.code == ENGINE_UNAVAILABLE:
-            logger.warning("stream %s: the model engine died mid-stream", ctx.telemetry.trace_id)
+            # The request's own id too: a caller chooses its trace id (traceparent), and may reuse it.
+            logger.warning("stream %s (trace %s): the model engine died mid-stream", ctx.id, ctx.telemetry.trace_id)
             status, error = 503, engine_failed_mid_stream()
         else:
-            logger.exception("stream %s from the model replica failed", ctx.telemetry.trace_id)
+            logger.exception("stream %s (trace %s) from the model replica failed", ctx.id, ctx.telemetry.trace_id)
             status, error = 500, error_body(500, "the model replica failed mid-stream", code="stream_failed")
         ctx.settle(failed(status, error["error"]["code"]))
         yield dialect.error_event(status, error, sequence_number=sequence.next)

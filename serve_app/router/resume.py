@@ -206,8 +206,9 @@ class Resumer:
             return False
         ctx.replace_call(call)
         self.done += 1
-        logger.info("stream %s resumed after %d tokens%s", ctx.telemetry.trace_id, len(resume.token_ids),
-                    f" in {peer}" if peer else "")
+        # The request's own id first: a caller chooses its trace id (traceparent), and may reuse it.
+        logger.info("stream %s (trace %s) resumed after %d tokens%s", ctx.id, ctx.telemetry.trace_id,
+                    len(resume.token_ids), f" in {peer}" if peer else "")
         return True
 
     def _none_other_here(self, broken: Trailer) -> bool:
@@ -278,14 +279,14 @@ class Resumer:
             allowed=bound.__contains__, authorization=bound.__getitem__,  # the peers it minted for
         )
         if upstream is None:
-            logger.warning("no peer region resumed stream %s: %s", ctx.telemetry.trace_id,
+            logger.warning("no peer region resumed stream %s (trace %s): %s", ctx.id, ctx.telemetry.trace_id,
                            [(a.region, a.outcome, a.status) for a in attempts])
             return None
         if upstream.status_code != 200:
             detail = (await upstream.aread())[:200]
             await upstream.aclose()
-            logger.warning("%s refused to resume stream %s: %s %s", peer.region, ctx.telemetry.trace_id,
-                           upstream.status_code, detail)
+            logger.warning("%s refused to resume stream %s (trace %s): %s %s", peer.region, ctx.id,
+                           ctx.telemetry.trace_id, upstream.status_code, detail)
             return None
         wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return PeerCall(peer.region, upstream, tokens_before=len(resume.token_ids), surface=surface,

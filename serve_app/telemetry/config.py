@@ -11,7 +11,7 @@ import re
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from serve_app.settings import Settings
 
@@ -26,6 +26,9 @@ class TracingArgs(Settings):
     Off by default: a deployment opts in by naming its collector. The router replicas own the
     process-wide tracer provider (see docs/operations.md, "Who owns the tracer provider").
     """
+
+    # An endpoint's userinfo or query, a static header: a validation error must not echo them.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     enabled: bool = False
     endpoint: str | None = Field(
@@ -51,8 +54,9 @@ class TracingArgs(Settings):
         1.0,
         ge=0.0,
         le=1.0,
-        description="Share of new traces recorded (TraceIdRatioBased). A request that arrives with "
-        "a traceparent follows its caller's sampled flag (ParentBased).",
+        description="Share of traces recorded, decided on the trace id (TraceIdRatioBased), also for "
+        "a request that arrives with a traceparent: its trace id is continued, its sampled flag is "
+        "not followed (anyone can set it).",
     )
     service_name: str = Field("serve_app", min_length=1)
     resource_attributes: dict[str, str] = Field(
@@ -68,8 +72,9 @@ class TracingArgs(Settings):
         if value is None:
             return None
         parsed = urlparse(value)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            # Not echoed: its userinfo or query may hold a credential.
+            raise ValueError("must be an http:// or https:// URL with a host")
         return value
 
     @field_validator("headers", "headers_env")
@@ -126,6 +131,20 @@ class TracingArgs(Settings):
         return self.endpoint
 
 
+def redacted_url(url: str) -> str:
+    """``scheme://host[:port]/path`` of ``url``, for a log line: no userinfo, query or fragment,
+    where a collector's credential may be (``https://user:token@host/v1/traces?api_key=…``)."""
+    parsed = urlparse(url)
+    host = parsed.hostname or ""
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    try:
+        port = f":{parsed.port}" if parsed.port is not None else ""
+    except ValueError:  # not a number: left out
+        port = ""
+    return f"{parsed.scheme}://{host}{port}{parsed.path}"
+
+
 class MetricsArgs(Settings):
     """Prometheus metrics through Ray's metrics agent (``ray_serve_app_*`` series)."""
 
@@ -133,5 +152,8 @@ class MetricsArgs(Settings):
 
 
 class TelemetryArgs(Settings):
+    # The outer model's setting is the one pydantic applies (the router validates this one alone).
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
     tracing: TracingArgs = Field(default_factory=TracingArgs)
     metrics: MetricsArgs = Field(default_factory=MetricsArgs)

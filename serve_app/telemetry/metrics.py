@@ -13,7 +13,8 @@ Exported series (Prometheus names):
 - ``ray_serve_app_queue_time_seconds`` (histogram): the ``queue`` span: Serve's queue for a replica
   slot (and the handle's hops) plus the engine's, arrival → first scheduled
 - ``ray_serve_app_network_time_seconds`` (histogram): the ``network`` span
-- ``ray_serve_app_inference_time_seconds`` (histogram): the ``inference`` span (prefill + decode)
+- ``ray_serve_app_inference_time_seconds`` (histogram): the ``inference`` span (prefill + decode;
+  a replica that took the request but reported no engine timing: its head → the end)
 - ``ray_serve_app_request_latency_seconds`` (histogram, + ``status``): the server span, end to end
 - ``ray_serve_app_input_tokens_total`` / ``ray_serve_app_output_tokens_total`` (counters)
 - ``ray_serve_app_cached_input_tokens_total`` (counter): prompt tokens served from the engine's
@@ -68,13 +69,14 @@ _TPOT_BUCKETS = [0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 
 _SHORT_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 
 HISTOGRAMS: dict[str, tuple[str, list[float], tuple[str, ...]]] = {
-    TTFT: ("Server-side time to first token: receipt to first streamed event (streams) or "
+    TTFT: ("Server-side time to first token: receipt to the stream's first output (streams) or "
            "server time minus decode (JSON responses).", _TTFT_BUCKETS, LABELS),
     TPOT: ("Time per output token after the first (decode time / (output tokens - 1)).", _TPOT_BUCKETS, LABELS),
     QUEUE: ("Queue time (the queue span): Serve's queue for a replica slot plus the engine's, arrival in vLLM "
             "to first scheduled.", _SHORT_BUCKETS, LABELS),
     NETWORK: ("Router and transport time not spent in the engine (the network span).", _SHORT_BUCKETS, LABELS),
-    INFERENCE: ("Engine inference time: first scheduled to last token (prefill + decode).", _LATENCY_BUCKETS, LABELS),
+    INFERENCE: ("Engine inference time: first scheduled to last token (prefill + decode); without engine "
+                "timing, the replica's head to the end.", _LATENCY_BUCKETS, LABELS),
     LATENCY: ("End-to-end server time of a request: receipt to last byte.", _LATENCY_BUCKETS, LABELS_WITH_STATUS),
 }
 COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -18,7 +18,7 @@ from serve_app import routing
 from serve_app.telemetry import tracing
 from serve_app.telemetry.metrics import observe
 from serve_app.telemetry.timing import RequestRecord, Split, pg_metadata, server_timing_header
-from serve_app.wire.messages import ENGINE_UNAVAILABLE, Trailer
+from serve_app.wire.messages import ENGINE_UNAVAILABLE, Accepted, StreamOpen, Trailer
 
 # Every JSON answer's trace id (an error's too: its body has no pg_metadata), to quote to an operator.
 TRACE_ID_HEADER = "x-pg-trace-id"
@@ -78,7 +78,12 @@ class RequestTelemetry:
     def headers(self) -> dict[str, str]:
         """A finished JSON answer's timing and trace id, errors' too (``pg_metadata`` is on a
         success's body only): ``Server-Timing`` and ``TRACE_ID_HEADER``."""
-        return {"Server-Timing": self.server_timing(), TRACE_ID_HEADER: self.trace_id}
+        return {"Server-Timing": self.server_timing(), **self.trace_headers()}
+
+    def trace_headers(self) -> dict[str, str]:
+        """``TRACE_ID_HEADER`` alone: a stream's head, written before its timing is known (its
+        ``pg_metadata`` comes last, and never when the stream fails)."""
+        return {TRACE_ID_HEADER: self.trace_id}
 
     # --- failover ------------------------------------------------------------------------------
     def start_failover(self, reason: str) -> dict[str, str]:
@@ -138,12 +143,16 @@ def _resolved(record: RequestRecord, ctx: Any) -> None:
 
 
 def _called(record: RequestRecord, ctx: Any) -> None:
-    """How the request router chose the replica, and the call's wait for its first item less the
-    replica's own work before it: Serve's queue and its two hops."""
+    """How the request router chose the replica, the call's wait for its first item less the
+    replica's own work before it (Serve's queue and its two hops), and when a head the engine
+    works on after came (its time is inference even if the engine never reports it)."""
     record.note_routing(routing.take_decision(ctx.id))
     call = ctx.call
     if call is not None and call.head is not None and call.waited_ms is not None:
         record.note_router_queue(call.waited_ms - (call.head.replica_ms or 0.0))
+    since_head = getattr(call, "since_head_ms", None)
+    if isinstance(getattr(call, "head", None), (StreamOpen, Accepted)) and since_head is not None:
+        record.note_head(record.elapsed_ms() - since_head)
 
 
 _LEARNED: dict[str, Callable[[RequestRecord, Any], None]] = {"parse": _parsed, "resolve": _resolved, "call": _called}

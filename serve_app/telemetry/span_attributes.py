@@ -82,6 +82,8 @@ def server_attributes(record: RequestRecord, split: Split) -> dict[str, Any]:
         attributes["serve_app.tokens_per_s"] = split.tokens_per_s
     if split.clamped:
         attributes["serve_app.timing_clamped"] = True
+    if split.unreported_engine_ms:  # inference measured by the router: the engine reported nothing
+        attributes["serve_app.unreported_engine_ms"] = split.unreported_engine_ms
     if record.status >= 400:
         attributes["error.type"] = record.error_type or str(record.status)
     return attributes

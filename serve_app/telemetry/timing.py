@@ -16,8 +16,13 @@ Partition of the server time S (receipt → last byte, router clock)::
     network    N = S − Q − I: everything else — router work (auth, body, rate limit), the
                    replica's validation and prompt rendering, SSE transport to the client
 
-so N + Q + I = S exactly. Spans and ``pg_metadata`` are drawn from one ``Split``, which keeps
-the trace, the ``Server-Timing`` header and the client-visible metadata consistent to the digit.
+so N + Q + I = S exactly. A replica that took the request (its head opened a stream or accepted
+it) but reported no engine timing — the client left (vLLM reports only on a finished request), or
+``n`` > 1 (no per-request metrics) — still ran it: the time since its head is inference, on the
+router's clock (``unreported_engine_ms``), and Serve's queue stays in Q.
+
+Spans and ``pg_metadata`` are drawn from one ``Split``, which keeps the trace, the
+``Server-Timing`` header and the client-visible metadata consistent to the digit.
 """
 
 import time
@@ -70,8 +75,11 @@ class RequestRecord:
     error_type: str | None = None  # short machine code (e.g. "overloaded"), never a message
     auth_start_ms: float | None = None
     auth_ms: float | None = None
-    first_chunk_ms: float | None = None  # receipt → first streamed event written (router clock)
+    first_chunk_ms: float | None = None  # receipt → the stream's first output relayed (router clock)
     router_queue_ms: float | None = None  # Serve's queue for a replica slot (+ handle hops)
+    # Receipt → the head of a call whose engine then works (a stream's, or an accepted non-stream
+    # request's): from there on the time is the engine's, whether or not it reports its timing.
+    head_ms: float | None = None
     queue_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
@@ -185,8 +193,14 @@ class RequestRecord:
         """Handle call → head, less the replica's own time before the head (router clock)."""
         self.router_queue_ms = max(0.0, waited_ms)
 
+    def note_head(self, at_ms: float) -> None:
+        """The replica's head came ``at_ms`` after receipt (router clock) and its engine works on."""
+        self.head_ms = max(0.0, at_ms)
+
     def mark_first_chunk(self) -> None:
-        """Call when the first streamed event is handed to the client (TTFT as the router sees it)."""
+        """Call when the stream's first output is handed to the client (TTFT as the router sees
+        it): its first bytes, or a Responses stream's first event after its opening ones
+        (``router/relay.FirstOutput``)."""
         if self.first_chunk_ms is None:
             self.first_chunk_ms = self.elapsed_ms()
 
@@ -215,30 +229,43 @@ class Split:
     inference_ms: float
     prefill_ms: float | None
     decode_ms: float | None
-    engine: bool  # False: no engine timing (error before the engine, or metrics off) → all network
+    # False: no replica took it and no engine reported (an error before the engine, a request
+    # forwarded to a peer) → all network. True: queue and inference are drawn.
+    engine: bool
     clamped: bool = False  # engine time exceeded the router's measurement; server_ms was raised
     ttft_ms: float | None = None  # server-side time to first token (see compute_split)
     tokens_per_s: float | None = None  # output tokens / inference time (scheduled → last token)
     time_per_output_token_ms: float | None = None  # decode / (output tokens − 1)
+    # Of inference_ms: head → end on the router's clock, for a replica that reported no timing.
+    unreported_engine_ms: float = 0.0
 
 
 def compute_split(record: RequestRecord) -> Split:
     """Partition ``record.server_ms`` (or the time elapsed so far) into network/queue/inference.
 
-    Engine parts that are unknown count as zero; if none is known, network is the whole span.
+    Engine parts that are unknown count as zero. A replica that took the request and reported no
+    timing ran it from its head on (``unreported_engine_ms``: inference); with no head and no
+    report (an error before the engine, a request a peer region served) network is the whole span.
     Engine time never exceeds the router's (it happens inside it); if rounding or a late
     ``finish`` ever made it so, network becomes 0 and the server time is raised to match, so the
     sum stays exact (``clamped``).
 
-    ``ttft_ms``: the router-observed time to the first streamed event when there is one (a stream);
-    otherwise ``server − decode`` (everything up to the first token, plus the short tail).
+    ``ttft_ms``: the router-observed time to the first streamed output when there is one (a
+    stream); otherwise ``server − decode`` (everything up to the first token, plus the short tail).
+    A peer region's continuation of a stream (``continuing``) has none, nor a rate: its output
+    tokens are the whole answer's, its time only the continuation's, its first byte not the
+    answer's first token.
     """
     server = record.server_ms if record.server_ms is not None else record.elapsed_ms()
-    engine = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms)) or bool(
+    reported = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms)) or bool(
         record.failed_engine_ms)
-    # Without engine timing there is no queue span to hold Serve's queue: it stays in network.
+    # A forwarded request's engine ran in the peer (its spans have it): here it is all network.
+    took = record.head_ms is not None and record.failover_reason is None
+    unreported = 0.0 if reported or not took else max(0.0, server - record.head_ms)
+    engine = reported or took
+    # Without a replica's head there is no queue span to hold Serve's queue: it stays in network.
     queue = (record.queue_ms or 0.0) + (record.router_queue_ms or 0.0 if engine else 0.0)
-    inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0) + record.failed_engine_ms
+    inference = (record.prefill_ms or 0.0) + (record.decode_ms or 0.0) + record.failed_engine_ms + unreported
     clamped = False
     if queue + inference > server:
         server, clamped = queue + inference, True
@@ -247,13 +274,15 @@ def compute_split(record: RequestRecord) -> Split:
     ttft = record.first_chunk_ms
     if ttft is None and record.prefill_ms is not None:
         ttft = server - (record.decode_ms or 0.0)
-    tokens_per_s = None
-    if record.output_tokens and inference > 0:
+    tokens_per_s = None  # the engine's own rate: not over time it did not report
+    if record.output_tokens and inference > 0 and not unreported:
         tokens_per_s = record.output_tokens / (inference / 1000)
     tpot = None  # not for a resumed stream: its decode holds a re-prefill, and a failed engine's time
     if record.decode_ms is not None and record.output_tokens and record.output_tokens > 1 and not (
             record.resumes or record.failed_engine_ms):
         tpot = record.decode_ms / (record.output_tokens - 1)
+    if record.continuing:
+        ttft = tokens_per_s = tpot = None
     return Split(
         server_ms=server,
         network_ms=network,
@@ -266,6 +295,7 @@ def compute_split(record: RequestRecord) -> Split:
         ttft_ms=ttft,
         tokens_per_s=tokens_per_s,
         time_per_output_token_ms=tpot,
+        unreported_engine_ms=unreported,
     )
 
 
@@ -273,8 +303,10 @@ def pg_metadata(record: RequestRecord, split: Split, trace_id: str | None) -> di
     """The client-visible timing, identical in the final SSE event and a JSON body's ``pg_metadata``.
 
     ``inference_ttft_ms`` is the engine's prefill (first scheduled → first token);
-    ``inference_total_ms`` is prefill + decode (first scheduled → last token). Both are None when
-    the engine reported no timing. ``network_ms + queue_ms + inference_total_ms == server_ms``.
+    ``inference_total_ms`` is prefill + decode (first scheduled → last token), or, when the engine
+    reported no timing, the time since the replica's head. ``inference_ttft_ms`` is None then;
+    ``queue_ms`` and ``inference_total_ms`` are None when no replica took the request.
+    ``network_ms + queue_ms + inference_total_ms == server_ms``.
     ``replica`` is the model replica that ran the request (None if it never reached one),
     ``router_replica`` the router replica that answered; ``cached_tokens`` (when the engine
     reported) the prompt tokens its prefix cache served; ``routing`` (when the model's request

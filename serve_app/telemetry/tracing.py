@@ -19,8 +19,14 @@ follow the OpenTelemetry GenAI semantic conventions; prompt and completion text,
 With tracing disabled, spans are not recorded or exported, but trace ids are still minted (and an
 incoming ``traceparent`` still continues), so ``pg_metadata.trace_id`` always identifies the request
 in logs.
+
+Sampling is the region's, never the caller's: ``sampling_ratio`` decides for every trace, one that
+arrives with a ``traceparent`` included (whose sampled flag anyone can set, before authentication),
+from the trace id alone (``TraceIdRatioBased``), so the regions a request crosses keep or drop it
+alike. The caller's trace id is still continued, for correlation.
 """
 
+import asyncio
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +40,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from serve_app.telemetry.config import TelemetryArgs, TracingArgs
+from serve_app.telemetry.config import TelemetryArgs, TracingArgs, redacted_url
 from serve_app.telemetry.timing import RequestRecord, Split
 from serve_app.telemetry.logs import module_logger
 from serve_app.telemetry.span_attributes import (
@@ -51,6 +57,7 @@ SPAN_AUTH, SPAN_NETWORK, SPAN_QUEUE, SPAN_INFERENCE = "auth", "network", "queue"
 SPAN_FAILOVER = "failover"
 SPAN_RESUME = "resume"
 EVENT_FIRST_TOKEN = "first_token"
+FLUSH_AT_EXIT_S = 3.0  # a stopping router replica's wait for its last spans' export
 
 
 @dataclass
@@ -108,9 +115,7 @@ def setup_tracing(
             provider = TracerProvider(resource=resource, sampler=ALWAYS_OFF)
             _state = _State(provider, provider.get_tracer(INSTRUMENTATION_NAME), False, False)
             return False
-        provider = TracerProvider(
-            resource=resource, sampler=ParentBased(TraceIdRatioBased(tracing.sampling_ratio))
-        )
+        provider = TracerProvider(resource=resource, sampler=region_sampler(tracing.sampling_ratio))
         if exporter is not None:
             provider.add_span_processor(SimpleSpanProcessor(exporter))
         else:
@@ -129,14 +134,23 @@ def setup_tracing(
                     type(current).__name__,
                 )
         _state = _State(provider, provider.get_tracer(INSTRUMENTATION_NAME), True, owns_global)
+        endpoint = tracing.resolved_endpoint()
         logger.info(
             "tracing on: OTLP %s to %s, sampling %.3g, service %s",
             tracing.protocol,
-            tracing.resolved_endpoint() or "the OTEL_EXPORTER_OTLP_* default",
+            redacted_url(endpoint) if endpoint else "the OTEL_EXPORTER_OTLP_* default",
             tracing.sampling_ratio,
             tracing.service_name,
         )
         return True
+
+
+def region_sampler(ratio: float) -> ParentBased:
+    """``ratio`` of traces by their trace id, whatever a remote parent's sampled flag says (a
+    caller could set it on every request, or clear it); a local parent (the SERVER span, for its
+    children) is followed, so a trace is kept or dropped whole."""
+    by_id = TraceIdRatioBased(ratio)
+    return ParentBased(root=by_id, remote_parent_sampled=by_id, remote_parent_not_sampled=by_id)
 
 
 def otlp_exporter(tracing: TracingArgs) -> SpanExporter:
@@ -171,6 +185,16 @@ def shutdown_tracing() -> None:
 
 def force_flush(timeout_ms: int = 5000) -> bool:
     return _state.provider.force_flush(timeout_ms) if _state is not None else True
+
+
+async def flush_before_exit(timeout_s: float = FLUSH_AT_EXIT_S) -> None:
+    """Export the spans still batched, off the event loop, waiting ``timeout_s`` at most; never
+    raises. For a replica Serve is stopping: it kills the actor afterwards, so no atexit hook runs
+    and a batch (5 s of spans) would be lost."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(force_flush, int(timeout_s * 1000)), timeout_s)
+    except Exception:  # noqa: BLE001 - a collector away must not hold up or fail the shutdown
+        logger.warning("could not export the last spans within %.0f s", timeout_s, exc_info=True)
 
 
 def _tracer() -> trace.Tracer:
@@ -221,7 +245,8 @@ def finish_request_spans(request: RequestTrace, split: Split | None = None) -> S
 
     Children, all parented to the SERVER span and laid end to end: ``network``, ``queue``,
     ``inference`` (with a ``first_token`` event at start + prefill); ``auth`` at its real interval
-    (inside ``network``). Without engine timing there is only ``network`` (= the whole request).
+    (inside ``network``). With neither a replica's head nor engine timing (``Split.engine``) there
+    is only ``network`` (= the whole request).
     Call after the response's last byte (stream) or when the JSON response is built; calling it
     again (an error path and a ``finally``, say) does nothing and returns the first split.
     """
@@ -364,6 +389,7 @@ def _resource_attributes(
 __all__ = [
     "RequestTrace",
     "finish_request_spans",
+    "flush_before_exit",
     "force_flush",
     "otlp_exporter",
     "setup_tracing",
