@@ -32,7 +32,7 @@ class Alone:
     """``Alone(meter).running(side)``: the context in which only ``side``'s server runs."""
 
     def __init__(self, meter: Meter, say: Callable[[str], None] = print) -> None:
-        self.meter, self.say, self._said = meter, say, False
+        self.meter, self.say, self._said = meter, say, set()
 
     @contextmanager
     def running(self, side: str) -> Iterator[list[Tracked]]:
@@ -42,24 +42,46 @@ class Alone:
         meter.refresh()
         others = [t for t in meter.tracked.values() if t.side in SERVERS and t.side != side]
         _install_exit_handlers()
-        if others and not self._said:
-            self._said = True
-            pids = " ".join(str(t.pid) for t in meter.tracked.values() if t.side in SERVERS)
-            self.say(f"each side runs alone: the other's processes are stopped during its batches (should "
-                     f"this benchmark be killed with SIGKILL: kill -CONT {pids})")
+        self._say_pids(others)
         stopped = []
         try:
-            for t in others:
-                _STOPPED[t.pid] = (meter.table, t)
-                if meter.table.signal(t.pid, t.create_time, signal.SIGSTOP):
-                    stopped.append(t)
-                else:
-                    _STOPPED.pop(t.pid, None)
+            with _exit_signals_held():  # no exit handler between a stop and its record
+                for t in others:
+                    if meter.table.signal(t.pid, t.create_time, signal.SIGSTOP):
+                        _STOPPED[t.pid] = (meter.table, t)
+                        stopped.append(t)
             yield stopped
         finally:
-            for t in others:
-                if _STOPPED.pop(t.pid, None) is not None:
-                    meter.table.signal(t.pid, t.create_time, signal.SIGCONT)
+            with _exit_signals_held():
+                for t in others:
+                    if _STOPPED.pop(t.pid, None) is not None:
+                        meter.table.signal(t.pid, t.create_time, signal.SIGCONT)
+
+    def _say_pids(self, others: list[Tracked]) -> None:
+        """The pids a SIGKILLed benchmark would leave stopped: once, then each one found since."""
+        new = [t.pid for t in others if t.pid not in self._said]
+        if not new:
+            return
+        first = not self._said
+        self._said.update(new)
+        pids = " ".join(map(str, new))
+        self.say(f"each side runs alone: the other's processes are stopped during its batches (should this "
+                 f"benchmark be killed with SIGKILL: kill -CONT {pids})" if first else
+                 f"each side runs alone: also stopped from now on: {pids}")
+
+
+@contextmanager
+def _exit_signals_held() -> Iterator[None]:
+    """SIGTERM and SIGHUP held back (delivered on leaving) where the process may set them."""
+    try:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+    except (ValueError, OSError):  # no such call here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def continue_all() -> None:
@@ -79,13 +101,16 @@ def _install_exit_handlers() -> None:
         previous = signal.getsignal(signum)
 
         def handler(number, frame, previous=previous):
-            continue_all()
-            if previous == signal.SIG_IGN:
+            if previous == signal.SIG_IGN:  # ignored before (nohup): the run goes on, alone as it was
                 return
-            if callable(previous):
+            if callable(previous):  # its own handler: an exception it raises leaves ``running`` continuing
                 previous(number, frame)
-            else:  # the default action (terminate), as if this handler had not been here
-                signal.signal(number, signal.SIG_DFL)
-                os.kill(os.getpid(), number)
+                return
+            continue_all()  # the default action ends the process: nothing stays stopped
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
 
-        signal.signal(signum, handler)
+        try:
+            signal.signal(signum, handler)
+        except ValueError:  # not the main thread: atexit and ``running``'s own ``finally`` remain
+            pass

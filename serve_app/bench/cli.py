@@ -181,8 +181,8 @@ def stream(
                                                      )] = REQUESTS_PER_WORKER,
     batch_s: Annotated[float | None, typer.Option(min=0.1, help="Instead: every batch lasts this many seconds.")] = None,
     cpu: Annotated[bool, typer.Option(help="Count every process's CPU and wait for measured quiet.")] = True,
-    quiet_cpu_pct: Annotated[float, typer.Option(min=0, help="Quiet = both servers' CPU at most the idle floor "
-                                                 "measured at the start + this (% of one core).")] = 5.0,
+    quiet_cpu_pct: Annotated[float, typer.Option(min=0, help="Quiet = the host's CPU (less the client's) at most "
+                                                 "the idle floor measured at the start + this (% of one core).")] = 5.0,
     quiet_window_s: Annotated[float, typer.Option(min=0.05, help="Window the quiet CPU is measured over.")] = 0.5,
     quiet_timeout_s: Annotated[float, typer.Option(min=0, help="Start the batch anyway after this wait.")] = 15.0,
     quiet_floor_pct: Annotated[float | None, typer.Option(min=0, help="The idle floor (% of one core) instead of "
@@ -212,19 +212,24 @@ def stream(
     async def run(sides: list[Side], progress) -> dict:
         meter, why = _meter(sides, flags)
         document.update(why)
+        solo = Alone(meter, say=lambda line: typer.echo(line, err=True)) if meter and alone else None
+        document["alone"] = solo is not None and len(sides) > 1
         pause = quiet_s if quiet_s is not None else (0.0 if meter else FIXED_QUIET_S)
         document["sleep_s"] = pause
         if meter:
             floor = await meter.measure_floor() if quiet_floor_pct is None else quiet_floor_pct / 100
             meter.floor_cores = floor
+            if solo is not None and len(sides) > 1 and quiet_floor_pct is None:
+                for side in sides:  # each side's own idle, the other stopped, as its batches run
+                    with solo.running(side.name):
+                        await meter.measure_floor(side=side.name)
             if floor > BUSY_FLOOR_CORES:
-                typer.echo(f"warning: the idle floor is {100 * floor:.0f} % of a core: something on the servers is "
+                typer.echo(f"warning: the idle floor is {100 * floor:.0f} % of a core: something on the host is "
                            "busy, so the quiet wait hardly waits (see --quiet-floor-pct)", err=True)
             document["quiet"] = {"floor_cores": floor, "margin_cores": meter.margin_cores, "window_s": meter.window_s,
-                                 "threshold_cores": meter.threshold_cores, "timeout_s": meter.timeout_s}
+                                 "threshold_cores": meter.threshold_cores, "timeout_s": meter.timeout_s,
+                                 "floors_alone": dict(meter.floors)}
             _engine_check(meter)
-        solo = Alone(meter, say=lambda line: typer.echo(line, err=True)) if meter and alone else None
-        document["alone"] = solo is not None and len(sides) > 1
         results = await bench_streams(
             sides, levels, runs=runs, max_tokens=max_tokens, ignore_eos=ignore_eos, round_size=round_size,
             warmup=warmup, quiet_s=pause, rounds=rounds, requests_per_worker=requests_per_worker, batch_s=batch_s,

@@ -60,6 +60,9 @@ class Meter:
     run_clock: Callable[[], float] = time.perf_counter  # the client's runs' clock (bench.client)
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     floor_cores: float = 0.0
+    # Each side's idle floor measured with the other stopped (``bench.alone``): a batch of one side
+    # waits for quiet against its own floor, not one that holds the stopped side's idle cost too.
+    floors: dict[str, float] = field(default_factory=dict)
     tracked: dict[int, Tracked] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,20 +111,29 @@ class Meter:
             return max(host_after - host, 0.0) / elapsed
         return sum(servers_after[pid] - servers[pid] for pid in servers.keys() & servers_after.keys()) / elapsed
 
-    async def measure_floor(self, windows: int = 4) -> float:
-        """The servers' idle CPU (cores): the least of ``windows`` windows, so one spike does not count."""
-        self.floor_cores = min([await self._window() for _ in range(max(windows, 1))])
-        return self.floor_cores
+    async def measure_floor(self, windows: int = 4, side: str | None = None) -> float:
+        """The host's idle CPU (cores): the least of ``windows`` windows, so one spike does not
+        count; ``side``: the floor of that side running alone (``floors``)."""
+        floor = min([await self._window() for _ in range(max(windows, 1))])
+        if side is None:
+            self.floor_cores = floor
+        else:
+            self.floors[side] = floor
+        return floor
 
-    async def wait_quiet(self) -> dict[str, Any]:
+    def threshold(self, side: str | None = None) -> float:
+        """Quiet: at most this many cores, ``side`` running (alone, if its floor was measured so)."""
+        return self.floors.get(side, self.floor_cores) + self.margin_cores if side else self.threshold_cores
+
+    async def wait_quiet(self, side: str | None = None) -> dict[str, Any]:
         """Wait until the host is idle (see the module doc); how long it took, and the last rate."""
-        started = self.clock()
+        started, threshold = self.clock(), self.threshold(side)
         while True:
             cores = await self._window()
             waited = self.clock() - started
-            if cores <= self.threshold_cores or waited >= self.timeout_s:
-                return {"waited_s": waited, "cores": cores, "threshold_cores": self.threshold_cores,
-                        "timed_out": cores > self.threshold_cores}
+            if cores <= threshold or waited >= self.timeout_s:
+                return {"waited_s": waited, "cores": cores, "threshold_cores": threshold,
+                        "timed_out": cores > threshold}
 
     def snapshot(self, refresh: bool = True) -> Snapshot:
         """Every tracked process's CPU now; ``refresh`` first looks for new processes (a scan of
@@ -172,9 +184,10 @@ class Meter:
 Samples = list[tuple[float, Snapshot]]
 
 
-async def measured(meter: Meter, run: Callable[[], Awaitable[Any]]) -> tuple[Any, dict[str, Any], Samples]:
-    """``run()`` between two snapshots, the second after the servers are quiet again; and the
-    snapshots sampled while it ran (its start and end included)."""
+async def measured(meter: Meter, run: Callable[[], Awaitable[Any]],
+                   side: str | None = None) -> tuple[Any, dict[str, Any], Samples]:
+    """``run()`` between two snapshots, the second after the host is quiet again (``side``'s
+    quiet: ``Meter.threshold``); and the snapshots sampled while it ran (its start and end included)."""
     before = meter.snapshot()
     samples: Samples = [(meter.run_clock(), before)]
 
@@ -189,7 +202,7 @@ async def measured(meter: Meter, run: Callable[[], Awaitable[Any]]) -> tuple[Any
     finally:
         sampler.cancel()
     samples.append((meter.run_clock(), meter.snapshot(refresh=False)))
-    settle = await meter.wait_quiet()
+    settle = await meter.wait_quiet(side)
     cpu = meter.cpu_between(before, meter.snapshot())
     cpu["settle"] = settle
     return result, cpu, samples

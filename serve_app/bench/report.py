@@ -183,12 +183,17 @@ def _rounds_line(flags: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
     count = f"{flags['runs']} counted streams per side" if flags.get("runs") and not flags.get("batch_s") else \
         f"{flags.get('rounds')} rounds"
     quiet = meta.get("quiet") or {}
-    measured = (f", then until both servers' CPU over {quiet['window_s']} s windows is at most "
-                f"{100 * quiet['threshold_cores']:.1f} % of a core (idle floor {100 * quiet['floor_cores']:.1f} % + "
-                f"{100 * quiet['margin_cores']:.1f} %; timeout {quiet['timeout_s']} s)") if quiet else ""
+    alone = {side: f"{100 * floor:.1f} %" for side, floor in (quiet.get("floors_alone") or {}).items()}
+    floor = f"idle floor {100 * quiet['floor_cores']:.1f} %" if quiet and not alone else \
+        "idle floor, each side alone: " + ", ".join(f"{side} {value}" for side, value in alone.items())
+    measured = (f", then until the host's CPU (less the client's) over {quiet['window_s']} s windows is at most "
+                f"the {floor} + {100 * quiet['margin_cores']:.1f} % of a core (timeout {quiet['timeout_s']} s)"
+                ) if quiet else ""
+    solo = ("; each side alone: the other's processes stopped during its batches and the quiet around them"
+            if meta.get("alone") else "; both sides running throughout")
     return (f"- interleaved rounds, order flipped every round: {batch}, {count} per concurrency; "
-            f"{meta.get('sleep_s', flags['quiet_s'])} s of sleep before each batch{measured}; {flags['warmup']} uncounted warm-up "
-            "request(s) per worker")
+            f"{meta.get('sleep_s', flags['quiet_s'])} s of sleep before each batch{measured}{solo}; "
+            f"{flags['warmup']} uncounted warm-up request(s) per worker")
 
 
 def admission_line(results: Mapping[str, Any]) -> str:

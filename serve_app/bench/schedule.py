@@ -130,9 +130,9 @@ async def run_plan(
             # A just-busy engine keeps spinning (busy-polling, finishing its step) for a while; the
             # pause lets it go idle so this batch does not share the cores with the last one's tail.
             await sleep(quiet_s)
-            quiet = await meter.wait_quiet() if meter else None
+            quiet = await meter.wait_quiet(batch.side) if meter else None
             if meter:
-                (runs, wall_s), cpu, samples = await measured(meter, one_batch)
+                (runs, wall_s), cpu, samples = await measured(meter, one_batch, batch.side)
             else:
                 (runs, wall_s), cpu = await one_batch(), None
         if batch.counted:

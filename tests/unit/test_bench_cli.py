@@ -256,6 +256,8 @@ def test_stream_bench_counts_cpu_per_token_per_process_and_the_spread_over_round
     assert level["spread"]["ttft_overhead_ms"]["n"] == 2  # both rounds paired
     assert all(r["quiet"]["timed_out"] is False for r in level["ours"]["rounds"])
     assert document["meta"]["quiet"]["floor_cores"] == 0.0
+    # each side alone, and its own idle floor measured so
+    assert document["meta"]["alone"] is True and set(document["meta"]["quiet"]["floors_alone"]) == {"ours", "baseline"}
     assert document["engine_env"]["mismatches"] == ["EngineCore: nice is 15 in ours, 0 in the baseline"]
     assert "WARNING: the engine does not run the same way on both sides" in result.stderr
     markdown = (out / "llm_bench.md").read_text()

@@ -165,7 +165,7 @@ def test_a_process_exiting_in_a_window_is_not_a_negative_rate(host_known):
     assert asyncio.run(m.measure_floor(windows=1)) == pytest.approx(0.4)
 
 
-def test_each_side_runs_alone_and_the_other_is_continued_whatever_happens():
+def test_each_side_runs_alone_and_the_other_is_continued_whatever_happens(exit_handlers):
     from serve_app.bench.alone import Alone, continue_all
 
     table = FakeTable(Clock())
@@ -184,11 +184,89 @@ def test_each_side_runs_alone_and_the_other_is_continued_whatever_happens():
     assert {pid for pid, sig in table.signals if sig == signal.SIGCONT} == ours
     table.signals.clear()
     running = alone.running(OURS)
-    running.__enter__()  # then SIGTERM: the handler continues what is stopped before the process ends
+    running.__enter__()  # then the process ends (atexit): what is stopped is continued
     continue_all()
     assert [sig for _, sig in table.signals] == [signal.SIGSTOP] * 3 + [signal.SIGCONT] * 3
     running.__exit__(None, None, None)  # nothing left to continue twice
     assert len(table.signals) == 6
+
+
+def test_a_side_alone_waits_for_quiet_against_its_own_idle_floor():
+    # Measured with both sides up, the floor holds ours' idle Ray cost: bare vLLM, alone, could
+    # start its batch with that much of its own tail still running.
+    table = FakeTable(Clock())
+    table.set_rate(220, 0.10)  # ours' controller, idle
+    m = meter(table, window_s=0.5, margin_cores=0.05, timeout_s=10)
+    assert asyncio.run(m.measure_floor()) == pytest.approx(0.10)
+    table.set_rate(220, 0.0)  # ours stopped
+    assert asyncio.run(m.measure_floor(side=BASELINE)) == pytest.approx(0.0) and m.floor_cores == pytest.approx(0.10)
+    table.set_rate(301, 0.12)  # bare vLLM's engine core, not idle yet
+    clock, spin_ends = table.clock, table.clock.now + 1.0
+
+    async def sleep(seconds):
+        clock.now += seconds
+        if clock.now >= spin_ends:
+            table.set_rate(301, 0.0)
+
+    m.sleep = sleep
+    assert asyncio.run(m.wait_quiet(BASELINE))["waited_s"] == pytest.approx(1.5)  # under 0.15 was not quiet
+    # a side without a floor of its own, or none named: the shared one
+    assert m.threshold(OURS) == pytest.approx(0.15) and m.threshold() == pytest.approx(0.15)
+
+
+@pytest.fixture
+def exit_handlers(monkeypatch):
+    """``alone``'s SIGTERM handler installed over ``previous`` (set by the test), and everything
+    put back after: this process's handlers, the module's state, its atexit hook."""
+    import atexit
+
+    from serve_app.bench import alone as module
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    kills = []
+    monkeypatch.setattr(module, "_installed", False)
+    monkeypatch.setattr(module.os, "kill", lambda pid, number: kills.append(number))
+
+    def install(previous):
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.setattr(module, "_installed", False)
+        module._install_exit_handlers()
+        return signal.getsignal(signal.SIGTERM)
+
+    yield install, kills
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    atexit.unregister(module.continue_all)
+
+
+def test_sigterm_continues_what_is_stopped_only_when_it_ends_the_benchmark(exit_handlers):
+    from serve_app.bench.alone import Alone
+
+    install, kills = exit_handlers
+    table = FakeTable(Clock())
+    alone = Alone(meter(table), say=lambda line: None)
+
+    handler = install(signal.SIG_IGN)  # under nohup: the run goes on, the other side still stopped
+    with alone.running(OURS):
+        handler(signal.SIGTERM, None)
+        assert [sig for _, sig in table.signals] == [signal.SIGSTOP] * 3 and kills == []
+
+    def own(number, frame):
+        raise SystemExit(143)
+
+    handler = install(own)  # a handler of the program's own: it ends the run, ``running`` continues
+    table.signals.clear()
+    with pytest.raises(SystemExit), alone.running(OURS):
+        handler(signal.SIGTERM, None)
+    assert [sig for _, sig in table.signals] == [signal.SIGSTOP] * 3 + [signal.SIGCONT] * 3
+
+    handler = install(signal.SIG_DFL)  # the default: continued first, then the signal's own action
+    table.signals.clear()
+    with alone.running(OURS):
+        handler(signal.SIGTERM, None)
+        assert [sig for _, sig in table.signals] == [signal.SIGSTOP] * 3 + [signal.SIGCONT] * 3
+        assert kills == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert len(table.signals) == 6  # nothing continued twice
 
 
 # --- the batch's CPU ----------------------------------------------------------------------------

@@ -199,7 +199,7 @@ class StubMeter:
     async def sleep(self, _seconds):
         await asyncio.Event().wait()  # no samples during a batch here: start and end only
 
-    async def wait_quiet(self):
+    async def wait_quiet(self, side=None):
         self.log.append("quiet")
         return {"waited_s": 0.5, "cores": 0.01, "threshold_cores": 0.05, "timed_out": False}
 
