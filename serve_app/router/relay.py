@@ -156,6 +156,8 @@ async def events(ctx: Context, link: ClientLink | None = None) -> AsyncIterator[
                 sequence.saw(data)
                 yield data
             trailer = await ctx.call.trailer()  # the handle's last item: the engine is done
+            if link.handed:  # the router saw its first write only: a resumed call's first is no TTFT
+                output.passed = True  # (unmarked: ``compute_split`` falls back to server − decode)
             link.handed = False  # every byte the replica wrote is in the kernel: the router writes again
             ctx.note_trailer(trailer)
             if trailer.written:  # a handed-over stream cut short: what its client has

@@ -259,8 +259,9 @@ def compute_split(record: RequestRecord) -> Split:
     server = record.server_ms if record.server_ms is not None else record.elapsed_ms()
     reported = any(v is not None for v in (record.queue_ms, record.prefill_ms, record.decode_ms)) or bool(
         record.failed_engine_ms)
-    # A forwarded request's engine ran in the peer (its spans have it): here it is all network.
-    took = record.head_ms is not None and record.failover_reason is None
+    # A request a peer served ran in its engine (its spans have it): here it is all network. One
+    # that no peer took after a local head (its replica gone) ran in ours until then.
+    took = record.head_ms is not None and record.failover_region is None
     unreported = 0.0 if reported or not took else max(0.0, server - record.head_ms)
     engine = reported or took
     # Without a replica's head there is no queue span to hold Serve's queue: it stays in network.

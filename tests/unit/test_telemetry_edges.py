@@ -116,6 +116,15 @@ def test_a_forwarded_request_is_all_network_here_even_after_a_local_head():
     assert not split.engine and split.network_ms == split.server_ms and split.unreported_engine_ms == 0
 
 
+def test_a_request_no_peer_took_after_a_local_head_ran_in_our_engine_until_then():
+    record = make_record(queue_ms=None, prefill_ms=None, decode_ms=None)
+    record.note_head(20.0)
+    record.failover_reason = "replica_unavailable"  # tried; every peer refused (failover_region None)
+    split = compute_split(record)
+    assert split.engine and split.unreported_engine_ms == pytest.approx(split.server_ms - 20.0)
+    assert split.network_ms + split.queue_ms + split.inference_ms == pytest.approx(split.server_ms)
+
+
 # --- 2. TTFT of a Responses stream ----------------------------------------------------------------
 CREATED = b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1"}}\n\n'
 IN_PROGRESS = b'event: response.in_progress\ndata: {"type":"response.in_progress"}\n\n'
