@@ -54,8 +54,10 @@ class RequestTelemetry:
         after the clock stopped) nor a peer's continuation (no head here)."""
         if trailer is not None:
             timing = trailer.timing
-            if trailer.error_code == ENGINE_UNAVAILABLE and engine_ms is not None and all(
-                    getattr(timing, name, None) is None for name in ("queue_ms", "prefill_ms", "decode_ms")):
+            # Only while the clock runs: noted after it stopped (the client left first), the call's
+            # time since its head runs past the request's end and would raise its server time.
+            if trailer.error_code == ENGINE_UNAVAILABLE and engine_ms is not None and self.record.server_ms is None \
+                    and all(getattr(timing, name, None) is None for name in ("queue_ms", "prefill_ms", "decode_ms")):
                 self.record.note_failed_engine(engine_ms)
             self.record.note_engine(
                 trailer.timing, usage=trailer.usage, finish_reasons=list(trailer.finish_reasons),

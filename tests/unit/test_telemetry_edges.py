@@ -87,6 +87,20 @@ def test_a_stream_its_client_left_is_queue_and_inference_not_network(exporter):
     assert [value for value, _ in made[m.INFERENCE].points] == [pytest.approx(18.0, abs=0.005)]
 
 
+def test_an_engine_that_died_after_its_client_left_does_not_stretch_the_request():
+    """The client leaves at 5 s (the clock stops); the replica's last item, read up to 10 s
+    later, says the engine died: the call's time since its head is then past the request's end."""
+    telemetry = RequestTelemetry(ROUTE_CHAT, {}, region="yul-02", replica="Router#abc")
+    record = _left_after(telemetry, StreamOpen(("127.0.0.1", 1), "t", replica_ms=10.0),
+                         queued_ms=0.0, head_at_ms=40.0, left_at_ms=5040.0)
+    server = record.server_ms
+    telemetry.note_trailer(Trailer(complete=False, error_code="engine_unavailable", replica="model#1"),
+                           engine_ms=14000.0)
+    split = compute_split(record)
+    assert record.failed_engine_ms == 0 and not split.clamped and split.server_ms == server
+    assert split.inference_ms == pytest.approx(5000.0, abs=5)  # the time since its head, as it left
+
+
 def test_an_accepted_non_stream_request_its_client_left_ran_in_the_engine():
     telemetry = RequestTelemetry(ROUTE_CHAT, {}, region="yul-02", replica="Router#abc")
     record = _left_after(telemetry, Accepted(("127.0.0.1", 1), "t", replica_ms=10.0),
