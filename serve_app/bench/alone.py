@@ -33,6 +33,7 @@ class Alone:
 
     def __init__(self, meter: Meter, say: Callable[[str], None] = print) -> None:
         self.meter, self.say, self._said = meter, say, set()
+        self.refused: dict[int, str] = {}  # pid → label: alive, but not ours to stop (the run says so)
 
     @contextmanager
     def running(self, side: str) -> Iterator[list[Tracked]]:
@@ -50,6 +51,10 @@ class Alone:
                     if meter.table.signal(t.pid, t.create_time, signal.SIGSTOP):
                         _STOPPED[t.pid] = (meter.table, t)
                         stopped.append(t)
+                    elif meter.table.cpu_seconds(t.pid, t.create_time) is not None and t.pid not in self.refused:
+                        self.refused[t.pid] = t.label  # another user's, say: it runs beside the batch
+                        self.say(f"warning: could not stop {t.label} [{t.pid}]: it runs beside the other side's "
+                                 "batches")
             yield stopped
         finally:
             with _exit_signals_held():

@@ -236,10 +236,12 @@ def stream(
             meter=meter, alone=solo, progress=progress,
         )
         document["engine_env"] = _engine_check(meter)
+        if solo is not None and solo.refused:
+            document["alone_refused"] = [f"{label} [{pid}]" for pid, label in solo.refused.items()]
         return results
 
     sides, meta, results = _measure(flags, run)
-    meta.update({k: document.pop(k) for k in ("cpu", "quiet", "sleep_s", "alone") if k in document})
+    meta.update({k: document.pop(k) for k in ("cpu", "quiet", "sleep_s", "alone", "alone_refused") if k in document})
     document = {"meta": meta, "sides": _sides_meta(sides), "results": results, **document}
     failures = [*gate_failures(results, floors, gate_cpu_ceiling), *run_failures(document)] if floors else []
     if floors:

@@ -25,10 +25,11 @@ COMPARED = ("nice", "affinity", "threads", "thread_affinities", "env")
 
 
 def engine_envs(table: ProcessTable, tracked: Iterable[Tracked]) -> dict[str, list[dict[str, Any]]]:
-    """Per side, one entry per engine process: ``{"group", "label", "pid", "nice", …}``."""
+    """Per side, one entry per engine process alive now: ``{"group", "label", "pid", "nice", …}``
+    (one that exited, a replaced replica's, is not compared, nor a process its pid now names)."""
     out: dict[str, list[dict[str, Any]]] = {OURS: [], BASELINE: []}
     for t in sorted(tracked, key=lambda t: (t.side, t.group, t.pid)):
-        if t.side in out and t.group in ENGINE_GROUPS:
+        if t.side in out and t.group in ENGINE_GROUPS and table.cpu_seconds(t.pid, t.create_time) is not None:
             out[t.side].append({"group": t.group, "label": t.label, "pid": t.pid,
                                 **table.engine_env(t.pid, THREAD_ENV)})
     return out

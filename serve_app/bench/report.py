@@ -191,6 +191,8 @@ def _rounds_line(flags: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
                 ) if quiet else ""
     solo = ("; each side alone: the other's processes stopped during its batches and the quiet around them"
             if meta.get("alone") else "; both sides running throughout")
+    if refused := meta.get("alone_refused"):
+        solo += f" (except {', '.join(refused)}: not ours to stop)"
     return (f"- interleaved rounds, order flipped every round: {batch}, {count} per concurrency; "
             f"{meta.get('sleep_s', flags['quiet_s'])} s of sleep before each batch{measured}{solo}; "
             f"{flags['warmup']} uncounted warm-up request(s) per worker")

@@ -214,6 +214,22 @@ def test_a_side_alone_waits_for_quiet_against_its_own_idle_floor():
     assert m.threshold(OURS) == pytest.approx(0.15) and m.threshold() == pytest.approx(0.15)
 
 
+def test_a_process_not_ours_to_stop_is_said_and_recorded_once(exit_handlers):
+    from serve_app.bench.alone import Alone
+
+    table = FakeTable(Clock())
+    sent = table.signal
+    table.signal = lambda pid, created, signum: False if pid == 301 else sent(pid, created, signum)  # EPERM
+    said = []
+    alone = Alone(meter(table), say=said.append)
+    for _ in range(2):
+        with alone.running(OURS) as stopped:
+            assert {t.pid for t in stopped} == {300, 302}
+    assert alone.refused == {301: "VLLM::EngineCore"}
+    assert [line for line in said if line.startswith("warning")] == [
+        "warning: could not stop VLLM::EngineCore [301]: it runs beside the other side's batches"]
+
+
 @pytest.fixture
 def exit_handlers(monkeypatch):
     """``alone``'s SIGTERM handler installed over ``previous`` (set by the test), and everything

@@ -291,3 +291,13 @@ def test_the_other_side_is_stopped_around_each_batch_its_quiet_waits_included():
     asyncio.run(run_plan(plan, {OURS: request, BASELINE: request}, 1, 0, sleep=sleep, meter=meter, alone=StubAlone()))
     per_batch = ["sleep", "quiet", "snapshot", "quiet", "snapshot"]
     assert meter.log == [f"alone {OURS}", *per_batch, "both", f"alone {BASELINE}", *per_batch, "both"]
+
+
+def test_an_engine_that_exited_is_not_compared():
+    # A replica replaced during the run: its engine's pid is still tracked, gone or someone else's now.
+    table = FakeTable(Clock())
+    found = tracked()
+    table.gone.add(226)
+    envs = engine_envs(table, found)
+    assert envs[OURS] == [] and [e["pid"] for e in envs[BASELINE]] == [301]
+    assert mismatches(envs) == ["no vLLM engine process found for ours: the engine environment was not compared"]
