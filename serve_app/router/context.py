@@ -270,6 +270,8 @@ class Context:
     def _close(self) -> None:
         outcome = self.outcome
         self.release_slot()
+        # The hop header is a peer router's word only: not before (or without) its failover token.
+        self.record.forwarded_by = self.origin if getattr(self.caller, "peer_bound", False) else None
         self.telemetry.close(outcome.status, outcome.code)
         if self.admitted and not self.billed_elsewhere and self.surface.billed:
             resumer = self.resumer

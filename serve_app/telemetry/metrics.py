@@ -43,7 +43,9 @@ logger = module_logger(__name__)
 
 PREFIX = "serve_app_"
 LABELS = ("region", "model", "route")
-LABELS_WITH_STATUS = (*LABELS, "status")
+# ``hop``: "client" (this region's client sent it) or "peer" (a peer region's router forwarded or
+# resumed it here; that region counts the request too): a sum over regions takes hop="client".
+LABELS_WITH_STATUS = (*LABELS, "status", "hop")
 ERROR_LABELS = (*LABELS_WITH_STATUS, "code")
 
 TTFT = "serve_app_time_to_first_token_seconds"
@@ -83,8 +85,10 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     INPUT_TOKENS: ("Prompt tokens processed.", LABELS),
     OUTPUT_TOKENS: ("Completion tokens generated.", LABELS),
     CACHED_INPUT_TOKENS: ("Prompt tokens served from the engine's prefix cache (included in input tokens).", LABELS),
-    REQUESTS: ("Inference requests answered, by HTTP status.", LABELS_WITH_STATUS),
-    ERRORS: ("Inference requests answered with status >= 400, by status and error code.", ERROR_LABELS),
+    REQUESTS: ("Inference requests answered, by HTTP status; hop=peer: forwarded or resumed here by a peer "
+               "region, which counts it too.", LABELS_WITH_STATUS),
+    ERRORS: ("Inference requests answered with status >= 400, by status and error code (hop as for requests).",
+             ERROR_LABELS),
     FAILOVERS: ("Inference requests forwarded to a peer region, by reason and serving region.", FAILOVER_LABELS),
     RESUMES: ("Streams whose engine failed mid-stream, by cause and whether another replica resumed them.",
               RESUME_LABELS),
@@ -143,7 +147,7 @@ class RequestMetrics:
     def _observe(self, record: RequestRecord, split: Split) -> None:
         m = self._get()
         tags = {"region": record.region, "model": record.model or "unknown", "route": record.route}
-        with_status = {**tags, "status": str(record.status)}
+        with_status = {**tags, "status": str(record.status), "hop": "client" if record.forwarded_by is None else "peer"}
         m[LATENCY].observe(split.server_ms / 1000, tags=with_status)
         m[REQUESTS].inc(1, tags=with_status)
         if record.failover_reason is not None:

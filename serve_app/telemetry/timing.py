@@ -94,6 +94,8 @@ class RequestRecord:
     model_replica: str | None = None  # the model replica (Serve replica tag) that ran inference
     failover_reason: str | None = None  # why the request was forwarded to a peer region
     failover_region: str | None = None  # the peer region that answered it (None: none did)
+    # The region whose router forwarded (or resumed) this request here; None: this region's client sent it.
+    forwarded_by: str | None = None
     resumes: int = 0  # times its stream was resumed on another replica after its engine failed
     resumes_given_up: int = 0  # engine failures mid-stream it could not be resumed from
     resumed_in: str | None = None  # the peer region that continued its stream, if one did

@@ -37,6 +37,8 @@ from tests.unit.auth_support import (
     sign,
 )
 from router_app import router_client
+from serve_app.telemetry import metrics as telemetry_metrics
+from test_telemetry import fake_metrics
 
 
 def _claims_of(token: str) -> dict:
@@ -246,7 +248,7 @@ def test_a_failed_over_request_is_billed_by_the_region_that_answered_it(tmp_path
 
 
 def test_the_hop_header_from_a_client_is_ignored_its_request_fails_over_and_its_record_names_no_origin(
-        tmp_path, router_app):
+        tmp_path, router_app, monkeypatch):
     """Only a peer's router (its failover token, for this region alone) says a request was
     forwarded: from a client the header would write any origin on its bill and keep its request
     from failing over (the one-hop rule)."""
@@ -256,8 +258,14 @@ def test_the_hop_header_from_a_client_is_ignored_its_request_fails_over_and_its_
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     forged = {"Authorization": f"Bearer {key}", HOP_HEADER: "fra-01; not a failover at all"}
     served_here = router_app(auth=yul, region=yul.region)
+    request_metrics, made = fake_metrics()
+    monkeypatch.setattr(telemetry_metrics, "_metrics", request_metrics)
     assert served_here.client.post("/v1/chat/completions", json=body, headers=forged).status_code == 200
     assert [r["failover_origin"] for r in served_here.recorded()] == [None]
+    # nor in the metrics: a client's request, counted as this region's client's (hop="client")
+    stranger = {HOP_HEADER: "fra-01"}  # not even authenticated
+    assert served_here.client.post("/v1/chat/completions", json=body, headers=stranger).status_code == 401
+    assert [tags["hop"] for _, tags in made[telemetry_metrics.REQUESTS].points] == ["client", "client"]
     seen = []
     away = router_app(auth=yul, region=yul.region, peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
                       transport=httpx.MockTransport(lambda r: seen.append(r) or httpx.Response(200, json={})))

@@ -510,15 +510,28 @@ def test_metrics_observe_one_request():
     request_metrics.observe(record)
     tags = {"region": "yul-02", "model": "qwen-3.6-35b-a3b", "route": ROUTE_CHAT}
     m = telemetry_metrics
-    assert made[m.LATENCY].points == [(pytest.approx(0.1), {**tags, "status": "200"})]
+    assert made[m.LATENCY].points == [(pytest.approx(0.1), {**tags, "status": "200", "hop": "client"})]
     assert made[m.TTFT].points == [(pytest.approx(0.04), tags)]
     assert made[m.TPOT].points == [(pytest.approx(0.002), tags)]
     assert made[m.QUEUE].points == [(pytest.approx(0.005), tags)]
     assert made[m.NETWORK].points == [(pytest.approx(0.015), tags)]
     assert made[m.INFERENCE].points == [(pytest.approx(0.08), tags)]
     assert made[m.INPUT_TOKENS].points == [(12, tags)] and made[m.OUTPUT_TOKENS].points == [(31, tags)]
-    assert made[m.REQUESTS].points == [(1, {**tags, "status": "200"})]
+    assert made[m.REQUESTS].points == [(1, {**tags, "status": "200", "hop": "client"})]
     assert made[m.ERRORS].points == []
+
+
+def test_a_request_a_peer_forwarded_here_is_counted_as_the_peers_hop():
+    """The origin region counts the request its client sent; this one, which served it, says it
+    came from a peer, so a sum over regions of hop="client" counts it once."""
+    request_metrics, made = fake_metrics()
+    record = make_record(status=503)
+    record.forwarded_by, record.error_type = "yul-02", "engine_unavailable"
+    request_metrics.observe(record)
+    tags = {"region": "yul-02", "model": "qwen-3.6-35b-a3b", "route": ROUTE_CHAT, "status": "503", "hop": "peer"}
+    m = telemetry_metrics
+    assert made[m.REQUESTS].points == [(1, tags)] and made[m.LATENCY].points == [(pytest.approx(0.1), tags)]
+    assert made[m.ERRORS].points == [(1, {**tags, "code": "engine_unavailable"})]
 
 
 def test_metrics_errors_by_status_and_unresolved_models_are_unknown():
@@ -526,7 +539,7 @@ def test_metrics_errors_by_status_and_unresolved_models_are_unknown():
     record = make_record(queue_ms=None, prefill_ms=None, decode_ms=None, status=404)
     record.model, record.error_type = None, "model_not_found"
     request_metrics.observe(record)
-    tags = {"region": "yul-02", "model": "unknown", "route": ROUTE_CHAT, "status": "404"}
+    tags = {"region": "yul-02", "model": "unknown", "route": ROUTE_CHAT, "status": "404", "hop": "client"}
     assert made[telemetry_metrics.ERRORS].points == [(1, {**tags, "code": "model_not_found"})]
     assert made[telemetry_metrics.QUEUE].points == [] and made[telemetry_metrics.TTFT].points == []
 
