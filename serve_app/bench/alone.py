@@ -10,7 +10,8 @@ ours idle beside it. Stopped, a process uses no CPU and its timers wait; continu
 in the quiet wait before its own next batch.
 
 A benchmark killed by SIGTERM or SIGHUP, or leaving by an exception, continues what it stopped
-first; one killed by SIGKILL cannot: it prints the pids it stops, once, so ``kill -CONT`` can.
+first; one killed by SIGKILL cannot: it prints the pids it stops, each as it is first stopped, so
+``kill -CONT`` can.
 """
 
 import atexit

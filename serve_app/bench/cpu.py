@@ -123,7 +123,7 @@ class Meter:
 
     def threshold(self, side: str | None = None) -> float:
         """Quiet: at most this many cores, ``side`` running (alone, if its floor was measured so)."""
-        return self.floors.get(side, self.floor_cores) + self.margin_cores if side else self.threshold_cores
+        return self.floors.get(side, self.floor_cores) + self.margin_cores
 
     async def wait_quiet(self, side: str | None = None) -> dict[str, Any]:
         """Wait until the host is idle (see the module doc); how long it took, and the last rate."""

@@ -195,9 +195,11 @@ def round_ratios(batches: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         steady = {side: _steady_cpu_per_1k(pair[side]) for side in (OURS, BASELINE)}
         ttft = {side: pair[side].get("ttft_p50_ms") for side in (OURS, BASELINE)}  # absent in older files
         outside = max((c for side in (OURS, BASELINE) if (c := _outside_cores(pair[side])) is not None), default=None)
-        ratio = _ratio(ours, base)
-        excluded = (f"another process used {outside:.2f} cores beside a batch" if outside is not None
-                    and outside > OUTSIDE_CORES else None if ratio is not None else "a side had no tokens")
+        ratio, excluded = _ratio(ours, base), None
+        if outside is not None and outside > OUTSIDE_CORES:
+            excluded = f"another process used {outside:.2f} cores beside a batch"
+        elif ratio is None:
+            excluded = "a side had no tokens"
         rounds.append({
             "round": number, "ours_tokens_per_s": ours, "baseline_tokens_per_s": base,
             "tokens_per_s_ratio": ratio, "basis": basis, "outside_cores": outside, "excluded": excluded,

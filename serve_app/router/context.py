@@ -28,7 +28,6 @@ from fastapi import Request
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
 from serve_app.router.call import ReplicaCall
-from serve_app.router.failover import HOP_HEADER
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.telemetry.logs import module_logger
@@ -164,7 +163,7 @@ class Context:
     def begin(cls, surface: Surface, request: Request, services: Services) -> "Context":
         """Call first thing when the request arrives: the clock and the SERVER span start here."""
         telemetry = RequestTelemetry(surface.route, request.headers, region=services.region, replica=services.replica)
-        return cls(surface, request, services, telemetry, origin=request.headers.get(HOP_HEADER))
+        return cls(surface, request, services, telemetry)  # ``origin``: set once a peer's router is known
 
     @property
     def record(self):
@@ -270,8 +269,7 @@ class Context:
     def _close(self) -> None:
         outcome = self.outcome
         self.release_slot()
-        # The hop header is a peer router's word only: not before (or without) its failover token.
-        self.record.forwarded_by = self.origin if getattr(self.caller, "peer_bound", False) else None
+        self.record.forwarded_by = self.origin
         self.telemetry.close(outcome.status, outcome.code)
         if self.admitted and not self.billed_elsewhere and self.surface.billed:
             resumer = self.resumer

@@ -36,7 +36,7 @@ from serve_app.router.call import REPLICA_FAILURES
 from serve_app.router.context import (
     CLIENT_CLOSED, COUNT_WAIT_S, Context, abandoned, even_if_left, failed, forwarded, in_background, refused,
 )
-from serve_app.router.failover import REGION_HEADER
+from serve_app.router.failover import HOP_HEADER, REGION_HEADER
 from serve_app.router.embeddings_schema import beyond_the_model
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
@@ -94,12 +94,13 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
 async def authenticate(ctx: Context) -> None:
     ctx.caller = await ctx.services.caller(ctx.request, api_key_header=ctx.surface.dialect.api_key_header)
     if ctx.caller.peer_bound:
-        # A peer's router (its failover token): its hop header stands, and nothing is refused
-        # before the body is read — a stream it resumes here carries every token generated so far
-        # (admitted there, billed there), and a request it forwards meets this region's limits at
-        # admission.
+        # A peer's router (its failover token): its hop header names the origin (a peer router's
+        # word, nobody else's: before this, and from any other caller, there is none), and nothing
+        # is refused before the body is read — a stream it resumes here carries every token
+        # generated so far (admitted there, billed there), and a request it forwards meets this
+        # region's limits at admission.
+        ctx.origin = ctx.request.headers.get(HOP_HEADER)
         return
-    ctx.origin = None  # the hop header is a peer router's word, nobody else's
     # What the limiter refuses for certain is refused before a byte of the body is read (a key
     # over its limit, a body its tier could never admit), so that it costs no parse.
     size = declared_length(ctx.request) or 0

@@ -90,6 +90,19 @@ def meter(table: FakeTable, **kwargs) -> Meter:
                  clock=clock, wall=clock, run_clock=clock, sleep=clock.sleep, **kwargs)
 
 
+def idle_after(table: FakeTable, pid: int, seconds: float):
+    """A meter's sleep on the fake clock after which ``pid`` (or ``OTHER_TENANT``) uses no CPU,
+    ``seconds`` from now."""
+    clock, ends = table.clock, table.clock.now + seconds
+
+    async def sleep(step):
+        clock.now += step
+        if clock.now >= ends:
+            table.set_rate(pid, 0.0)
+
+    return sleep
+
+
 def test_quiet_waits_until_the_spinning_engine_stops_and_measures_the_idle_floor():
     table = FakeTable(Clock())
     table.set_rate(220, 0.06)  # the controller's idle loop
@@ -108,14 +121,7 @@ def test_quiet_waits_until_the_spinning_engine_stops_and_measures_the_idle_floor
     assert windows == [0.5] * 4
 
     table.set_rate(301, 1.0)  # bare vLLM's engine core still busy-polling after its batch
-    clock, spin_ends = table.clock, table.clock.now + 1.5
-
-    async def sleep(seconds):
-        clock.now += seconds
-        if clock.now >= spin_ends:
-            table.set_rate(301, 0.0)
-
-    m.sleep = sleep
+    m.sleep = idle_after(table, 301, 1.5)
     quiet = asyncio.run(m.wait_quiet())
     assert not quiet["timed_out"] and quiet["cores"] == pytest.approx(0.10)
     assert quiet["waited_s"] == pytest.approx(2.0)  # three busy windows, then a quiet one
@@ -134,14 +140,7 @@ def test_quiet_waits_for_a_job_beside_the_servers_too():
     table = FakeTable(Clock())
     m = meter(table, window_s=0.5, margin_cores=0.05, timeout_s=10)
     table.set_rate(OTHER_TENANT, 0.8)
-    clock, job_ends = table.clock, table.clock.now + 1.5
-
-    async def sleep(seconds):
-        clock.now += seconds
-        if clock.now >= job_ends:
-            table.set_rate(OTHER_TENANT, 0.0)
-
-    m.sleep = sleep
+    m.sleep = idle_after(table, OTHER_TENANT, 1.5)
     quiet = asyncio.run(m.wait_quiet())
     assert not quiet["timed_out"] and quiet["waited_s"] == pytest.approx(2.0)
 
@@ -201,14 +200,7 @@ def test_a_side_alone_waits_for_quiet_against_its_own_idle_floor():
     table.set_rate(220, 0.0)  # ours stopped
     assert asyncio.run(m.measure_floor(side=BASELINE)) == pytest.approx(0.0) and m.floor_cores == pytest.approx(0.10)
     table.set_rate(301, 0.12)  # bare vLLM's engine core, not idle yet
-    clock, spin_ends = table.clock, table.clock.now + 1.0
-
-    async def sleep(seconds):
-        clock.now += seconds
-        if clock.now >= spin_ends:
-            table.set_rate(301, 0.0)
-
-    m.sleep = sleep
+    m.sleep = idle_after(table, 301, 1.0)
     assert asyncio.run(m.wait_quiet(BASELINE))["waited_s"] == pytest.approx(1.5)  # under 0.15 was not quiet
     # a side without a floor of its own, or none named: the shared one
     assert m.threshold(OURS) == pytest.approx(0.15) and m.threshold() == pytest.approx(0.15)
