@@ -20,7 +20,7 @@ from serve_app.config import ENGINE_ENV, TINY_MODEL_SOURCE, ModelDeploymentArgs,
 from serve_app.engine.deployment import ModelServer
 from serve_app.router.ingress import Router
 # The Ray node's environment, re-exported: `from serve_app.app import RAY_ENV` as before.
-from serve_app.runtime.ray_env import IDLE_ENV, LOCAL_RAY_ENV, RAY_ENV  # noqa: F401
+from serve_app.runtime.ray_env import DRAIN_ENV, IDLE_ENV, LOCAL_RAY_ENV, RAY_ENV  # noqa: F401
 from serve_app.settings import describe_errors
 from serve_app.telemetry.logs import module_logger
 

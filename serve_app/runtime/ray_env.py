@@ -4,6 +4,7 @@ the failover benchmark, the GPU image's smoke test) sets it before Ray's own mod
 terraform/modules/region writes the same into the region's pods (a test holds them equal)."""
 
 from serve_app import haproxy
+from serve_app.config.model import REQUEST_TIMEOUT_S
 from serve_app.runtime import cpus
 
 # HAProxy, which Ray 2.60 bundles, listens on the HTTP port in place of Serve's Python proxy and
@@ -35,7 +36,15 @@ from serve_app.runtime import cpus
 IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_num_workers_soft_limit": "0",
             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "REPORTER_UPDATE_INTERVAL_MS": "10000",
             "SCAN_EVENT_DIR_INTERVAL_SECONDS": "10", "METRICS_RECORD_INTERVAL_S": "60"}
-RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV}
+# A reload of HAProxy (any change to the set of router replicas: a router restart, a num_replicas
+# change, a pod moving) leaves the old HAProxy process serving the connections it holds until they
+# end or, in Ray's default, 120 s after the reload: a stream still running then was cut without
+# its end on every router of the node, not only the replaced ones. A request lasts at most
+# REQUEST_TIMEOUT_S, so the old process now outlives every stream it holds (+30 s for the
+# reload's own lag). Ray holds a stopped replica's port out of reuse this long + 30 s (660 s, of
+# 1,000 ports per node).
+DRAIN_ENV = {"RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(REQUEST_TIMEOUT_S + 30)}
+RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV, **DRAIN_ENV}
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams);
 # HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py;

@@ -279,6 +279,27 @@ def test_make_run_and_the_package_name_the_same_launcher():
     assert scripts[LAUNCHER] == "serve_app.haproxy.launch:main"
 
 
+def test_an_old_haproxy_outlives_every_stream_it_holds_after_a_reload():
+    """Ray's HAProxy config, as Ray builds it in a process started with RAY_ENV: its
+    ``hard-stop-after`` (how long a reloaded-out HAProxy keeps its connections) is longer than any
+    request may last, so a router change cuts no stream (Ray's default, 120 s, cut them)."""
+    import os
+    import subprocess
+    import sys
+
+    from serve_app.app import RAY_ENV
+    from serve_app.config import REQUEST_TIMEOUT_S
+
+    probe = ("from ray.serve._private.haproxy import HAProxyConfig; "
+             "from ray.serve._private import constants as c; "
+             "print(HAProxyConfig().hard_stop_after_s, c.RAY_SERVE_PORT_QUARANTINE_S)")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **RAY_ENV}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    hard_stop, quarantine = int(out[0]), float(out[1])
+    assert hard_stop > REQUEST_TIMEOUT_S
+    assert quarantine > hard_stop  # a freed router port stays out of reuse until the old HAProxy is gone
+
+
 def test_haproxys_own_answers_are_json_in_the_apis_error_shape(node_dir):
     """Ray's template answers 502/503/504 with a text/plain 500 and leaves a malformed request to
     HAProxy's HTML page; the launcher points every ``errorfile`` of ``defaults`` at JSON pages,

@@ -174,10 +174,11 @@ def test_the_stream_ports_clear_rays_own_port_ranges():
 
 
 def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
-    from serve_app.app import IDLE_ENV
+    from serve_app.app import DRAIN_ENV, IDLE_ENV
 
     assert MOD(ENV["RAY_SERVE_ENABLE_HA_PROXY"]) == "1"
     assert {name: MOD(ENV[name]) for name in IDLE_ENV} == IDLE_ENV  # as make run and the tests
+    assert {name: MOD(ENV[name]) for name in DRAIN_ENV} == DRAIN_ENV
     launcher = MOD(ENV[BINARY_PATH_ENV])
     assert Path(launcher).name == LAUNCHER
     dockerfile = (REPO / "terraform" / "image" / "Dockerfile").read_text()

@@ -32,6 +32,10 @@ locals {
     { name = "REPORTER_UPDATE_INTERVAL_MS", value = "10000" },
     { name = "SCAN_EVENT_DIR_INTERVAL_SECONDS", value = "10" },
     { name = "METRICS_RECORD_INTERVAL_S", value = "60" },
+    # An old HAProxy process keeps the streams it holds after a reload until they end, not 120 s
+    # (Ray's default cut every longer stream of the node): the request timeout + 30 s
+    # (serve_app.runtime.ray_env.DRAIN_ENV).
+    { name = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", value = "630" },
     # The model replicas' stream listeners take their port from this range, the one the
     # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
