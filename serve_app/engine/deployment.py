@@ -37,6 +37,7 @@ from ray import serve
 from serve_app.config import ModelDeploymentArgs
 from serve_app.engine import replay, token_count
 from serve_app.engine.protocol import Engine
+from serve_app.engine.slots import Slots
 from serve_app.hot_load.autoscaling import LINE_CALLS_METRIC
 from serve_app.errors import error_body
 from serve_app.runtime import cpus, heap
@@ -71,15 +72,14 @@ class _ModelServer:
         """``model_path``: the weights, resolved when the app is built (``app.resolve_model_path``);
         ``make_engine``: the engine to serve with (a fake one in unit tests)."""
         self.model_id = args.id
+        self._args = args
         self.replica = _replica_id()
         self.in_flight = 0  # calls under way, through the handle or a direct line (or waiting: ``counted``)
         self.line_calls = 0  # of which on a direct line: no handle counts them for the autoscaler
         # Serve admits handle calls up to max_ongoing_requests by its own count, which has no line
         # calls in it: these slots hold the replica's calls of both kinds to that number.
-        self._slots = asyncio.Semaphore(args.max_ongoing_requests)
+        self._slots = Slots(self._capacity)
         self.stopping = False  # Serve is stopping this replica: the direct lines take no new call
-        # How long a stopping replica waits for its line calls: Serve kills it at this from the stop.
-        self._drain_s = args.graceful_shutdown_timeout_s
         self.engine = make_engine(args, model_path)
         # On a CPU host (SERVE_APP_GATEWAY_CPUS, runtime/cpus.py): the engine's processes are born
         # with the whole host, this one goes back to the gateway's cores once they are.
@@ -90,7 +90,7 @@ class _ModelServer:
         await listener.start()  # TLS: a region option
         # Named in every head: a router whose region calls directly learns it there (wire/line.py).
         self.line = DirectLine(self.replica, listener.line_key, listener.address, tls=listener.tls,
-                               local=listener.local, node=handoff.this_node(), capacity=args.max_ongoing_requests)
+                               local=listener.local, node=handoff.this_node(), capacity=self._capacity())
         heap.freeze_startup()  # start-up's objects, out of the collector's reach
 
     async def _answer(self, surface: Surface, call: Call) -> AsyncIterator[Item]:
@@ -208,9 +208,29 @@ class _ModelServer:
     def engine_stats(self) -> dict[str, int]:
         return {"unfinished_requests": self.engine.unfinished_requests()}
 
+    def _option(self, name: str) -> float:
+        """One of this replica's deployment options as Serve holds it now (a deploy that changes
+        ``max_ongoing_requests`` or ``graceful_shutdown_timeout_s`` reconfigures the replica in
+        place and hands it a new context). The model application's args carry only what the
+        engine is built from (``regions/layout.py``: a change there restarts the replicas), so
+        theirs are defaults; outside Serve (unit tests) they are the deployment's."""
+        try:
+            config = serve.get_replica_context()._deployment_config
+        except Exception:  # RayServeException: not in a replica
+            return getattr(self._args, name)
+        return getattr(config, name)
+
+    def _capacity(self) -> int:
+        return int(self._option("max_ongoing_requests"))
+
     def _advertised(self) -> DirectLine | None:
-        """The line a head names: none once Serve is stopping this replica."""
-        return None if self.stopping else self.line
+        """The line a head names, with the capacity it has now: none once Serve is stopping this
+        replica."""
+        if self.stopping:
+            return None
+        if self.line.capacity != (capacity := self._capacity()):
+            self.line = dataclasses.replace(self.line, capacity=capacity)
+        return self.line
 
     async def counted(self, items: AsyncIterator[Item], *, line: bool = False) -> AsyncIterator[Item]:
         """``items``, the call counted in flight while they last (``line``: and as a line call),
@@ -249,7 +269,7 @@ class _ModelServer:
             return Refused("unknown method")
         if self.stopping:
             return Refused("stopping")
-        if self.in_flight >= self.line.capacity:
+        if self.in_flight >= self._capacity():
             return Refused("full")
         return self.counted(self._answer(surface, call), line=True)
 
@@ -270,7 +290,8 @@ class _ModelServer:
         return None
 
     async def _close_when_done(self) -> None:
-        deadline = time.monotonic() + self._drain_s
+        # Serve kills the replica this long after the stop: the lines' calls may run until then.
+        deadline = time.monotonic() + self._option("graceful_shutdown_timeout_s")
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self._close()

@@ -4,7 +4,6 @@ on the replica's line once a head named it, answers exactly as through the handl
 the same; every call the line does not start goes through the handle, and nothing is lost."""
 
 import asyncio
-import dataclasses
 import json
 import socket
 from types import SimpleNamespace
@@ -125,8 +124,10 @@ def test_a_full_replica_refuses_and_the_call_goes_through_the_handle_keeping_the
     app, key = direct
     _chat(app, key)
     server = _server(app)
-    server.line = dataclasses.replace(server.line, capacity=0)  # what the replica enforces
+    server._args = server._args.model_copy(update={"max_ongoing_requests": 1})  # its deployment's, as it reads it
+    server.in_flight += 1  # another router's call counted in flight: the replica is full to its lines
     _chat(app, key)
+    server.in_flight -= 1
     assert _handle_calls(app) == 2 and len(app.services.lines.known(MODEL)) == 1
     assert [row["status"] for row in app.recorded()] == [200, 200]
 
