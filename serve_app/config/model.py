@@ -61,6 +61,11 @@ class Routing(Settings):
     policy: Literal["prefix_affinity", "default"] = "prefix_affinity"
     # A replica this full (of max_ongoing_requests) takes no affinity request...
     saturated_fraction: float = Field(0.5, gt=0, le=1)
+    # ...or, when set, one with this many requests ongoing: its engine's batch (max_num_seqs), so
+    # the threshold does not move with max_ongoing_requests. Serve hashes these options into the
+    # model's code version (a change replaces its replicas), and a region's max_ongoing_requests
+    # is an in-place knob: the regions' render writes this, not a fraction of it.
+    saturated_at: int | None = Field(None, ge=1)
     # ...nor one for a prefix when it is this much fuller than the least loaded replica.
     max_imbalance_fraction: float = Field(0.25, ge=0, le=1)
     # A prefix shorter than this share of the prompt does not count.
@@ -86,7 +91,10 @@ def request_router_config(routing: Routing) -> dict[str, Any]:
     if routing.policy == "prefix_affinity":
         config |= {
             "request_router_class": "serve_app.routing.router:PrefixAffinityRouter",
-            "request_router_kwargs": routing.model_dump(exclude={"policy"}),
+            # Only the threshold in use: saturated_at when set, else saturated_fraction.
+            "request_router_kwargs": routing.model_dump(
+                exclude={"policy", "saturated_fraction" if routing.saturated_at is not None else "saturated_at"}
+            ),
         }
     return config
 

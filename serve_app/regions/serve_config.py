@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from serve_app import catalog
-from serve_app.config import REQUEST_TIMEOUT_S, AppArgs, Routing
+from serve_app.config import REQUEST_TIMEOUT_S, AppArgs
 from serve_app.regions import layout
 from serve_app.regions.schema import GLOBAL_HOSTNAME, Region, RegionError, RegionModel, public_endpoint
 from serve_app.settings import describe_errors
@@ -94,11 +94,11 @@ def model_args(region: Region, model: RegionModel) -> dict[str, Any]:
         "downscale_delay_s": model.downscale_delay_s,
     }
     state = {"initial_state": model.state} if model.state != "loaded" else {}
-    # A replica takes affinity requests until its engine's batch is full (max_num_seqs of the
-    # max_ongoing_requests it admits; the rest wait in the engine's queue): Routing's default, 0.5,
-    # is that for the app's 2x; a region admits 1.5x, so its own share is written.
-    full = round(model.max_num_seqs / model.max_ongoing_requests, 3)
-    routing = {"routing": {"saturated_fraction": min(full, 1.0)}} if full != Routing().saturated_fraction else {}
+    # A replica takes affinity requests until its engine's batch is full (the rest wait in the
+    # engine's queue): written as the batch itself, not as a share of max_ongoing_requests, which
+    # would make that in-place knob a change of the routing options (Serve hashes those into the
+    # code version: every replica of the model replaced, docs/operations.md).
+    routing = {"routing": {"saturated_at": model.max_num_seqs}}
     health = {"region_health": model.region_health} if model.region_health != "optional" else {}
     # Off is the default: written only when the region allows some hosts.
     media = {"media": {"allowed_domains": list(region.media.allowed_domains)}} if region.media.enabled else {}

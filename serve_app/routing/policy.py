@@ -6,8 +6,9 @@ In order:
    said which conversation this is, ``session.py``), else the one known to hold the longest
    prefix of its prompt (``index.py``), if that prefix is at least ``min_match_fraction`` of the
    prompt (a shared greeting is not worth a detour).
-2. **Load.** A replica is *saturated* when its ongoing requests reach ``saturated_fraction`` of
-   its ``max_ongoing_requests`` (our configs admit twice the engine's batch, so 0.5 means the
+2. **Load.** A replica is *saturated* when its ongoing requests reach ``saturated_at`` (a
+   region's: its engine's batch, ``max_num_seqs``) or, unset, ``saturated_fraction`` of its
+   ``max_ongoing_requests`` (the local configs admit twice the engine's batch, so 0.5 means the
    engine would queue it). A prefix replica must also be within ``max_imbalance_fraction`` ×
    ``max_ongoing_requests`` of the least-loaded one, so that a popular system prompt does not
    pull every new conversation onto one replica; a session pin only has to be unsaturated (the
@@ -44,9 +45,14 @@ class Thresholds:
     saturated_fraction: float = 0.5
     max_imbalance_fraction: float = 0.25
     min_match_fraction: float = 0.1
+    saturated_at: int | None = None  # ongoing requests; unset: saturated_fraction of max_ongoing
 
     def saturated(self, load: Load) -> bool:
-        return load.ongoing is not None and load.ongoing >= max(1, math.ceil(self.saturated_fraction * load.max_ongoing))
+        if load.ongoing is None:
+            return False
+        if self.saturated_at is not None:
+            return load.ongoing >= min(self.saturated_at, load.max_ongoing)
+        return load.ongoing >= max(1, math.ceil(self.saturated_fraction * load.max_ongoing))
 
     def imbalance(self, load: Load) -> int:
         return max(1, round(self.max_imbalance_fraction * load.max_ongoing))

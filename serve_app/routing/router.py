@@ -57,6 +57,7 @@ class PrefixAffinityRouter(RequestRouter):
         replica_cache_chars: int = DEFAULT_REPLICA_CACHE_CHARS,
         max_index_blocks: int = DEFAULT_MAX_BLOCKS,
         saturated_fraction: float = 0.5,
+        saturated_at: int | None = None,
         max_imbalance_fraction: float = 0.25,
         min_match_fraction: float = 0.1,
         max_sessions: int = MAX_SESSIONS,
@@ -66,7 +67,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._block_chars = block_chars
         self._index = PrefixIndex(max(1, replica_cache_chars // block_chars), max_index_blocks)
         self._index.sync(self._replica_id_set)
-        self._thresholds = policy.Thresholds(saturated_fraction, max_imbalance_fraction, min_match_fraction)
+        self._thresholds = policy.Thresholds(saturated_fraction, max_imbalance_fraction, min_match_fraction,
+                                             saturated_at)
         self._sessions: OrderedDict[int, ReplicaID] = OrderedDict()
         self._max_sessions = max_sessions
         self._compare = compare_with_default

@@ -109,6 +109,21 @@ def test_a_saturated_replica_sheds_affinity_instead_of_queueing_the_turn_behind_
     assert (decision.reason, decision.matched_chars) == ("shed", 0)
 
 
+def test_a_threshold_in_requests_keeps_the_turn_on_its_prefix_until_the_engines_batch_is_full():
+    """A region's routing options (``saturated_at``: its engine's batch) reach the policy through
+    Serve's ``request_router_kwargs``."""
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")], saturated_at=20)
+        first = await h.route(chat(["Refactor the router."]))
+        h.load(first, 16)  # half of max_ongoing 32, but 4 seats of a batch of 20 still free
+        h.load("b" if first == "a" else "a", 10)
+        second = await h.route(call := chat(["Refactor the router.", "Which part?", "The retry loop."]))
+        return first, second, decisions.take(call.request_id)
+
+    first, second, decision = run(scenario)
+    assert second == first and decision.reason == "prefix"
+
+
 @pytest.mark.parametrize("busier, lands_on_holder", [(8, True), (9, False)])
 def test_a_prefix_is_followed_only_while_its_replica_is_within_the_imbalance_of_the_least_loaded(busier, lands_on_holder):
     async def scenario():

@@ -232,7 +232,7 @@ def test_yul_02_keeps_its_pilot_settings():
         "resources": {"num_cpus": 8, "num_gpus": 0.9, "accelerator_type": "RTX-PRO-6000"},
         "max_ongoing_requests": 96,
         "max_queued_requests": 128,
-        "routing": {"saturated_fraction": 0.667},  # affinity until the batch (64 of 96) is full
+        "routing": {"saturated_at": 64},  # affinity until the engine's batch is full, whatever it admits
     }
     # The embedding model beside it on each GPU (docs/regions.md, "One GPU, two engines").
     assert embedding["id"] == "qwen-3-embedding-0.6b"

@@ -141,6 +141,20 @@ def test_without_affinity_the_emptiest_cache_wins_a_tie_and_saturated_replicas_r
     assert chosen.ranks == [["b"], ["a", "d"], ["c"]]
 
 
+def test_a_threshold_in_requests_holds_affinity_until_the_engines_batch_is_full_whatever_is_admitted():
+    """A region's replicas are saturated at their engine's batch (``saturated_at``, its
+    max_num_seqs), so admitting more (max_ongoing_requests 96 -> 128) moves nothing; never past
+    what a replica admits."""
+    batch = policy.Thresholds(saturated_at=64)
+    for admitted in (96, 128):
+        assert not batch.saturated(policy.Load("a", 63, admitted)) and batch.saturated(policy.Load("a", 64, admitted))
+    assert batch.saturated(policy.Load("a", 48, 48))  # admitted below the batch: full is saturated
+    assert T.saturated(policy.Load("a", 48, 96)) and not batch.saturated(policy.Load("a", 48, 96))
+    pinned = [policy.Load("a", 60, 96), policy.Load("b", 0, 96)]
+    assert policy.plan(pinned, {}, 5, batch, pinned="a").reason == "session"
+    assert policy.plan(pinned, {}, 5, T, pinned="a").reason == "shed"
+
+
 def test_decisions_are_taken_once_and_bounded(monkeypatch):
     monkeypatch.setattr(decisions, "MAX_PENDING", 3)
     for i in range(5):

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from serve_app.auth.config import DEFAULT_TIERS
 from serve_app.regions import layout
+from serve_app.regions import schema as region_schema
+from serve_app.regions import serve_config as region_serve_config
 from serve_app.regions.cli import app as regions_app
 from serve_emulation import IN_PLACE, RECONFIGURE, RESTART, SAME, deployments, what_a_redeploy_does
 from tests.conftest import REPO, load_serve_config
@@ -130,6 +132,36 @@ def test_the_hot_load_policys_own_settings_restart_that_model_as_serve_2_60_hash
     config = load_serve_config("fra-01.yaml")
     delay = _with(config, lambda s: _model(s)["autoscaling"].update(downscale_delay_s=900))
     assert what_a_redeploy_does(config, delay) == {ROUTER: RECONFIGURE, QWEN: RESTART, SIBLING_MODEL: SAME, EMBED: SAME}
+
+
+def _rendered(region_id: str, change=None) -> dict:
+    """The region's Serve config as `serve-app regions render` writes it, ``change`` made to its
+    region file first (what an operator edits)."""
+    data = yaml.safe_load((REPO / "regions" / f"{region_id}.yaml").read_text())
+    if change is not None:
+        change(data)
+    return region_serve_config.serve_config(region_schema.parse_region(data, f"regions/{region_id}.yaml"))
+
+
+def test_a_region_files_max_ongoing_requests_is_changed_in_place():
+    """The render writes the routing threshold as the engine's batch (``saturated_at``), not as
+    a share of ``max_ongoing_requests``: a share moved the routing options with it, which Serve
+    hashes into the code version, so raising a region's ``max_ongoing_requests`` replaced every
+    replica of the model (minutes each, a spare GPU each) where docs/operations.md says in place."""
+    def raise_admission(data):
+        (model,) = [m for m in data["models"] if m["id"] == MODEL]
+        model["max_ongoing_requests"] = 128
+
+    done = what_a_redeploy_does(_rendered("fra-01"), _rendered("fra-01", raise_admission))
+    assert done[QWEN] in (IN_PLACE, RECONFIGURE) and done[SIBLING_MODEL] == SAME and done[EMBED] == SAME, done
+
+
+def test_a_models_routing_options_restart_that_model_as_serve_2_60_hashes_them():
+    """Serve hashes every deployment's ``request_router_config`` into its application's code
+    version (_private/deploy_utils.py:168-194). Pinned here so docs/operations.md stays true."""
+    config = load_serve_config("fra-01.yaml")
+    wider = _with(config, lambda s: _model(s).setdefault("routing", {}).update(max_imbalance_fraction=0.5))
+    assert what_a_redeploy_does(config, wider) == {ROUTER: RECONFIGURE, QWEN: RESTART, SIBLING_MODEL: SAME, EMBED: SAME}
 
 
 def test_adding_a_model_starts_its_application_and_restarts_nothing():
