@@ -117,6 +117,11 @@ def _openai_problem(path: str, part: Any, policy: MediaPolicy) -> APIError | Non
         url = value.get("url") if isinstance(value, dict) else value
         if isinstance(url, str) and (problem := _url_problem(url, policy)):
             return _refused(f"{path}.{key}", problem)
+    if "uuid" in part:
+        # vLLM keys its media caches (the processor's and the encoder's) by a part's uuid, with no
+        # cache salt, across every owner of a replica: a part naming a uuid, with or without data,
+        # could be served another owner's image or plant its own under their uuid.
+        return _refused(f"{path}.uuid", "uuid is not supported: media parts are identified by their content")
     return None
 
 

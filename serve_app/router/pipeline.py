@@ -64,7 +64,9 @@ async def run(services: Services, request: Request, surface: Surface) -> Respons
         if stage in CHARGED_WHEN_REFUSED and not ctx.caller.peer_bound:  # a peer's: admitted where it came from
             await _charge_refusal(ctx)  # after settling: a client that leaves meanwhile leaves it settled
         refusal = surface.dialect.error_response(err)
-        refusal.headers.update(ctx.telemetry.headers())  # its timing (all network) and trace id
+        # Its timing (all network) and trace id; a credential refused gets no timing: whether its
+        # key's row was cached (µs) or read (ms) would say whether someone used that key lately.
+        refusal.headers.update(ctx.telemetry.trace_headers() if stage is authenticate else ctx.telemetry.headers())
         return refusal
     except asyncio.CancelledError:  # the client left before an answer was ready
         ctx.settle(abandoned())

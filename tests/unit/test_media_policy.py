@@ -264,6 +264,18 @@ def test_a_media_key_on_a_text_typed_part_is_checked_too():
     refused("chat", chat(part), CDN, "messages[0].content[1].image_url")
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "https://cdn.example.com/a.png"}, "uuid": "invoice-1"},
+    {"type": "image_url", "image_url": None, "uuid": "invoice-1"},  # no data: the cache's copy, if any
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}, "uuid": "call-7"},
+])
+def test_a_media_part_that_names_its_cache_id_is_refused(part):
+    """vLLM keys its processor and encoder caches by a part's uuid, across owners and with no
+    cache salt: another owner's image would answer for it, or this one would answer for theirs."""
+    problem = refused("chat", chat(part), CDN, "messages[0].content[1].uuid")
+    assert "uuid is not supported" in problem.message
+
+
 def test_tokenize_renders_media_too_and_is_checked_alike():
     body = {"model": MODEL, "messages": chat(image(INTERNAL))["messages"]}
     refused("tokenize", body, OFF, "messages[0].content[1]")

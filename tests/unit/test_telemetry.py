@@ -762,7 +762,7 @@ def test_each_stage_is_read_off_the_context_once_it_ran_even_when_it_raised():
     ctx = SimpleNamespace(id="req-1", body={}, model=None, call=None)
     with pytest.raises(PermissionError), telemetry.stage("authenticate", ctx):
         time.sleep(0.001)
-        raise PermissionError  # a refused key: its auth time is still on Server-Timing
+        raise PermissionError  # a refused key: its auth time is still on its record (the span)
     assert telemetry.record.auth_ms >= 1.0
 
     ctx.body = {"model": "qwen-3.6-a3b", "stream": True, "temperature": 0.5, "messages": [{"content": "secret"}]}

@@ -236,6 +236,22 @@ def test_a_streams_head_carries_its_trace_id(router_app):
     assert len(trace_id) == 32 and f'"trace_id":"{trace_id}"' in response.text.replace(" ", "")
 
 
+def test_a_refused_credential_carries_its_trace_id_but_no_timing_and_a_later_refusal_both(router_app):
+    """Whether a key's row was cached (µs) or read from the registry (ms) says whether someone
+    used that key lately: another tenant sending its key id with a made-up secret read it off
+    ``Server-Timing``. A refusal after authentication keeps its timing."""
+    app = router_app(engine=FakeEngine())
+    key, record = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    app.client.post("/v1/chat/completions", json=body, headers=bearer(key))  # alice's row, cached
+    forged = f"pgk_{record.key_id}_{'x' * 43}"
+    refused = app.client.post("/v1/chat/completions", json=body, headers=bearer(forged))
+    assert refused.status_code == 401 and "server-timing" not in refused.headers
+    assert len(refused.headers[TRACE_ID_HEADER]) == 32
+    unknown = app.client.post("/v1/chat/completions", json={**body, "model": "nope"}, headers=bearer(key))
+    assert unknown.status_code == 404 and set(parse_server_timing(unknown.headers["server-timing"])) >= {"total"}
+
+
 @pytest.mark.parametrize("path, shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
 def test_an_unhandled_error_is_a_500_with_its_trace_id_and_timing(router_app, monkeypatch, path, shape):
     app = router_app(engine=FakeEngine())
