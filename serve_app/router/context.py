@@ -255,7 +255,8 @@ class Context:
         self.call = call
 
     def _not_served_here(self, outcome: Outcome) -> bool:
-        """A peer region served it (and charges its own limits), or the gateway failed it (5xx)
+        """A peer region served it (and charges its own limits), the engine refused it (a 4xx with
+        no count: nothing ran, as a refusal of the router's own), or the gateway failed it (5xx)
         before any replica took it (no head: loading, overloaded, the replica gone): its
         admission's tokens go back (``Authenticator.refund``). Once a replica has taken it, its
         engine may have worked — a non-stream answer that failed reports no count, a stream cut
@@ -263,6 +264,8 @@ class Context:
         replaced since (failing over to peers that all refused, a resume that broke)."""
         if self.billed_elsewhere:
             return True
+        if 400 <= outcome.status < 500 and outcome.status != CLIENT_CLOSED and self.generated is None:
+            return True  # the engine refused it as the client's mistake, before it generated or counted a token
         taken = self.replica_took or _taken(self.call)
         return outcome.status >= 500 and not taken and self.record.first_chunk_ms is None
 

@@ -48,6 +48,19 @@ def test_a_shorter_answer_gives_nothing_back(router_app):
     assert _tokens_left(app, key) < 100  # charged its 900-token limit, though 3 were generated
 
 
+def test_a_request_the_engine_refused_before_generating_gives_the_tokens_back(router_app):
+    """A 400 from the engine (a prompt over the context, a parameter vLLM refuses) generated
+    nothing: like a refusal of the router's own, it costs a request and no tokens (docs/auth.md).
+    Before, its whole price stayed charged: one such 400 locked a small key out for a minute."""
+    app = router_app(engine=FakeEngine(refuse=400), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")
+    refused = app.client.post("/v1/chat/completions", json=BODY, headers=bearer(key))
+    assert refused.status_code == 400
+    assert _tokens_left(app, key) >= 990  # its ~905 tokens given back
+    (row,) = app.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (400, 0, 0)
+
+
 def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, router_app):
     regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
     peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))
