@@ -177,6 +177,9 @@ async def one_change(client, url: str, app: str, config: dict[str, Any], dashboa
         "streams_by_outcome": count(outcomes),
         "streams_failed": sum(o.label != "200 done" for o in outcomes),
         "503s": sum(o.status == 503 for o in outcomes),
+        # A stream cut by a stopped replica and resumed elsewhere still ends "200 done": counted
+        # apart, or a draining gap would pass for a clean drain.
+        "streams_resumed": sum(o.resumes > 0 or o.resumed_in is not None for o in outcomes),
         "ttft_p95_s_before": _ttft_p95([o for o in outcomes if o.started_at < sent]),
         "ttft_p95_s_during": _ttft_p95(during),
         "model_pids_before": before["model"], "model_pids_after": after["model"],

@@ -43,6 +43,7 @@ def _every_stream_finished(change: dict, clients: int) -> None:
     assert change["streams"] >= clients and change["streams_started_during"] > 0, change
     assert change["streams_by_outcome"] == {"200 done": change["streams"]}, change
     assert change["streams_failed"] == 0 and change["503s"] == 0, change
+    assert change["streams_resumed"] == 0, change  # drained, not cut and resumed elsewhere
 
 
 def test_a_router_setting_reconfigures_the_routers_and_leaves_the_model_replica_running(redeployed):
