@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from serve_app.usage.records import UsageRecord
+from serve_app.usage.records import UnknownFields, UsageRecord
 from serve_app.usage.store import UsageStore
 from serve_app.telemetry.logs import module_logger
 
@@ -62,6 +62,7 @@ class UsageLedger:
         self._pending: list[UsageRecord] = []
         self._unwritten: Counter[str] = Counter()  # tokens by key, until the database has them
         self._own_spool: dict[str, Counter[str]] = {}  # this writer's spool files -> their tokens
+        self._held: set[str] = set()  # spool files left for another router (warned once)
         self._wakeup = asyncio.Event()
         self._closing = False
         self._closed = False  # the last flush is done: a later record is spooled as it comes
@@ -198,6 +199,11 @@ class UsageLedger:
         for name in names:
             try:
                 records = await asyncio.to_thread(self._replay_file, self.spool_dir / name)
+            except _Held as held:  # left where it is; the files after it still go
+                if name not in self._held:
+                    self._held.add(name)
+                    logger.warning("usage ledger: leaving %s in the spool: %s", name, held)
+                continue
             except Exception as err:  # the database went away again: the rest waits for the next write
                 logger.warning("usage ledger: replaying %s failed (%s: %s)", name, type(err).__name__, err)
                 return
@@ -226,14 +232,24 @@ class UsageLedger:
             lines = path.read_bytes().splitlines()  # decoded line by line: one bad byte spoils one line
         except FileNotFoundError:
             return None
-        records = []
+        except OSError as err:  # not a file, not readable: no reason to keep the others waiting
+            raise _Held(f"it cannot be read ({err})") from None
+        records, newer = [], 0
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 records.append(UsageRecord.from_json(json.loads(line.decode())))
+            except UnknownFields:
+                newer += 1
             except ValueError as err:  # json's and the decoder's errors are ValueErrors too
                 logger.error("usage ledger: skipping corrupt line %d of %s (%s)", number, path.name, err)
+        if newer:
+            # Billed requests, not corrupt lines: deleted here, they were never billed. A router
+            # of the release that wrote them replays the whole file (a record written twice is
+            # written once: its id).
+            raise _Held(f"{newer} of its records have fields this release does not know (a newer release "
+                        "wrote them): a router of that release replays it")
         self.store.insert(records)
         path.unlink(missing_ok=True)
         return records
@@ -250,6 +266,10 @@ class UsageLedger:
                 self.on_written(dict(tokens))
             except Exception:
                 logger.exception("usage ledger: on_written failed")
+
+
+class _Held(Exception):
+    """A spool file this replica leaves where it is, going on with the next ones."""
 
 
 def _tokens_by_key(records: list[UsageRecord]) -> Counter[str]:

@@ -18,6 +18,11 @@ def utc_day(epoch_s: float) -> str:
     return dt.datetime.fromtimestamp(epoch_s, dt.timezone.utc).strftime("%Y-%m-%d")
 
 
+class UnknownFields(ValueError):
+    """A record with fields this release does not know: a newer release wrote it (a spool file
+    it left during a rolling deploy or a rollback), which can replay it."""
+
+
 @dataclass(frozen=True)
 class UsageRecord:
     id: str  # idempotent record id (uuid4 hex), made by the router when the request arrives
@@ -67,7 +72,7 @@ class UsageRecord:
             raise ValueError(f"a usage record is a JSON object, not {type(raw).__name__}")
         unknown = set(raw) - set(_TYPES)
         if unknown:
-            raise ValueError(f"unknown fields {sorted(unknown)}")
+            raise UnknownFields(f"unknown fields {sorted(unknown)}")
         for name, allowed in _TYPES.items():
             if name not in raw:
                 if name in _OPTIONAL:

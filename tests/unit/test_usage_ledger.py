@@ -203,6 +203,36 @@ def test_a_line_the_database_would_refuse_is_skipped_and_never_blocks_later_file
     assert "skipping corrupt line 1 " in caplog.text
 
 
+def test_a_newer_releases_spool_file_is_left_for_it_and_an_unreadable_one_blocks_nothing(store, tmp_path, caplog):
+    """A rolling deploy or a rollback while the database is away: a router of the newer release
+    spools records with a field this one does not know. They are billed requests, not corrupt
+    lines: this router leaves the file (warned once) for a router of that release, instead of
+    deleting it unbilled; an unreadable entry (a directory) is passed over, not a stop for
+    every later file."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    stamp = time.time_ns()
+    newer = {**usage_record(key_id="k0").to_json(), "billing_tier": "gold"}
+    newer_file = f"new-{stamp}.jsonl"
+    (spool / newer_file).write_text(json.dumps(newer) + "\n")
+    (spool / f"odd-{stamp + 1}.jsonl").mkdir()
+    later = [usage_record(key_id="k1") for _ in range(3)]
+    (spool / f"other-{stamp + 2}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in later))
+    ledger = UsageLedger(store, spool, writer_id="old", flush_interval_s=0.01)
+
+    async def main():
+        await _record_and_flush(ledger, usage_record(key_id="k2"))
+        await ledger._replay()  # again: the same files, warned about once
+
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        asyncio.run(main())
+    assert (_requests(store, "k0"), _requests(store, "k1"), _requests(store, "k2")) == (0, 3, 1)
+    assert _spool_files(spool) == [newer_file, f"odd-{stamp + 1}.jsonl"]
+    assert "corrupt" not in caplog.text
+    assert sum(f"leaving {newer_file}" in line for line in caplog.text.splitlines()) == 1
+    assert "fields this release does not know" in caplog.text and "cannot be read" in caplog.text
+
+
 def test_spool_files_are_replayed_oldest_first(store, tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()
