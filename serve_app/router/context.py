@@ -144,6 +144,7 @@ class Context:
     headers: dict[str, str] = field(default_factory=dict)  # rate limits, budgets, region: on the response
     admitted: bool = False  # passed the budget and the rate limit: its usage is recorded
     billed_elsewhere: bool = False  # forwarded: the peer that serves it records it
+    admission_returned: bool = False  # its tokens/min and budget hold went back early (``hand_over``)
     call: ReplicaCall | None = None
     replica_took: bool = False  # a call replaced since (``replace_call``) had its replica's head
     cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
@@ -254,6 +255,20 @@ class Context:
         self.replica_took = self.replica_took or _taken(self.call)
         self.call = call
 
+    def hand_over(self) -> None:
+        """A peer region took it, and charges its own limits and holds its own budget: this
+        region's admission goes back now, not at the answer's last byte (a ten-minute stream held
+        its price against the key's budget here that long, on top of the peer's record once
+        written, and this region's tokens/min short by it: the key's requests here were refused
+        as over budget)."""
+        self.billed_elsewhere = True
+        if self.admitted and not self.admission_returned:
+            self.services.auth.refund(self.caller, self.price.total)
+        if self.reservation is not None:
+            self.reservation.release()
+            self.reservation = None
+        self.admission_returned = True
+
     def _not_served_here(self, outcome: Outcome) -> bool:
         """A peer region served it (and charges its own limits), the engine refused it (a 4xx with
         no count: nothing ran, as a refusal of the router's own), or the gateway failed it (5xx)
@@ -284,7 +299,7 @@ class Context:
                 self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
         elif self.admitted and self.counted_tokens:  # counting tokens: not billed, but rate-limited
             self.services.auth.charge(self.caller, self.counted_tokens - self.price.total)
-        if self.admitted and self._not_served_here(outcome):
+        if self.admitted and not self.admission_returned and self._not_served_here(outcome):
             self.services.auth.refund(self.caller, self.price.total)
         if self.reservation is not None:  # after the record: its real tokens count from now on
             self.reservation.release()

@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from serve_app import routing
-from serve_app.errors import APIError
+from serve_app.errors import APIError, retry_later
 from serve_app.router import isolation, pricing, relay
 from serve_app.router.body import declared_length, read_body
 from serve_app.router.call import REPLICA_FAILURES
@@ -120,7 +120,18 @@ async def parse(ctx: Context) -> None:
 
 
 async def resolve(ctx: Context) -> None:
-    ctx.model = ctx.body["model"] = ctx.services.resolve(ctx.body.get("model"))
+    try:
+        ctx.model = ctx.body["model"] = ctx.services.resolve(ctx.body.get("model"))
+    except APIError as err:
+        if ctx.origin is None or err.code != "model_not_found":
+            raise
+        # Forwarded by a peer that serves the model (it resolved it) and could not: a model not
+        # served here is no verdict on the request. A 503 moves the forwarder on to its next peer,
+        # or to its own 503 (loading, with Retry-After), instead of a 404 that a client takes for
+        # "this model does not exist" and never retries (a region's optional model starting
+        # after a cluster rollout, where no peer serves it).
+        raise retry_later(f"{ctx.body.get('model')!r} is not served in region {ctx.services.region}",
+                          "model_not_served") from None
 
 
 async def validate(ctx: Context) -> None:
@@ -312,10 +323,10 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
         ctx.billed_elsewhere = True  # the client left meanwhile: a peer may have admitted it, and bills it
         raise
     # The region that took it bills it; none did: this one (any other error: no peer's engine ran it).
-    ctx.billed_elsewhere = result.response is not None
     ctx.telemetry.note_failover(result.attempts, result.region)
     if result.response is None:
         return None
+    ctx.hand_over()
     if not result.stream:
         ctx.settle(forwarded(result.status, result.error_type))
     return result.response

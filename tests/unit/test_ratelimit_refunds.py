@@ -78,6 +78,30 @@ def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, 
     assert [r["failover_origin"] for r in peer.recorded()] == ["yul-02"]  # the peer billed the first
 
 
+def test_a_stream_a_peer_took_gives_the_origins_tokens_and_budget_hold_back_before_it_ends(tmp_path, router_app):
+    """The peer charges its own limits and holds its own budget from the moment it takes the
+    request: this region's admission goes back then, not at the last byte (a long stream held
+    its price here that long: the key's requests here were refused as over budget)."""
+    regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
+    peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=40, latency_s=0.02))
+    home = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(tokens=3),
+                      peers=(Peer(region="yvr-01", endpoint="https://yvr.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, record = home.auth.keys.create_key(owner="alice", tier="tiny")  # 1,000 tokens a minute
+    home.services.meter.store.set_budget(record.key_id, tokens_per_day=100_000, tokens_per_month=None)
+    home.serve.stop(MODEL)
+    home.run(home.services.states.refresh)
+    with home.client.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True},
+                            headers=bearer(key)) as streaming:
+        lines = iter(streaming.iter_lines())
+        first = next(line for line in lines if line.startswith("data: "))  # the stream is under way
+        during = _tokens_left(home, key), home.services.meter.budgets.held_tokens(record.key_id)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert streaming.headers["x-pg-region"] == "yvr-01" and '"content"' in first and rest[-1] == "data: [DONE]"
+    assert during == (_tokens_left(home, key), 0) and during[0] >= 990  # its ~905 tokens back at once
+    assert home.recorded() == [] and len(peer.recorded()) == 1
+
+
 def test_tokens_given_back_fill_the_live_lease_to_one_slice_the_rest_goes_to_the_region_never_past_capacity():
     region = RateLimiter()
     leased = LeasedRateLimiter(LocalRateLimiter(region))

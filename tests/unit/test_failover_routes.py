@@ -1,0 +1,30 @@
+"""Failover between two real routers (``router_app.py``): what a peer that does not serve the
+forwarded model answers, and what the client then gets."""
+
+import httpx
+
+from auth_support import MODEL, OTHER_MODEL, bearer, federated_regions
+from fake_engine import FakeEngine
+from router_app import to_router
+from serve_app.config import Peer
+
+
+def test_a_model_no_peer_serves_is_the_origins_503_with_retry_after_not_the_peers_404(tmp_path, router_app):
+    """fra-01's qwen-3.5-27b is served by no peer: while it starts (a cluster rollout, a load),
+    a failed-over request met the peer's 404 ``model_not_found``, relayed as its verdict, which a
+    client takes for "this model does not exist" and never retries."""
+    regions = federated_regions(tmp_path / "keys", "fra-01", "yul-02")
+    peer = router_app(auth=regions["yul-02"], region="yul-02", engine=FakeEngine(), models=(MODEL,))
+    home = router_app(auth=regions["fra-01"], region="fra-01", engine=FakeEngine(),
+                      peers=(Peer(region="yul-02", endpoint="https://yul.test"),),
+                      transport=httpx.MockTransport(to_router(peer)))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    home.serve.stop(OTHER_MODEL)  # loading here; the peer does not serve it at all
+    home.run(home.services.states.refresh)
+    body = {"model": OTHER_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    answer = home.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "model_loading"
+    assert int(answer.headers["retry-after"]) > 0 and "x-pg-failover-from" not in answer.headers
+    assert peer.recorded() == [] and [row["status"] for row in home.recorded()] == [503]
+    direct = peer.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert direct.status_code == 404  # a client of the peer's own: the model does not exist there
