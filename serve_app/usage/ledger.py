@@ -62,7 +62,9 @@ class UsageLedger:
         self._pending: list[UsageRecord] = []
         self._unwritten: Counter[str] = Counter()  # tokens by key, until the database has them
         self._own_spool: dict[str, Counter[str]] = {}  # this writer's spool files -> their tokens
-        self._held: set[str] = set()  # spool files left for another router (warned once)
+        # Spool files left for another router, by their size and mtime when left: one that has
+        # not changed is not read again (a rollback's files would be re-parsed on every flush).
+        self._held: dict[str, tuple[int, int] | None] = {}
         self._wakeup = asyncio.Event()
         self._closing = False
         self._closed = False  # the last flush is done: a later record is spooled as it comes
@@ -193,6 +195,7 @@ class UsageLedger:
         names = await asyncio.to_thread(self._spool_files)
         if names is None:  # unlisted: none of this writer's files can be said to be gone
             return
+        self._held = {name: held for name, held in self._held.items() if name in names}  # gone: forgotten
         # This writer's files that are gone were replayed by another replica: they are written.
         for name in [n for n in self._own_spool if n not in names]:
             self._settle(self._own_spool.pop(name))
@@ -200,9 +203,9 @@ class UsageLedger:
             try:
                 records = await asyncio.to_thread(self._replay_file, self.spool_dir / name)
             except _Held as held:  # left where it is; the files after it still go
-                if name not in self._held:
-                    self._held.add(name)
-                    logger.warning("usage ledger: leaving %s in the spool: %s", name, held)
+                if held.why and name not in self._held:
+                    logger.warning("usage ledger: leaving %s in the spool: %s", name, held.why)
+                self._held[name] = held.signature
                 continue
             except Exception as err:  # the database went away again: the rest waits for the next write
                 logger.warning("usage ledger: replaying %s failed (%s: %s)", name, type(err).__name__, err)
@@ -229,11 +232,20 @@ class UsageLedger:
     def _replay_file(self, path: Path) -> list[UsageRecord] | None:
         """Insert a spool file's records and unlink it; None if it is already gone."""
         try:
+            info = path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as err:  # not readable: no reason to keep the others waiting
+            raise _Held(f"it cannot be read ({err})", None) from None
+        signature = (info.st_size, info.st_mtime_ns)
+        if self._held.get(path.name) == signature:
+            raise _Held("", signature)  # left before, unchanged since: not read again
+        try:
             lines = path.read_bytes().splitlines()  # decoded line by line: one bad byte spoils one line
         except FileNotFoundError:
             return None
         except OSError as err:  # not a file, not readable: no reason to keep the others waiting
-            raise _Held(f"it cannot be read ({err})") from None
+            raise _Held(f"it cannot be read ({err})", signature) from None
         records, newer = [], 0
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -249,7 +261,7 @@ class UsageLedger:
             # of the release that wrote them replays the whole file (a record written twice is
             # written once: its id).
             raise _Held(f"{newer} of its records have fields this release does not know (a newer release "
-                        "wrote them): a router of that release replays it")
+                        "wrote them): a router of that release replays it", signature)
         self.store.insert(records)
         path.unlink(missing_ok=True)
         return records
@@ -269,7 +281,12 @@ class UsageLedger:
 
 
 class _Held(Exception):
-    """A spool file this replica leaves where it is, going on with the next ones."""
+    """A spool file this replica leaves where it is, going on with the next ones: ``why`` (empty
+    when it was left before), and its size and mtime (None: unknown, read again next time)."""
+
+    def __init__(self, why: str, signature: tuple[int, int] | None):
+        super().__init__(why)
+        self.why, self.signature = why, signature
 
 
 def _tokens_by_key(records: list[UsageRecord]) -> Counter[str]:

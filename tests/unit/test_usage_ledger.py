@@ -7,6 +7,7 @@ import logging
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,12 +221,21 @@ def test_a_newer_releases_spool_file_is_left_for_it_and_an_unreadable_one_blocks
     (spool / f"other-{stamp + 2}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in later))
     ledger = UsageLedger(store, spool, writer_id="old", flush_interval_s=0.01)
 
+    reads = []
+    real_read_bytes = Path.read_bytes
+
+    def read_bytes(path):
+        reads.append(path.name)
+        return real_read_bytes(path)
+
     async def main():
         await _record_and_flush(ledger, usage_record(key_id="k2"))
-        await ledger._replay()  # again: the same files, warned about once
+        await ledger._replay()  # again: the same files, left as they were: neither read nor warned again
 
-    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+    with caplog.at_level(logging.WARNING, logger="ray.serve"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "read_bytes", read_bytes)
         asyncio.run(main())
+    assert reads.count(newer_file) == 1
     assert (_requests(store, "k0"), _requests(store, "k1"), _requests(store, "k2")) == (0, 3, 1)
     assert _spool_files(spool) == [newer_file, f"odd-{stamp + 1}.jsonl"]
     assert "corrupt" not in caplog.text
