@@ -2,7 +2,8 @@
 
 Ray spawns ``<binary> -db -f <node dir>/haproxy.cfg [-dR] [-sf <old pids>] [-x <admin.sock>]``
 for every start and reload, after writing the config under the lock ``haproxy.cfg.lock``. This
-takes the same lock, pins the stats and metrics binds in that file (``admin_binds``), points its
+takes the same lock, pins the stats and metrics binds in that file (``admin_binds``), deletes
+Serve's per-request controls from clients' requests (``client_headers``), points its
 ``errorfile`` lines at JSON error pages (``error_pages``), on a first start (no ``-sf``) removes
 stale state directories of other nodes (``state_dirs``), and then *execs* the real HAProxy with
 the arguments unchanged: the pid Ray spawned becomes HAProxy's, as its admin-socket check (``show
@@ -18,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from serve_app.haproxy import BINARY_PATH_ENV, error_pages
+from serve_app.haproxy import BINARY_PATH_ENV, client_headers, error_pages
 from serve_app.haproxy.admin_binds import admin_hosts, pin_admin_binds
 from serve_app.haproxy.state_dirs import sweep_stale_state_dirs
 from serve_app.runtime.cpus import keep_off_engine_cores
@@ -44,6 +45,7 @@ def pin_config(path: Path, hosts: dict[str, str]) -> list[str]:
         try:
             text = path.read_text()
             pinned, missing = pin_admin_binds(text, hosts)
+            pinned = client_headers.without_client_controls(pinned)
             try:
                 pinned = error_pages.with_pages(pinned, error_pages.write_pages(path.parent))
             except OSError as err:  # the pages are a nicety; HAProxy starting is not

