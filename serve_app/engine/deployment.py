@@ -290,7 +290,8 @@ class _ModelServer:
         return None
 
     async def _close_when_done(self) -> None:
-        # Serve kills the replica this long after the stop: the lines' calls may run until then.
+        # Serve kills the replica this long after it began stopping it (the handle's calls drained
+        # first, then this): the lines' calls run until then at most.
         deadline = time.monotonic() + self._option("graceful_shutdown_timeout_s")
         while self.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
