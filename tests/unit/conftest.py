@@ -20,6 +20,12 @@ def router_app(tmp_path, monkeypatch):
         close_router_app(app)
 
 
+@pytest.fixture
+def stream_loopback(monkeypatch):
+    """Model replicas made in the test listen for routers on 127.0.0.1, not the node's address."""
+    monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+
+
 @pytest.fixture(autouse=True)
 def _close_router_clients():
     """Routers a test opened with ``router_app.router_client`` end with the test."""

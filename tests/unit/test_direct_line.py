@@ -29,8 +29,7 @@ STREAM_BODY = {"model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True}
 
 
 @pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+def loopback(stream_loopback):
     yield
     decisions._pending.clear()  # what line calls made outside the pipeline published and none took
 

@@ -26,9 +26,7 @@ MODEL = "qwen-3.6-35b-a3b"
 STREAM = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+pytestmark = pytest.mark.usefixtures("stream_loopback")
 
 
 @pytest.fixture

@@ -21,9 +21,7 @@ MODEL = "qwen-3.6-35b-a3b"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+pytestmark = pytest.mark.usefixtures("stream_loopback")
 
 
 _server = model_server

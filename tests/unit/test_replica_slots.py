@@ -24,9 +24,7 @@ MODEL = "qwen-3.6-35b-a3b"
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 30, "stream": True}
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv("SERVE_APP_STREAM_HOST", "127.0.0.1")
+pytestmark = pytest.mark.usefixtures("stream_loopback")
 
 
 @pytest.fixture
