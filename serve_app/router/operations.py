@@ -77,7 +77,9 @@ async def health(services: Services) -> JSONResponse:
             "models": {model_id: state.serving for model_id, state in states.items()},
             "states": {model_id: state.state for model_id, state in states.items()},
             "required": required,
-            "load": load,
+            # Busy and shedding, not the counts: this answer needs no credential, and a tenant
+            # polling exact in-flight counts would read every other tenant's traffic in the region.
+            "load": {model_id: {"busy": now["busy"], "shedding": now["shedding"]} for model_id, now in load.items()},
         },
         status_code=200 if healthy else 503,
     )

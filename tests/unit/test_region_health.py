@@ -97,6 +97,16 @@ def test_a_degraded_region_says_so_before_it_says_busy(router_app):
     assert (code, body["status"], body["load"][MODEL]["busy"]) == (200, "degraded", True)
 
 
+def test_health_says_busy_but_not_how_many_requests_are_in_flight(router_app):
+    """/health needs no credential: exact counts polled would read every tenant's traffic here."""
+    app = router_app(models=(MODEL, EMBED))
+    for _ in range(3):
+        app.services.in_flight.begin(MODEL)
+    code, body = _health(app)
+    assert code == 200 and body["load"] == {MODEL: {"busy": False, "shedding": False},
+                                            EMBED: {"busy": False, "shedding": False}}
+
+
 def test_with_no_model_required_the_region_serves_while_any_model_does(router_app):
     app = router_app(models=(MODEL, EMBED))
     _recovering(app, MODEL)
