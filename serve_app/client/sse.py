@@ -19,8 +19,15 @@ class Event:
     event: str = "message"
 
 
+# A comment line, passed on as itself: no event, but proof that the connection is alive. The
+# server writes one into any open stream silent for a second (a long prefill, a queue in the
+# engine, a stream resumed on another replica); a reader that bounds silence must see it.
+KEEP_ALIVE = Event("", ":")
+
+
 async def events(response: httpx.Response) -> AsyncIterator[Event]:
-    """Every event of ``response``'s body, in order; a last event without its blank line counts.
+    """Every event of ``response``'s body, in order, and ``KEEP_ALIVE`` for each comment line; a
+    last event without its blank line counts.
 
     The response is closed however the iteration ends: httpx closes a body read to its end, not
     one left part-read, and a stream its caller walked away from (a ``break`` with no ``async
@@ -36,6 +43,7 @@ async def events(response: httpx.Response) -> AsyncIterator[Event]:
                 data, name = [], "message"
                 continue
             if line.startswith(":"):
+                yield KEEP_ALIVE
                 continue
             field, _, value = line.partition(":")
             value = value.removeprefix(" ")

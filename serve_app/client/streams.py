@@ -157,6 +157,8 @@ class AsyncStream(Generic[Chunk]):
         """The chunk an event carries, or None (chat's timing, [DONE], skipped types, non-JSON
         keep-alives)."""
         protocol = self._protocol
+        if event is sse.KEEP_ALIVE:  # read, so the silence bound starts again (``__anext__``)
+            return None
         if event.data.strip() == DONE:
             self.ended = self.ended or not protocol.terminal
             return None

@@ -279,6 +279,20 @@ def test_a_stream_without_a_timeout_of_its_own_times_out_after_stream_read_timeo
     run(region, scenario, stream_read_timeout_s=0.3)
 
 
+def test_keep_alive_comments_keep_an_open_stream_from_timing_out():
+    """A long prefill or a resume elsewhere sends no event for a while, but a comment every second
+    (the router's keep-alive): the connection is alive, and the stream is not cut."""
+    region = FakeRegion("a")
+    events = region.stream_events
+    region.answers.append(lambda seen: streaming([*events(seen)[:1], *[b": keep-alive\n\n"] * 8, *events(seen)[1:]],
+                                                 delay_s=0.1))
+
+    async def scenario(client):
+        return "".join([c.choices[0].delta.content or "" async for c in client.chat_completion_stream(REQUEST)])
+
+    assert run(region, scenario, stream_read_timeout_s=0.3) == "Hi there."  # 0.9 s with no event
+
+
 def test_an_event_the_client_cannot_read_is_its_error_and_closes_the_stream():
     region = FakeRegion("a")
     bad = sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": MODEL, "choices": "not a list"})
