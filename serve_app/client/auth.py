@@ -8,17 +8,21 @@ wire only to the token endpoint, except in the fallback below.
 - Refresh before expiry: at ``expires_in - margin``, the margin being ``refresh_margin_s`` but at
   most half the lifetime (so a 60 s token is not re-minted on every request). The clock starts
   *before* the exchange is sent, so network time only makes the client refresh early.
-- Refresh on rejection: a 401 ``token_expired`` (the server's clock ran ahead of ours, or the
-  process slept) mints once and the request is sent again; a second 401 is the caller's.
+- Refresh on rejection: a 401 that refuses the token (``token_expired``: the server's clock ran
+  ahead of ours, or the process slept; ``invalid_token``: its signing key was rotated out, or the
+  region does not trust the one that minted it; ``token_revoked``) mints once and the request is
+  sent again; a second 401 is the caller's. A revoked key fails that exchange, which is raised.
 - While the current token is still valid, the refresh runs in the background and requests go on
   with that token: none waits for an exchange it does not need. A refresh that fails (any error:
   a refusal, a timeout, a connection) keeps the token and is tried again after
   ``REFRESH_RETRY_S`` (or the server's ``Retry-After``), never later than the token's expiry: a
   brief outage of the token endpoint must not fail, or stall, traffic. Only a client with no valid
-  token waits for the exchange (and sees its error).
-- Fallback: only when the server says it has no exchange — 404 on the token route with no error
-  code of ours but ``not_found`` (FastAPI's answer for a route that does not exist: an older
-  gateway, a bare vLLM), 405 or 501 — the key itself is sent as the Bearer value, which every
+  token waits for the exchange (and sees its error): requests that queued behind an exchange which
+  failed get its error, not an exchange each in turn (the k-th would wait k exchanges' time).
+- Fallback: only when the server says it has no exchange — a JSON 404 on the token route with no
+  error code of ours but ``not_found`` (FastAPI's answer for a route that does not exist: an older
+  gateway, a bare vLLM; not a proxy's page, nor Ray's plain-text 404 while the application is
+  not yet deployed), 405 or 501 — the key itself is sent as the Bearer value, which every
   route of this server accepts. Any other refusal (401 ``invalid_api_key``, 403, 429, 5xx) is raised:
   a wrong key must not be retried as a Bearer value on every request.
 
@@ -70,7 +74,7 @@ Exchange = Callable[[Secret], Awaitable[dict[str, Any]]]
 def exchange_unavailable(err: APIStatusError) -> bool:
     """The server has no token exchange (see the module docstring): fall back to the key."""
     if err.status == 404:
-        return err.code in (None, "not_found")
+        return err.json_body and err.code in (None, "not_found")
     return err.status in _EXCHANGE_UNAVAILABLE
 
 
@@ -92,6 +96,8 @@ class Auth:
         self.refreshing: asyncio.Task | None = None  # the background refresh under way, if one is
         self.mode: str | None = None  # decided by the first exchange
         self.exchanges = 0  # tokens minted so far (observability and tests)
+        self._attempts = 0  # exchanges ended, minted or failed (``_shared_failure``)
+        self._failure: Exception | None = None  # the last exchange's error, until one mints
 
     def __repr__(self) -> str:
         return f"Auth(mode={self.mode!r}, expires_in={self.expires_in()})"
@@ -117,9 +123,11 @@ class Auth:
             if self.refreshing is None or self.refreshing.done():
                 self.refreshing = asyncio.ensure_future(self._refresh(exchange))
             return
+        attempts = self._attempts
         async with self._lock:  # concurrent requests share one exchange
             if self.mode == MODE_API_KEY or self._valid():
                 return
+            self._shared_failure(attempts)
             await self._mint(exchange)
 
     async def aclose(self) -> None:
@@ -130,6 +138,12 @@ class Auth:
                 await self.refreshing
             except (asyncio.CancelledError, Exception):
                 pass
+
+    def _shared_failure(self, attempts: int) -> None:
+        """Raise the error of an exchange that ended in failure while the caller waited for the
+        lock (``attempts``: the count when it started waiting): that exchange was its exchange too."""
+        if self._attempts != attempts and self._failure is not None:
+            raise self._failure
 
     def _valid(self) -> bool:
         return self._token is not None and self._clock() < self._expires_at
@@ -150,17 +164,30 @@ class Auth:
                 logger.exception("token refresh failed; the current token is still valid")
 
     async def after_rejection(self, rejected: Secret, exchange: Exchange) -> bool:
-        """The server said 401 ``token_expired`` to ``rejected``: mint a new token, unless another
-        request already did. False when there is nothing to refresh (the key itself was sent)."""
+        """The server refused ``rejected`` (``transport._TOKEN_REFUSALS``): mint a new token, unless
+        another request already did (or tried, and failed: its error is raised). False when there is
+        nothing to refresh (the key itself was sent)."""
         if self.mode != MODE_TOKEN:
             return False
+        attempts = self._attempts
         async with self._lock:
             if self._token is rejected:
+                self._shared_failure(attempts)
                 self._refresh_at = self._expires_at = 0.0  # whatever our clock says, it is over
                 await self._mint(exchange)
         return True
 
     async def _mint(self, exchange: Exchange) -> None:
+        try:
+            await self._exchange(exchange)
+            self._failure = None
+        except Exception as err:
+            self._failure = err
+            raise
+        finally:
+            self._attempts += 1
+
+    async def _exchange(self, exchange: Exchange) -> None:
         started = self._clock()
         try:
             answer = await exchange(self._key)

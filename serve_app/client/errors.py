@@ -66,10 +66,12 @@ class APIStatusError(ServeAppError):
         region: str | None = None,
         trace_id: str | None = None,
         during_stream: bool = False,
+        json_body: bool = True,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.code, self.param = message, status, type, code, param
         self.retry_after, self.region, self.trace_id, self.during_stream = retry_after, region, trace_id, during_stream
+        self.json_body = json_body  # False: a page or plain text, from a proxy rather than an application
 
     @property
     def status_code(self) -> int:  # the openai SDK's name for it
@@ -158,10 +160,11 @@ def _error_fields(body: Any) -> dict[str, Any]:
 
 def from_response(response: httpx.Response, *, region: str | None, trace_id: str | None) -> APIStatusError:
     """The exception for an error response (its body must have been read)."""
+    json_body = True
     try:
         fields = _error_fields(response.json())
     except (ValueError, httpx.StreamError):  # not JSON (a proxy's HTML page), or a body that broke off
-        fields = {}
+        fields, json_body = {}, False
     message = str(fields.get("message") or response.reason_phrase or "error")
     return _class_for(response.status_code)(
         message,
@@ -172,6 +175,7 @@ def from_response(response: httpx.Response, *, region: str | None, trace_id: str
         retry_after=retry_after_s(response.headers),
         region=response.headers.get("x-pg-region") or region,
         trace_id=trace_id,
+        json_body=json_body,
     )
 
 

@@ -20,9 +20,10 @@ region across requests. What happens to one request, in order:
   said. At most ``max_retries`` waits and ``max_retry_time_s`` in all. A ``Retry-After`` past that
   budget is not waited for: the error is raised at once with ``retry_after`` set (a cold model
   says 60 s; the caller decides).
-- A 401 ``token_expired`` mints a new token once and resends (``Auth.after_rejection``); so does a
-  401 whose body has no code but whose ``WWW-Authenticate`` says ``invalid_token`` (Messages'
-  errors are Anthropic's shape, which has no ``code``).
+- A 401 that refuses the token (``token_expired``, ``token_not_yet_valid``, ``token_revoked``,
+  ``invalid_token``: a signing key rotated out) mints a new token once and resends
+  (``Auth.after_rejection``); so does a 401 whose body has no code but whose ``WWW-Authenticate``
+  says ``invalid_token`` (Messages' errors are Anthropic's shape, which has no ``code``).
 - Anything else ≥ 400 is raised as is. A read timeout or a connection lost after the request was
   sent is raised, not retried: the server may have run (and billed) the generation.
 - A stream is returned as soon as its status line says 200; nothing after that is retried
@@ -194,7 +195,7 @@ class Transport:
                     and await self.auth.after_rejection(sent_credential, self.exchange)
                 ):
                     refreshed = True
-                    logger.info("token expired at %s; minted a new one and resending", base_url)
+                    logger.info("token refused at %s (%s); minted a new one and resending", base_url, failure.code)
                     untried.insert(0, index)
                     continue
                 if failure.status == 503 or (failure.status == 500 and failure.code == GATEWAY_UNAVAILABLE):
@@ -219,8 +220,11 @@ class Transport:
             retries += 1
             # A 429 is this region's word on this caller: ask it again. Otherwise every region
             # whose wait is over, in order: none is asked before its own Retry-After.
+            # The sleep may end a clock tick early (a coarse monotonic clock): the first region due
+            # is asked then, never none.
             now = self._clock()
-            untried = [index] if rate_limited else [i for i in order if due.get(i, 0.0) <= now]
+            untried = [index] if rate_limited else (
+                [i for i in order if due.get(i, 0.0) <= now] or [min(due, key=due.__getitem__)])
 
 
 async def _error_of(response: httpx.Response, trace_id: str) -> APIStatusError:
@@ -234,13 +238,20 @@ async def _error_of(response: httpx.Response, trace_id: str) -> APIStatusError:
     return from_response(response, region=None, trace_id=trace_id)
 
 
+# The 401s a new token may cure: expired or not yet valid by the server's clock, revoked (a token
+# leaked, not the key), or refused as a token (a signing key rotated out, a region that does not
+# trust the minting region's keys: the exchange goes through the same order of regions, so the
+# region now asked mints it). A key revoked or gone fails the exchange itself, which is raised.
+_TOKEN_REFUSALS = frozenset({"token_expired", "token_not_yet_valid", "token_revoked", "invalid_token"})
+
+
 def _token_rejected(failure: APIStatusError, response: httpx.Response) -> bool:
-    """A 401 that a new token may cure: ``token_expired``, or one with no code of ours (an
-    Anthropic-shaped body) whose challenge says the token was refused (RFC 6750 ``invalid_token``)."""
+    """A 401 that a new token may cure: one of ``_TOKEN_REFUSALS``, or one with no code of ours
+    (an Anthropic-shaped body) whose challenge says the token was refused (RFC 6750 ``invalid_token``)."""
     if failure.status != 401:
         return False
     if failure.code is not None:
-        return failure.code == "token_expired"
+        return failure.code in _TOKEN_REFUSALS
     return 'error="invalid_token"' in response.headers.get("www-authenticate", "")
 
 

@@ -82,11 +82,16 @@ class FakeRegion:
     statuses: list[int] = field(default_factory=list)  # every status it answered inference with
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # responses by id, as stored
     token_answers: list[Response] = field(default_factory=list)  # the token route's next answers, then mints
+    refused: set[str] = field(default_factory=set)  # tokens refused as invalid_token (``refuse_tokens``)
 
     def expire_tokens(self) -> None:
         """Expire every token minted so far, on the server's side only (the client is not told)."""
         for token in self.tokens:
             self.tokens[token] = 0.0
+
+    def refuse_tokens(self) -> None:
+        """Refuse every token minted so far as ``invalid_token`` (their signing key rotated out)."""
+        self.refused.update(self.tokens)
 
     def inference(self) -> list[Seen]:
         return [s for s in self.seen if s.path != "/v1/auth/token"]
@@ -121,6 +126,8 @@ class FakeRegion:
         return response
 
     def _refusal(self, credential: str | None) -> Response | None:
+        if credential in self.refused:
+            return error(401, "token signature is invalid", type_="authentication_error", code="invalid_token")
         if credential in self.tokens:
             if time.monotonic() < self.tokens[credential]:
                 return None

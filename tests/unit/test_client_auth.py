@@ -174,6 +174,59 @@ def test_a_messages_401_for_an_expired_token_is_refreshed_like_chats():
     assert message.content and region.statuses == [401, 200] and len(region.exchanges()) == 2
 
 
+def test_a_token_refused_after_its_signing_key_was_rotated_out_is_reminted_once():
+    """docs/auth.md's key compromise: ``signing rotate``, then ``signing remove`` of the old kid:
+    every token it signed is 401 invalid_token at once; clients mint anew, not at their next refresh."""
+    region = FakeRegion("a")
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:
+                await chat(client)
+                region.refuse_tokens()
+                await chat(client)
+                await collect(client.chat_completion_stream({"model": MODEL, "messages": MESSAGES, "max_tokens": 8}))
+
+        asyncio.run(go())
+    assert region.statuses == [200, 401, 200, 200] and len(region.exchanges()) == 2
+
+
+def test_requests_waiting_behind_a_failing_exchange_get_its_error_not_an_exchange_each():
+    """No valid token and the token endpoint down: the requests that queued behind the exchange
+    fail with it, at once, instead of each running its own exchange in turn."""
+    region = FakeRegion("a", token_ttl_s=100)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url, max_retries=0) as client:
+                skew(client).offset = 101  # the token has expired by the client's clock
+                region.token_answers.extend(error(503, "registry down", type_="server_error",
+                                                  code="key_registry_unavailable") for _ in range(8))
+                return await asyncio.gather(*(chat(client) for _ in range(8)), return_exceptions=True)
+
+        outcomes = asyncio.run(go())
+    assert all(getattr(o, "code", None) == "key_registry_unavailable" for o in outcomes), outcomes
+    assert len(region.exchanges()) == 2 and region.inference() == []  # the first mint and the one that failed
+
+
+def test_a_plain_text_404_on_the_token_route_is_an_error_not_a_server_without_exchange():
+    """Ray's proxy answers a plain-text 404 while no application is deployed (a first deploy), as
+    a corporate proxy's page would: that is no word of the router's, and the key stays off the wire."""
+    from starlette.responses import PlainTextResponse
+
+    from serve_app.client import NotFoundError
+
+    region = FakeRegion("a")
+    region.token_answers.append(PlainTextResponse("Path '/v1/auth/token' not found.", status_code=404))
+    with serving(region) as (url,):
+        async def go():
+            with pytest.raises(NotFoundError):
+                await AsyncClient.create(region.api_key, base_url=url)
+            async with await AsyncClient.create(region.api_key, base_url=url) as client:  # once deployed
+                assert client.auth_mode == "token"
+
+        asyncio.run(go())
+    assert region.inference() == [] and len(region.exchanges()) == 2
+
+
 def test_the_key_itself_is_sent_only_when_the_server_has_no_token_exchange():
     region = FakeRegion("a", exchange=False)  # 404 not_found on /v1/auth/token, as FastAPI answers
     with serving(region) as (url,):

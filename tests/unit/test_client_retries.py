@@ -51,6 +51,20 @@ def test_a_503_is_retried_after_its_retry_after():
     assert 1.0 <= elapsed < 2.5  # waited what the server asked, not the 0.5 s backoff
 
 
+def test_a_retry_woken_before_the_clock_says_it_is_due_still_asks_a_region():
+    """A coarse monotonic clock (15.6 ms ticks: Windows, Python 3.11) can read a retry's wake-up as
+    before its due time: the first region due is asked then, never none (an IndexError)."""
+    region = FakeRegion("a")
+    region.answers.append(unavailable(retry_after=None))
+
+    async def scenario(client):
+        client._transport._clock = lambda: 1000.0  # no time passes by this clock: every wake-up is early
+        return await client.chat_completion(REQUEST)
+
+    reply = run([region], scenario)
+    assert reply.choices[0].message.content == "Hi there." and region.statuses == [503, 200]
+
+
 def test_a_429_is_retried_after_retry_after_ms():
     region = FakeRegion("a")
     region.answers.append(error(429, "Rate limit reached", type_="rate_limit_error", code="rate_limit_exceeded",
