@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.auth.database import RegistryUnavailable
+from serve_app.auth.refusals import registry_unavailable
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
 from serve_app.router.json_body import shown
@@ -62,7 +63,10 @@ class ResponsesAPI:
         # fails over (its store does not have this id); the router tells the replica the id to echo.
         previous = body.pop("previous_response_id", None)
         if previous:
-            found = await self.store.history(previous, caller.owner)
+            try:
+                found = await self.store.history(previous, caller.owner)
+            except RegistryUnavailable as err:  # the region's store is away: retry later, not a 500
+                raise registry_unavailable(err) from None
             if found is None:
                 raise _not_found(previous, "previous_response_id")
             history, added = found

@@ -133,3 +133,16 @@ def test_an_id_no_response_can_have_is_not_found_and_charged_like_any_unknown_on
     answers = [app.client.post("/v1/responses", content=body, headers=headers) for _ in range(3)]
     assert [a.json()["error"]["param"] for a in answers[:2]] == ["previous_response_id"] * 2
     assert [a.status_code for a in answers] == [404, 404, 429]  # charged as any unknown id: no free 500s
+
+
+def test_a_conversation_continued_while_the_store_is_away_is_a_503_to_retry_not_a_500(setup, monkeypatch):
+    from serve_app.auth.database import RegistryUnavailable
+
+    async def away(*_):
+        raise RegistryUnavailable("cannot reach the key registry at host=db")
+
+    monkeypatch.setattr(setup.app.services.responses.store, "history", away)
+    answer = setup.client.post("/v1/responses", json={"model": MODEL, "input": "hi", "previous_response_id": "resp_1"},
+                               headers=bearer(setup.key))
+    assert (answer.status_code, answer.json()["error"]["code"]) == (503, "key_registry_unavailable")
+    assert answer.headers["retry-after"] and setup.engine.calls == []  # nothing ran on a model
