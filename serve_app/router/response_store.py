@@ -25,7 +25,8 @@ SWEEP_MAX_ROWS per run. One sweep runs at a time across every replica and region
 ``stored_response_sweeps``), so two routers never evict the same excess twice. An expired row is
 invisible at once, whenever the sweep deletes it; the table may exceed ``max_responses`` by the
 puts of one interval (more if a run's SWEEP_MAX_ROWS left a backlog). Each database call runs on
-the store's own threads, never on the event loop.
+the store's own threads, never on the event loop: reads on threads of their own, and one put per
+owner at a time (``_owner_turn``), so one owner's puts never hold another owner's answer.
 """
 
 import asyncio
@@ -114,8 +115,14 @@ class ResponseStore:
         self.max_bytes = MAX_STORED_RESPONSE_BYTES
         self._clock = clock
         # Our own few threads, not asyncio.to_thread's default pool: puts waiting on a busy
-        # database would otherwise hold the threads that the authenticator's lookups need.
+        # database would otherwise hold the threads that the authenticator's lookups need. Reads
+        # (a follow-up's history, GET, DELETE) have threads of their own, and each owner has one
+        # put at a time on them here (``_owner_turn``): an owner's puts wait on its row lock in the
+        # database anyway, one after another, so a busy owner (or its puts held by a slow primary,
+        # up to the 15 s statement timeout) fills no thread that another owner's answer waits for.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store")
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store-read")
+        self._owner_puts: dict[str, asyncio.Lock] = {}
         self._schema_lock = threading.Lock()
         self._schema_ready = False
         self._sweeper: asyncio.Task | None = None
@@ -133,20 +140,32 @@ class ResponseStore:
         """Store a finished response; return the bytes stored (its request's ``stored_bytes``).
         ValueError when its JSON is over ``max_bytes`` or not valid Unicode; ResponseIdTaken when
         its id is stored already. Either way nothing was stored or changed."""
-        return await self._run(self._put, stored, self._now_ms())
+        async with self._owner_turn(stored.owner):
+            return await self._run(self._put, stored, self._now_ms())
+
+    @contextlib.asynccontextmanager
+    async def _owner_turn(self, owner: str):
+        """The owner's one put at a time on this router (``__init__`` says why)."""
+        turn = self._owner_puts.setdefault(owner, asyncio.Lock())
+        try:
+            async with turn:
+                yield
+        finally:
+            if not turn.locked() and self._owner_puts.get(owner) is turn:
+                del self._owner_puts[owner]  # nobody waits: an owner seen once holds no memory
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """None when missing, expired or another owner's: the three look the same from outside, so
         nobody learns whether someone else's response id exists."""
         if not could_be_stored(response_id):
             return None
-        return await self._run(self._get, response_id, owner, self._now_ms())
+        return await self._run_read(self._get, response_id, owner, self._now_ms())
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
         if not could_be_stored(response_id):
             return False
-        return await self._run(self._delete, response_id, owner, self._now_ms())
+        return await self._run_read(self._delete, response_id, owner, self._now_ms())
 
     async def history(self, response_id: str, owner: str) -> tuple[list, int] | None:
         """The input a follow-up with ``previous_response_id`` continues from: the conversation,
@@ -155,11 +174,11 @@ class ResponseStore:
         JSON is no work for the router's event loop."""
         if not could_be_stored(response_id):
             return None
-        return await self._run(self._history, response_id, owner, self._now_ms())
+        return await self._run_read(self._history, response_id, owner, self._now_ms())
 
     async def footprint(self, owner: str) -> tuple[int, int]:
         """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
-        return await self._run(self._footprint, owner)
+        return await self._run_read(self._footprint, owner)
 
     # --- the sweep --------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,6 +194,7 @@ class ResponseStore:
                 await self._sweeper
             self._sweeper = None
         self._executor.shutdown(wait=False)
+        self._readers.shutdown(wait=False)
 
     async def sweep(self) -> Sweep | None:
         """One run now; None when another router's run holds the lease."""
@@ -200,6 +220,9 @@ class ResponseStore:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._with_schema, fn, args)
+
+    async def _run_read(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._with_schema, fn, args)
 
     def _with_schema(self, fn: Callable[..., T], args: tuple) -> T:
         # On first use rather than in __init__, so building the router does no I/O; every
@@ -264,8 +287,10 @@ class ResponseStore:
         if stored is None:
             return None
         output = stored.response.get("output") or []
-        history = stored.conversation + [_without_nulls(item) for item in output]
-        return history, len(json.dumps(history))
+        history = stored.conversation + [_as_input(item) for item in output]
+        # Its size as the request's own body is counted: UTF-8 bytes, not JSON's ``\uXXXX`` escapes
+        # (6 bytes for a character of CJK text where the client's body spends 3).
+        return history, len(_compact(history).encode())
 
     def _delete(self, response_id: str, owner: str, now_ms: int) -> bool:
         with self.database.connect() as db:
@@ -368,11 +393,15 @@ def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def _without_nulls(value: Any) -> Any:
-    """Output items as stored, minus keys whose value is None, at any depth. vLLM writes nulls in
-    its output (``"status": null``, ``"logprobs": null``) that its own input parser may reject."""
+def _as_input(value: Any) -> Any:
+    """An output item as the next turn's input: minus keys whose value is None, at any depth (vLLM
+    writes nulls in its output, ``"status": null``, ``"logprobs": null``, that its own input parser
+    may reject), and minus an ``output_text`` part's per-token ``logprobs``: the engine never renders
+    them into the prompt, yet as history they were priced as prompt — a 300-token answer with
+    ``top_logprobs: 20`` stores ~550 KB of them, which priced its follow-up at ~137,000 tokens."""
     if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+        dropped = "logprobs" if value.get("type") == "output_text" else None
+        return {k: _as_input(v) for k, v in value.items() if v is not None and k != dropped}
     if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
+        return [_as_input(v) for v in value]
     return value

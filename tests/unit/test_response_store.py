@@ -459,7 +459,7 @@ def test_history_continues_a_chain(database):
     answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]}
     run(store.put(stored(1, output=[answer])))
     first_history, size = run(store.history("resp_1", "alice"))
-    assert size == len(json.dumps(first_history))  # what the follow-up's price adds
+    assert size == len(json.dumps(first_history, separators=(",", ":")))  # what the follow-up's price adds
     follow_up = {"role": "user", "content": "and doubled?"}
     run(store.put(StoredResponse("resp_2", "alice", "qwen", 0, {"output": [answer]}, first_history + [follow_up])))
 
@@ -470,6 +470,55 @@ def test_history_continues_a_chain(database):
     # A response without output (e.g. failed) continues from its conversation alone.
     run(store.put(StoredResponse("resp_4", "alice", "qwen", 0, {"output": None}, [follow_up])))
     assert run(store.history("resp_4", "alice"))[0] == [follow_up]
+
+
+def test_history_leaves_the_answers_logprobs_out_and_is_sized_as_a_request_body_is(database):
+    """Per-token logprobs are never rendered into the prompt: as history they priced a follow-up at
+    hundreds of times its prompt. Text is sized in UTF-8 bytes, as the client's own body is."""
+    store = ResponseStore(database, args())
+    logprobs = [{"token": "你", "logprob": -0.1, "bytes": [228, 189, 160],
+                 "top_logprobs": [{"token": "你", "logprob": -0.1, "bytes": [228, 189, 160]}] * 20}] * 50
+    answer = {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "你好" * 50, "annotations": [], "logprobs": logprobs}]}
+    run(store.put(stored(1, output=[answer])))
+    history, size = run(store.history("resp_1", "alice"))
+    assert history[1]["content"] == [{"type": "output_text", "text": "你好" * 50, "annotations": []}]
+    assert size == len(json.dumps(history, ensure_ascii=False, separators=(",", ":")).encode()) < 500  # escaped: 740
+    assert run(store.get("resp_1", "alice")).response["output"][0]["content"][0]["logprobs"] == logprobs  # kept
+
+
+def test_an_owner_whose_puts_are_held_holds_no_thread_another_owners_answer_waits_for(database):
+    """An owner's puts wait on its row lock one after another (a busy agent, a primary a WAN away
+    or failing over): they queue here, one on the store's threads; another owner's put and every
+    lookup go on meanwhile."""
+    import threading
+
+    store = ResponseStore(database, args())
+    run(store.put(stored(0, owner="bob")))
+    held, entered, put = threading.Event(), threading.Event(), store._put
+
+    def slow_for_alice(response, now_ms):
+        if response.owner == "alice":
+            entered.set()
+            held.wait(30)
+        return put(response, now_ms)
+
+    store._put = slow_for_alice
+
+    async def scenario():
+        alices = [asyncio.ensure_future(store.put(stored(i, owner="alice"))) for i in range(1, 9)]
+        await asyncio.to_thread(entered.wait, 30)
+        try:  # a hang guard, not a timing bound: without the fix these wait for alice's puts
+            await asyncio.wait_for(store.put(stored(9, owner="bob")), 20)
+            found = await asyncio.wait_for(store.history("resp_0", "bob"), 20)
+        finally:
+            held.set()
+        await asyncio.gather(*alices)
+        return found, store._owner_puts
+
+    found, turns = run(scenario())
+    assert found is not None and turns == {}  # every owner's turn is given back
+    assert len(ids(database)) == 10
 
 
 # --- what is refused, and where it runs --------------------------------------------------------------
