@@ -44,6 +44,7 @@ from serve_app.router.resume import Resumer, taken_over
 from serve_app.router.services import Services
 from serve_app.surfaces import Surface
 from serve_app.telemetry.logs import module_logger
+from serve_app.telemetry.request import TRACE_ID_HEADER
 from serve_app.wire.messages import Accepted, Call, Head, StreamOpen
 
 logger = module_logger(__name__)
@@ -329,6 +330,10 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
     ctx.hand_over()
     if not result.stream:
         ctx.settle(forwarded(result.status, result.error_type))
+        # A peer's answer carries its trace id (the same trace) and its own timing; one made here
+        # (the peer's body broke off: 502) gets this region's, as every JSON answer of ours does.
+        if TRACE_ID_HEADER not in result.response.headers:
+            result.response.headers.update(ctx.telemetry.headers())
     return result.response
 
 

@@ -65,6 +65,13 @@ class RequestTelemetry:
             )
             self.record.cached_tokens = trailer.generated.cached_tokens if cached_tokens is None else cached_tokens
 
+    def note_engine_untouched(self) -> None:
+        """The replica answered with nothing handled by its engine (no trailer: vLLM refused the
+        body after the replica's ``Accepted`` head, a prompt over the context, a grammar it
+        cannot build): the replica's own work, network, as the same refusal of a stream (which
+        comes before any head) is — not Serve's queue and "unreported" inference."""
+        self.record.head_ms = None
+
     def finish(self, status: int, error_type: str | None = None) -> Split:
         """Stop the server clock (its first call only; a later one may still correct the status)."""
         self.split = self.record.finish(status, error_type)

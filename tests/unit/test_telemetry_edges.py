@@ -211,6 +211,27 @@ def test_a_continued_trace_is_sampled_by_its_id_alike_in_every_region():
                 tracing.shutdown_tracing()
 
 
+def test_a_callers_tracestate_and_baggage_are_neither_parsed_kept_nor_passed_to_peers(caplog):
+    """Read before the credential: parsing them cost the router's loop per request, logged them
+    whole, and carried a caller's tracestate to the peer regions and the exported spans."""
+    tracing.shutdown_tracing()
+    spans = InMemorySpanExporter()
+    tracing.setup_tracing(TracingArgs(enabled=True, sampling_ratio=1.0), region="r", deployment="d",
+                          replica="x", exporter=spans, set_global=False)
+    headers = {**traceparent(), "tracestate": "vendor=" + "x" * 200, "baggage": "k=" + "v" * 9000}
+    try:
+        with caplog.at_level(logging.DEBUG):
+            request_trace = tracing.start_server_span(make_record(), headers)
+        forwarded = tracing.propagation_headers(request_trace.span)
+        tracing.finish_request_spans(request_trace)
+    finally:
+        tracing.shutdown_tracing()
+    assert request_trace.trace_id == CLIENT_TRACE_ID  # the caller's trace is still continued
+    assert set(forwarded) == {"traceparent"} and CLIENT_TRACE_ID in forwarded["traceparent"]
+    assert all(len(span.context.trace_state) == 0 for span in spans.get_finished_spans())
+    assert "vvvv" not in caplog.text
+
+
 # --- 3 and 4 on the router: a failed stream, an unhandled error ------------------------------------
 def test_a_stream_that_fails_names_its_trace_in_its_head_and_its_request_in_the_log(router_app, caplog):
     app = router_app(engine=FakeEngine(tokens=12, fail_after=3, dies=True))
@@ -250,6 +271,21 @@ def test_a_refused_credential_carries_its_trace_id_but_no_timing_and_a_later_ref
     assert len(refused.headers[TRACE_ID_HEADER]) == 32
     unknown = app.client.post("/v1/chat/completions", json={**body, "model": "nope"}, headers=bearer(key))
     assert unknown.status_code == 404 and set(parse_server_timing(unknown.headers["server-timing"])) >= {"total"}
+
+
+def test_a_body_the_engine_refuses_is_all_network_streamed_or_not(router_app):
+    """vLLM refusing a body (over the context, a grammar it cannot build) ran no engine: a
+    non-stream one refused after the replica's Accepted head is timed as the same body streamed
+    (refused before any head) — not Serve's queue and the replica's work as "inference"."""
+    app = router_app(engine=FakeEngine(refuse=400))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for stream in (False, True):
+        refused = app.client.post("/v1/chat/completions", json={**body, "stream": stream}, headers=bearer(key))
+        assert refused.status_code == 400
+        timing = parse_server_timing(refused.headers["server-timing"])
+        assert timing.get("queue", 0.0) == timing.get("inference", 0.0) == 0.0, (stream, timing)
+        assert timing["network"] == timing["total"] > 0
 
 
 @pytest.mark.parametrize("path, shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
