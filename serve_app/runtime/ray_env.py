@@ -45,6 +45,11 @@ IDLE_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_num_workers_soft_li
 # 1,000 ports per node).
 DRAIN_ENV = {"RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": str(REQUEST_TIMEOUT_S + 30)}
 RAY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **haproxy.launcher_env(), **IDLE_ENV, **DRAIN_ENV}
+# A change of a region's Ray cluster spec (a new image, an env or pod change) is a new RayCluster:
+# KubeRay moves the Service to it once it serves, then deletes the old one — by default 60 s later,
+# cutting every stream still running there. The old cluster stays as long as a request can last,
+# and its HAProxy's drain (the RayService's rayClusterDeletionDelaySeconds, terraform/modules/region).
+CLUSTER_DELETION_DELAY_S = REQUEST_TIMEOUT_S + 60
 # On one small host (`make run`, the tests, the failover benchmark): one HAProxy thread instead of
 # Ray's default four, which on 2 cores only contend (HAProxy CPU 0.28 → 0.17 s per 96 streams);
 # HAProxy, the router and the model replica actor off the engine worker's cores (runtime/cpus.py;

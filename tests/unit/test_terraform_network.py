@@ -190,6 +190,17 @@ def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
         assert container["env"] == "${local.pod_env}"
 
 
+def test_a_rollouts_old_cluster_outlives_every_stream_it_holds():
+    """A new image is a new RayCluster: KubeRay deletes the old one 60 s after the switch unless
+    told otherwise, which cut every longer stream still running there."""
+    from serve_app.config.model import REQUEST_TIMEOUT_S
+    from serve_app.runtime.ray_env import CLUSTER_DELETION_DELAY_S, DRAIN_ENV
+
+    spec = resources(MODULE)["kubernetes_manifest.rayservice"]["manifest"]["spec"]
+    assert MOD(spec["rayClusterDeletionDelaySeconds"]) == CLUSTER_DELETION_DELAY_S
+    assert CLUSTER_DELETION_DELAY_S > int(DRAIN_ENV["RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"]) > REQUEST_TIMEOUT_S
+
+
 def test_no_node_of_a_region_runs_rays_log_monitor():
     """It only pushes log lines to drivers; a region has none, and it polls every file 10×/s."""
     params = [{unquote(k): unquote(v) for k, v in group["rayStartParams"].items()}

@@ -231,6 +231,10 @@ resource "kubernetes_manifest" "rayservice" {
     spec = {
       serveConfigV2    = var.serve_config
       rayClusterConfig = merge(local.gcs_fault_tolerance, local.ray_cluster)
+      # A cluster spec change (image, env, pods) starts a new RayCluster; the old one is deleted
+      # this long after the Service moved off it, not KubeRay's 60 s: every stream it still holds
+      # ends first (request timeout 600 s + 60; serve_app.runtime.ray_env.CLUSTER_DELETION_DELAY_S).
+      rayClusterDeletionDelaySeconds = 660
     }
   }
 
