@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from serve_app.telemetry.logs import module_logger
+
+logger = module_logger(__name__)
+
 # A DSN names PostgreSQL; anything else is a SQLite file path.
 _DSN = re.compile(r"^postgres(ql)?://")
 
@@ -235,10 +239,16 @@ class PostgresDatabase:
     # server that stopped answering mid-query becomes RegistryUnavailable, and the ledger spools.
     STATEMENT_TIMEOUT_MS = 15_000
 
+    # A read replica that could not be reached is not asked again for this long: its reads go to
+    # the primary meanwhile (a replica a WAN link away, or failing over, would otherwise cost every
+    # key lookup its 5 s connect timeout, then a 503 — while /health still says the region serves).
+    REPLICA_AWAY_S = 30.0
+
     def __init__(self, dsn: str, replica: str | None = None):
         """``dsn``: the primary; ``replica``: the region's nearest read replica, if any."""
         self.dsn, self.replica = dsn, replica
         self._kept = {dsn: _KeptConnections()} | ({replica: _KeptConnections()} if replica else {})
+        self._replica_away_until = 0.0
 
     def describe(self, dsn: str | None = None) -> str:
         """A DSN without its secrets (for logs and errors): read as libpq reads it, whatever its
@@ -255,28 +265,20 @@ class PostgresDatabase:
     @contextmanager
     def connect(self, read: bool = False) -> Iterator[_PostgresConnection]:
         import psycopg
-        from psycopg.rows import dict_row
 
-        dsn = self.replica if read and self.replica else self.dsn
-        kept = self._kept[dsn]
-        opened = kept.take()
+        dsn = self.replica if read and self.replica and time.monotonic() >= self._replica_away_until else self.dsn
+        opened = self._kept[dsn].take()
         if opened is None:
             try:
-                opened = _Opened(psycopg.connect(
-                    dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
-                    options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
-                    # A server that vanished (no FIN, no RST) is found by TCP keepalive while the
-                    # connection waits or is kept, not the kernel's two hours, and a statement sent
-                    # to it fails once unacknowledged for the statement's own bound, not after ~15
-                    # minutes of retransmits: statement_timeout is the server's, and it is gone.
-                    keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
-                    tcp_user_timeout=self.STATEMENT_TIMEOUT_MS,
-                    # Never prepared on the server: a kept connection's prepared `SELECT *` would
-                    # fail once a release adds a column, and PgBouncer's transaction mode has none.
-                    prepare_threshold=None,
-                ))
-            except psycopg.OperationalError as err:
-                raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
+                opened = self._open(dsn)
+            except RegistryUnavailable as away:
+                if dsn != self.replica:
+                    raise
+                self._replica_away_until = time.monotonic() + self.REPLICA_AWAY_S
+                logger.warning("%s; reading from the primary for %.0f s", away, self.REPLICA_AWAY_S)
+                dsn = self.dsn
+                opened = self._kept[dsn].take() or self._open(dsn)
+        kept = self._kept[dsn]
         db = opened.connection
         try:
             yield _PostgresConnection(db)
@@ -292,6 +294,29 @@ class PostgresDatabase:
             raise
         finally:
             kept.give_back(opened)  # kept if it ended cleanly and is idle, else closed
+
+    def _open(self, dsn: str) -> "_Opened":
+        import psycopg
+        from psycopg.rows import dict_row
+
+        try:
+            return _Opened(psycopg.connect(
+                dsn, row_factory=dict_row, connect_timeout=self.CONNECT_TIMEOUT_S,
+                options=f"-c statement_timeout={self.STATEMENT_TIMEOUT_MS}",
+                # A server that vanished (no FIN, no RST) is found by TCP keepalive while the
+                # connection waits or is kept, not the kernel's two hours, and a statement sent
+                # to it fails once unacknowledged for the statement's own bound, not after ~15
+                # minutes of retransmits: statement_timeout is the server's, and it is gone.
+                keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+                tcp_user_timeout=self.STATEMENT_TIMEOUT_MS,
+                # Never prepared on the server: a kept connection's prepared `SELECT *` would
+                # fail once a release adds a column, and PgBouncer's transaction mode has none.
+                prepare_threshold=None,
+            ))
+        except psycopg.OperationalError as err:
+            raise RegistryUnavailable(f"cannot reach the key registry at {self.describe(dsn)}: {err}") from err
+        except psycopg.ProgrammingError:  # libpq cannot read the DSN: its message quotes the DSN, password and all
+            raise RegistryUnavailable(f"the key registry's DSN cannot be read: {self.describe(dsn)}") from None
 
     def create_schema(self, ddl: str) -> None:
         with self.connect() as db:

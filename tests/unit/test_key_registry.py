@@ -3,6 +3,7 @@ PostgreSQL server (regions), through the same ``KeyStore``. Two stores on one re
 regions sharing it."""
 
 import time
+import traceback
 
 import pytest
 
@@ -100,6 +101,19 @@ def test_the_dsn_is_never_logged_with_its_password(dsn, described):
     assert "s3" not in shown and "k3y" not in shown
 
 
+@pytest.mark.parametrize("dsn", ["postgresql://ops:Tr0ub%4dor%&3@db/serve_app", "host=db password='s3cret"])
+def test_a_dsn_libpq_cannot_read_is_refused_without_showing_its_password(dsn):
+    """libpq's message for a password with a stray ``%`` (or an open quote) quotes it: the CLI
+    printed it to the terminal, a router to its log."""
+    from serve_app.auth.database import RegistryUnavailable
+
+    with pytest.raises(RegistryUnavailable) as refused:
+        with PostgresDatabase(dsn).connect():
+            pass
+    shown = "".join(traceback.format_exception(refused.value))
+    assert "cannot be read" in shown and "Tr0ub" not in shown and "s3cret" not in shown
+
+
 def test_a_registry_outage_is_a_503_with_retry_after_not_a_500(tmp_path, fresh_database):
     import asyncio
 
@@ -148,6 +162,27 @@ def test_a_tokens_key_the_replica_has_not_got_yet_is_read_from_the_primary(postg
     _, record = KeyStore(primary).create_key(owner="alice", tier="standard")  # through another region
     assert here.get(record.key_id) == record
     assert here.get("0000ffffffff") is None
+
+
+def test_reads_go_to_the_primary_while_the_replica_cannot_be_reached(fresh_database, caplog):
+    """The region's replica away (a failover, a link down): key lookups read the primary, and the
+    replica is not asked again for REPLICA_AWAY_S, instead of every lookup failing 503 after its
+    connect timeout while /health said the region served."""
+    from tests.conftest import free_port
+
+    gone = f"postgresql://serve_app@127.0.0.1:{free_port()}/replica"
+    _, record = KeyStore(fresh_database).create_key(owner="alice", tier="standard")
+    here = KeyStore(fresh_database, cache_ttl_s=0, replica=gone)
+    assert here.get(record.key_id) == record  # the replica refused: read from the primary
+    assert "reading from the primary" in caplog.text and "127.0.0.1" in caplog.text
+    connects = []
+    opened = here.database._open
+    here.database._open = lambda dsn: connects.append(dsn) or opened(dsn)
+    assert here.get(record.key_id) == record
+    assert gone not in connects  # not asked again within REPLICA_AWAY_S
+    here.database._replica_away_until = 0.0  # its 30 s are over: the replica is asked again
+    here.get(record.key_id)
+    assert connects[-1] == gone
 
 
 def test_the_read_replica_is_named_by_env_and_only_beside_a_primary():
