@@ -144,17 +144,29 @@ def keys_create(
     tier = tier or c.auth.default_tier
     if tier not in c.auth.tiers:
         _fail(f"unknown tier {tier!r}; this config defines: {', '.join(c.auth.tiers)}")
-    key, record = c.store(create=True).create_key(
+    known = _known_regions(c.region)
+    if unknown := [name for name in region if name not in known]:  # a typo: a key refused in every region
+        _fail(f"unknown region {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    if expires_in_days is not None and expires_in_days <= 0:  # 0 read as "never", a negative as expired
+        _fail("--expires-in-days must be more than 0 (leave it out for a key that does not expire)")
+    store = c.store(create=True)
+    key, record = store.create_key(
         owner=owner,
         tier=tier,
         models=tuple(models) or (ALL,),
         regions=tuple(region) or (ALL,),
         scopes=(SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,),
-        expires_at=int(time.time() + expires_in_days * 86400) if expires_in_days else None,
+        expires_at=int(time.time() + expires_in_days * 86400) if expires_in_days is not None else None,
     )
-    typer.echo(f"created key {record.key_id} for {owner} (tier {tier}, scopes {' '.join(record.scopes)})", err=True)
+    typer.echo(f"created key {record.key_id} for {owner} (tier {tier}, scopes {' '.join(record.scopes)}) "
+               f"in {store.database.describe()}", err=True)
     typer.echo("store it now: it is shown this once and cannot be recovered", err=True)
     typer.echo(key)  # stdout carries only the key, for KEY=$(serve-app keys create ...)
+
+
+def _known_regions(own: str) -> set[str]:
+    """This config's region and every region of the repository's ``regions/`` (the image carries it)."""
+    return {own, *(path.stem for path in (REPO_ROOT / "regions").glob("*.yaml"))}
 
 
 @keys_app.command("list")
@@ -202,14 +214,32 @@ def signing_list(ctx: typer.Context) -> None:
 
 
 @signing_app.command("remove")
-def signing_remove(ctx: typer.Context, kid: str) -> None:
-    """Stop trusting a key: every token it signed fails from now on. Wait one token TTL after
-    a rotation before removing the previous key."""
-    path = _ctx(ctx).auth.signing_keys()
+def signing_remove(
+    ctx: typer.Context,
+    kid: str,
+    now: Annotated[bool, typer.Option("--now", help="Remove it though tokens it signed may still be live "
+                                                     "(a compromised key: every one fails at once).")] = False,
+) -> None:
+    """Stop trusting a key: every token it signed fails from now on. Refused within one token
+    lifetime (+ leeway) of the rotation that replaced it, unless ``--now``."""
+    c = _ctx(ctx)
+    path = c.auth.signing_keys()
     try:
-        keyset = _ctx(ctx).keyset().without(kid)
+        keyset = c.keyset()
+        remaining = keyset.without(kid)
     except (KeyError, ValueError) as err:
         _fail(str(err).strip("'\""))
+    if not now and keyset.signing_key().kid == kid:
+        _fail(f"{kid} is the key that signs now: every token minted lately is its. `signing rotate` first "
+              "(or --now, for a compromised key)")
+    # Tokens it signed live until a token lifetime (+ leeway) after the key that replaced it began
+    # to sign (the newest: an older key's replacement came earlier, so this errs on the safe side).
+    live_until = keyset.signing_key().created_at + c.auth.token_ttl_s + c.auth.leeway_s
+    if not now and not keyset.find(kid).imported and time.time() < live_until:
+        _fail(f"tokens {kid} signed may be live until {time.strftime('%H:%M:%S UTC', time.gmtime(live_until))} "
+              "(token_ttl_s + leeway_s after the rotation): removing it now fails every one of them. "
+              "Wait, or pass --now for a compromised key.")
+    keyset = remaining
     tokens.save_keyset(path, keyset)
     typer.echo(f"removed {kid}; signing with {keyset.signing_key().kid}")
 

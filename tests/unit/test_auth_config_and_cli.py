@@ -111,6 +111,19 @@ def test_cli_rejects_unknown_models_and_tiers(cli):
     assert "unknown tier" in cli("keys", "create", "--owner", "a", "--tier", "gold", ok=False).output
 
 
+def test_cli_rejects_an_unknown_region_and_an_expiry_that_is_not_ahead(cli):
+    """A typo'd region made a key refused in every region; --expires-in-days 0 made one that never
+    expired, a negative one a key expired at birth: each created and exit 0."""
+    assert "unknown region 'yul-2'" in cli("keys", "create", "--owner", "a", "--region", "yul-2", ok=False).output
+    for days in ("0", "-1"):
+        assert "more than 0" in cli("keys", "create", "--owner", "a", "--expires-in-days", days, ok=False).output
+    assert not cli.auth.key_store().exists()  # none was created: not even the store
+    created = cli("keys", "create", "--owner", "a", "--region", "yul-02", "--region", "local")
+    assert "keys.sqlite3" in created.stderr  # which registry it went to
+    (listed,) = json.loads(cli("keys", "list", "--json").stdout)
+    assert listed["regions"] == ["yul-02", "local"]
+
+
 def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
     cli("signing", "rotate")
     key_id = cli("keys", "create", "--owner", "bob").stdout.strip().split("_")[1]
@@ -125,7 +138,12 @@ def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
     listed = cli("signing", "list").output
     assert first_kid in listed and "signs+verifies" in listed
     tokens.verify(token, keys, **verify)  # still valid after rotation
-    cli("signing", "remove", first_kid)
+    refused = cli("signing", "remove", first_kid, ok=False).output  # its tokens may be live for 15 min
+    assert "may be live until" in refused and "--now" in refused
+    tokens.verify(token, keys, **verify)
+    signer = tokens.load_keyset(cli.auth.signing_keys()).signing_key().kid
+    assert "signs now" in cli("signing", "remove", signer, ok=False).output
+    cli("signing", "remove", first_kid, "--now")  # a compromised key: its tokens fail at once
     with pytest.raises(tokens.TokenError):
         tokens.verify(token, keys, **verify)
 
