@@ -8,11 +8,13 @@ thread already runs a loop (Jupyter), where ``asyncio.run`` would refuse.
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Coroutine
 from typing import Any, Generic, TypeVar
 
 from serve_app.client import resources
 from serve_app.client.client import AsyncClient
+from serve_app.client.errors import ServeAppError
 from serve_app.client.streams import AsyncStream
 from serve_app.client.types import (
     ChatCompletion,
@@ -43,6 +45,9 @@ class _Loop:
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.loop.is_closed():
+            coro.close()  # never started: no "coroutine was never awaited" warning
+            raise ServeAppError("the client is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
@@ -159,6 +164,9 @@ class Client:
 
     def _start(self, api_key: str | None, options: dict[str, Any], *, exchange: bool) -> None:
         self._loop = _Loop()
+        # A client dropped without close() (re-created in a notebook cell) stops its thread and
+        # loop when collected, instead of leaking both for the life of the process.
+        self._finalizer = weakref.finalize(self, self._loop.stop)
         try:
             self._client: AsyncClient = self._loop.run(_make(api_key, options, exchange=exchange))
         except BaseException:
@@ -194,10 +202,13 @@ class Client:
         return self._loop.run(self._client.model(name, **options))
 
     def close(self) -> None:
+        """Close the connections and stop the client's thread; a second call does nothing."""
+        if self._loop.loop.is_closed():
+            return
         try:
             self._loop.run(self._client.close())
         finally:
-            self._loop.stop()
+            self._finalizer()
 
     def __enter__(self) -> "Client":
         return self

@@ -264,6 +264,30 @@ def test_the_sync_client_has_the_same_groups():
     assert counted.input_tokens == 9
 
 
+def test_the_sync_client_closes_once_refuses_calls_after_and_stops_its_thread_when_dropped():
+    import gc
+    import threading
+    import warnings
+
+    from serve_app.client import ServeAppError
+
+    region = FakeRegion("yul-02")
+    with serving(region) as urls:
+        with Client.create(region.api_key, base_url=urls[0]) as client:
+            client.messages.count_tokens(model=MESSAGE["model"], messages=MESSAGE["messages"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "coroutine was never awaited"
+            client.close()  # a second close: nothing to do
+            with pytest.raises(ServeAppError, match="closed"):
+                client.models()
+        dropped = Client(region.api_key, base_url=urls[0])  # never closed
+        thread = dropped._loop.thread
+        del dropped
+        gc.collect()
+    thread.join(5)  # a hang guard: stopping the loop ends the thread at once
+    assert not thread.is_alive() and thread not in threading.enumerate()
+
+
 # --- against the real router --------------------------------------------------------------------
 
 
