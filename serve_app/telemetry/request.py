@@ -98,6 +98,8 @@ class RequestTelemetry:
     def start_failover(self, reason: str) -> dict[str, str]:
         """Open the ``failover`` CLIENT span; the headers carry it to the peer (one trace)."""
         self.record.failover_reason = reason
+        if self.record.head_ms is not None:  # the local engine's part ends here (``compute_split``)
+            self.record.head_end_ms = self.record.elapsed_ms()
         self._failover_span = tracing.start_failover_span(self.trace, reason)
         return tracing.propagation_headers(self._failover_span)
 

@@ -80,6 +80,9 @@ class RequestRecord:
     # Receipt → the head of a call whose engine then works (a stream's, or an accepted non-stream
     # request's): from there on the time is the engine's, whether or not it reports its timing.
     head_ms: float | None = None
+    # Receipt → the failover to peers that followed that head (its engine gone or unreachable):
+    # the peers' connects and refusals after it are network, not the engine's.
+    head_end_ms: float | None = None
     queue_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
@@ -264,7 +267,8 @@ def compute_split(record: RequestRecord) -> Split:
     # A request a peer served ran in its engine (its spans have it): here it is all network. One
     # that no peer took after a local head (its replica gone) ran in ours until then.
     took = record.head_ms is not None and record.failover_region is None
-    unreported = 0.0 if reported or not took else max(0.0, server - record.head_ms)
+    engine_end = server if record.head_end_ms is None else min(server, record.head_end_ms)
+    unreported = 0.0 if reported or not took else max(0.0, engine_end - record.head_ms)
     engine = reported or took
     # Without a replica's head there is no queue span to hold Serve's queue: it stays in network.
     queue = (record.queue_ms or 0.0) + (record.router_queue_ms or 0.0 if engine else 0.0)

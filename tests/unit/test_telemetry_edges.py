@@ -139,6 +139,21 @@ def test_a_request_no_peer_took_after_a_local_head_ran_in_our_engine_until_then(
     assert split.network_ms + split.queue_ms + split.inference_ms == pytest.approx(split.server_ms)
 
 
+def test_the_peers_tried_after_a_local_head_are_network_not_the_dead_engines_inference():
+    """The replica died 50 ms after its head; 200 ms of peers refusing followed: those are connects."""
+    telemetry = RequestTelemetry(ROUTE_CHAT, {}, region="yul-02", replica="Router#abc")
+    record = telemetry.record
+    record.start_perf_ns = time.perf_counter_ns() - round(70.0 * 1e6)  # received 70 ms ago
+    record.note_head(20.0)  # its head came at 20 ms, its engine died at ~70 ms
+    failed_over_at = record.elapsed_ms()
+    telemetry.start_failover("replica_unavailable")
+    telemetry.note_failover([], None)  # every peer refused
+    record.server_ms = failed_over_at + 200.0  # the peers' 200 ms, then the 503
+    split = compute_split(record)
+    assert split.unreported_engine_ms == pytest.approx(failed_over_at - 20.0, abs=1.0)
+    assert split.network_ms >= 200.0 and split.network_ms + split.inference_ms == pytest.approx(split.server_ms)
+
+
 # --- 2. TTFT of a Responses stream ----------------------------------------------------------------
 CREATED = b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1"}}\n\n'
 IN_PROGRESS = b'event: response.in_progress\ndata: {"type":"response.in_progress"}\n\n'
