@@ -22,7 +22,8 @@ What keeps one owner's data its own (docs/threat-model.md, "Stored Responses"):
 The sweep (``start()`` / ``aclose()``, on the router's event loop) runs every SWEEP_INTERVAL_S:
 expired rows first, then rows past the global bound, SWEEP_BATCH rows per transaction and at most
 SWEEP_MAX_ROWS per run. One sweep runs at a time across every replica and region (a lease row in
-``stored_response_sweeps``), so two routers never evict the same excess twice. An expired row is
+``stored_response_sweeps``, renewed before each owner's deletes), so two routers never evict the
+same excess twice. An expired row is
 invisible at once, whenever the sweep deletes it; the table may exceed ``max_responses`` by the
 puts of one interval (more if a run's SWEEP_MAX_ROWS left a backlog). Each database call runs on
 the store's own threads, never on the event loop: reads on threads of their own, and one put per
@@ -310,21 +311,24 @@ class ResponseStore:
     def _sweep(self, now_ms: int) -> Sweep | None:
         if not self._claim_sweep(now_ms):
             return None
+        lease = now_ms
         budget, cutoff = self.SWEEP_MAX_ROWS, now_ms - self.retention_ms
         expired = 0
         for owner in sorted(self._counts(before_ms=cutoff)):
-            if expired >= budget:
+            if expired >= budget or (lease := self._hold_sweep(lease)) is None:
                 break
             expired += self._delete_oldest(owner, budget - expired, now_ms, before_ms=cutoff)
         evicted: dict[str, int] = {}
-        counts = self._counts() if expired < budget else {}
+        counts = self._counts() if expired < budget and lease is not None else {}
         excess = min(sum(counts.values()) - self.max_responses, budget - expired)
         for owner, rows in sorted(fair_eviction(counts, excess).items()):
+            if (lease := self._hold_sweep(lease)) is None:
+                break
             evicted[owner] = self._delete_oldest(owner, rows, now_ms)
         return Sweep(expired, evicted)
 
     def _claim_sweep(self, now_ms: int) -> bool:
-        """The lease: a run may start when the last one started over half an interval ago."""
+        """The lease: a run may start when the last one renewed it over half an interval ago."""
         with self.database.connect() as db:
             return db.execute(
                 "INSERT INTO stored_response_sweeps (name, started_ms) VALUES ('sweep', ?)"
@@ -332,6 +336,21 @@ class ResponseStore:
                 " WHERE stored_response_sweeps.started_ms <= ?",
                 (now_ms, now_ms - int(self.SWEEP_INTERVAL_S * 500)),
             ).rowcount == 1
+
+    def _hold_sweep(self, lease: int) -> int | None:
+        """Renew the lease this run holds (stamped ``lease``) before an owner's deletes: a run
+        longer than half an interval (a hundred owners a WAN away) would otherwise be joined by a
+        second, which sized its evictions on counts the first was still lowering — an owner within
+        its share lost rows. None when another run has taken it (this one stalled): stop."""
+        renewed = max(self._now_ms(), lease + 1)
+        with self.database.connect() as db:
+            held = db.execute(
+                "UPDATE stored_response_sweeps SET started_ms = ? WHERE name = 'sweep' AND started_ms = ?",
+                (renewed, lease),
+            ).rowcount == 1
+        if not held:
+            logger.warning("response store sweep: another router took the lease; this run stops")
+        return renewed if held else None
 
     def _counts(self, before_ms: int | None = None) -> dict[str, int]:
         """Rows per owner (stored before ``before_ms``, if given)."""

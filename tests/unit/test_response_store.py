@@ -191,6 +191,26 @@ def test_one_sweep_runs_at_a_time_across_replicas_and_regions(database):
     assert run(peer.sweep()) is not None
 
 
+def test_a_long_sweep_keeps_its_lease_and_no_second_run_joins_it(database):
+    """Each owner's deletes take a while (a WAN away): the run renews its lease as it goes, so a
+    peer does not start a second run on counts the first is still lowering."""
+    clock = Clock()
+    here, peer = ResponseStore(database, args(), clock=clock), ResponseStore(database, args(), clock=clock)
+    for owner in ("alice", "bob", "carol"):
+        run(here.put(stored(owner, owner=owner)))
+    clock.now += 2 * 3600  # every row past its retention
+    peer_runs, delete = [], here._delete_oldest
+
+    def slow_delete(*a, **kw):
+        clock.now += ResponseStore.SWEEP_INTERVAL_S / 3  # 20 s per owner: 60 s in all
+        peer_runs.append(peer._claim_sweep(peer._now_ms()))
+        return delete(*a, **kw)
+
+    here._delete_oldest = slow_delete
+    swept = run(here.sweep())
+    assert swept.expired == 3 and peer_runs == [False, False, False]
+
+
 def test_a_registry_that_is_away_is_a_503_for_reads_and_the_sweep_keeps_trying(database, monkeypatch):
     from test_usage_store import unreachable
 
