@@ -1,5 +1,6 @@
 """What ``serve-app gpu-smoke`` checks: the GPU, then one chat, one tool call and one json_schema
-request through the router with the official ``openai`` SDK.
+request through the router with the official ``openai`` SDK (an embedding model: one embeddings
+request instead).
 
 Every check returns a ``Check`` (never raises for a failed check). The CUDA check takes the torch
 module and the request checks take the SDK's response objects, so the unit tests run them on
@@ -7,6 +8,7 @@ fakes and canned responses; torch and openai are imported only when a real run n
 """
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -143,10 +145,37 @@ def check_json_schema(completion: Any) -> Check:
     return Check("json_schema", True, content[:80])
 
 
+EMBED_INPUTS = ["Montreal is a city in Quebec.", "The weather in Montreal is cold in winter."]
+
+
+def check_embeddings(response: Any, dimensions: int | None) -> Check:
+    """One finite, non-zero vector per input, each of the model's dimensions."""
+    vectors = [item.embedding for item in sorted(response.data, key=lambda item: item.index)]
+    if len(vectors) != len(EMBED_INPUTS):
+        return Check("embeddings", False, f"{len(vectors)} vectors for {len(EMBED_INPUTS)} inputs")
+    sizes = {len(vector) for vector in vectors}
+    if len(sizes) != 1 or (dimensions is not None and sizes != {dimensions}):
+        return Check("embeddings", False, f"vectors of {sorted(sizes)} dimensions; the model's: {dimensions}")
+    if any(not all(math.isfinite(x) for x in vector) or not any(vector) for vector in vectors):
+        return Check("embeddings", False, "a vector is zero or not finite")
+    return Check("embeddings", True, f"{len(vectors)} vectors of {sizes.pop()} dimensions")
+
+
 def run_requests(client: Any, model: str, clock: Callable[[], float] = time.perf_counter) -> list[Check]:
-    """The three requests through ``client`` (an ``openai.OpenAI`` at the router's /v1)."""
+    """The requests for ``model``'s task through ``client`` (an ``openai.OpenAI`` at the router's
+    /v1): an embedding model embeds (it would refuse a chat), any other chats, calls a tool and
+    answers a json_schema."""
     import openai
 
+    from serve_app import catalog
+
+    entry = catalog.get(model)
+    if entry.task == "embed":
+        try:
+            return [check_embeddings(client.embeddings.create(model=model, input=EMBED_INPUTS),
+                                     entry.embedding_dimensions)]
+        except openai.OpenAIError as err:
+            return [Check("embeddings", False, f"{type(err).__name__}: {err}")]
     checks = []
     try:
         started = clock()

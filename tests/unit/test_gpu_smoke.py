@@ -296,6 +296,28 @@ def test_the_three_requests_go_through_the_official_sdk():
     assert seen[2]["response_format"]["json_schema"]["schema"] == checks.CITY_SCHEMA
 
 
+def test_an_embedding_model_is_smoke_tested_with_embeddings_not_a_chat_it_would_refuse():
+    embed = "qwen-3-embedding-0.6b"
+    size = catalog.get(embed).embedding_dimensions
+    seen, vectors = [], [[0.5] * size, [0.25] * size]
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        return httpx2.Response(200, json={"object": "list", "model": embed, "data": data,
+                                          "usage": {"prompt_tokens": 8, "total_tokens": 8}})
+
+    client = openai.OpenAI(base_url="http://router/v1", api_key="k", max_retries=0,
+                           http_client=httpx2.Client(transport=httpx2.MockTransport(handler)))
+    (result,) = checks.run_requests(client, embed)
+    assert (result.name, result.ok) == ("embeddings", True) and f"{size} dimensions" in result.detail
+    assert [path for path, _ in seen] == ["/v1/embeddings"] and seen[0][1]["input"] == checks.EMBED_INPUTS
+    vectors[1] = [0.0] * size  # a model that answers zeros is broken
+    assert not checks.run_requests(client, embed)[0].ok
+    vectors[1] = [0.5] * (size - 1)
+    assert "dimensions" in checks.run_requests(client, embed)[0].detail
+
+
 def test_an_error_answer_fails_that_request_only():
     def handler(request: httpx2.Request) -> httpx2.Response:
         if json.loads(request.content).get("stream"):
