@@ -278,6 +278,16 @@ def test_no_eviction_takes_the_head_and_gpu_workers_go_while_the_region_keeps_it
     assert not any(selects(b["selector"][0], pod) for b in (head, workers) for pod in (OTHER_POD, LOOKALIKE))
 
 
+def test_gpu_workers_spread_over_servers_before_doubling_up_on_one():
+    """Two replicas of a region's required model on one server went down with it; the spread is
+    soft (a pod still starts where only one server has a free GPU) and counts only GPU workers."""
+    (spread,) = MOD(WORKER_GROUP["template"]["spec"]["topologySpreadConstraints"])
+    assert (spread["maxSkew"], spread["topologyKey"], spread["whenUnsatisfiable"]) == (
+        1, "kubernetes.io/hostname", "ScheduleAnyway")
+    selector = {"match_labels": spread["labelSelector"]["matchLabels"]}
+    assert selects(selector, GPU_WORKER) and not any(selects(selector, pod) for pod in (HEAD, OTHER_POD, LOOKALIKE))
+
+
 @pytest.mark.parametrize("gcs_redis, options", [
     ({"address": "", "password_secret": ""}, None),  # the default: the GCS in the head's memory
     ({"address": "redis.serve.svc:6379", "password_secret": "gcs-redis"},

@@ -176,6 +176,18 @@ locals {
         spec = {
           securityContext = { fsGroup = var.pod_fs_group }
           nodeSelector    = local.gpu_pool_labels
+          # One GPU worker per server before a second on any (soft: a pod still starts where
+          # only one server has a free GPU): a region's two replicas on one server go down
+          # together with it, and its required model with them.
+          topologySpreadConstraints = [{
+            maxSkew           = 1
+            topologyKey       = "kubernetes.io/hostname"
+            whenUnsatisfiable = "ScheduleAnyway"
+            labelSelector = { matchLabels = {
+              "app.kubernetes.io/name" = local.name
+              "ray.io/group"           = local.gpu_worker_group
+            } }
+          }]
           tolerations = [{
             key      = local.gpu_taint.key
             operator = "Equal"
