@@ -22,7 +22,7 @@ What keeps one owner's data its own (docs/threat-model.md, "Stored Responses"):
 The sweep (``start()`` / ``aclose()``, on the router's event loop) runs every SWEEP_INTERVAL_S:
 expired rows first, then rows past the global bound, SWEEP_BATCH rows per transaction and at most
 SWEEP_MAX_ROWS per run. One sweep runs at a time across every replica and region (a lease row in
-``stored_response_sweeps``, renewed before each owner's deletes), so two routers never evict the
+``stored_response_sweeps``, renewed in each batch's transaction), so two routers never evict the
 same excess twice. An expired row is
 invisible at once, whenever the sweep deletes it; the table may exceed ``max_responses`` by the
 puts of one interval (more if a run's SWEEP_MAX_ROWS left a backlog). Each database call runs on
@@ -84,6 +84,14 @@ class StoredResponse:
     conversation: list  # input items that produced it (full history, without instructions)
 
 
+@dataclass
+class _Turn:
+    """An owner's puts on this router: one runs (``lock``), ``users`` run or wait."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
 class ResponseIdTaken(Exception):
     """A put whose id is stored already (whoever's): nothing was stored, nothing replaced."""
 
@@ -123,7 +131,7 @@ class ResponseStore:
         # up to the 15 s statement timeout) fills no thread that another owner's answer waits for.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store")
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store-read")
-        self._owner_puts: dict[str, asyncio.Lock] = {}
+        self._owner_puts: dict[str, _Turn] = {}
         self._schema_lock = threading.Lock()
         self._schema_ready = False
         self._sweeper: asyncio.Task | None = None
@@ -147,13 +155,15 @@ class ResponseStore:
     @contextlib.asynccontextmanager
     async def _owner_turn(self, owner: str):
         """The owner's one put at a time on this router (``__init__`` says why)."""
-        turn = self._owner_puts.setdefault(owner, asyncio.Lock())
+        turn = self._owner_puts.setdefault(owner, _Turn())
+        turn.users += 1  # counted: a released lock reads unlocked before its next holder runs
         try:
-            async with turn:
+            async with turn.lock:
                 yield
         finally:
-            if not turn.locked() and self._owner_puts.get(owner) is turn:
-                del self._owner_puts[owner]  # nobody waits: an owner seen once holds no memory
+            turn.users -= 1
+            if turn.users == 0:
+                del self._owner_puts[owner]  # nobody holds or waits: an owner seen once holds no memory
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         """None when missing, expired or another owner's: the three look the same from outside, so
@@ -311,20 +321,20 @@ class ResponseStore:
     def _sweep(self, now_ms: int) -> Sweep | None:
         if not self._claim_sweep(now_ms):
             return None
-        lease = now_ms
+        lease = _Lease(now_ms)
         budget, cutoff = self.SWEEP_MAX_ROWS, now_ms - self.retention_ms
         expired = 0
         for owner in sorted(self._counts(before_ms=cutoff)):
-            if expired >= budget or (lease := self._hold_sweep(lease)) is None:
+            if expired >= budget or lease.lost:
                 break
-            expired += self._delete_oldest(owner, budget - expired, now_ms, before_ms=cutoff)
+            expired += self._delete_oldest(owner, budget - expired, now_ms, lease, before_ms=cutoff)
         evicted: dict[str, int] = {}
-        counts = self._counts() if expired < budget and lease is not None else {}
+        counts = self._counts() if expired < budget and not lease.lost else {}
         excess = min(sum(counts.values()) - self.max_responses, budget - expired)
         for owner, rows in sorted(fair_eviction(counts, excess).items()):
-            if (lease := self._hold_sweep(lease)) is None:
+            if lease.lost:
                 break
-            evicted[owner] = self._delete_oldest(owner, rows, now_ms)
+            evicted[owner] = self._delete_oldest(owner, rows, now_ms, lease)
         return Sweep(expired, evicted)
 
     def _claim_sweep(self, now_ms: int) -> bool:
@@ -337,21 +347,6 @@ class ResponseStore:
                 (now_ms, now_ms - int(self.SWEEP_INTERVAL_S * 500)),
             ).rowcount == 1
 
-    def _hold_sweep(self, lease: int) -> int | None:
-        """Renew the lease this run holds (stamped ``lease``) before an owner's deletes: a run
-        longer than half an interval (a hundred owners a WAN away) would otherwise be joined by a
-        second, which sized its evictions on counts the first was still lowering — an owner within
-        its share lost rows. None when another run has taken it (this one stalled): stop."""
-        renewed = max(self._now_ms(), lease + 1)
-        with self.database.connect() as db:
-            held = db.execute(
-                "UPDATE stored_response_sweeps SET started_ms = ? WHERE name = 'sweep' AND started_ms = ?",
-                (renewed, lease),
-            ).rowcount == 1
-        if not held:
-            logger.warning("response store sweep: another router took the lease; this run stops")
-        return renewed if held else None
-
     def _counts(self, before_ms: int | None = None) -> dict[str, int]:
         """Rows per owner (stored before ``before_ms``, if given)."""
         where, params = ("WHERE stored_at_ms < ?", (before_ms,)) if before_ms is not None else ("", ())
@@ -359,24 +354,44 @@ class ResponseStore:
             rows = db.execute(f"SELECT owner, COUNT(*) AS n FROM stored_responses {where} GROUP BY owner", params)
             return {row["owner"]: int(row["n"]) for row in rows.fetchall()}
 
-    def _delete_oldest(self, owner: str, limit: int, now_ms: int, *, before_ms: int | None = None) -> int:
+    def _delete_oldest(self, owner: str, limit: int, now_ms: int, lease: "_Lease", *,
+                       before_ms: int | None = None) -> int:
         """Delete up to ``limit`` of the owner's oldest rows (stored before ``before_ms``, if
-        given), SWEEP_BATCH per transaction, each under the owner's lock."""
+        given), SWEEP_BATCH per transaction, each under the owner's lock and with the sweep's lease
+        renewed in it: a run longer than half an interval (a hundred owners a WAN away, one owner's
+        40 batches) would otherwise be joined by a second, which sized its evictions on counts the
+        first was still lowering — an owner within its share lost rows. A run whose lease another
+        took (it stalled past half an interval) deletes nothing more."""
         age, params = (" AND stored_at_ms < ?", (before_ms,)) if before_ms is not None else ("", ())
         deleted = 0
         while deleted < limit:
             batch = min(self.SWEEP_BATCH, limit - deleted)
+            renewed = max(self._now_ms(), lease.stamp + 1)
             with self.database.connect() as db:
+                renew = "UPDATE stored_response_sweeps SET started_ms = ? WHERE name = 'sweep' AND started_ms = ?"
+                if db.execute(renew, (renewed, lease.stamp)).rowcount != 1:
+                    lease.lost = True
+                    logger.warning("response store sweep: another router took the lease; this run stops")
+                    break
                 _lock_owner(db, owner, now_ms)
                 done = db.execute(
                     "DELETE FROM stored_responses WHERE id IN (SELECT id FROM stored_responses"
                     f" WHERE owner = ?{age} ORDER BY stored_at_ms, id LIMIT ?)",
                     (owner, *params, batch),
                 ).rowcount
+            lease.stamp = renewed  # committed with the batch
             deleted += done
             if done < batch:
                 break
         return deleted
+
+
+@dataclass
+class _Lease:
+    """The sweep lease a run holds: the stamp it last wrote, and whether another run took it."""
+
+    stamp: int
+    lost: bool = False
 
 
 def fair_eviction(counts: Mapping[str, int], excess: int) -> dict[str, int]:

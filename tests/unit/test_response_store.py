@@ -211,6 +211,45 @@ def test_a_long_sweep_keeps_its_lease_and_no_second_run_joins_it(database):
     assert swept.expired == 3 and peer_runs == [False, False, False]
 
 
+def test_a_sweep_renews_its_lease_with_every_batch_and_stops_once_another_run_took_it(database, monkeypatch):
+    """One owner's deletes alone can outlast the lease (40 batches a WAN away): each batch renews
+    it in its own transaction; a run that stalled past it and lost it deletes nothing more."""
+    monkeypatch.setattr(ResponseStore, "SWEEP_BATCH", 1)
+    clock = Clock()
+    here, peer = ResponseStore(database, args(), clock=clock), ResponseStore(database, args(), clock=clock)
+    for i in range(4):
+        run(here.put(stored(i, owner="alice")))
+    clock.now += 2 * 3600  # every row past its retention
+    started, peer_runs, claim, now = [], [], here._claim_sweep, here._now_ms
+    here._claim_sweep = lambda now_ms: started.append(claim(now_ms)) or started[-1]
+
+    def a_batch_later() -> int:  # read before each batch: 20 s passed since the last one
+        if started:
+            clock.now += ResponseStore.SWEEP_INTERVAL_S / 3
+            peer_runs.append(peer._claim_sweep(peer._now_ms()))
+        return now()
+
+    here._now_ms = a_batch_later
+    assert run(here.sweep()).expired == 4 and len(peer_runs) >= 4 and not any(peer_runs)
+    started.clear()
+    run(here.put(stored(5, owner="alice")))
+    clock.now += 2 * 3600
+    here._now_ms = now
+    stalled = here._delete_oldest("alice", 10, now(), sweep_lease(here, clock, stale=True))
+    assert stalled == 0 and ids(database) == ["resp_5"]  # its lease was taken: nothing deleted
+
+
+def sweep_lease(store: ResponseStore, clock: Clock, *, stale: bool):
+    """A lease this run thinks it holds; ``stale``: another run has renewed it since."""
+    from serve_app.router.response_store import _Lease
+
+    stamp = store._now_ms() - 1
+    with store.database.connect() as db:
+        db.execute("UPDATE stored_response_sweeps SET started_ms = ? WHERE name = 'sweep'",
+                   (stamp + 1 if stale else stamp,))
+    return _Lease(stamp)
+
+
 def test_a_registry_that_is_away_is_a_503_for_reads_and_the_sweep_keeps_trying(database, monkeypatch):
     from test_usage_store import unreachable
 
@@ -539,6 +578,47 @@ def test_an_owner_whose_puts_are_held_holds_no_thread_another_owners_answer_wait
     found, turns = run(scenario())
     assert found is not None and turns == {}  # every owner's turn is given back
     assert len(ids(database)) == 10
+
+
+def test_an_owners_puts_arriving_while_one_runs_and_one_waits_still_run_one_at_a_time(database):
+    """A put arriving just as the running one ends (the next one woken, not yet running) joins
+    the owner's queue: it does not start a second turn beside the one woken."""
+    import threading
+
+    store = ResponseStore(database, args())
+    gates = {i: threading.Event() for i in range(1, 4)}
+    entered = {i: threading.Event() for i in range(1, 4)}
+    running, most, guard, put = [0], [0], threading.Lock(), store._put
+
+    def gated(response, now_ms):
+        i = int(response.id.removeprefix("resp_"))
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        entered[i].set()
+        gates[i].wait(30)
+        with guard:
+            running[0] -= 1
+        return put(response, now_ms)
+
+    store._put = gated
+
+    async def scenario():
+        first = asyncio.ensure_future(store.put(stored(1, owner="alice")))
+        await asyncio.to_thread(entered[1].wait, 30)
+        second = asyncio.ensure_future(store.put(stored(2, owner="alice")))
+        await asyncio.sleep(0)  # queued behind the first
+        gates[1].set()
+        await first  # the second is woken now, and may not have run yet
+        third = asyncio.ensure_future(store.put(stored(3, owner="alice")))
+        await asyncio.to_thread(entered[2].wait, 30)
+        third_ran_beside = await asyncio.to_thread(entered[3].wait, 0.5)  # a bound on a wait that must not end
+        for gate in gates.values():
+            gate.set()
+        await asyncio.gather(second, third)
+        return third_ran_beside
+
+    assert run(scenario()) is False and most[0] == 1 and store._owner_puts == {}
 
 
 # --- what is refused, and where it runs --------------------------------------------------------------
