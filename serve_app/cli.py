@@ -56,6 +56,7 @@ class _Context:
     def __init__(self, config: Path, key_store: str | None, signing_keys: Path | None):
         args = layout.parse_region(yaml.safe_load(config.read_text()))  # the config's one region
         self.region: str = args.region
+        self.peers: list[str] = [peer.region for peer in args.failover.peers]
         update: dict[str, object] = {}
         self._registry_dsn: str | None = None
         if signing_keys is not None:
@@ -132,6 +133,8 @@ def keys_create(
     tier: Annotated[str | None, typer.Option(help="Rate-limit tier; default: auth.default_tier.")] = None,
     admin: Annotated[bool, typer.Option(help="Also grant the admin scope (key admin endpoints).")] = False,
     expires_in_days: Annotated[float | None, typer.Option(help="Expire after this many days.")] = None,
+    any_region: Annotated[bool, typer.Option(help="Take a --region this config and regions/ do not know "
+                                                  "(one being added).")] = False,
 ) -> None:
     """Create a key and print it once; only its hash is stored."""
     c = _ctx(ctx)
@@ -144,9 +147,10 @@ def keys_create(
     tier = tier or c.auth.default_tier
     if tier not in c.auth.tiers:
         _fail(f"unknown tier {tier!r}; this config defines: {', '.join(c.auth.tiers)}")
-    known = _known_regions(c.region)
-    if unknown := [name for name in region if name not in known]:  # a typo: a key refused in every region
-        _fail(f"unknown region {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    known = _known_regions(c.region, c.peers)
+    if not any_region and (unknown := [name for name in region if name not in known]):  # a typo: refused everywhere
+        _fail(f"unknown region {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))} "
+              "(--any-region for one being added)")
     if expires_in_days is not None and expires_in_days <= 0:  # 0 read as "never", a negative as expired
         _fail("--expires-in-days must be more than 0 (leave it out for a key that does not expire)")
     store = c.store(create=True)
@@ -164,9 +168,15 @@ def keys_create(
     typer.echo(key)  # stdout carries only the key, for KEY=$(serve-app keys create ...)
 
 
-def _known_regions(own: str) -> set[str]:
-    """This config's region and every region of the repository's ``regions/`` (the image carries it)."""
-    return {own, *(path.stem for path in (REPO_ROOT / "regions").glob("*.yaml"))}
+# From a rotation on an operator's copy of a keyset to its routers signing with the new key: the
+# Secret's apply and the kubelet's sync of the mounted file (about a minute), with room.
+KEYSET_PROPAGATION_S = 180
+
+
+def _known_regions(own: str, peers: list[str]) -> set[str]:
+    """This config's region and its failover peers, and every region of the repository's
+    ``regions/`` (the image carries it)."""
+    return {own, *peers, *(path.stem for path in (REPO_ROOT / "regions").glob("*.yaml"))}
 
 
 @keys_app.command("list")
@@ -229,16 +239,18 @@ def signing_remove(
         remaining = keyset.without(kid)
     except (KeyError, ValueError) as err:
         _fail(str(err).strip("'\""))
-    if not now and keyset.signing_key().kid == kid:
-        _fail(f"{kid} is the key that signs now: every token minted lately is its. `signing rotate` first "
-              "(or --now, for a compromised key)")
+    if keyset.signing_key().kid == kid:  # even --now: the way to end its tokens is rotate, then remove
+        _fail(f"{kid} is the key that signs now: every token minted lately is its. `signing rotate` first, "
+              "then remove it (--now, for a compromised key)")
     # Tokens it signed live until a token lifetime (+ leeway) after the key that replaced it began
-    # to sign (the newest: an older key's replacement came earlier, so this errs on the safe side).
-    live_until = keyset.signing_key().created_at + c.auth.token_ttl_s + c.auth.leeway_s
+    # to sign (the newest: an older key's replacement came earlier, so this errs on the safe side),
+    # which is once the region's routers read the rotated keyset: a rotation made on an operator's
+    # copy signs once the Secret is applied and has reached the pods (KEYSET_PROPAGATION_S).
+    live_until = keyset.signing_key().created_at + KEYSET_PROPAGATION_S + c.auth.token_ttl_s + c.auth.leeway_s
     if not now and not keyset.find(kid).imported and time.time() < live_until:
         _fail(f"tokens {kid} signed may be live until {time.strftime('%H:%M:%S UTC', time.gmtime(live_until))} "
-              "(token_ttl_s + leeway_s after the rotation): removing it now fails every one of them. "
-              "Wait, or pass --now for a compromised key.")
+              "(token_ttl_s + leeway_s after the rotation reached the routers): removing it now fails every "
+              "one of them. Wait, or pass --now for a compromised key.")
     keyset = remaining
     tokens.save_keyset(path, keyset)
     typer.echo(f"removed {kid}; signing with {keyset.signing_key().kid}")

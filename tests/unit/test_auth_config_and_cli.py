@@ -120,8 +120,25 @@ def test_cli_rejects_an_unknown_region_and_an_expiry_that_is_not_ahead(cli):
     assert not cli.auth.key_store().exists()  # none was created: not even the store
     created = cli("keys", "create", "--owner", "a", "--region", "yul-02", "--region", "local")
     assert "keys.sqlite3" in created.stderr  # which registry it went to
-    (listed,) = json.loads(cli("keys", "list", "--json").stdout)
-    assert listed["regions"] == ["yul-02", "local"]
+    cli("keys", "create", "--owner", "b", "--region", "sea-01", "--any-region")  # a region being added
+    listed = json.loads(cli("keys", "list", "--json").stdout)
+    assert sorted(tuple(k["regions"]) for k in listed) == [("sea-01",), ("yul-02", "local")]
+
+
+def test_a_key_for_the_configs_failover_peer_is_for_a_known_region(tmp_path):
+    """The local two-region setup's peer ("peer") is no region file: the config names it."""
+    from serve_app.devtools.local_regions import PEER_REGION
+
+    config = load_serve_config("local.yaml")
+    settings = app_args(config)
+    settings["auth"] = {"key_store_path": str(tmp_path / "keys.sqlite3"),
+                        "signing_keys_path": str(tmp_path / "signing-keys.json")}
+    settings["failover"] = {"peers": [{"region": PEER_REGION, "endpoint": "http://127.0.0.1:8000/peer"}]}
+    config["applications"] = region_applications(settings)
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = CliRunner().invoke(app, ["--config", str(path), "keys", "create", "--owner", "a", "--region", PEER_REGION])
+    assert result.exit_code == 0, result.output
 
 
 def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
@@ -143,6 +160,7 @@ def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
     tokens.verify(token, keys, **verify)
     signer = tokens.load_keyset(cli.auth.signing_keys()).signing_key().kid
     assert "signs now" in cli("signing", "remove", signer, ok=False).output
+    assert "signs now" in cli("signing", "remove", signer, "--now", ok=False).output
     cli("signing", "remove", first_kid, "--now")  # a compromised key: its tokens fail at once
     with pytest.raises(tokens.TokenError):
         tokens.verify(token, keys, **verify)
