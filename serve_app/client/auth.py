@@ -143,7 +143,9 @@ class Auth:
         """Raise the error of an exchange that ended in failure while the caller waited for the
         lock (``attempts``: the count when it started waiting): that exchange was its exchange too."""
         if self._attempts != attempts and self._failure is not None:
-            raise self._failure
+            # The same error for each waiter, its traceback restarted: raised in many tasks, it
+            # would grow one (and keep every frame alive) per task.
+            raise self._failure.with_traceback(None)
 
     def _valid(self) -> bool:
         return self._token is not None and self._clock() < self._expires_at
@@ -180,12 +182,12 @@ class Auth:
     async def _mint(self, exchange: Exchange) -> None:
         try:
             await self._exchange(exchange)
-            self._failure = None
         except Exception as err:
-            self._failure = err
+            self._failure, self._attempts = err, self._attempts + 1
             raise
-        finally:
-            self._attempts += 1
+        # Cancelled (its caller's timeout, Ctrl-C): no attempt ended, so nobody waiting shares an
+        # outcome; the next in line runs its own exchange.
+        self._failure, self._attempts = None, self._attempts + 1
 
     async def _exchange(self, exchange: Exchange) -> None:
         started = self._clock()

@@ -43,6 +43,9 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="serve_app-client", daemon=True)
         self.thread.start()
+        # Once nothing holds this loop any more (the client, its groups and streams all dropped
+        # without close(): a client re-created in a notebook cell), its thread stops.
+        self._finalizer = weakref.finalize(self, _stop_loop, self.loop, self.thread)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         if self.loop.is_closed():
@@ -56,10 +59,17 @@ class _Loop:
             raise
 
     def stop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join()
-        self.loop.close()
+        self._finalizer()  # once: later calls, and the collection, do nothing
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if loop.is_closed():
+        return
+    loop.call_soon_threadsafe(loop.stop)
+    if threading.current_thread() is thread:  # collected on the loop's own thread: it stops after this turn
+        return
+    thread.join()
+    loop.close()
 
 
 class Stream(Generic[T]):
@@ -164,9 +174,6 @@ class Client:
 
     def _start(self, api_key: str | None, options: dict[str, Any], *, exchange: bool) -> None:
         self._loop = _Loop()
-        # A client dropped without close() (re-created in a notebook cell) stops its thread and
-        # loop when collected, instead of leaking both for the life of the process.
-        self._finalizer = weakref.finalize(self, self._loop.stop)
         try:
             self._client: AsyncClient = self._loop.run(_make(api_key, options, exchange=exchange))
         except BaseException:
@@ -208,7 +215,7 @@ class Client:
         try:
             self._loop.run(self._client.close())
         finally:
-            self._finalizer()
+            self._loop.stop()
 
     def __enter__(self) -> "Client":
         return self

@@ -207,6 +207,41 @@ def test_requests_waiting_behind_a_failing_exchange_get_its_error_not_an_exchang
     assert len(region.exchanges()) == 2 and region.inference() == []  # the first mint and the one that failed
 
 
+def test_an_exchange_cancelled_by_its_caller_is_no_failure_for_the_requests_behind_it():
+    """An exchange failed once; a later one was cancelled (its caller's timeout): the request
+    queued behind it runs its own exchange, it does not get the first one's old error."""
+    region = FakeRegion("a", token_ttl_s=100)
+    with serving(region) as (url,):
+        async def go():
+            async with await AsyncClient.create(region.api_key, base_url=url, max_retries=0) as client:
+                clock = skew(client)
+                clock.offset = 101  # expired by the client's clock: every request waits for an exchange
+                region.token_answers.append(error(503, "registry down", type_="server_error",
+                                                  code="key_registry_unavailable"))
+                with pytest.raises(Exception, match="registry down"):
+                    await chat(client)
+                gate = asyncio.Event()
+                exchange = client._transport.exchange
+
+                async def slow_exchange(key):
+                    await gate.wait()
+                    return await exchange(key)
+
+                client._transport.exchange = slow_exchange
+                cancelled = asyncio.ensure_future(chat(client))
+                while not client._auth._lock.locked():  # it holds the exchange
+                    await asyncio.sleep(0)
+                behind = asyncio.ensure_future(chat(client))
+                for _ in range(5):  # it waits behind it
+                    await asyncio.sleep(0)
+                cancelled.cancel()
+                gate.set()
+                return await behind
+
+        reply = asyncio.run(go())
+    assert reply.choices[0].message.content == "Hi there."
+
+
 def test_a_plain_text_404_on_the_token_route_is_an_error_not_a_server_without_exchange():
     """Ray's proxy answers a plain-text 404 while no application is deployed (a first deploy), as
     a corporate proxy's page would: that is no word of the router's, and the key stays off the wire."""

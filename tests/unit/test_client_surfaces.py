@@ -280,6 +280,9 @@ def test_the_sync_client_closes_once_refuses_calls_after_and_stops_its_thread_wh
             client.close()  # a second close: nothing to do
             with pytest.raises(ServeAppError, match="closed"):
                 client.models()
+        embeddings = Client.create(region.api_key, base_url=urls[0]).embeddings  # its client dropped at once
+        gc.collect()
+        assert embeddings.create(model="qwen-3-embedding-0.6b", input=["one"]).data  # the group keeps its loop
         dropped = Client(region.api_key, base_url=urls[0])  # never closed
         thread = dropped._loop.thread
         del dropped
