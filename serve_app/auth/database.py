@@ -285,6 +285,8 @@ class PostgresDatabase:
             db.commit()
         except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
             db.close()
+            if dsn == self.replica:  # a kept connection to a replica that vanished: the next reads go to the primary
+                self._replica_away_until = time.monotonic() + self.REPLICA_AWAY_S
             raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
         except BaseException:
             try:

@@ -185,6 +185,25 @@ def test_reads_go_to_the_primary_while_the_replica_cannot_be_reached(fresh_datab
     assert connects[-1] == gone
 
 
+def test_a_replica_that_fails_mid_read_sends_the_next_reads_to_the_primary(postgres_dsn):
+    """A kept connection to a replica that vanished without a FIN fails its statement (after the
+    15 s timeout), not its connect: that too marks the replica away."""
+    import psycopg
+
+    from serve_app.auth.database import RegistryUnavailable
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    KeyStore(replica)
+    here = KeyStore(primary, cache_ttl_s=0, replica=replica)
+    key, record = here.create_key(owner="alice", tier="standard")  # on the primary only
+    assert here.lookup(key) is None  # read on the replica, which has not got it
+    with pytest.raises(RegistryUnavailable):
+        with here.database.connect(read=True):
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+    assert here.lookup(key) == record  # read on the primary now
+
+
 def test_the_read_replica_is_named_by_env_and_only_beside_a_primary():
     args = AuthArgs(key_registry_dsn_env="PRIMARY", key_registry_read_dsn_env="REPLICA")
     assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": "postgresql://r/x"}) == "postgresql://r/x"
