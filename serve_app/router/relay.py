@@ -88,8 +88,8 @@ class StreamBrokeOff(Exception):
 async def answer(ctx: Context, reply: Answer) -> JSONResponse:
     """A whole answer: timing in ``Server-Timing`` and, on success, ``pg_metadata``."""
     ctx.note_trailer(reply.trailer)
-    if reply.trailer is None:  # no token handled: the replica's work only (``note_engine_untouched``)
-        ctx.telemetry.note_engine_untouched()
+    if reply.trailer is None and reply.status < 500:  # a refusal, no token handled (``note_engine_untouched``);
+        ctx.telemetry.note_engine_untouched()  # a 5xx has no trailer either, its engine may have run
     status, body = reply.status, reply.body
     error = body.get("error") if status >= 400 else None
     code = (error or {}).get("code") or (error or {}).get("type")

@@ -303,6 +303,18 @@ def test_a_body_the_engine_refuses_is_all_network_streamed_or_not(router_app):
         assert timing["network"] == timing["total"] > 0
 
 
+def test_a_non_stream_request_whose_engine_failed_keeps_its_engine_time(router_app):
+    """A 5xx carries no trailer either, but its engine may have run since the replica's head:
+    that time stays inference, not network."""
+    app = router_app(engine=FakeEngine(fail_before=True))
+    app.client._transport.raise_server_exceptions = False
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    failed = app.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert failed.status_code == 500
+    assert parse_server_timing(failed.headers["server-timing"]).get("inference", 0.0) > 0
+
+
 @pytest.mark.parametrize("path, shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
 def test_an_unhandled_error_is_a_500_with_its_trace_id_and_timing(router_app, monkeypatch, path, shape):
     app = router_app(engine=FakeEngine())
