@@ -284,6 +284,7 @@ def test_gpu_workers_spread_over_servers_before_doubling_up_on_one():
     (spread,) = MOD(WORKER_GROUP["template"]["spec"]["topologySpreadConstraints"])
     assert (spread["maxSkew"], spread["topologyKey"], spread["whenUnsatisfiable"]) == (
         1, "kubernetes.io/hostname", "ScheduleAnyway")
+    assert spread["matchLabelKeys"] == ["ray.io/cluster"]  # a rollout's workers spread among themselves
     selector = {"match_labels": spread["labelSelector"]["matchLabels"]}
     assert selects(selector, GPU_WORKER) and not any(selects(selector, pod) for pod in (HEAD, OTHER_POD, LOOKALIKE))
 

@@ -178,7 +178,9 @@ locals {
           nodeSelector    = local.gpu_pool_labels
           # One GPU worker per server before a second on any (soft: a pod still starts where
           # only one server has a free GPU): a region's two replicas on one server go down
-          # together with it, and its required model with them.
+          # together with it, and its required model with them. Counted per RayCluster
+          # (matchLabelKeys): a rollout's new workers spread among themselves, not around the
+          # old cluster's. Applied when a pod is scheduled; nothing moves a pod later.
           topologySpreadConstraints = [{
             maxSkew           = 1
             topologyKey       = "kubernetes.io/hostname"
@@ -187,6 +189,7 @@ locals {
               "app.kubernetes.io/name" = local.name
               "ray.io/group"           = local.gpu_worker_group
             } }
+            matchLabelKeys = ["ray.io/cluster"]
           }]
           tolerations = [{
             key      = local.gpu_taint.key
