@@ -128,8 +128,10 @@ class _ModelServer:
         except Exception:
             _, failure = self._failed()
         finally:
-            await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
-            _close(listener, connection, ticket)
+            try:
+                await outcome.events.aclose()  # the engine aborts an unfinished request, freeing its KV cache
+            finally:  # a second cancellation, or vLLM's generator raising on close: still closed
+                _close(listener, connection, ticket)
         # What the engine made that nobody read, counted as its generations close (``_counted``).
         await count.settled(token_count.ABORTED_OUTPUT_WAIT_S)
         trailer = Trailer(complete=False, error_code=failure) if failure else outcome.watcher.trailer()
@@ -164,10 +166,12 @@ class _ModelServer:
             logger.warning("%s: the router's connection broke off: %r", self.model_id, err)
             finished = False
         finally:
-            if not work.done():  # Serve cancelled the call, or the router never connected
-                work.cancel()
-                await wire_socket.until_done(work)
-            _close(listener, connection, ticket)
+            try:
+                if not work.done():  # Serve cancelled the call, or the router never connected
+                    work.cancel()
+                    await wire_socket.until_done(work)
+            finally:  # cancelled again while it waited: the socket and the ticket still close
+                _close(listener, connection, ticket)
         # What each generation had when aborted, counted (vLLM's serving layer may answer its own
         # cancellation with an error before the generations it merged have closed).
         await count.settled(token_count.ABORTED_OUTPUT_WAIT_S)

@@ -108,10 +108,12 @@ class Prefetched:
     async def aclose(self) -> None:
         """Stop the source (vLLM aborts the engine request), also while its next item is pending."""
         self._made.clear()
-        if self._first is not None:
-            self._first.cancel()
-            await until_done(self._first)  # the source must not be running when it is closed
-            if not self._first.cancelled():
-                self._first.exception()  # read: a failure nobody awaited is not logged as lost
-            self._first = None
-        await self._source.aclose()
+        try:
+            if self._first is not None:
+                self._first.cancel()
+                await until_done(self._first)  # the source must not be running when it is closed
+                if not self._first.cancelled():
+                    self._first.exception()  # read: a failure nobody awaited is not logged as lost
+                self._first = None
+        finally:  # cancelled again while it waited: the source is still closed (the engine aborts)
+            await self._source.aclose()

@@ -177,6 +177,9 @@ class ClientWriter:
         self.stalled = False
         self._first_to: asyncio.StreamWriter | None = first_to
         self._wrote = False
+        # A frame's rest is on its way (``drain``): nothing else may reach the socket before it
+        # ends, or it lands inside that frame (a keep-alive in the middle of a chunk).
+        self._draining = False
         self._silent = Silent.of_this_loop()
         self._silent.add(self)
 
@@ -191,7 +194,7 @@ class ClientWriter:
             self.written += data
         self._wrote = True
         frame = b"%x\r\n%b\r\n" % (len(data), data)
-        if self.pending:
+        if self.pending or self._draining:
             self.pending += frame
             return True
         return self._send(frame)
@@ -202,19 +205,22 @@ class ClientWriter:
     async def drain(self) -> None:
         """Send what the kernel did not take; a client that takes none of it for the stall time
         is gone (ConnectionError: the caller stops)."""
-        rest, self.pending = self.pending, b""
-        if not rest or self.gone:
-            return
+        self._draining = True
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(self.sock, rest), self.stall_s)
-        except asyncio.TimeoutError:
-            self.gone = self.stalled = True
-            raise ConnectionError("the client read nothing for the stall time") from None
-        except OSError:
-            self.gone = True
+            while self.pending and not self.gone:
+                rest, self.pending = self.pending, b""
+                try:
+                    await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(self.sock, rest), self.stall_s)
+                except asyncio.TimeoutError:
+                    self.gone = self.stalled = True
+                    raise ConnectionError("the client read nothing for the stall time") from None
+                except OSError:
+                    self.gone = True
+        finally:
+            self._draining = False
 
     def keep_alive(self) -> None:
-        if self._wrote or self.pending or self.gone:
+        if self._wrote or self.pending or self._draining or self.gone:
             self._wrote = False
             return
         self._send(KEEPALIVE_FRAME)

@@ -189,6 +189,79 @@ def _dechunk(data: bytes) -> bytes:
     return out
 
 
+def test_a_keep_alive_due_while_a_frames_rest_is_sent_never_lands_inside_that_frame():
+    """A slow client: the kernel took part of a chunk, ``drain`` sends the rest. A keep-alive tick
+    meanwhile, at a moment the client has just read (room in the kernel's buffer), went out
+    before that rest: a comment inside a chunk, the client's HTTP framing broken."""
+    replica, client = socket.socketpair()
+    replica.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    events = [b"data: " + bytes([97 + i % 26]) * 600_000 + b"\n\n" for i in range(3)]
+
+    client.setblocking(False)
+
+    def read(size: int) -> bytes:
+        try:
+            return client.recv(size)
+        except BlockingIOError:
+            return b""
+
+    async def scenario() -> bytes:
+        writer = handoff.ClientWriter(replica.detach(), keep=False, stall_s=30, first_to=None)
+        received = bytearray()
+        for event in events:
+            writer.write(event)
+            assert writer.must_drain()  # the kernel took part of it
+            draining = asyncio.ensure_future(writer.drain())
+            await asyncio.sleep(0)  # its send took what fits, and waits for room
+            while not draining.done():
+                received += read(65536)  # room now, before the loop sends more of the rest
+                writer.keep_alive(), writer.keep_alive()  # the first tick after a write is skipped
+                await asyncio.sleep(0)
+            await draining
+        writer.close()
+        while chunk := read(65536):
+            received += chunk
+        return bytes(received)
+
+    received = asyncio.run(scenario())
+    chunks, at = [], 0
+    while at < len(received):  # HTTP/1.1 chunked framing: size, CRLF, data, CRLF
+        size_end = received.index(b"\r\n", at)
+        size = int(received[at:size_end], 16)
+        chunks.append(received[size_end + 2: size_end + 2 + size])
+        assert received[size_end + 2 + size: size_end + 4 + size] == b"\r\n", "a chunk's framing was broken"
+        at = size_end + 4 + size
+    assert [c for c in chunks if not c.startswith(b":")] == events
+
+
+def test_a_stream_whose_engine_generator_fails_to_close_still_closes_its_ticket(monkeypatch):
+    """Every way out of a replica's stream closes its socket and ticket, also when closing the
+    engine's generator raises (or is cancelled again): a ticket left waiting, and with the hand-off
+    a writer left writing keep-alives into a connection the router has taken back."""
+    from serve_app.engine.prefetch import Prefetched
+    from serve_app.surfaces import SURFACES
+    from serve_app.wire.messages import StreamOpen
+
+    async def failing_close(self):
+        raise RuntimeError("vLLM's generator raised on close")
+
+    async def scenario():
+        replica = await model_server(FakeEngine(tokens=4))
+        monkeypatch.setattr(Prefetched, "aclose", failing_close)
+        chat = next(surface for surface in SURFACES if surface.name == "chat")
+        items = replica._answer(chat, Call(STREAM, "req-1"))
+        head = await items.__anext__()
+        with pytest.raises(RuntimeError):
+            await items.aclose()  # the router went away at the head
+        left = dict(replica._listener._expected)
+        replica._listener.close()
+        return head, left
+
+    head, left = asyncio.run(scenario())
+    assert isinstance(head, StreamOpen) and left == {}
+
+
 def test_the_listener_closes_a_connection_with_an_unknown_ticket_and_the_descriptor_it_sent():
     async def scenario():
         replica = await model_server(FakeEngine())
