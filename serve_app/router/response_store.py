@@ -124,13 +124,14 @@ class ResponseStore:
         self.max_bytes = MAX_STORED_RESPONSE_BYTES
         self._clock = clock
         # Our own few threads, not asyncio.to_thread's default pool: puts waiting on a busy
-        # database would otherwise hold the threads that the authenticator's lookups need. Reads
-        # (a follow-up's history, GET, DELETE) have threads of their own, and each owner has one
-        # put at a time on them here (``_owner_turn``): an owner's puts wait on its row lock in the
-        # database anyway, one after another, so a busy owner (or its puts held by a slow primary,
-        # up to the 15 s statement timeout) fills no thread that another owner's answer waits for.
+        # database would otherwise hold the threads that the authenticator's lookups need.
+        # Lookups by id (a follow-up's history, GET, DELETE: one row, no owner lock) have threads
+        # of their own, and each owner has one put at a time on the others (``_owner_turn``): an
+        # owner's puts wait on its row lock in the database anyway, one after another, so a busy
+        # owner (or its puts held by a slow primary, up to the 15 s statement timeout) fills no
+        # thread that another owner's answer waits for.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store")
-        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store-read")
+        self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store-lookup")
         self._owner_puts: dict[str, _Turn] = {}
         self._schema_lock = threading.Lock()
         self._schema_ready = False
@@ -170,13 +171,13 @@ class ResponseStore:
         nobody learns whether someone else's response id exists."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_read(self._get, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._get, response_id, owner, self._now_ms())
 
     async def delete(self, response_id: str, owner: str) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
         if not could_be_stored(response_id):
             return False
-        return await self._run_read(self._delete, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._delete, response_id, owner, self._now_ms())
 
     async def history(self, response_id: str, owner: str) -> tuple[list, int] | None:
         """The input a follow-up with ``previous_response_id`` continues from: the conversation,
@@ -185,11 +186,11 @@ class ResponseStore:
         JSON is no work for the router's event loop."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_read(self._history, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._history, response_id, owner, self._now_ms())
 
     async def footprint(self, owner: str) -> tuple[int, int]:
         """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
-        return await self._run_read(self._footprint, owner)
+        return await self._run_lookup(self._footprint, owner)
 
     # --- the sweep --------------------------------------------------------------------------
     def start(self) -> None:
@@ -205,7 +206,7 @@ class ResponseStore:
                 await self._sweeper
             self._sweeper = None
         self._executor.shutdown(wait=False)
-        self._readers.shutdown(wait=False)
+        self._lookups.shutdown(wait=False)
 
     async def sweep(self) -> Sweep | None:
         """One run now; None when another router's run holds the lease."""
@@ -232,8 +233,8 @@ class ResponseStore:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._with_schema, fn, args)
 
-    async def _run_read(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._readers, self._with_schema, fn, args)
+    async def _run_lookup(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._lookups, self._with_schema, fn, args)
 
     def _with_schema(self, fn: Callable[..., T], args: tuple) -> T:
         # On first use rather than in __init__, so building the router does no I/O; every
