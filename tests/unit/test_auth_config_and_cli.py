@@ -65,6 +65,12 @@ def test_a_region_with_its_files_named_is_valid():
 # --- CLI ---------------------------------------------------------------------------------------
 @pytest.fixture
 def cli(tmp_path):
+    return _cli(tmp_path)
+
+
+def _cli(tmp_path, **overrides):
+    """The CLI on the local config with its files under ``tmp_path`` (and ``overrides`` of its
+    router settings), as a region's config lays them out."""
     config = load_serve_config("local.yaml")
     settings = app_args(config)
     settings["auth"] = {
@@ -72,6 +78,7 @@ def cli(tmp_path):
         "signing_keys_path": str(tmp_path / "signing-keys.json"),
         "dev_api_key_env": "SERVE_APP_DEV_API_KEY",
     }
+    settings.update(overrides)
     config["applications"] = region_applications(settings)  # as a region's config lays them out
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -129,16 +136,8 @@ def test_a_key_for_the_configs_failover_peer_is_for_a_known_region(tmp_path):
     """The local two-region setup's peer ("peer") is no region file: the config names it."""
     from serve_app.devtools.local_regions import PEER_REGION
 
-    config = load_serve_config("local.yaml")
-    settings = app_args(config)
-    settings["auth"] = {"key_store_path": str(tmp_path / "keys.sqlite3"),
-                        "signing_keys_path": str(tmp_path / "signing-keys.json")}
-    settings["failover"] = {"peers": [{"region": PEER_REGION, "endpoint": "http://127.0.0.1:8000/peer"}]}
-    config["applications"] = region_applications(settings)
-    path = tmp_path / "local.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = CliRunner().invoke(app, ["--config", str(path), "keys", "create", "--owner", "a", "--region", PEER_REGION])
-    assert result.exit_code == 0, result.output
+    cli = _cli(tmp_path, failover={"peers": [{"region": PEER_REGION, "endpoint": "http://127.0.0.1:8000/peer"}]})
+    cli("keys", "create", "--owner", "a", "--region", PEER_REGION)  # exits 0 (``run`` asserts it)
 
 
 def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
