@@ -95,10 +95,17 @@ def build_router(args: dict[str, Any]) -> Application:
     (``layout.ROUTER_STARTUP``), checked whole by its first ``reconfigure``."""
     for warning in ray_env_warnings():
         logger.warning(warning)
-    num_cpus = RouterArgs.model_validate(args.get("router") or {}).num_cpus
-    return Router.options(
-        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}},
-    ).bind(args)
+    return Router.options(ray_actor_options=router_actor_options(args)).bind(args)
+
+
+def router_actor_options(args: dict[str, Any]) -> dict[str, Any]:
+    """What one router replica asks Ray for: its CPUs, in a region the resource only the node
+    holding the region's credentials offers (``RouterArgs.resources``), and its environment."""
+    router = RouterArgs.model_validate(args.get("router") or {})
+    options: dict[str, Any] = {"num_cpus": router.num_cpus, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}}
+    if router.resources:
+        options["resources"] = router.resources
+    return options
 
 
 # Serve takes no num_replicas=0; scaled to zero, it starts none and nothing ever scales it up.

@@ -2,7 +2,7 @@
 writer, failover to peer regions."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
@@ -45,6 +45,10 @@ class RouterArgs(Settings):
     # The router does little CPU work; a whole CPU would starve the model replica on small hosts
     # (on a 2-CPU machine Ray could never place both).
     num_cpus: float = Field(0.1, ge=0)
+    # Ray custom resources each router replica asks for besides its CPUs: a region's routers ask
+    # for the one only its head offers (serve_app/regions/serve_config.py ROUTER_NODE_RESOURCE), so
+    # they run where the region's credentials are and never on a model's GPU pod, which holds none.
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(1000, ge=1)
     # A router replica being replaced relays its streams to their end first (docs/operations.md).
     graceful_shutdown_timeout_s: float = Field(REQUEST_TIMEOUT_S, ge=0)

@@ -117,6 +117,13 @@ def create_smoke_key(auth_args: dict[str, Any]) -> str:
     return key
 
 
+def node_resources(args: dict[str, Any]) -> dict[str, float]:
+    """What the smoke's one Ray node offers besides CPUs and the GPU: the resource a region's
+    routers ask for, which only its head offers there (``router.resources``), for each router."""
+    router = parse_app_args(args).router
+    return {name: amount * router.num_replicas for name, amount in router.resources.items()}
+
+
 @contextmanager
 def local_region(args: dict[str, Any]) -> Iterator[str]:
     """The smoke app on a Ray instance of its own, deployed as a region is (``serve deploy`` of
@@ -134,7 +141,8 @@ def local_region(args: dict[str, Any]) -> Iterator[str]:
         "http_options": {"host": "127.0.0.1", "port": port, "request_timeout_s": REQUEST_TIMEOUT_S},
         "applications": layout.region_applications(args, name=APPLICATION, route_prefix="/"),
     }
-    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port)
+    ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+             resources=node_resources(args))
     try:
         deploy_or_raise(config, f"http://127.0.0.1:{dashboard_port}")
         yield f"http://127.0.0.1:{port}"  # _smoke waits for /health

@@ -59,7 +59,7 @@ SURGE_PERCENT = 100
 ROUTER_STARTUP: dict[str, tuple[str, ...] | None] = {
     "region": None,
     "telemetry": None,
-    "router": ("num_cpus",),
+    "router": ("num_cpus", "resources"),
     "auth": ("key_store_path", "key_registry_dsn_env", "key_registry_read_dsn_env"),
     "usage": ("spool_dir",),
 }

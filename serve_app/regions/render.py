@@ -30,11 +30,13 @@ from typing import Any
 from serve_app.paths import REPO_ROOT
 from serve_app.regions.serve_config import (
     GENERATED_MARKER,
+    HEAD_ROUTER_NODE_OFFER,
     REGISTRY_CA_DIR,
     REGISTRY_CA_FILE,
     REGISTRY_DSN_ENV,
     REGISTRY_READ_DSN_ENV,
     RENDER_COMMAND,
+    ROUTER_NODE_RESOURCE,
     SIGNING_KEYS_DIR,
     SIGNING_KEYS_FILE,
     STATE_DIR,
@@ -80,7 +82,13 @@ def terraform_region_vars(region: Region) -> dict[str, Any]:
                 "min": gpus_taken(region, "min"),
                 "max": gpus_taken(region, "max"),
             },
-            "head": {"cpus": k8s.head.cpus, "memory_gib": k8s.head.memory_gib},
+            # The head offers the resource the routers ask for: they run there alone, with the
+            # credentials only its pod gets (terraform/modules/region/rayservice.tf).
+            "head": {
+                "cpus": k8s.head.cpus,
+                "memory_gib": k8s.head.memory_gib,
+                "resources": {ROUTER_NODE_RESOURCE: HEAD_ROUTER_NODE_OFFER},
+            },
             "gpu_worker": {"cpus": k8s.gpu_worker.cpus, "memory_gib": k8s.gpu_worker.memory_gib},
             "otlp_endpoint": region.otlp_endpoint,
             # "" and "": the GCS in the head's memory (no fault tolerance).
@@ -167,7 +175,7 @@ variable "region" {
     accelerator_type = string
     gpu_nodes        = map(number)
     gpu_workers      = object({ min = number, max = number })
-    head             = object({ cpus = number, memory_gib = number })
+    head             = object({ cpus = number, memory_gib = number, resources = map(number) })
     gpu_worker       = object({ cpus = number, memory_gib = number })
     otlp_endpoint    = string
     gcs_redis        = object({ address = string, password_secret = string })

@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from serve_app import catalog
 from serve_app.config import Autoscaling, MediaPolicy, replica_bounds_problem
 from serve_app.paths import REPO_ROOT
-from serve_app.regions import gpu_memory
+from serve_app.regions import gpu_memory, layout
 from serve_app.regions.kubernetes import K8S_NAME, RegionKubernetes, secret_name
 from serve_app.settings import FrozenSettings, describe_errors, listed_twice
 from serve_app.wire.tls import STREAM_TLS_NAME
@@ -301,10 +301,14 @@ class Region(FrozenSettings):
                 f"kubernetes.gpu_worker.cpus ({self.kubernetes.gpu_worker.cpus}) is less than a model "
                 f"replica needs ({widest:g})"
             )
-        routers = self.router.replicas * self.router.cpus
-        if self.kubernetes.head.cpus < routers:
+        # The routers run on the head alone (the credentials are there only: serve_config.py
+        # ROUTER_NODE_RESOURCE), and a rolling update starts every replacement before it stops
+        # the replica it replaces (layout.SURGE_PERCENT): without room for both, it waits forever.
+        replicas = self.router.replicas + -(-self.router.replicas * layout.SURGE_PERCENT // 100)
+        if self.kubernetes.head.cpus < replicas * self.router.cpus:
             raise ValueError(
-                f"kubernetes.head.cpus ({self.kubernetes.head.cpus}) cannot hold the routers ({routers:g} CPUs)"
+                f"kubernetes.head.cpus ({self.kubernetes.head.cpus}) cannot hold the routers and a rolling "
+                f"update's replacements beside them ({replicas} x {self.router.cpus:g} CPUs)"
             )
         return self
 

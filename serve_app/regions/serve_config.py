@@ -40,6 +40,13 @@ REGISTRY_DSN_ENV = "SERVE_APP_REGISTRY_DSN"
 REGISTRY_READ_DSN_ENV = "SERVE_APP_REGISTRY_READ_DSN"
 REGISTRY_CA_DIR = "/etc/serve_app/registry-ca"
 REGISTRY_CA_FILE = "rds-ca.pem"
+# The Ray resource only the region's head offers and every router replica asks for: the routers
+# hold the registry's DSNs and the signing keys, so only the head pod gets them, and a model's GPU
+# pod (whose engine fetches and decodes callers' media) holds none (docs/threat-model.md). The
+# head offers a marker count, not a limit: its CPUs bound the routers (schema.Region checks them
+# with a rolling update's replacements).
+ROUTER_NODE_RESOURCE = "region_credentials"
+HEAD_ROUTER_NODE_OFFER = 1000
 # The same in every region, so a token minted in one region verifies in all of them.
 TOKEN_ISSUER = "https://auth.edge.polargrid.ai"
 TOKEN_AUDIENCE = f"https://{GLOBAL_HOSTNAME}"
@@ -146,7 +153,11 @@ def app_args(region: Region) -> dict[str, Any]:
     """The application's ``args``, validated by ``AppArgs`` and dumped back (explicit values only)."""
     raw = {
         "region": region.id,
-        "router": {"num_replicas": region.router.replicas, "num_cpus": region.router.cpus},
+        "router": {
+            "num_replicas": region.router.replicas,
+            "num_cpus": region.router.cpus,
+            "resources": {ROUTER_NODE_RESOURCE: 1},
+        },
         "auth": auth_args(region),
         # Peers' own routers, at their public endpoints, most preferred first (one hop).
         "failover": {"peers": [{"region": p, "endpoint": public_endpoint(p)} for p in region.peers]},

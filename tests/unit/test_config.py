@@ -1,10 +1,11 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from serve_app.app import model_actor_options
+from serve_app.app import ROUTER_PROCESS_ENV, model_actor_options, router_actor_options
 from serve_app.regions.layout import model_serve_options
 from serve_app.config import AppArgs, ModelDeploymentArgs, parse_app_args
 from tests.conftest import app_args, load_serve_config
@@ -105,6 +106,17 @@ def test_engine_flags_start_from_the_catalog_and_take_overrides():
     assert parsed.max_num_seqs == 4
     assert parsed.seed == 7
     assert parsed.default_chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_a_router_replica_asks_ray_for_its_cpus_and_the_resources_its_args_name():
+    """A region's routers ask for the resource only its head offers (test_terraform_network.py);
+    a local config names none, so a plain `ray start` places them."""
+    local = router_actor_options({"router": {"num_cpus": 0.1}})
+    assert local == {"num_cpus": 0.1, "runtime_env": {"env_vars": ROUTER_PROCESS_ENV}}
+    region = router_actor_options({"router": {"num_cpus": 1, "resources": {"region_credentials": 1}}})
+    assert region == local | {"num_cpus": 1, "resources": {"region_credentials": 1}}
+    with pytest.raises(ValidationError, match="greater than 0"):
+        router_actor_options({"router": {"resources": {"region_credentials": 0}}})  # asks for nothing
 
 
 def test_deployment_options_carry_autoscaling_queue_bounds_and_resources():

@@ -133,6 +133,21 @@ def test_smoke_app_is_the_regions_model_on_one_replica_with_throwaway_auth_and_n
     assert validated.region == "fra-01" and validated.auth.dev_api_key_env is None
 
 
+@pytest.mark.parametrize("region", ["fra-01", "yul-02", "yvr-01"])
+def test_the_smoke_node_offers_what_the_regions_router_asks_of_its_head(tmp_path, region):
+    """A region's routers ask for a resource only its head offers; the smoke's one Ray node must offer
+    it too, or its router is never placed and the smoke waits for /health until it times out."""
+    from ray._common.utils import resources_from_ray_options
+
+    from serve_app.app import router_actor_options
+
+    smoke = gpu_smoke.smoke_app_args(gpu_smoke.load_region_args(region), None, tmp_path)
+    asked = resources_from_ray_options(router_actor_options(smoke))
+    custom = {name: amount for name, amount in asked.items() if name not in ("CPU", "GPU", "memory")}
+    offered = gpu_smoke.node_resources(smoke)
+    assert custom and all(offered.get(name, 0) >= amount for name, amount in custom.items())
+
+
 def test_smoke_key_is_an_inference_key_in_the_throwaway_store(tmp_path):
     from serve_app.auth.keys import KeyStore
 

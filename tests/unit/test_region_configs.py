@@ -101,7 +101,8 @@ def test_routers_read_the_nearest_registry_instance_and_write_the_primary(name):
     assert call["registry_read_dsn_env"] == "${var.registry_read_dsn_env}"
     assert tfvars["registry_read_dsn_env"] == auth.key_registry_read_dsn_env
     module = REPO / "terraform" / "modules" / "region"
-    (env,) = [entry["env"] for entry in hcl2.loads((module / "rayservice.tf").read_text())["locals"] if "env" in entry]
+    (env,) = [entry["registry_env"] for entry in hcl2.loads((module / "rayservice.tf").read_text())["locals"]
+              if "registry_env" in entry]
     from_secret = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"].strip('"') for e in env if "valueFrom" in e}
     assert from_secret == {"${var.registry_dsn_env}": "dsn", "${var.registry_read_dsn_env}": "read_dsn"}
 

@@ -85,6 +85,9 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("gpu.nodes.0.name", "Bad_Node"), "not a valid Kubernetes node name"),
         (with_change("route53_latency_region", "montreal"), "not an AWS region code"),
         (with_change("kubernetes.gpu_worker.cpus", 4), "less than a model replica needs"),
+        # Two routers of one CPU and a rolling update's two replacements: 4 CPUs on the head.
+        (with_change("kubernetes.head.cpus", 3), "cannot hold the routers and a rolling update's replacements"),
+        (with_change("router.replicas", 3), "(6 x 1 CPUs)"),
         (with_change("id", "montreal"), "is not a region id like 'yul-02'"),
         (with_change("gpus", 4), "gpus: Extra inputs are not permitted"),
         (with_change("models.0.max_model_len", 32768), "models.0.max_model_len: Extra inputs are not permitted"),
@@ -215,7 +218,8 @@ def test_yul_02_keeps_its_pilot_settings():
     assert config["proxy_location"] == "EveryNode"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
     # The Router's deployment options are written whole: a default Serve would pick is still ours.
-    assert args["router"] == {"num_replicas": 2, "num_cpus": 1, "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": 600}
+    assert args["router"] == {"num_replicas": 2, "num_cpus": 1, "resources": {"region_credentials": 1},
+                              "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": 600}
     model, embedding = args["models"]
     assert model == {
         "id": "qwen-3.6-35b-a3b",

@@ -49,7 +49,7 @@ def test_every_config_is_its_regions_settings_laid_out(name):
     assert set(router["args"]) <= set(layout.ROUTER_STARTUP)
     (options,) = router["deployments"]
     assert not set(options["user_config"]) & {"region", "telemetry"}
-    assert not set(options["user_config"].get("router", {})) & {"num_cpus", *layout.ROUTER_OPTIONS}
+    assert not set(options["user_config"].get("router", {})) & {"num_cpus", "resources", *layout.ROUTER_OPTIONS}
     assert options["max_surge_percent"] == 100
     assert [m["name"] for m in models] == [layout.model_app_name("llm", m["id"]) for m in settings["models"]]
     for model in models:
@@ -93,6 +93,8 @@ def test_what_a_router_reads_at_start_restarts_the_routers_only():
     assert what_a_redeploy_does(config, tracing) == {ROUTER: RESTART, QWEN: SAME, EMBED: SAME}
     cpus = _with(config, lambda s: s["router"].update(num_cpus=0.2))
     assert what_a_redeploy_does(config, cpus) == {ROUTER: RESTART, QWEN: SAME, EMBED: SAME}
+    placed = _with(config, lambda s: s["router"].update(resources={"region_credentials": 1}))
+    assert what_a_redeploy_does(config, placed) == {ROUTER: RESTART, QWEN: SAME, EMBED: SAME}
     scaled = _with(config, lambda s: s["router"].update(num_replicas=2))
     assert what_a_redeploy_does(config, scaled) == {ROUTER: IN_PLACE, QWEN: SAME, EMBED: SAME}
 

@@ -3,8 +3,8 @@ NetworkPolicy around the model pods' stream listeners (network_policy.tf), the p
 listeners take (SERVE_APP_STREAM_PORTS, rayservice.tf), and the HAProxy launcher the Ray
 containers run (RAY_SERVE_HAPROXY_BINARY_PATH, which the image links).
 
-The module's expressions here are plain references, ``tostring()`` and ``± 1``, which are also
-Python: they are evaluated over the module's locals and variable defaults, then the policy's rules
+The module's expressions here are plain references, ``tostring()``, ``jsonencode()`` and ``± 1``,
+which are also Python: they are evaluated over the module's locals and variable defaults, then the policy's rules
 are applied port by port to the pods a region has (KubeRay adds its ray.io/* labels to the
 template's) and to a pod that is not the region's.
 """
@@ -31,7 +31,7 @@ def unquote(key):
 
 class Module:
     """Evaluates the region module's values: ``${local.x}``, ``${var.x.y}``, ``tostring(...)``, ``max(...)``,
-    ``a - 1``."""
+    ``jsonencode(...)``, ``a - 1``."""
 
     def __init__(self, directory: Path, inputs: dict):
         self.locals = {}
@@ -44,6 +44,7 @@ class Module:
             "var": _namespace(defaults | inputs),
             "tostring": str,
             "max": max,
+            "jsonencode": lambda value: json.dumps(_plain(value)),
         }
 
     def __call__(self, value):
@@ -72,6 +73,11 @@ class _Lazy:
 
     def __getattr__(self, attr):
         return getattr(_namespace(self.value()), attr)
+
+
+def _plain(value):
+    """An evaluated value as the JSON jsonencode writes: namespaces back to mappings."""
+    return {k: _plain(v) for k, v in vars(value).items()} if isinstance(value, SimpleNamespace) else value
 
 
 def _namespace(value):
@@ -104,6 +110,18 @@ OTHER_POD = {"app.kubernetes.io/name": "debug-shell"}
 LOOKALIKE = {"app.kubernetes.io/name": "serve-app", "app.kubernetes.io/part-of": "polargrid-edge"}
 
 
+def referenced_locals(expression) -> dict[str, str]:
+    """The module's locals an expression uses, and those they use in turn, each as its text."""
+    found: dict[str, str] = {}
+    pending = re.findall(r"local\.(\w+)", str(expression))
+    while pending:
+        name = pending.pop()
+        if name not in found:
+            found[name] = str(MOD.locals[name])
+            pending += re.findall(r"local\.(\w+)", found[name])
+    return found
+
+
 def selects(selector: dict, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in selector["match_labels"].items())
 
@@ -129,13 +147,20 @@ def test_the_policy_isolates_the_gpu_workers_for_ingress_only():
     assert not selects(POLICY["pod_selector"][0], HEAD)  # no model replica runs on the head
 
 
-@pytest.mark.parametrize("source", [HEAD, GPU_WORKER], ids=["head", "gpu-worker"])
-def test_every_ray_pod_of_the_region_reaches_every_stream_port(source):
-    assert all(allowed(port, "TCP", source) for port in STREAM_PORTS)
+def test_the_head_where_the_routers_run_reaches_every_stream_port():
+    assert all(allowed(port, "TCP", HEAD) for port in STREAM_PORTS)
 
 
-@pytest.mark.parametrize("source", [OTHER_POD, LOOKALIKE], ids=["other-pod", "lookalike"])
+# Another region's head in the namespace, and a pod claiming to be a head without being the region's.
+OTHER_HEAD = {"app.kubernetes.io/name": "serve-app-other", "ray.io/is-ray-node": "yes", "ray.io/node-type": "head"}
+LOOKALIKE_HEAD = LOOKALIKE | {"ray.io/node-type": "head"}
+
+
+@pytest.mark.parametrize("source", [GPU_WORKER, OTHER_POD, LOOKALIKE, OTHER_HEAD, LOOKALIKE_HEAD],
+                         ids=["gpu-worker", "other-pod", "lookalike", "other-head", "lookalike-head"])
 def test_no_other_pod_reaches_any_stream_port(source):
+    """A GPU worker neither: no router runs there (the credentials resource), so a model pod's
+    compromised engine cannot open another replica's listener and send it calls no router checked."""
     assert not any(allowed(port, "TCP", source) for port in STREAM_PORTS)
     assert not allowed(STREAM_PORTS.first, "TCP", {})  # nor an address outside the cluster
 
@@ -187,7 +212,7 @@ def test_the_ray_containers_run_haproxy_through_the_launcher_the_image_links():
     # Head and GPU workers both get the env (HAProxy runs on every node: proxy_location EveryNode).
     for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
         (container,) = group["template"]["spec"]["containers"]
-        assert container["env"] == "${local.pod_env}"
+        assert "env" in referenced_locals(container["env"])
 
 
 def test_a_rollouts_old_cluster_outlives_every_stream_it_holds():
@@ -209,10 +234,45 @@ def test_no_node_of_a_region_runs_rays_log_monitor():
     assert params[0]["dashboard-host"] == "0.0.0.0"  # serve deploy reaches the head's dashboard
 
 
+def test_only_the_head_pod_holds_the_regions_credentials_and_the_routers_run_there_alone():
+    """The registry's DSNs, the signing keys and the spool go to the head pod, where the routers run;
+    a GPU worker, whose engine fetches and decodes callers' media, gets none of them. The routers
+    stay on the head by asking for a resource only the head offers: read as KubeRay's autoscaler
+    reads it, the head's covers every region's router, and the GPU group offers none of it (so a
+    router waiting for room never scales the GPU group either)."""
+    from ray._common.utils import resources_from_ray_options
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_custom_resources
+    from serve_app.app import router_actor_options
+
+    def holds(group: dict) -> str:
+        spec = group["template"]["spec"]
+        (container,) = spec["containers"]
+        uses = [container["env"], container["volumeMounts"], spec["volumes"]]
+        return " ".join(map(str, uses)) + " ".join(referenced_locals(uses).values())
+
+    credentials = ("secretKeyRef", "registry", "signing", "persistentVolumeClaim")
+    head, worker = holds(RAY_CLUSTER["headGroupSpec"]), holds(WORKER_GROUP)
+    assert all(word in head for word in credentials)
+    assert [word for word in credentials if word in worker] == []
+    assert "stream_tls_volumes" in worker and "stream_tls_env" in worker  # a listener's own certificate
+
+    head_params = {unquote(k): v for k, v in RAY_CLUSTER["headGroupSpec"]["rayStartParams"].items()}
+    worker_params = {unquote(k): json.loads(v) for k, v in WORKER_GROUP["rayStartParams"].items()}
+    offered = _get_custom_resources({}, {"resources": MOD(head_params["resources"])}, "head")
+    on_gpu_pods = _get_custom_resources({}, worker_params, "gpu")
+    for region in ("fra-01", "yul-02", "yvr-01"):
+        applications = yaml.safe_load((REPO / "configs" / f"{region}.yaml").read_text())["applications"]
+        (router,) = [app["args"] for app in applications if app["import_path"].endswith(":build_router")]
+        demand = resources_from_ray_options(router_actor_options(router))
+        asked = {name: amount for name, amount in demand.items() if name not in ("CPU", "GPU", "memory")}
+        assert asked and all(offered.get(name, 0) >= amount for name, amount in asked.items()), region
+        assert not set(asked) & set(on_gpu_pods), region
+
+
 def test_stream_tls_is_off_unless_a_region_names_its_secret_and_then_both_ends_get_the_files():
     """The byte socket's TLS (serve_app/wire/tls.py): the module's variable defaults to plaintext;
-    given a Secret, every Ray pod (routers and replicas run on both) mounts it read-only and gets
-    the three variables the code reads, pointing at the Secret's files."""
+    given a Secret, every Ray pod (the routers on the head, the replicas on the GPU workers) mounts it
+    read-only and gets the three variables the code reads, pointing at the Secret's files."""
     from serve_app.wire import tls
 
     assert MODULE_VARIABLES["stream_tls_secret"]["default"] in ("", "\"\"")  # python-hcl2 keeps the quotes
@@ -223,7 +283,9 @@ def test_stream_tls_is_off_unless_a_region_names_its_secret_and_then_both_ends_g
     for group in (RAY_CLUSTER["headGroupSpec"], WORKER_GROUP):
         spec = group["template"]["spec"]
         (container,) = spec["containers"]
-        assert "local.pod_mounts" in str(container["volumeMounts"]) and "local.pod_volumes" in str(spec["volumes"])
+        assert "stream_tls_mounts" in referenced_locals(container["volumeMounts"])
+        assert "stream_tls_volumes" in referenced_locals(spec["volumes"])
+        assert "stream_tls_env" in referenced_locals(container["env"])
 
 
 def test_the_module_declares_the_range_variable_it_uses():

@@ -1,7 +1,7 @@
-# Only the region's Ray pods reach the model replicas' stream listeners (the plaintext byte path
-# from a model replica to a router, serve_app/engine/stream_server.py; docs/threat-model.md, "The
-# stream listener"). A router replica may run on any Ray pod of the region (Serve places it by
-# CPU; a GPU worker has CPUs to spare), so "router pods" are the head and the GPU workers.
+# Only the region's head pods reach the model replicas' stream listeners (the plaintext byte path
+# from a model replica to a router, serve_app/wire/socket.py; docs/threat-model.md, "The stream
+# listener"): the routers, the listeners' only callers, run on the head alone (they ask for the
+# resource only it offers, rayservice.tf), so no GPU pod opens another's listener.
 #
 # A pod any NetworkPolicy selects is closed to all ingress no policy allows, so the second rule
 # keeps every other port of the GPU workers as open as before (Ray's GCS, raylet, object manager
@@ -12,11 +12,13 @@
 # allowed by Kubernetes' rules.
 
 locals {
-  # Every Ray pod of this region's RayService: KubeRay labels its pods ray.io/is-ray-node=yes and
-  # keeps the template's labels (rayservice.tf), which no other pod in the namespace carries.
-  ray_pods = {
+  # The head pods of this region's RayService (two during a rollout, each with its routers):
+  # KubeRay labels a head ray.io/node-type=head and keeps the template's labels (rayservice.tf),
+  # which no other pod in the namespace carries.
+  router_pods = {
     "app.kubernetes.io/name" = local.name
     "ray.io/is-ray-node"     = "yes"
+    "ray.io/node-type"       = "head"
   }
 }
 
@@ -37,11 +39,11 @@ resource "kubernetes_network_policy_v1" "stream_listener" {
     }
     policy_types = ["Ingress"]
 
-    # The listeners' ports (SERVE_APP_STREAM_PORTS, rayservice.tf): the region's Ray pods only.
+    # The listeners' ports (SERVE_APP_STREAM_PORTS, rayservice.tf): the region's routers only.
     ingress {
       from {
         pod_selector {
-          match_labels = local.ray_pods
+          match_labels = local.router_pods
         }
       }
       ports {

@@ -37,10 +37,15 @@ locals {
     # (serve_app.runtime.ray_env.DRAIN_ENV).
     { name = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", value = "630" },
     # The model replicas' stream listeners take their port from this range, the one the
-    # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
+    # NetworkPolicy opens only to the region's head pods, where the routers run (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
-    # The shared key registry (main.tf): its primary and the instance to read from; Ray's
-    # workers inherit the pod's env.
+  ]
+
+  # The shared key registry (main.tf): its primary and the instance to read from; Ray's workers
+  # inherit the pod's env. The head's alone, as the signing keys and the spool (auth_volumes):
+  # the routers run there only (they ask for var.region.head.resources), so a model's GPU pod,
+  # whose engine fetches and decodes callers' media, holds no credential (docs/threat-model.md).
+  registry_env = [
     {
       name      = var.registry_dsn_env
       valueFrom = { secretKeyRef = { name = kubernetes_secret_v1.registry.metadata[0].name, key = "dsn" } }
@@ -99,10 +104,12 @@ locals {
     } : key => options if var.region.gcs_redis.address != ""
   }
 
-  # What every Ray pod gets: routers and replicas may run on the head or a worker.
-  pod_env     = concat(local.env, local.stream_tls_env)
-  pod_volumes = concat(local.auth_volumes, local.stream_tls_volumes)
-  pod_mounts  = concat(local.auth_mounts, local.stream_tls_mounts)
+  # The head (the routers, the Serve controller) gets the region's credentials; a GPU worker (the
+  # model replicas) what an engine and its stream listener need, and nothing of the routers'.
+  head_env     = concat(local.env, local.registry_env, local.stream_tls_env)
+  head_volumes = concat(local.auth_volumes, local.stream_tls_volumes)
+  head_mounts  = concat(local.auth_mounts, local.stream_tls_mounts)
+  worker_env   = concat(local.env, local.stream_tls_env)
 
   head_resources = {
     cpu    = tostring(var.region.head.cpus)
@@ -131,8 +138,15 @@ locals {
     # No log monitor on any node: it polls every log file ten times a second (~1 % of a core,
     # idle) to push their lines to a driver's terminal, and a region has no driver (serve
     # deploy goes through the dashboard; logs are read from files: docs/operations.md).
+    # The resource every router replica asks for, offered here alone (as JSON in a quoted string,
+    # which KubeRay passes to `ray start --resources` and its autoscaler reads): routers never
+    # land on a GPU worker, and a pending router never scales the GPU group.
     headGroupSpec = {
-      rayStartParams = { "dashboard-host" = "0.0.0.0", "include-log-monitor" = "false" }
+      rayStartParams = {
+        "dashboard-host"      = "0.0.0.0"
+        "include-log-monitor" = "false"
+        "resources"           = jsonencode(jsonencode(var.region.head.resources))
+      }
       template = {
         metadata = { labels = local.labels }
         spec = {
@@ -140,7 +154,7 @@ locals {
           containers = [{
             name  = "ray-head"
             image = var.image
-            env   = local.pod_env
+            env   = local.head_env
             ports = [
               { name = "gcs", containerPort = 6379 },
               { name = "dashboard", containerPort = 8265 },
@@ -148,9 +162,9 @@ locals {
               { name = "serve", containerPort = 8000 },
             ]
             resources    = { requests = local.head_resources, limits = local.head_resources }
-            volumeMounts = local.pod_mounts
+            volumeMounts = local.head_mounts
           }]
-          volumes = local.pod_volumes
+          volumes = local.head_volumes
         }
       }
     }
@@ -215,14 +229,14 @@ locals {
           containers = [{
             name      = "ray-worker"
             image     = var.image
-            env       = local.pod_env
+            env       = local.worker_env
             resources = { requests = local.worker_resources, limits = local.worker_resources }
-            volumeMounts = concat(local.pod_mounts, [
+            volumeMounts = concat(local.stream_tls_mounts, [
               { name = "model-cache", mountPath = "/models" },
               { name = "shm", mountPath = "/dev/shm" },
             ])
           }]
-          volumes = concat(local.pod_volumes, [
+          volumes = concat(local.stream_tls_volumes, [
             # Node-local weight cache: a replica restarting on the same server skips the download.
             { name = "model-cache", hostPath = { path = var.model_cache_path, type = "DirectoryOrCreate" } },
             # vLLM's workers exchange tensors through shared memory.

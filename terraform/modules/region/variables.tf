@@ -10,7 +10,7 @@ variable "region" {
     accelerator_type = string
     gpu_nodes        = map(number)
     gpu_workers      = object({ min = number, max = number })
-    head             = object({ cpus = number, memory_gib = number })
+    head             = object({ cpus = number, memory_gib = number, resources = map(number) })
     gpu_worker       = object({ cpus = number, memory_gib = number })
     otlp_endpoint    = string
     gcs_redis        = object({ address = string, password_secret = string })
@@ -134,7 +134,7 @@ variable "registry_ca_bundle" {
 }
 
 variable "stream_listener_ports" {
-  description = "TCP ports the model replicas' stream listeners bind (SERVE_APP_STREAM_PORTS; one per replica on a pod, so a few suffice) and the NetworkPolicy opens to the region's Ray pods only."
+  description = "TCP ports the model replicas' stream listeners bind (SERVE_APP_STREAM_PORTS; one per replica on a pod, so a few suffice) and the NetworkPolicy opens to the region's head pods (its routers) only."
   type        = object({ first = number, last = number })
   default     = { first = 20000, last = 20099 }
 

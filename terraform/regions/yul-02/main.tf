@@ -42,7 +42,7 @@ variable "region" {
     accelerator_type = string
     gpu_nodes        = map(number)
     gpu_workers      = object({ min = number, max = number })
-    head             = object({ cpus = number, memory_gib = number })
+    head             = object({ cpus = number, memory_gib = number, resources = map(number) })
     gpu_worker       = object({ cpus = number, memory_gib = number })
     otlp_endpoint    = string
     gcs_redis        = object({ address = string, password_secret = string })
