@@ -38,6 +38,12 @@ _REGION_ID = re.compile(r"^[a-z]{3}-[0-9]{2}$")  # IATA code of the nearest airp
 _AWS_REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-[0-9]$")
 
 
+# What the head's own processes need beside the routers: the GCS, the Serve controller, the
+# dashboard, HAProxy and Serve's proxy. They ask Ray for no CPU: this sizes the pod, Ray reserves
+# nothing for them.
+HEAD_OWN_CPUS = 1
+
+
 def public_endpoint(region_id: str) -> str:
     """A region's router, as clients and failover peers reach it."""
     return f"https://api.{region_id}.{DNS_ZONE}"
@@ -302,13 +308,16 @@ class Region(FrozenSettings):
                 f"replica needs ({widest:g})"
             )
         # The routers run on the head alone (the credentials are there only: serve_config.py
-        # ROUTER_NODE_RESOURCE), and a rolling update starts every replacement before it stops
-        # the replica it replaces (layout.SURGE_PERCENT): without room for both, it waits forever.
+        # ROUTER_NODE_RESOURCE), and a rolling update starts each replacement before it stops
+        # the replica it replaces (layout.SURGE_PERCENT): with room for fewer it replaces a few at
+        # a time, with none the replacements wait. Beside them the head runs its own processes.
         replicas = self.router.replicas + -(-self.router.replicas * layout.SURGE_PERCENT // 100)
-        if self.kubernetes.head.cpus < replicas * self.router.cpus:
+        needed = replicas * self.router.cpus + HEAD_OWN_CPUS
+        if self.kubernetes.head.cpus < needed:
             raise ValueError(
-                f"kubernetes.head.cpus ({self.kubernetes.head.cpus}) cannot hold the routers and a rolling "
-                f"update's replacements beside them ({replicas} x {self.router.cpus:g} CPUs)"
+                f"kubernetes.head.cpus ({self.kubernetes.head.cpus}) cannot hold the routers, a rolling "
+                f"update's replacements beside them and the head's own processes ({replicas} x "
+                f"{self.router.cpus:g} + {HEAD_OWN_CPUS} CPUs)"
             )
         return self
 

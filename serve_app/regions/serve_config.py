@@ -24,7 +24,8 @@ from serve_app.settings import describe_errors
 RENDER_COMMAND = "serve-app regions render"
 GENERATED_MARKER = "GENERATED from regions/"  # every generated text file carries it
 
-# Where the region's auth material is mounted in every Ray pod (terraform/modules/region). The
+# Where the region's auth material is mounted in the head pod, where the routers run alone
+# (terraform/modules/region; ROUTER_NODE_RESOURCE below). The
 # signing keyset comes from a Kubernetes Secret (read-only; a `terraform apply` with a rotated or
 # re-imported keyset updates the mounted file in place and routers reload it). The API keys live
 # in the registry every region shares (PostgreSQL): the region's registry Secret holds the DSN

@@ -148,6 +148,30 @@ def test_the_smoke_node_offers_what_the_regions_router_asks_of_its_head(tmp_path
     assert custom and all(offered.get(name, 0) >= amount for name, amount in custom.items())
 
 
+def test_the_smoke_starts_its_ray_with_the_routers_resource(tmp_path, monkeypatch):
+    import ray
+
+    from serve_app.app import RAY_ENV
+
+    started = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(**kwargs):
+        started.update(kwargs)
+        raise Stop  # nothing past the start is wanted here
+
+    monkeypatch.setattr(ray, "init", init)
+    for name in (*gpu_smoke.HAPROXY_PORTS, *RAY_ENV):
+        monkeypatch.setenv(name, "")  # what local_region sets: put back as it was after the test
+    smoke = gpu_smoke.smoke_app_args(gpu_smoke.load_region_args("yul-02"), None, tmp_path)
+    with pytest.raises(Stop):
+        with gpu_smoke.local_region(smoke):
+            pass
+    assert started["address"] == "local" and started["resources"] == {"region_credentials": 1}
+
+
 def test_smoke_key_is_an_inference_key_in_the_throwaway_store(tmp_path):
     from serve_app.auth.keys import KeyStore
 

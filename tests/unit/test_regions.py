@@ -85,9 +85,9 @@ def test_blackwell_names_are_rays_accelerator_types():
         (with_change("gpu.nodes.0.name", "Bad_Node"), "not a valid Kubernetes node name"),
         (with_change("route53_latency_region", "montreal"), "not an AWS region code"),
         (with_change("kubernetes.gpu_worker.cpus", 4), "less than a model replica needs"),
-        # Two routers of one CPU and a rolling update's two replacements: 4 CPUs on the head.
-        (with_change("kubernetes.head.cpus", 3), "cannot hold the routers and a rolling update's replacements"),
-        (with_change("router.replicas", 3), "(6 x 1 CPUs)"),
+        # Two routers of one CPU, a rolling update's two replacements and the head's own: 5 CPUs.
+        (with_change("kubernetes.head.cpus", 4), "cannot hold the routers, a rolling update's replacements"),
+        (with_change("router.replicas", 3), "(6 x 1 + 1 CPUs)"),
         (with_change("id", "montreal"), "is not a region id like 'yul-02'"),
         (with_change("gpus", 4), "gpus: Extra inputs are not permitted"),
         (with_change("models.0.max_model_len", 32768), "models.0.max_model_len: Extra inputs are not permitted"),

@@ -1,7 +1,7 @@
 # Voluntary disruptions (a node drain, a cluster upgrade) must not take the region down by
 # surprise. The head pod holds the GCS and the Serve controller; without GCS fault tolerance (a
 # region's kubernetes.gcs_redis, rayservice.tf) losing it restarts every Ray pod of the region,
-# engines included (minutes of 503s), and with it the routers placed on the head still restart.
+# engines included (minutes of 503s), and with it the routers (which run on the head) still restart.
 # So its eviction is refused; a drain of its node waits until an SRE has taken the region out of
 # traffic and moved it (docs/operations.md, "Node maintenance"). GPU workers may be evicted
 # while the region keeps its floor less one (gpu_workers.min - 1: at the floor one goes, the next

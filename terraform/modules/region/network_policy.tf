@@ -1,7 +1,10 @@
-# Only the region's head pods reach the model replicas' stream listeners (the plaintext byte path
+# Only the region's Ray pods reach the model replicas' stream listeners (the plaintext byte path
 # from a model replica to a router, serve_app/wire/socket.py; docs/threat-model.md, "The stream
-# listener"): the routers, the listeners' only callers, run on the head alone (they ask for the
-# resource only it offers, rayservice.tf), so no GPU pod opens another's listener.
+# listener"). The routers, the listeners' only callers, run on the head alone (they ask for the
+# resource only it offers, rayservice.tf), but a cluster started before that placed some on GPU
+# workers' spare CPUs, and it keeps serving through the rollout that replaces it: admitting the
+# head alone would cut its routers' streams then. Narrowing the source to the head pods is a
+# second apply, once no region runs such a cluster.
 #
 # A pod any NetworkPolicy selects is closed to all ingress no policy allows, so the second rule
 # keeps every other port of the GPU workers as open as before (Ray's GCS, raylet, object manager
@@ -12,13 +15,11 @@
 # allowed by Kubernetes' rules.
 
 locals {
-  # The head pods of this region's RayService (two during a rollout, each with its routers):
-  # KubeRay labels a head ray.io/node-type=head and keeps the template's labels (rayservice.tf),
-  # which no other pod in the namespace carries.
-  router_pods = {
+  # Every Ray pod of this region's RayService: KubeRay labels its pods ray.io/is-ray-node=yes and
+  # keeps the template's labels (rayservice.tf), which no other pod in the namespace carries.
+  ray_pods = {
     "app.kubernetes.io/name" = local.name
     "ray.io/is-ray-node"     = "yes"
-    "ray.io/node-type"       = "head"
   }
 }
 
@@ -39,11 +40,11 @@ resource "kubernetes_network_policy_v1" "stream_listener" {
     }
     policy_types = ["Ingress"]
 
-    # The listeners' ports (SERVE_APP_STREAM_PORTS, rayservice.tf): the region's routers only.
+    # The listeners' ports (SERVE_APP_STREAM_PORTS, rayservice.tf): the region's Ray pods only.
     ingress {
       from {
         pod_selector {
-          match_labels = local.router_pods
+          match_labels = local.ray_pods
         }
       }
       ports {

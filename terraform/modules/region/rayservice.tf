@@ -93,7 +93,8 @@ locals {
 
   # GCS fault tolerance (a region option: kubernetes.gcs_redis): the GCS keeps its state in the
   # region's highly available Redis, so a lost head pod restarts alone and the workers' actors
-  # (model replicas, routers placed there) live on; KubeRay sets the workers' reconnect timeout.
+  # (the model replicas; the routers run on the head and restart with it) live on; KubeRay sets
+  # the workers' reconnect timeout.
   # Without it the head's loss restarts every Ray pod (docs/operations.md, "Node maintenance").
   gcs_fault_tolerance = {
     for key, options in {
@@ -137,14 +138,17 @@ locals {
     # The head runs the Serve controller, the routers and a proxy; no GPU, no model.
     # No log monitor on any node: it polls every log file ten times a second (~1 % of a core,
     # idle) to push their lines to a driver's terminal, and a region has no driver (serve
-    # deploy goes through the dashboard; logs are read from files: docs/operations.md).
+    # deploy goes through the dashboard; logs are read from files: docs/operations.md). "0", not
+    # "false": the KubeRay this module pins (1.5) omits a rayStartParams value "false" for this
+    # flag (only "true" becomes a bare flag; fixed upstream by kuberay#4857), and ray start reads
+    # "0" as false.
     # The resource every router replica asks for, offered here alone (as JSON in a quoted string,
     # which KubeRay passes to `ray start --resources` and its autoscaler reads): routers never
     # land on a GPU worker, and a pending router never scales the GPU group.
     headGroupSpec = {
       rayStartParams = {
         "dashboard-host"      = "0.0.0.0"
-        "include-log-monitor" = "false"
+        "include-log-monitor" = "0"
         "resources"           = jsonencode(jsonencode(var.region.head.resources))
       }
       template = {
@@ -177,7 +181,7 @@ locals {
       minReplicas = var.region.gpu_workers.min
       maxReplicas = var.region.gpu_workers.max
       rayStartParams = {
-        "include-log-monitor" = "false"
+        "include-log-monitor" = "0"
         # The accelerator_type resource each replica asks for, stated: KubeRay's autoscaler
         # learns what a new pod would offer from this spec alone (CPU, GPU and memory from the
         # container, custom resources from here), never from the raylet's own detection — so
