@@ -42,6 +42,7 @@ from serve_app.auth.keys import (
     looks_like_key,
 )
 from serve_app.auth.principal import Principal, forbidden, unauthorized
+from serve_app.auth.registry_probe import RegistryProbe
 from serve_app.auth.refusals import bearer, check_active, decided, logged_refusal, registry_unavailable
 from serve_app.errors import APIError, retry_later
 from serve_app.telemetry.logs import module_logger
@@ -96,6 +97,8 @@ class Authenticator(Admission):
             replica=args.key_store_replica(),
             miss_lookups_per_s=args.registry_miss_lookups_per_s,
         )
+        # Whether the registry can be read at all, for /health (serve_app/router/operations.py).
+        self.registry = RegistryProbe(self.keys.database)
         self.keyset = tokens.KeysetFile(args.signing_keys(), check_interval_s=args.cache_ttl_s, create=create)
         dev_key = environ.get(args.dev_api_key_env) if args.dev_api_key_env else None
         # Only its hash is kept, and compared in constant time like any other key.
@@ -243,6 +246,7 @@ class Authenticator(Admission):
             self._following = asyncio.get_running_loop().create_task(self._follow_known_ids(), name="known-key-ids")
 
     async def aclose(self) -> None:
+        await self.registry.aclose()
         self.keys.close()
         if self._following is not None:
             self._following.cancel()

@@ -53,10 +53,14 @@ async def health(services: Services) -> JSONResponse:
     ``busy`` when every serving model's slots are taken (requests queue or are shed, but the region
     serves). 503 when no model serves or a required one does not, so global routing sends the
     region's traffic elsewhere: ``recovering`` while Serve replaces a failed replica of it, else
-    ``unavailable``. A model an admin unloads is no degradation; a required one cannot be unloaded
-    (``set_wanted``).
+    ``unavailable``; and 503 ``registry_unavailable`` while the models serve but the key registry
+    cannot be read (every credential not cached here is refused: serve_app/auth/registry_probe.py).
+    A model an admin unloads is no degradation; a required one cannot be unloaded (``set_wanted``).
     """
-    await services.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S)
+    registry_readable, _ = await asyncio.gather(  # each waits HEALTH_WAIT_S at most, side by side
+        services.auth.registry.check(HEALTH_WAIT_S),
+        services.states.ensure_fresh(max_status_age_s=HEALTH_STATUS_MAX_AGE_S, wait_s=HEALTH_WAIT_S),
+    )
     states = {model_id: services.states.get(model_id) for model_id in services.served}
     load = {model_id: services.in_flight.load(model_id, state.running) for model_id, state in states.items()}
     required = [model_id for model_id in states if services.models[model_id].required_for_health]
@@ -66,6 +70,8 @@ async def health(services: Services) -> JSONResponse:
     if not healthy:  # named after what keeps the region out: its required models, or all of them
         down = required_down or list(states)
         status = "recovering" if any(states[model_id].state == RECOVERING for model_id in down) else "unavailable"
+    elif not registry_readable:
+        healthy, status = False, "registry_unavailable"
     elif any(state.wanted == "loaded" and not state.serving for state in states.values()):
         status = "degraded"
     else:
@@ -77,6 +83,7 @@ async def health(services: Services) -> JSONResponse:
             "models": {model_id: state.serving for model_id, state in states.items()},
             "states": {model_id: state.state for model_id, state in states.items()},
             "required": required,
+            "registry": "readable" if registry_readable else "unreadable",
             # Busy and shedding, not the counts: this answer needs no credential, and a tenant
             # polling exact in-flight counts would read every other tenant's traffic in the region.
             "load": {model_id: {"busy": now["busy"], "shedding": now["shedding"]} for model_id, now in load.items()},

@@ -132,6 +132,39 @@ def test_marking_a_model_required_is_applied_by_a_router_reconfigure(router_app)
     assert (code, body["status"], body["required"]) == (503, "recovering", [MODEL])
 
 
+def test_a_region_whose_routers_cannot_read_the_key_registry_leaves_the_global_name(router_app, monkeypatch):
+    """Every credential not cached here would be refused (503 key_registry_unavailable, never failed
+    over): /health says so while the models serve, and serves again once the registry reads."""
+    from contextlib import contextmanager
+
+    from serve_app.auth.database import RegistryUnavailable
+
+    app = router_app(models=(MODEL, EMBED), model_settings=REQUIRED_CHAT)
+    code, body = _health(app)
+    assert (code, body["status"], body["registry"]) == (200, "ok", "readable")
+    probe = app.auth.registry
+    monkeypatch.setattr(probe, "PROBE_EVERY_S", 0)  # every check probes
+    database = probe.database
+    reads = database.connect
+
+    @contextmanager
+    def away(read: bool = False):
+        raise RegistryUnavailable("cannot reach the key registry at host=primary")
+        yield
+
+    monkeypatch.setattr(database, "connect", away)
+    code, body = _health(app)
+    assert (code, body["status"], body["registry"]) == (503, "registry_unavailable", "unreadable")
+    assert body["models"] == {MODEL: True, EMBED: True}
+    _recovering(app, MODEL)  # a required model down is said first: it is what keeps the region out
+    assert _health(app)[1]["status"] == "recovering"
+    app.serve.replicas[f"model-{MODEL}"] = {"RUNNING": 1}  # its replacement serves
+    app.serve.statuses.clear()
+    monkeypatch.setattr(database, "connect", reads)
+    code, body = _health(app)
+    assert (code, body["status"], body["registry"]) == (200, "ok", "readable")
+
+
 REGION_FILES = sorted((Path(__file__).resolve().parents[2] / "regions").glob("*.yaml"))
 
 
