@@ -121,8 +121,9 @@ resource "aws_db_instance" "registry" {
   ca_cert_identifier     = "rds-ca-rsa2048-g1"
 
   auto_minor_version_upgrade = false
-  maintenance_window         = "sun:07:00-sun:07:30"
-  apply_immediately          = false
+  # Not the replicas' (terraform/modules/registry_replica): routers read here while theirs is away.
+  maintenance_window = "sun:07:00-sun:07:30"
+  apply_immediately  = false
 
   # 14 days of backups; read replicas need them on their source.
   backup_retention_period   = 14

@@ -442,6 +442,24 @@ HARDENING = (
 )
 
 
+def _window(text: str) -> tuple[int, int]:
+    """An RDS maintenance window (ddd:hh:mm-ddd:hh:mm) as minutes of the week, start and end."""
+    days = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+    start, end = (days.index(day) * 1440 + int(hour) * 60 + int(minute)
+                  for day, hour, minute in (part.split(":") for part in unquote(text).split("-")))
+    return start, end
+
+
+def test_no_replica_is_in_maintenance_while_the_primary_is():
+    """A Multi-AZ instance's maintenance fails it over; a router whose replica is away reads the
+    primary, so the windows must not overlap (one window for all refused every region's uncached
+    lookups at once)."""
+    primary = _window(resources(GLOBAL)["aws_db_instance.registry"]["maintenance_window"])
+    replica = _window(resources(REPLICA_MODULE)["aws_db_instance.replica"]["maintenance_window"])
+    assert primary[0] < primary[1] and replica[0] < replica[1]
+    assert primary[1] <= replica[0] or replica[1] <= primary[0]
+
+
 def test_replicas_carry_the_primarys_hardening():
     primary, replica, base = resources(GLOBAL), resources(REPLICA_MODULE), resources(BASE_MODULE)
     db, replica_db = primary["aws_db_instance.registry"], replica["aws_db_instance.replica"]

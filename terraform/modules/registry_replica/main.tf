@@ -62,8 +62,12 @@ resource "aws_db_instance" "replica" {
   ca_cert_identifier     = "rds-ca-rsa2048-g1"
 
   auto_minor_version_upgrade = false
-  maintenance_window         = "sun:07:00-sun:07:30"
-  apply_immediately          = false
+  # An hour after the primary's (terraform/global/registry.tf): a Multi-AZ instance's maintenance
+  # fails it over (a minute or two unreachable), and a router whose replica is away reads the
+  # primary meanwhile (serve_app/auth/database.py), so the two must never be away together —
+  # with one window for all, every region's uncached lookups were refused at once.
+  maintenance_window = "sun:08:00-sun:08:30"
+  apply_immediately  = false
 
   # Backups of its own, so that a promoted replica starts with them.
   backup_retention_period  = 14
