@@ -25,7 +25,8 @@ def secret_name(value: str) -> str:
 
 class GcsRedis(FrozenSettings):
     """The highly available Redis the head's GCS keeps its state in (KubeRay's GCS fault
-    tolerance): a head pod lost then restarts alone, the engines and routers on workers live on."""
+    tolerance): a head pod lost then restarts alone (its routers with it), the engines on the
+    workers live on."""
 
     address: str = Field(description="host:port of a single-shard Redis (Sentinel, or a managed one) the head reaches.")
     password_secret: str = Field(description="Kubernetes Secret in the region's namespace holding it, key `password`.")

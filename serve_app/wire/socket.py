@@ -255,7 +255,7 @@ class Listener:
 
     async def start(self) -> None:
         """Listen, on the first free port of ``SERVE_APP_STREAM_PORTS`` (the range a region's
-        NetworkPolicy opens to router pods only, ``listen_port.py``) or else any port; call in the
+        NetworkPolicy opens to its Ray pods only, ``listen_port.py``) or else any port; call in the
         event loop the requests are served on. OSError when no port of the range is free."""
         if self._server is None:
             self._server = await asyncio.start_server(

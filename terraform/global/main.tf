@@ -47,7 +47,8 @@ resource "aws_route53_health_check" "region" {
   for_each = var.regions
 
   # /health is 503 while the region's main model (region_health: required) serves on no replica,
-  # even if its embedding model does (docs/reliability.md, "What /health says").
+  # even if its embedding model does, and while its routers cannot read the key registry
+  # (docs/reliability.md, "What /health says").
   type              = "HTTPS"
   fqdn              = each.value.endpoint_host
   port              = 443

@@ -37,7 +37,7 @@ locals {
     # (serve_app.runtime.ray_env.DRAIN_ENV).
     { name = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", value = "630" },
     # The model replicas' stream listeners take their port from this range, the one the
-    # NetworkPolicy opens only to the region's head pods, where the routers run (network_policy.tf).
+    # NetworkPolicy opens to the region's Ray pods only (network_policy.tf).
     { name = "SERVE_APP_STREAM_PORTS", value = local.stream_ports },
   ]
 

@@ -134,7 +134,7 @@ variable "registry_ca_bundle" {
 }
 
 variable "stream_listener_ports" {
-  description = "TCP ports the model replicas' stream listeners bind (SERVE_APP_STREAM_PORTS; one per replica on a pod, so a few suffice) and the NetworkPolicy opens to the region's head pods (its routers) only."
+  description = "TCP ports the model replicas' stream listeners bind (SERVE_APP_STREAM_PORTS; one per replica on a pod, so a few suffice) and the NetworkPolicy opens to the region's Ray pods only."
   type        = object({ first = number, last = number })
   default     = { first = 20000, last = 20099 }
 
