@@ -285,7 +285,10 @@ class PostgresDatabase:
             db.commit()
         except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
             db.close()
-            if dsn == self.replica:  # a kept connection to a replica that vanished: the next reads go to the primary
+            # A kept connection to a replica that vanished: the next reads go to the primary. Not
+            # for a statement the replica itself cancelled at its timeout (a long report): it is
+            # there, and sending every key lookup across a WAN for 30 s would not make it faster.
+            if dsn == self.replica and not isinstance(err, psycopg.errors.QueryCanceled):
                 self._replica_away_until = time.monotonic() + self.REPLICA_AWAY_S
             raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
         except BaseException:

@@ -67,6 +67,10 @@ CREATE TABLE IF NOT EXISTS usage_daily (
     stored_bytes      INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (key_id, day, model, region)
 );
+-- An owner admin's report (every key of the owner) and an operator's (every key) read by day
+-- range, not by key: without these they scanned every tenant's whole history.
+CREATE INDEX IF NOT EXISTS usage_daily_owner_day ON usage_daily (owner, day);
+CREATE INDEX IF NOT EXISTS usage_daily_day ON usage_daily (day);
 CREATE TABLE IF NOT EXISTS usage_budgets (
     key_id            TEXT PRIMARY KEY,
     tokens_per_day    INTEGER,           -- NULL: no daily limit

@@ -204,6 +204,24 @@ def test_a_replica_that_fails_mid_read_sends_the_next_reads_to_the_primary(postg
     assert here.lookup(key) == record  # read on the primary now
 
 
+def test_a_statement_the_replica_cancels_at_its_timeout_leaves_the_replica_in_use(postgres_dsn):
+    """A long report cut by the replica's statement_timeout (QueryCanceled, an OperationalError): the
+    replica answered, so key lookups stay on it, not sent to the primary for 30 s."""
+    from serve_app.auth.database import PostgresDatabase, RegistryUnavailable
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    KeyStore(replica)
+    database = PostgresDatabase(primary, replica)
+    database.STATEMENT_TIMEOUT_MS = 50  # its connections' statement_timeout
+    with pytest.raises(RegistryUnavailable, match="statement timeout"):
+        with database.connect(read=True) as db:
+            db.execute("SELECT pg_sleep(1)")
+    assert database._replica_away_until == 0.0
+    with database.connect(read=True) as db:  # still the replica: it holds what the primary does not
+        assert db.execute("SELECT current_database() AS name").fetchone()["name"] == replica.rsplit("/", 1)[1]
+
+
 def test_the_read_replica_is_named_by_env_and_only_beside_a_primary():
     args = AuthArgs(key_registry_dsn_env="PRIMARY", key_registry_read_dsn_env="REPLICA")
     assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": "postgresql://r/x"}) == "postgresql://r/x"

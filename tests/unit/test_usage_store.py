@@ -127,6 +127,27 @@ def test_a_report_can_be_one_owners(store):
     assert store.totals(key_id="k2", owner="acme", since="2026-12-01", until="2026-12-01", group_by=("day",)) == []
 
 
+def test_an_owners_report_and_an_operators_read_their_days_by_index_not_every_tenants_history(tmp_path):
+    """An owner admin's report filters by owner and days, an operator's by days: the rollup's
+    primary key starts with key_id, so both scanned every tenant's whole history (SQLite's plan,
+    as the query runs; PostgreSQL picks by its statistics, from the same indexes)."""
+    store = UsageStore(SqliteDatabase(tmp_path / "usage.sqlite3", create=True))
+    store.insert([usage_record(key_id=f"k{i}", owner=f"owner-{i % 7}", day=f"2026-11-{1 + i % 28:02d}")
+                  for i in range(200)])
+    plans = []
+    with store.database.connect() as db:
+        for where, params in (("day >= ? AND day <= ? AND owner = ?", ("2026-11-01", "2026-11-30", "owner-3")),
+                              ("day >= ? AND day <= ?", ("2026-11-01", "2026-11-02"))):
+            rows = db.execute(f"EXPLAIN QUERY PLAN SELECT key_id, SUM(prompt_tokens) FROM usage_daily "
+                              f"WHERE {where} GROUP BY key_id", params).fetchall()
+            plans.append(" ".join(str(tuple(row)[-1]) for row in rows))
+    owner_plan, days_plan = plans
+    assert "SEARCH usage_daily USING INDEX usage_daily_owner_day (owner=? AND day>? AND day<?)" in owner_plan
+    assert "SEARCH usage_daily USING INDEX usage_daily_day (day>? AND day<?)" in days_plan
+    by_owner = store.totals(key_id=None, owner="owner-3", since="2026-11-01", until="2026-11-30", group_by=("key_id",))
+    assert sorted(row["key_id"] for row in by_owner) == sorted(f"k{i}" for i in range(200) if i % 7 == 3)
+
+
 def test_two_regions_writing_the_same_records_at_once_count_them_once(store):
     other = UsageStore(open_database(getattr(store.database, "dsn", None) or store.database.path))
     batch = [usage_record(key_id=f"k{i % 4}", model=f"m{i % 3}") for i in range(300)]
