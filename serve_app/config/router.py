@@ -10,6 +10,16 @@ from pydantic import Field, field_validator, model_validator
 from serve_app.config.model import REQUEST_TIMEOUT_S
 from serve_app.settings import Settings
 
+# How long a router replica being replaced may take to stop. Behind HAProxy Serve keeps it
+# reachable for 30 s first (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S: a stale HAProxy process
+# may still send it requests), and a request it admits then may run the whole request timeout;
+# then its last item comes (router/call.py LAST_ITEM_WAIT_S, 10 s) and the ledger's last write
+# (or its spool, within a connect timeout). At the request timeout alone (600 s, until
+# 2026-12-07) Serve killed the replica while such a request ran: its record, and every record the
+# ledger had not written yet, were lost, and their tokens never billed.
+ROUTER_DRAIN_S = REQUEST_TIMEOUT_S + 30 + 10 + 20
+
+
 class RouterArgs(Settings):
     num_replicas: int = Field(1, ge=1)
     # A stream's client that reads nothing for this long (its socket open: a half-open client) is
@@ -51,7 +61,7 @@ class RouterArgs(Settings):
     resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(1000, ge=1)
     # A router replica being replaced relays its streams to their end first (docs/operations.md).
-    graceful_shutdown_timeout_s: float = Field(REQUEST_TIMEOUT_S, ge=0)
+    graceful_shutdown_timeout_s: float = Field(ROUTER_DRAIN_S, ge=0)
 
 
 # One stored response with its conversation, as JSON, at most (a bigger one is answered, not stored).

@@ -14,6 +14,7 @@ from serve_app.regions import layout
 from serve_app.regions import schema as region_schema
 from serve_app.regions import serve_config as region_serve_config
 from serve_app.regions.cli import app as regions_app
+from serve_app.router.call import LAST_ITEM_WAIT_S
 from serve_emulation import IN_PLACE, RECONFIGURE, RESTART, SAME, deployments, what_a_redeploy_does
 from tests.conftest import REPO, load_serve_config
 
@@ -182,6 +183,20 @@ def test_every_deployment_surges_and_a_stopped_one_may_finish_any_request():
             continue
         assert config.max_surge_percent == 100  # replacements first, then the old ones stop
         assert config.graceful_shutdown_timeout_s >= 600  # the request timeout: no request lasts longer
+        if name == "Router":  # behind HAProxy it admits requests for 30 s after its stop, then settles
+            assert config.graceful_shutdown_timeout_s >= 600 + 30 + LAST_ITEM_WAIT_S
+
+
+def test_a_router_stopped_behind_haproxy_outlasts_what_it_admits_in_its_reachable_window():
+    """Serve keeps an ingress behind HAProxy reachable this long after its stop; a request admitted
+    at the window's end may last the request timeout, then its last item and the ledger's write."""
+    from ray.serve._private.constants import RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+
+    from serve_app.config.model import REQUEST_TIMEOUT_S
+    from serve_app.config.router import ROUTER_DRAIN_S, RouterArgs
+
+    assert RouterArgs().graceful_shutdown_timeout_s == ROUTER_DRAIN_S
+    assert ROUTER_DRAIN_S > REQUEST_TIMEOUT_S + RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + LAST_ITEM_WAIT_S
 
 
 # --- what the drift check finds -----------------------------------------------------------------
