@@ -4,7 +4,10 @@ is chosen").
 
 Serve instantiates it in each process holding a handle to the deployment — the router replicas —
 and calls ``choose_replicas`` for each pending request (again after a backoff if every replica it
-ranked was full), then ``on_request_routed`` once a replica has accepted it. The pending request's
+ranked was full: each call ranks every candidate, so it asks Serve for that backoff,
+``routing_context.should_backoff``; without it Serve 2.60 retries at once, in a loop of calls and
+queue-length probes while the replicas are full), then ``on_request_routed`` once a replica has
+accepted it. The pending request's
 argument is our ``wire.Call``. This class is glue: the prompt's blocks (``prompt.py``), the
 index of what each replica served (``index.py``), the session pins, and the choice itself
 (``policy.py``); the decision goes to the request's span through ``decisions.py``.
@@ -18,6 +21,9 @@ State is per router replica: a client whose turns reach two router replicas is m
 one's view (a session reconnecting elsewhere costs one prefill there, then sticks again).
 """
 
+import math
+import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -37,17 +43,32 @@ PATH = "serve_app.routing.router:PrefixAffinityRouter"  # request_router_config.
 DEFAULT_REPLICA_CACHE_CHARS = 2_000_000  # ≈ 500k tokens of prefix cache per engine
 MAX_SESSIONS = 100_000
 MAX_ROUTING = 10_000  # requests between their first choose_replicas and their acceptance
+# Entries of requests given up before any replica accepted them (the client left while the call
+# queued; a resume's deadline) are looked for this often, in insertions.
+SWEEP_EVERY = 256
+# A replica that did not answer its queue-length probe (hung: Serve drops it only after its health
+# checks fail, up to ~90 s) is not probed again for this long: each request waited out the probe's
+# deadline (100 ms) for it. Its load is unknown meanwhile, as after the failed probe.
+UNANSWERED_HOLD_S = 5.0
 
 
 @dataclass
 class _Routing:
-    """One pending request, as the router sees it (computed once, reused across backoffs)."""
+    """One pending request, as the router sees it (computed once, reused across backoffs). Not the
+    ``Call``: an entry may outlive its request (given up while queued), and the body with it."""
 
-    call: Call
+    request: weakref.ref  # Serve's PendingRequest, while Serve or its caller holds it
+    request_id: str
+    avoid_replica: str | None
+    compare_arm: str | None
     blocks: PromptBlocks
     session: int | None  # the pin it looks up
     pins: tuple[int, ...]  # the pins its replica gets
     plan: policy.Plan | None = None
+
+    def given_up(self) -> bool:
+        pending = self.request()
+        return pending is None or pending.future.cancelled()
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -73,12 +94,15 @@ class PrefixAffinityRouter(RequestRouter):
         self._max_sessions = max_sessions
         self._compare = compare_with_default
         self._routing: OrderedDict[str, _Routing] = OrderedDict()
+        self._inserted = 0
+        self._unanswered: dict[ReplicaID, float] = {}  # replica -> when its probe went unanswered
 
     # --- Serve's replica set -------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         if hasattr(self, "_index"):  # Serve may call it before initialize_state
             self._index.sync(self._replica_id_set)
+            self._unanswered = {r: at for r, at in self._unanswered.items() if r in self._replica_id_set}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -90,15 +114,17 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if pending_request is not None:  # every candidate is ranked below: none left to try at once
+            pending_request.routing_context.should_backoff = True
         routing = self._routing_of(pending_request)
-        if routing is not None and (avoid := routing.call.avoid_replica) is not None:
+        if routing is not None and (avoid := routing.avoid_replica) is not None:
             # A resume: not the replica whose engine just failed it, if there is another.
             candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         if routing is None:  # not one of our calls (a health probe's, say): Serve's own policy
             return [[by_id[replica] for replica in policy.default_plan(list(by_id)).ranks[0]]]
         matched = self._index.match(routing.blocks.hashes, by_id)
-        if self._compare and compare_arm(routing.call.session) == "default":
+        if self._compare and routing.compare_arm == "default":
             chosen = policy.default_plan(list(by_id), matched)
         else:
             chosen = policy.plan(
@@ -116,9 +142,9 @@ class PrefixAffinityRouter(RequestRouter):
             self._index.record(replica_id, routing.blocks.hashes)
             for pin in routing.pins:
                 self._pin(pin, replica_id)
-            decisions.publish(routing.call.request_id, _decision(routing, replica_id))
+            decisions.publish(routing.request_id, _decision(routing, replica_id))
         except Exception:  # routing bookkeeping must never fail the request it routed
-            logger.exception("could not record the routing of request %s", routing.call.request_id)
+            logger.exception("could not record the routing of request %s", routing.request_id)
 
     # --- helpers -------------------------------------------------------------------------------
     def _routing_of(self, pending_request: PendingRequest | None) -> _Routing | None:
@@ -133,25 +159,43 @@ class PrefixAffinityRouter(RequestRouter):
             # A route that never reaches the KV cache (tokenize, detokenize, count_tokens) has no
             # owner's partition: its prompt and session are neither followed nor recorded, or one
             # owner's would be another's to find (a "prefix" or "session" in pg_metadata.routing).
-            routing = self._routing[key] = _Routing(call, PromptBlocks((), 0, self._block_chars), None, ())
-            return routing
-        session = None if call.session is None else hash((call.cache_salt, call.session))
-        pins = () if session is None else (session,)
-        if pending_request.metadata.call_method == "responses":  # the next turn continues this answer
-            pins += (hash((call.cache_salt, response_session(response_id(call.request_id)))),)
-        routing = _Routing(call, prompt_blocks(call.body, call.cache_salt, self._block_chars), session, pins)
-        self._routing[key] = routing
-        while len(self._routing) > MAX_ROUTING:  # given up before any replica accepted them
-            self._routing.popitem(last=False)
+            blocks, session, pins = PromptBlocks((), 0, self._block_chars), None, ()
+        else:
+            blocks = prompt_blocks(call.body, call.cache_salt, self._block_chars)
+            session = None if call.session is None else hash((call.cache_salt, call.session))
+            pins = () if session is None else (session,)
+            if pending_request.metadata.call_method == "responses":  # the next turn continues this answer
+                pins += (hash((call.cache_salt, response_session(response_id(call.request_id)))),)
+        routing = _Routing(weakref.ref(pending_request), call.request_id, call.avoid_replica,
+                           compare_arm(call.session) if self._compare else None, blocks, session, pins)
+        self._remember(key, routing)
         return routing
 
+    def _remember(self, key: str, routing: _Routing) -> None:
+        """Keep ``routing`` until its request is accepted; forget those given up before (every
+        ``SWEEP_EVERY`` insertions) and, past ``MAX_ROUTING``, the oldest."""
+        self._routing[key] = routing
+        self._inserted += 1
+        if self._inserted % SWEEP_EVERY == 0:
+            for gone in [k for k, entry in self._routing.items() if entry.given_up()]:
+                del self._routing[gone]
+        while len(self._routing) > MAX_ROUTING:
+            self._routing.popitem(last=False)
+
     async def _loads(self, replicas: list[RunningReplica]) -> list[policy.Load]:
-        """Ongoing requests per replica: the handle's queue-length cache, probed where stale."""
+        """Ongoing requests per replica: the handle's queue-length cache, probed where stale, but
+        for a replica whose last probe went unanswered within ``UNANSWERED_HOLD_S``."""
         counts = {replica.replica_id: self._replica_queue_len_cache.get(replica.replica_id) for replica in replicas}
-        stale = [replica for replica in replicas if counts[replica.replica_id] is None]
+        now = time.monotonic()
+        stale = [replica for replica in replicas if counts[replica.replica_id] is None
+                 and now - self._unanswered.get(replica.replica_id, -math.inf) >= UNANSWERED_HOLD_S]
         if stale:
             for replica, count in await self._probe_queue_lens(stale, 0):
                 counts[replica.replica_id] = count
+                if count is None:
+                    self._unanswered[replica.replica_id] = now
+                else:
+                    self._unanswered.pop(replica.replica_id, None)
         return [policy.Load(r.replica_id, counts[r.replica_id], r.max_ongoing_requests) for r in replicas]
 
     def _pinned(self, session: int | None) -> ReplicaID | None:

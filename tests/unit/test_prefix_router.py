@@ -296,3 +296,87 @@ def test_a_resumed_stream_avoids_the_replica_whose_engine_failed_it_even_though_
 
     first, resumed, alone = run(scenario)
     assert resumed != first and alone == "a"
+
+
+def test_while_every_replica_is_full_a_request_waits_with_serves_backoff_not_in_a_loop():
+    """Each choose_replicas ranks every candidate, so a miss means all were full: Serve 2.60 retries
+    at once unless the router asks for its backoff (routing_context.should_backoff), and then spun
+    hundreds of calls and probes a second per waiting request. With the backoff, a few."""
+    async def scenario():
+        h = Harness([FakeReplica("a", ongoing=32), FakeReplica("b", ongoing=32)])
+        calls = 0
+        choose = h.router.choose_replicas
+
+        async def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return await choose(*args, **kwargs)
+
+        h.router.choose_replicas = counted
+        routed = asyncio.ensure_future(h.route(chat(["Summarise the build log."])))
+        await asyncio.sleep(0.5)  # every replica full for half a second
+        waited = calls
+        h.load("b", 0)  # a slot frees up
+        return waited, await asyncio.wait_for(routed, 5)
+
+    waited, replica = run(scenario)
+    assert replica == "b"
+    assert 1 <= waited <= 20  # backoff of 5 ms doubling to 50 ms: ~12 calls in 0.5 s; without it, hundreds
+
+
+def test_a_request_given_up_before_any_replica_took_it_leaves_neither_its_body_nor_its_entry():
+    """A client that leaves while its call queues (every replica full) never reaches
+    on_request_routed: its entry kept the whole Call, up to MAX_ROUTING of them."""
+    from serve_app.routing import router as router_module
+
+    async def scenario():
+        h = Harness([FakeReplica("a", ongoing=32)])
+        given_up = []
+        for _ in range(router_module.SWEEP_EVERY - 1):
+            call = chat(["x" * 4000])
+            metadata = RequestMetadata(request_id=call.request_id, internal_request_id=str(uuid.uuid4()),
+                                       call_method="chat")
+            pending = PendingRequest(args=[call], kwargs={}, metadata=metadata)
+            task = asyncio.ensure_future(h.router._choose_replica_for_request(pending))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
+            task.cancel()  # the caller gives up: Serve cancels the request's future
+            await asyncio.gather(task, return_exceptions=True)
+            given_up.append(pending)
+        kept = len(h.router._routing)
+        assert all(not hasattr(entry, "call") for entry in h.router._routing.values())
+        h.load("a", 0)
+        await h.route(chat(["the next one"]))  # the SWEEP_EVERY-th insertion looks for the given up
+        return kept, len(h.router._routing)
+
+    kept, after = run(scenario)
+    assert kept == router_module.SWEEP_EVERY - 1 and after == 0
+
+
+def test_a_replica_that_does_not_answer_its_probe_is_not_waited_for_on_every_request():
+    """Hung (Serve drops it only once its health checks fail, up to ~90 s later): each request
+    waited out the probe's 100 ms deadline for it. Now one request in UNANSWERED_HOLD_S does."""
+    from serve_app.routing import router as router_module
+
+    class Hung(FakeReplica):
+        probes = 0
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            Hung.probes += 1
+            await asyncio.sleep(3600)
+
+    async def scenario():
+        h = Harness([FakeReplica("a"), Hung("hung")])
+        routed = []
+        for _ in range(10):
+            replica = await h.route(chat([f"question {uuid.uuid4().hex}"]))
+            routed.append(replica)
+            h.finish(replica)
+            h.router._replica_queue_len_cache.invalidate_key(h.replicas["hung"].replica_id)
+        return routed
+
+    routed = run(scenario)
+    # Ours once (ten before: each request waited out its deadline), and Serve's own selection may
+    # probe it once more in the background.
+    assert set(routed) == {"a"} and Hung.probes <= 2
+    assert router_module.UNANSWERED_HOLD_S >= 1
