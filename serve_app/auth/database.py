@@ -35,7 +35,9 @@ from serve_app.telemetry.logs import module_logger
 logger = module_logger(__name__)
 
 # A DSN names PostgreSQL; anything else is a SQLite file path.
-_DSN = re.compile(r"^postgres(ql)?://")
+# A PostgreSQL DSN: a URL, or libpq's keywords ("host=db user=app ..."), which were taken for a
+# SQLite path until 2026-12-07, and the path's "does not exist" error showed the password.
+_DSN = re.compile(r"^(postgres(ql)?://|\s*[A-Za-z_]+\s*=)")
 
 
 class RegistryUnavailable(Exception):
@@ -285,10 +287,11 @@ class PostgresDatabase:
             db.commit()
         except psycopg.OperationalError as err:  # the server went away mid-query, or timed it out
             db.close()
-            # A kept connection to a replica that vanished: the next reads go to the primary. Not
-            # for a statement the replica itself cancelled at its timeout (a long report): it is
-            # there, and sending every key lookup across a WAN for 30 s would not make it faster.
-            if dsn == self.replica and not isinstance(err, psycopg.errors.QueryCanceled):
+            # A kept connection to a replica that vanished, or one that answers no statement
+            # within the timeout (a replayed lock, a stalled disk): the next reads go to the
+            # primary. A long report cancelled there counts too: rare with its indexes, and a
+            # replica that cannot answer a point read in 15 s is one key lookups must leave.
+            if dsn == self.replica:
                 self._replica_away_until = time.monotonic() + self.REPLICA_AWAY_S
             raise RegistryUnavailable(f"key registry at {self.describe(dsn)}: {err}") from err
         except BaseException:
@@ -329,6 +332,16 @@ class PostgresDatabase:
             # lock so routers of several regions starting at once do not race on CREATE TABLE.
             db.execute("SELECT pg_advisory_xact_lock(7307)")
             for statement in filter(None, (part.strip() for part in _without_comments(_types(ddl)).split(";"))):
+                if (index := _CREATE_INDEX.match(statement)) is not None:
+                    # CREATE INDEX IF NOT EXISTS takes a SHARE lock on the table even when the
+                    # index exists, held to this transaction's end: every router start queued the
+                    # ledger's writes behind it. An index a release adds is built once, on a table
+                    # that may be large: without the statement bound, which would fail the start
+                    # (the ledger's writes wait meanwhile, and spool past their own bound).
+                    if db.execute("SELECT to_regclass(?) AS found", (index.group(1),)).fetchone()["found"]:
+                        continue
+                    db.execute("SET LOCAL statement_timeout = 0")
+                    logger.warning("key registry: building index %s (once, for this release)", index.group(1))
                 db.execute(statement)
 
     def add_columns(self, columns: Mapping[str, Mapping[str, str]]) -> None:
@@ -358,6 +371,9 @@ def _types(ddl: str) -> str:
 
 def _without_comments(ddl: str) -> str:
     return "\n".join(line.split("--", 1)[0] for line in ddl.splitlines())
+
+
+_CREATE_INDEX = re.compile(r"^CREATE INDEX IF NOT EXISTS (\w+) ON ", re.IGNORECASE)
 
 
 def is_dsn(location: str | Path) -> bool:

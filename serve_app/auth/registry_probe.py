@@ -1,7 +1,7 @@
 """Whether this router can read the key registry: the question ``/health`` asks of it.
 
 A router that cannot read the registry (the region's read replica and the primary both away: a
-partition, a shared maintenance window) refuses every credential its cache does not hold with 503
+partition, both in maintenance at once) refuses every credential its cache does not hold with 503
 ``key_registry_unavailable``, and such a request is not failed over (a caller's key is never
 forwarded, and a key that cannot be checked gets no peer token). ``/health`` said 200 meanwhile,
 so Route 53 kept sending the region callers it refused. It now reads the registry as a key lookup

@@ -46,10 +46,13 @@ MAX_ROUTING = 10_000  # requests between their first choose_replicas and their a
 # Entries of requests given up before any replica accepted them (the client left while the call
 # queued; a resume's deadline) are looked for this often, in insertions.
 SWEEP_EVERY = 256
-# A replica that did not answer its queue-length probe (hung: Serve drops it only after its health
-# checks fail, up to ~90 s) is not probed again for this long: each request waited out the probe's
-# deadline (100 ms) for it. Its load is unknown meanwhile, as after the failed probe.
+# A replica that did not answer its queue-length probe twice in a row (hung: Serve drops it only
+# after its health checks fail, up to ~90 s) is not probed again for this long: each request
+# waited out the probe's deadline (100 ms) for it. Its load is unknown meanwhile, as after a failed
+# probe (policy.py ranks it last). One late answer is not enough: a busy healthy replica would lose
+# its sessions' turns for the whole hold.
 UNANSWERED_HOLD_S = 5.0
+UNANSWERED_MISSES = 2
 
 
 @dataclass
@@ -95,7 +98,8 @@ class PrefixAffinityRouter(RequestRouter):
         self._compare = compare_with_default
         self._routing: OrderedDict[str, _Routing] = OrderedDict()
         self._inserted = 0
-        self._unanswered: dict[ReplicaID, float] = {}  # replica -> when its probe went unanswered
+        # replica -> (its probes unanswered in a row, when the last went unanswered)
+        self._unanswered: dict[ReplicaID, tuple[int, float]] = {}
 
     # --- Serve's replica set -------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -114,7 +118,7 @@ class PrefixAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        if pending_request is not None:  # every candidate is ranked below: none left to try at once
+        if pending_request is not None:  # what is ranked below is all there is to try at once
             pending_request.routing_context.should_backoff = True
         routing = self._routing_of(pending_request)
         if routing is not None and (avoid := routing.avoid_replica) is not None:
@@ -187,16 +191,20 @@ class PrefixAffinityRouter(RequestRouter):
         for a replica whose last probe went unanswered within ``UNANSWERED_HOLD_S``."""
         counts = {replica.replica_id: self._replica_queue_len_cache.get(replica.replica_id) for replica in replicas}
         now = time.monotonic()
-        stale = [replica for replica in replicas if counts[replica.replica_id] is None
-                 and now - self._unanswered.get(replica.replica_id, -math.inf) >= UNANSWERED_HOLD_S]
+        stale = [replica for replica in replicas if counts[replica.replica_id] is None and not self._held(replica, now)]
         if stale:
             for replica, count in await self._probe_queue_lens(stale, 0):
                 counts[replica.replica_id] = count
                 if count is None:
-                    self._unanswered[replica.replica_id] = now
+                    misses, _ = self._unanswered.get(replica.replica_id, (0, now))
+                    self._unanswered[replica.replica_id] = (misses + 1, now)
                 else:
                     self._unanswered.pop(replica.replica_id, None)
         return [policy.Load(r.replica_id, counts[r.replica_id], r.max_ongoing_requests) for r in replicas]
+
+    def _held(self, replica: RunningReplica, now: float) -> bool:
+        misses, at = self._unanswered.get(replica.replica_id, (0, -math.inf))
+        return misses >= UNANSWERED_MISSES and now - at < UNANSWERED_HOLD_S
 
     def _pinned(self, session: int | None) -> ReplicaID | None:
         if session is None or (replica := self._sessions.get(session)) is None:

@@ -121,7 +121,8 @@ resource "aws_db_instance" "registry" {
   ca_cert_identifier     = "rds-ca-rsa2048-g1"
 
   auto_minor_version_upgrade = false
-  # Not the replicas' (terraform/modules/registry_replica): routers read here while theirs is away.
+  # After the replicas' (terraform/modules/registry_replica): they upgrade first, and routers read
+  # here while theirs is away.
   maintenance_window = "sun:07:00-sun:07:30"
   apply_immediately  = false
 

@@ -134,3 +134,45 @@ def test_an_unreachable_server_fails_at_once_with_the_registrys_error():
     with pytest.raises(RegistryUnavailable, match="cannot reach the key registry"):  # the connect's own error
         with gone.connect():
             pass
+
+
+def test_an_index_that_exists_is_not_created_again_under_a_lock_the_ledgers_writes_wait_on(database, fresh_database):
+    """CREATE INDEX IF NOT EXISTS takes a SHARE lock on its table even when the index exists: every
+    router start queued the ledger's writes behind it (and waited behind any write in progress)."""
+    import psycopg
+
+    ddl = "CREATE TABLE IF NOT EXISTS t (n INTEGER); CREATE INDEX IF NOT EXISTS t_n ON t (n);"
+    database.create_schema(ddl)
+    writer = psycopg.connect(fresh_database)
+    writer.execute("INSERT INTO t VALUES (1)")  # a write in progress: its transaction is open
+    failed = []
+
+    def start_a_router():
+        try:
+            database.create_schema(ddl)
+        except Exception as err:  # blocked behind the write: cancelled at its statement bound
+            failed.append(err)
+
+    try:
+        started = threading.Thread(target=start_a_router)
+        started.start()
+        started.join(30)  # blocked behind the write, it would wait for the writer's commit
+        assert not started.is_alive() and failed == []
+    finally:
+        writer.rollback()
+        writer.close()
+
+
+def test_an_index_a_release_adds_is_built_past_the_statement_bound(database, monkeypatch):
+    """Built once, on a table that may be large: under the connections' statement_timeout it failed
+    the router's start (and every retry)."""
+    with database.connect() as db:
+        db.execute("INSERT INTO t SELECT generate_series(1, 300000)")
+    monkeypatch.setattr(PostgresDatabase, "STATEMENT_TIMEOUT_MS", 5)
+    fresh = PostgresDatabase(database.dsn)  # new connections, with the 5 ms bound
+    with pytest.raises(RegistryUnavailable):
+        with fresh.connect() as db:
+            db.execute("SELECT count(*) FROM t a, t b WHERE a.n < 10")  # the bound holds for other work
+    fresh.create_schema("CREATE INDEX IF NOT EXISTS t_n ON t (n);")
+    with fresh.connect() as db:
+        assert db.execute("SELECT to_regclass('t_n') AS found").fetchone()["found"] == "t_n"

@@ -450,14 +450,19 @@ def _window(text: str) -> tuple[int, int]:
     return start, end
 
 
-def test_no_replica_is_in_maintenance_while_the_primary_is():
-    """A Multi-AZ instance's maintenance fails it over; a router whose replica is away reads the
-    primary, so the windows must not overlap (one window for all refused every region's uncached
-    lookups at once)."""
+def test_the_replicas_maintenance_comes_before_the_primarys_and_apart_from_it():
+    """RDS wants a primary's read replicas upgraded first (an upgrade applied in the windows runs
+    in their order); and a Multi-AZ instance's maintenance fails it over while a router whose
+    replica is away reads the primary, so the windows must not overlap (one window for all could
+    refuse every region's uncached lookups at once)."""
     primary = _window(resources(GLOBAL)["aws_db_instance.registry"]["maintenance_window"])
     replica = _window(resources(REPLICA_MODULE)["aws_db_instance.replica"]["maintenance_window"])
+    backup = [_window(f"sun:{unquote(instance['backup_window'])}".replace("-", "-sun:"))
+              for instance in (resources(GLOBAL)["aws_db_instance.registry"],
+                               resources(REPLICA_MODULE)["aws_db_instance.replica"])]
     assert primary[0] < primary[1] and replica[0] < replica[1]
-    assert primary[1] <= replica[0] or replica[1] <= primary[0]
+    assert replica[1] <= primary[0]
+    assert all(b[1] <= replica[0] for b in backup)  # backups (05:00) before either
 
 
 def test_replicas_carry_the_primarys_hardening():

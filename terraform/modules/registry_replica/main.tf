@@ -62,11 +62,13 @@ resource "aws_db_instance" "replica" {
   ca_cert_identifier     = "rds-ca-rsa2048-g1"
 
   auto_minor_version_upgrade = false
-  # An hour after the primary's (terraform/global/registry.tf): a Multi-AZ instance's maintenance
-  # fails it over (a minute or two unreachable), and a router whose replica is away reads the
-  # primary meanwhile (serve_app/auth/database.py), so the two must never be away together —
-  # with one window for all, every region's uncached lookups were refused at once.
-  maintenance_window = "sun:08:00-sun:08:30"
+  # An hour before the primary's (terraform/global/registry.tf): RDS wants a primary's read
+  # replicas upgraded before it, and an engine upgrade applied in the next windows (both pins
+  # raised in one week) runs in window order. And a Multi-AZ instance's OS maintenance fails it
+  # over (a minute or two unreachable): a router whose replica is away reads the primary
+  # (serve_app/auth/database.py), so the two should not be away together — with one window for
+  # all, every region's uncached lookups could be refused at once.
+  maintenance_window = "sun:06:00-sun:06:30"
   apply_immediately  = false
 
   # Backups of its own, so that a promoted replica starts with them.
