@@ -188,7 +188,7 @@ class PrefixAffinityRouter(RequestRouter):
 
     async def _loads(self, replicas: list[RunningReplica]) -> list[policy.Load]:
         """Ongoing requests per replica: the handle's queue-length cache, probed where stale, but
-        for a replica whose last probe went unanswered within ``UNANSWERED_HOLD_S``."""
+        for a replica held after ``UNANSWERED_MISSES`` unanswered probes in a row (``UNANSWERED_HOLD_S``)."""
         counts = {replica.replica_id: self._replica_queue_len_cache.get(replica.replica_id) for replica in replicas}
         now = time.monotonic()
         stale = [replica for replica in replicas if counts[replica.replica_id] is None and not self._held(replica, now)]
