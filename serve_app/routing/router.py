@@ -4,8 +4,8 @@ is chosen").
 
 Serve instantiates it in each process holding a handle to the deployment — the router replicas —
 and calls ``choose_replicas`` for each pending request (again after a backoff if every replica it
-ranked was full: each call ranks every candidate, so it asks Serve for that backoff,
-``routing_context.should_backoff``; without it Serve 2.60 retries at once, in a loop of calls and
+ranked was full: each call ranks all it means Serve to try before waiting, so it asks Serve for
+that backoff, ``routing_context.should_backoff``; without it Serve 2.60 retries at once, in a loop of calls and
 queue-length probes while the replicas are full), then ``on_request_routed`` once a replica has
 accepted it. The pending request's
 argument is our ``wire.Call``. This class is glue: the prompt's blocks (``prompt.py``), the
@@ -106,7 +106,7 @@ class PrefixAffinityRouter(RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "_index"):  # Serve may call it before initialize_state
             self._index.sync(self._replica_id_set)
-            self._unanswered = {r: at for r, at in self._unanswered.items() if r in self._replica_id_set}
+            self._unanswered = {r: missed for r, missed in self._unanswered.items() if r in self._replica_id_set}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
