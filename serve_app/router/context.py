@@ -13,8 +13,9 @@ Every request ends through ``Context.settle(outcome)``, exactly once, whatever h
 - ``forwarded``: a peer region answered, to the end of its response; the peer bills it.
 
 Settling releases the model slot, closes the spans and metrics (``telemetry/request.py``), writes
-the usage record of an admitted request this region served, and lets go of its budget
-reservation. Nothing else in the router ends a request.
+the usage record of an admitted request this region served (or the row of a peer's stream it
+continued: ``resume.Continuation``), and lets go of its budget reservation. Nothing else in the
+router ends a request.
 """
 
 import asyncio
@@ -92,6 +93,14 @@ def _taken(call: Any) -> bool:
     return head is not None and not (isinstance(head, Answer) and head.status >= 500)
 
 
+def _peer_tokens(in_peer: Generated | None, record: Any) -> int:
+    """What a peer's continuation adds to the request's tokens, for its rate limit here: what it
+    generated, and the prompt when no engine here counted it (the peer's record bills it then)."""
+    if in_peer is None:
+        return 0
+    return in_peer.completion_tokens + (in_peer.prompt_tokens if record.prompt_tokens == 0 else 0)
+
+
 def in_background(work) -> None:
     """Run ``work`` on a task of its own (the request's is being cancelled), which ``wait_settled``
     waits for."""
@@ -152,11 +161,15 @@ class Context:
     taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
     # ...whose limit that router had set itself (the client set none): the replica may lower it.
     taken_over_limit_lowerable: bool = False
+    continuation: Any = None  # ...and its engine's part this region records (``resume.Continuation``)
     keep: Any = None  # Responses: stores the finished response (``responses.ResponsesAPI``)
     stored_bytes: int = 0  # what keeping it stored, in its owner's usage
     finishing: "Finishing | None" = None  # work its client left during, whose result the record needs
     counted_tokens: int = 0  # a counting surface's answer: the tokens the engine really counted
     generated: Generated | None = None
+    # What a peer region's continuation of the stream generated, which that region records
+    # (``PeerCall.recorded_there``): in the client's usage, not in this region's record.
+    in_peer: Generated | None = None
     outcome: Outcome | None = None
     _release_slot: Any = None
 
@@ -185,6 +198,12 @@ class Context:
         recorded apart) — or, when the first died before its first output (no prompt counted, no
         token to continue from), the continuation's, which ran that prompt alone."""
         if trailer is None:
+            return
+        if getattr(self.call, "recorded_there", False):  # a peer's continuation, which it records
+            self.in_peer = trailer.generated
+            first = self.generated
+            cached = first.cached_tokens if first is not None and first.prompt_tokens else None
+            self.telemetry.note_trailer(trailer, cached_tokens=cached)
             return
         if self.resumer is not None:
             self.resumer.note_attempt(trailer)
@@ -294,9 +313,17 @@ class Context:
             record = self.services.meter.record(
                 self.id, self.caller, self.record, self.generated, origin=self.origin, stored_bytes=self.stored_bytes,
                 resumes=resumer.done if resumer else 0, resume_prompt_tokens=resumer.prompt_tokens if resumer else 0,
+                peer_part=self.in_peer is not None,
             )
             if record is not None:  # its real cost beyond its price (the prompt estimate's miss)
-                self.services.auth.charge(self.caller, record.total_tokens - self.price.total)
+                self.services.auth.charge(self.caller, record.total_tokens + _peer_tokens(self.in_peer, record)
+                                          - self.price.total)
+        elif self.continuation is not None and self.surface.billed and self.generated is not None:
+            self.services.meter.record_continuation(
+                self.continuation, self.caller, self.record, self.generated, origin=self.origin,
+                prompt_counted_there=self.taken_over.cached_tokens is not None,
+                tail=len(self.taken_over.token_ids),
+            )
         elif self.admitted and self.counted_tokens:  # counting tokens: not billed, but rate-limited
             self.services.auth.charge(self.caller, self.counted_tokens - self.price.total)
         if self.admitted and not self.admission_returned and self._not_served_here(outcome):

@@ -48,6 +48,8 @@ HOP_HEADER = "x-pg-forwarded-from"
 REGION_HEADER = "x-pg-region"
 FAILOVER_FROM_HEADER = "x-pg-failover-from"
 FAILOVER_REASON_HEADER = "x-pg-failover-reason"
+# A peer's answer to a stream it continues: it records what its engine did (``resume.py``).
+CONTINUATION_RECORDED_HEADER = "x-pg-continuation-recorded"
 
 # The trace id: one trace across the regions (the peer continues this router's failover span).
 _RELAYED = {"content-type", "retry-after", "server-timing", "www-authenticate", REGION_HEADER, TRACE_ID_HEADER}

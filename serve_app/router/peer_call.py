@@ -6,7 +6,10 @@ it on one of its replicas as a resume, and streams the continuation back. This r
 that stream's chunks to the client, but not its ending: the peer's timing event and ``[DONE]``
 (or its error event) become this call's trailer — the usage the peer counted (for the whole
 answer, as the client's one request), its finish reasons, its region — and this router ends the
-stream itself, with its own timing, as for any stream.
+stream itself, with its own timing, as for any stream. The peer's router records what its engine
+generated (a ledger row that ``continues`` this request's, exact also when this router hangs up
+before the ending: relayed events are no token count once a slow reader has the engine merge
+steps); this router's record is what this region's engines did.
 
 Chat and completions: their chunks are ``data:`` events, the peer's ending is its ``pg_metadata``
 event and ``data: [DONE]``. Messages: Anthropic's named events; the usage is in ``message_delta``
@@ -22,6 +25,7 @@ import anyio
 import httpx
 
 from serve_app.engine.outputs import ResponsesOutput, ResponsesStream, anthropic_prompt_tokens, token_usage
+from serve_app.router.failover import CONTINUATION_RECORDED_HEADER
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import ENGINE_UNAVAILABLE, EngineTiming, Generated, Trailer
 from serve_app.wire import sse
@@ -52,6 +56,9 @@ class PeerCall:
         self._terminal: dict | None = None  # Messages, Responses: the peer's terminal event, without its timing
         self.replica = None  # the peer's model replica, from its timing event
         self._upstream = upstream
+        # The peer records what its engine did (a row that ``continues`` this request's): this
+        # region's record leaves it out. A peer one release behind does not, and is billed here.
+        self.recorded_there = upstream.headers.get(CONTINUATION_RECORDED_HEADER) == "1"
         self._chunks = upstream.aiter_raw()
         self._before = tokens_before  # generated before the seam (the peer's usage counts them)
         self._pending = b""
@@ -111,7 +118,8 @@ class PeerCall:
 
     async def last(self) -> Trailer:
         """After ``hang_up``: the peer's stream closed before its ending, so its usage is not
-        known here; what it generated is billed as the token chunks relayed."""
+        known here (the token chunks relayed stand for it). A peer that records its part
+        (``recorded_there``) has its engine's own count: it is billed by that record."""
         await self._close()
         return self._trailer()
 

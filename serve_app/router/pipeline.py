@@ -36,7 +36,7 @@ from serve_app.router.call import REPLICA_FAILURES
 from serve_app.router.context import (
     CLIENT_CLOSED, COUNT_WAIT_S, Context, abandoned, even_if_left, failed, forwarded, in_background, refused,
 )
-from serve_app.router.failover import HOP_HEADER, REGION_HEADER
+from serve_app.router.failover import CONTINUATION_RECORDED_HEADER, HOP_HEADER, REGION_HEADER
 from serve_app.router.embeddings_schema import beyond_the_model
 from serve_app.router.media import media_problem
 from serve_app.router.request_schema import parse_json_object, validate_body
@@ -183,8 +183,10 @@ async def admit(ctx: Context) -> None:
     """Its worst case held against the key's token budget (nothing held for a surface that is
     not billed, but a spent budget refuses it too), then charged to its rate limit."""
     services, caller = ctx.services, ctx.caller
-    if ctx.taken_over is not None:  # the region that sent it admitted it, and bills it
+    if ctx.taken_over is not None:  # the region that sent it admitted it, and records it
         ctx.headers = {REGION_HEADER: services.region}
+        if ctx.continuation is not None:  # this one records its engine's part (the sender asked)
+            ctx.headers[CONTINUATION_RECORDED_HEADER] = "1"
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))
         return
     held = ctx.price.total if ctx.surface.billed else 0

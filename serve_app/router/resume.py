@@ -20,9 +20,11 @@ of the failure. The region's other replicas are tried first, for ``router.resume
 dead replica once its health check fails, within a few seconds) — unless the failed replica is the
 only one the region runs, whose replacement takes an engine start; then a peer region's router,
 as failover does: the request goes with a token for that peer alone and the tokens generated so
-far (``RESUME_FIELD``); the peer runs it as a resume on one of its replicas, does not bill (or
-store) it, and sends the stream back with its usage in its closing (``peer_call.py``). This
-router bills the one request, both attempts, and stores a Responses answer.
+far (``RESUME_FIELD``); the peer runs it as a resume on one of its replicas, does not store it
+or admit it again, and sends the stream back with its usage in its closing (``peer_call.py``).
+This router records the one request, with what this region's engines did, and stores a Responses
+answer; the peer records what its engine did in a row that ``continues`` that record (a request's
+tokens, not a request: docs/usage.md), exact also when the stream is cut before its ending.
 
 Not resumed (the stream ends with the engine-failure event, as before, and is billed what was
 generated): a replica that vanished with no trailer (no tokens to continue from), more than one
@@ -37,6 +39,7 @@ docs/reliability.md. ``min_tokens`` goes on counting: the continuation is asked 
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from serve_app.errors import APIError
@@ -64,6 +67,15 @@ _FREE_TOOL_CHOICES = (None, "auto", "none")
 RETRY_S = 0.2  # between tries of a replica that answered engine_unavailable
 # The body field in which a router hands a peer region's router the stream it continues.
 RESUME_FIELD = "polargrid_resume"  # the product's name: a "pg_" field would read as PostgreSQL
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """A peer's stream this region continues and records its engine's part of (the sender asked)."""
+
+    record_id: str  # this region's row: made when the request arrived, as every record's id
+    continues: str  # the sender's record (its request id)
+    started_at_ms: int | None  # when the sender admitted the request: the row's day is the request's
 
 
 def resumable(surface: str, body: dict[str, Any]) -> bool:
@@ -110,7 +122,8 @@ def _responses_resumable(body: dict[str, Any]) -> bool:
 
 def taken_over(ctx) -> Resume | None:
     """The resume a peer region's router sent with the request (``RESUME_FIELD``), taken out of
-    the body: this region continues a stream whose engine failed there, and that region bills it.
+    the body: this region continues a stream whose engine failed there, which that region admitted
+    and records (this one records its engine's part, when asked: ``Continuation``).
     Only a peer's router can send one (its failover token, for this region alone, and the hop
     header); from anyone else the field is a 400."""
     sent = ctx.body.pop(RESUME_FIELD, None)
@@ -134,6 +147,10 @@ def taken_over(ctx) -> Resume | None:
             and (created is None or (type(created) is int and 0 <= created < 2**40))
             and (previous is None or (isinstance(previous, str) and len(previous) <= 128))):
         raise APIError(400, f"{RESUME_FIELD} needs token_ids, received and request_id", param=RESUME_FIELD)
+    if sent.get("record_continuation") is True:  # a peer one release behind bills it all itself
+        started = sent.get("started_at_ms")
+        started = started if type(started) is int and 0 <= started < 2**45 else None
+        ctx.continuation = Continuation(ctx.id, request_id, started)
     ctx.id = request_id  # the engine request's: the chunks keep the stream's id
     ctx.previous_response_id = previous  # Responses: the id the answer echoes (the sender recalled it)
     ctx.taken_over_limit_lowerable = sent.get("limit_set_by_router") is True
@@ -261,14 +278,17 @@ class Resumer:
                  if p.region != services.region and caller.allows_region(p.region)]
         if ctx.origin is not None or not peers:
             return None
-        # The peer reports the usage in its closing (it is billed here, with the first attempt's);
-        # a Messages or Responses stream always carries it (message_delta, the terminal response).
+        # The peer reports the usage in its closing (the client's, for the whole answer); a Messages
+        # or Responses stream always carries it (message_delta, the terminal response). It records
+        # what its engine did itself (``record_continuation``), from its engine's own count.
         surface = ctx.surface.name
         sent = {**body, RESUME_FIELD: {"token_ids": list(resume.token_ids), "received": resume.received,
                                        "ids": resume.ids, "request_id": ctx.id,
                                        "cached_tokens": resume.cached_tokens, "created": resume.created,
                                        "previous_response_id": ctx.previous_response_id,
-                                       "limit_set_by_router": ctx.price.limit_set_by_router}}  # lowerable, as here
+                                       "limit_set_by_router": ctx.price.limit_set_by_router,  # lowerable, as here
+                                       "record_continuation": True,
+                                       "started_at_ms": ctx.record.start_ns // 1_000_000}}
         if surface in ("chat", "completions"):
             sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         bound = await asyncio.to_thread(

@@ -48,6 +48,10 @@ class UsageRecord:
     resumes: int = 0
     resume_prompt_tokens: int = 0
     resumed_in: str | None = None  # the peer region whose replica continued the stream, if one did
+    # Not a request: what a peer region's engine did for a stream another region admitted and
+    # records (that record's id here). The peer's tokens count in budgets and reports; the
+    # request, once, in its own record (``serve_app/router/resume.py``).
+    continues: str | None = None
 
     @property
     def day(self) -> str:
@@ -61,7 +65,10 @@ class UsageRecord:
         return self.prompt_tokens + self.completion_tokens
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        raw = dataclasses.asdict(self)
+        if raw["continues"] is None:  # a spool a release before the field can replay (rolled back)
+            del raw["continues"]
+        return raw
 
     @classmethod
     def from_json(cls, raw: Any) -> "UsageRecord":

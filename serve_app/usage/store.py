@@ -1,7 +1,9 @@
 """The usage ledger's tables, in the key registry's database (one registry for every region).
 
 ``usage_records`` holds one row per request, keyed by the router's record id, so a replayed or
-doubly written record is a no-op. ``usage_daily`` is the rollup every report and budget check
+doubly written record is a no-op — and, for a stream a peer region continued, the peer's row
+that ``continues`` it (its engine's tokens, no request: ``requests`` counts the others).
+``usage_daily`` is the rollup every report and budget check
 reads — per (key, UTC day, model, region) — so neither ever scans the per-request table; it is
 updated in the same transaction as the insert, with exactly the rows the insert added, so the two
 never disagree. Besides tokens, both count ``stored_bytes``: what the requests stored (Responses
@@ -28,7 +30,7 @@ GROUPS = ("day", "month", "model", "region", "key_id")
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "stored_bytes")
 
 # Parameters per statement: SQLite builds before 3.32 allow 999, later ones 32766, psycopg
-# 65535. 8000 keeps a 500-record batch (16 columns) in two statements, far from every limit.
+# 65535. 8000 keeps a 500-record batch (20 columns) in two statements, far from every limit.
 MAX_PARAMS = 8000
 
 _SCHEMA = """
@@ -51,7 +53,8 @@ CREATE TABLE IF NOT EXISTS usage_records (
     stored_bytes      INTEGER NOT NULL DEFAULT 0,
     resumes           INTEGER NOT NULL DEFAULT 0,
     resume_prompt_tokens INTEGER NOT NULL DEFAULT 0,
-    resumed_in        TEXT
+    resumed_in        TEXT,
+    continues         TEXT               -- a peer's part of another record's request: no request
 );
 CREATE INDEX IF NOT EXISTS usage_records_key_day ON usage_records (key_id, day);
 CREATE TABLE IF NOT EXISTS usage_daily (
@@ -85,6 +88,7 @@ _ADDED_COLUMNS = {
         "resumes": "INTEGER NOT NULL DEFAULT 0",
         "resume_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
         "resumed_in": "TEXT",
+        "continues": "TEXT",
     },
     "usage_daily": {"stored_bytes": "INTEGER NOT NULL DEFAULT 0"},
 }
@@ -247,7 +251,7 @@ def _rollup(records: Iterable[UsageRecord]) -> list[tuple]:
     rows: dict[tuple, list] = {}
     for r in records:
         row = rows.setdefault((r.key_id, r.day, r.model, r.region), [r.owner, 0, 0, 0, 0, 0])
-        row[1] += 1
+        row[1] += int(r.continues is None)  # a peer's continuation: tokens of a request counted once
         row[2] += r.prompt_tokens
         row[3] += r.completion_tokens
         row[4] += r.cached_tokens

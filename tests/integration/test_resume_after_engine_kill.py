@@ -4,10 +4,11 @@ every stream goes on from the peer region's replica (the local region runs one: 
 is an engine start away, so the router resumes in the peer at once; serve_app/router/resume.py,
 the fault suite's ``resume`` scenario in serve_app/faults/engine_kill.py): 9 of 9 end normally
 with their full token count and no error event, the text (and the reasoning) is an uninterrupted
-run's of its kind (the seam checked under greedy decoding), and the ledger holds one row per
-stream, with its resume. ``disruptive``: it kills the local engine (Serve replaces it, as after
-the engine-kill test). Messages streams resume in the unit tests (tests/unit/test_resume.py):
-Anthropic's API has no ``ignore_eos``, and the local model ends every greedy answer in 3 tokens."""
+run's of its kind (the seam checked under greedy decoding), and the ledger holds one record per
+stream, with its resume, and the peer's row continuing it: the whole answer, one request.
+``disruptive``: it kills the local engine (Serve replaces it, as after the engine-kill test).
+Messages streams resume in the unit tests (tests/unit/test_resume.py): Anthropic's API has no
+``ignore_eos``, and the local model ends every greedy answer in 3 tokens."""
 
 import asyncio
 import time
@@ -67,17 +68,25 @@ def test_an_engine_killed_mid_stream_leaves_every_stream_whole_and_billed_once(s
     assert all(kind["streams"] == kind["same_as_uninterrupted"] == STREAMS // 3 for kind in kinds.values())
     assert kinds["chat thinking with tools"]["reference_reasoning_chars"] > 0
     assert result["responses_numbered"] == STREAMS // 3
-    # One row per stream (and each reference run's), each the whole answer, the resume apart.
+    # One record per stream (and each reference run's) here, with what this region's engine did,
+    # and the peer's row continuing each resumed one with what its engine did: the whole answer.
     usage = UsageStore(open_database(serve_app["auth"].key_store()))
     deadline = time.monotonic() + 15
     while True:
         with usage.database.connect() as db:
             rows = [dict(r) for r in db.execute("SELECT * FROM usage_records WHERE key_id = ?", (record.key_id,))]
-        if len(rows) >= STREAMS + len(kinds) or time.monotonic() > deadline:
+        if len(rows) >= 2 * STREAMS + len(kinds) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert len(rows) == STREAMS + len(kinds)
-    resumed = [r for r in rows if r["resumes"]]
-    assert len(resumed) == STREAMS and {r["region"] for r in rows} == {"local"}  # billed here, once
-    assert all(r["status"] == 200 and r["completion_tokens"] == MAX_TOKENS for r in resumed)
-    assert all(r["resumed_in"] == "peer" and r["resume_prompt_tokens"] > r["prompt_tokens"] for r in resumed)
+    assert len(rows) == 2 * STREAMS + len(kinds)
+    here = {r["id"]: r for r in rows if r["continues"] is None}
+    resumed = [r for r in here.values() if r["resumes"]]
+    continued = {r["continues"]: r for r in rows if r["continues"] is not None}
+    assert len(resumed) == STREAMS and {r["region"] for r in here.values()} == {"local"}
+    assert set(continued) == {r["id"] for r in resumed} and {r["region"] for r in continued.values()} == {"peer"}
+    assert all(r["status"] == 200 and r["resumed_in"] == "peer" for r in resumed)
+    assert all(r["completion_tokens"] + continued[r["id"]]["completion_tokens"] == MAX_TOKENS for r in resumed)
+    assert all(continued[r["id"]]["resume_prompt_tokens"] > r["prompt_tokens"] for r in resumed)  # prompt + tail
+    (total,) = usage.totals(key_id=record.key_id, since=min(r["day"] for r in rows),
+                            until=max(r["day"] for r in rows), group_by=("month",))
+    assert total["requests"] == STREAMS + len(kinds)  # a continuation is no request of its own

@@ -21,9 +21,10 @@ from serve_app.router.context import Context, wait_settled
 from serve_app.wire.messages import Answer
 
 
-def _request(body: dict, key: str, path: str) -> Request:
+def _request(body: dict, key: str, path: str, extra_headers: dict[str, str] | None = None) -> Request:
     raw = json.dumps(body).encode()
-    headers = [(name.lower().encode(), value.encode()) for name, value in bearer(key).items()]
+    named = {**bearer(key), **(extra_headers or {})}
+    headers = [(name.lower().encode(), value.encode()) for name, value in named.items()]
     headers += [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     sent = False
 

@@ -3,6 +3,7 @@
 the second continues from exactly its last token."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -12,6 +13,7 @@ import fake_vllm
 from fake_engine import FakeEngine
 from router_app import to_router
 from serve_app.config import Peer
+from serve_app.usage.records import utc_day
 
 ASK = [{"role": "user", "content": "count"}]
 
@@ -292,7 +294,8 @@ def test_when_the_failed_replica_is_the_regions_only_one_the_peer_resumes_at_onc
     assert len(dying.calls) == 1 and len(healthy.calls) == 1  # never retried here
 
 
-def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once_here(two_regions):
+def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_recorded_once_each_region_its_part(
+        two_regions):
     home, peer, key, healthy = two_regions
     response, events = _stream(home, key, stream_options={"include_usage": True})
     assert response.status_code == 200
@@ -311,11 +314,18 @@ def test_with_no_other_replica_here_a_peer_region_resumes_the_stream_billed_once
     ((_, resumed),) = healthy.calls
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_completion_tokens"] == 7
     assert resumed.request_id == home_request_id(home) and resumed.resume.cached_tokens == 3
-    # One usage record, here; none in the peer region.
-    (row,) = home.recorded()
-    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
-    assert (row["resumes"], row["resume_prompt_tokens"], row["resumed_in"]) == (1, 10, "yvr-01")
-    assert peer.recorded() == []
+    # The request's record here, with what this region's engine did; the peer's row continues it
+    # with what its engine did (its prefill, the prompt and the 5 tokens, is engine work).
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"], row["cached_tokens"]) == (200, 5, 5, 3)
+    assert (row["resumes"], row["resume_prompt_tokens"], row["resumed_in"], row["continues"]) == (1, 0, "yvr-01", None)
+    assert (there["status"], there["prompt_tokens"], there["completion_tokens"], there["cached_tokens"]) == (
+        200, 0, 7, 0)
+    assert (there["continues"], there["failover_origin"], there["resume_prompt_tokens"]) == (row["id"], "yul-02", 10)
+    assert there["id"] != row["id"] and (there["started_at_ms"], there["day"]) == (row["started_at_ms"], row["day"])
+    # One request of the key's, and every token the client got.
+    (total,) = _totals(home, row["key_id"], row["day"])
+    assert (total["requests"], total["prompt_tokens"], total["completion_tokens"]) == (1, 5, 12)
 
 
 def test_a_peer_resume_sends_no_usage_chunk_to_a_client_that_did_not_ask_for_usage(two_regions):
@@ -325,8 +335,8 @@ def test_a_peer_resume_sends_no_usage_chunk_to_a_client_that_did_not_ask_for_usa
     response, events = _stream(home, key)
     assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
     assert not any('"choices":[]' in e for e in events), events
-    (row,) = home.recorded()
-    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"], there["completion_tokens"]) == (200, 5, 5, 7)
 
 
 def test_a_peer_continuation_keeps_a_limit_the_router_set_lowerable_by_the_replica(two_regions):
@@ -340,6 +350,153 @@ def test_a_peer_continuation_keeps_a_limit_the_router_set_lowerable_by_the_repli
     assert resumed.resume is not None and resumed.limit_set_by_router
 
 
+def _totals(app, key_id, day):
+    """The key's usage report for ``day``: every region's rows, as the rollup counts them."""
+    app.recorded()
+    return app.meter.store.totals(key_id=key_id, since=day, until=day, group_by=("day",))
+
+
+def test_a_peer_records_its_engines_count_when_the_sender_hangs_up_before_the_ending(two_regions):
+    """The sender's router hangs up (its client left) while the peer's engine generates: the
+    sender only knows the events it relayed (a client that stopped reading has vLLM merge many
+    steps into one), the peer's row has what its engine generated, to the token."""
+    from serve_app import surfaces
+    from serve_app.router import pipeline
+    from test_pipeline import _request
+
+    home, peer, home_key, healthy = two_regions
+    healthy.tokens, healthy.latency_s = 1000, 0.01
+    caller = home.auth.authenticate(f"Bearer {home_key}", scope="inference")
+    bound = home.auth.forwarding_token(caller, "yvr-01")
+    started_ms = time.time_ns() // 1_000_000 - 120_000  # the sender admitted it 2 min ago: the row's start
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 995, "stream": True, "polargrid_resume": {
+        "token_ids": [1, 2, 3, 4, 5], "received": {"opening": 1, "content": 15}, "request_id": "a" * 32,
+        "cached_tokens": 3, "record_continuation": True, "started_at_ms": started_ms}}
+
+    async def hang_up():
+        request = _request(body, bound, "/v1/chat/completions", extra_headers={"x-pg-forwarded-from": "yul-02"})
+        response = await pipeline.run(peer.services, request, surfaces.CHAT)
+        assert response.headers["x-pg-continuation-recorded"] == "1"
+        events = response.body_iterator
+        while healthy.generated < 10:
+            await events.__anext__()
+        await events.aclose()  # what Starlette does when the client (the sender's router) disconnects
+
+    peer.run(hang_up)
+    (row,) = peer.recorded()
+    assert row["status"] == 499 and 10 <= row["completion_tokens"] < 990
+    assert row["completion_tokens"] == healthy.generated and healthy.closed_early == 1  # aborted, and exact
+    assert (row["continues"], row["failover_origin"], row["prompt_tokens"], row["cached_tokens"]) == (
+        "a" * 32, "yul-02", 0, 0)
+    assert (row["started_at_ms"], row["day"]) == (started_ms, utc_day(started_ms / 1000))
+    assert row["resume_prompt_tokens"] == 10  # its prefill: the prompt and the 5 tokens
+    assert home.recorded() == []  # the sender's own record is the sender's to write
+
+
+def test_a_client_leaving_a_stream_a_peer_continues_leaves_each_region_its_part(two_regions):
+    """This region's client leaves during the peer's part: its record is 499 with this region's
+    engine's tokens, the peer's row what the peer's engine generated."""
+    from serve_app import surfaces
+    from serve_app.router import pipeline
+    from test_pipeline import _request
+
+    home, peer, key, healthy = two_regions
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 12, "stream": True}
+
+    async def leave():
+        response = await pipeline.run(home.services, _request(body, key, "/v1/chat/completions"), surfaces.CHAT)
+        events, seen = response.body_iterator, b""
+        while b"t7 " not in seen:  # a token of the peer's
+            seen += await events.__anext__()
+        await events.aclose()  # what Starlette does when the client disconnects
+
+    home.run(leave)
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"], row["resumed_in"]) == (499, 5, 5, "yvr-01")
+    assert (there["completion_tokens"], there["continues"]) == (healthy.generated, row["id"]) and healthy.generated == 7
+
+
+def test_a_keys_tokens_per_minute_are_charged_the_whole_answer_a_peer_continued(two_regions):
+    """The record here leaves the peer's part out; the key's rate limit here still counts it: the
+    price charged at admission plus the charge at the end is the answer's 17 tokens."""
+    home, peer, key, healthy = two_regions
+    admitted, charged = [], []
+    admit, charge = home.auth.admit, home.auth.charge
+
+    async def admitting(principal, tokens, *args, **kwargs):
+        admitted.append(tokens)
+        return await admit(principal, tokens, *args, **kwargs)
+
+    def charging(principal, tokens):
+        charged.append(tokens)
+        charge(principal, tokens)
+
+    home.auth.admit, home.auth.charge = admitting, charging
+    _stream(home, key)
+    (row,) = home.recorded()
+    assert row["prompt_tokens"] + row["completion_tokens"] == 10 and sum(admitted) + sum(charged) == 5 + 12
+
+
+@pytest.mark.parametrize(("sent_s", "kept"), [(-60, True), (None, False), (86_400, False), (-86_400, False)],
+                         ids=["a minute before", "none", "a day ahead", "a day before"])
+def test_a_continuation_row_is_dated_by_the_senders_start_only_when_it_is_plausible(two_regions, sent_s, kept):
+    """A sender dates the row as its record (the request's day); a start no stream could have
+    (a day off this region's clock) is this region's own: no tokens dated into a closed month, or
+    into a future day every budget until then would count."""
+    home, peer, home_key, healthy = two_regions
+    caller = home.auth.authenticate(f"Bearer {home_key}", scope="inference")
+    bound = home.auth.forwarding_token(caller, "yvr-01")
+    now_ms = time.time_ns() // 1_000_000
+    sent = None if sent_s is None else now_ms + sent_s * 1000
+    resume = {"token_ids": [1, 2], "received": {"opening": 1, "content": 6}, "request_id": "b" * 32,
+              "record_continuation": True, **({} if sent is None else {"started_at_ms": sent})}
+    response = peer.client.post("/v1/chat/completions", headers={**bearer(bound), "x-pg-forwarded-from": "yul-02"},
+                                json={"model": MODEL, "messages": ASK, "max_tokens": 4, "stream": True,
+                                      "polargrid_resume": resume})
+    assert response.status_code == 200 and response.headers["x-pg-continuation-recorded"] == "1"
+    (row,) = peer.recorded()
+    if kept:
+        assert row["started_at_ms"] == sent
+    else:
+        assert now_ms <= row["started_at_ms"] <= time.time_ns() // 1_000_000
+    assert row["ended_at_ms"] >= row["started_at_ms"] and row["continues"] == "b" * 32
+
+
+def test_a_peer_one_release_behind_records_nothing_and_the_sender_bills_it_all(two_regions, monkeypatch):
+    """A peer that does not record its part (it ignores ``record_continuation``, sends no header):
+    the sender's record is the whole answer, as before the two-row record."""
+    home, peer, key, healthy = two_regions
+    forward = home.services.forwarder
+
+    def as_an_older_peer(body):
+        newer = ("record_continuation", "started_at_ms")
+        resume = {k: v for k, v in body["polargrid_resume"].items() if k not in newer}
+        return {**body, "polargrid_resume": resume}
+
+    opened = forward.open
+    monkeypatch.setattr(forward, "open", lambda route, body, *a, **kw: opened(route, as_an_older_peer(body), *a, **kw))
+    response, events = _stream(home, key)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    (row,) = home.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (200, 5, 12)
+    assert row["resume_prompt_tokens"] == 10
+    assert peer.recorded() == []
+
+
+def test_a_peer_that_ran_the_whole_answer_records_the_prompt_no_engine_here_counted(two_regions):
+    """The engine here died before its first output: no prompt was counted here, the peer's engine
+    prefilled it alone: its row bills the prompt (and its cache hits), the record here none."""
+    home, peer, key, healthy = two_regions
+    home.engine.fail_after = 0
+    response, events = _stream(home, key)
+    assert _text(events) == "".join(f"t{i} " for i in range(1, 13))
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (0, 0)
+    assert (there["prompt_tokens"], there["completion_tokens"], there["continues"]) == (5, 12, row["id"])
+    (total,) = _totals(home, row["key_id"], row["day"])
+    assert (total["requests"], total["prompt_tokens"], total["completion_tokens"]) == (1, 5, 12)
+
+
 def home_request_id(home):
     (row,) = home.recorded()
     return row["id"]
@@ -351,11 +508,12 @@ def test_a_peer_continuation_that_breaks_ends_with_the_error_event_and_is_billed
     _, events = _stream(home, key)
     assert json.loads(events[-2][6:])["error"]["code"] == "engine_unavailable" and events[-1] == "data: [DONE]"
     assert _text(events) == "".join(f"t{i} " for i in range(1, 9))  # 5 here, 3 there, no error there
-    (row,) = home.recorded()
-    assert row["status"] == 503 and row["completion_tokens"] >= 8 and peer.recorded() == []
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["completion_tokens"]) == (503, 5)
+    assert (there["status"], there["completion_tokens"], there["continues"]) == (503, 3, row["id"])  # its engine's
 
 
-def test_a_messages_stream_resumes_in_a_peer_region_as_one_message_billed_once_here(two_regions):
+def test_a_messages_stream_resumes_in_a_peer_region_as_one_message_each_region_recording_its_part(two_regions):
     home, peer, key, healthy = two_regions
     response, events = _messages(home, key)
     _assert_one_whole_message(response, events)
@@ -366,19 +524,19 @@ def test_a_messages_stream_resumes_in_a_peer_region_as_one_message_billed_once_h
     assert usage["output_tokens"] == 12
     ((_, resumed),) = healthy.calls
     assert resumed.resume.token_ids == (1, 2, 3, 4, 5) and resumed.body["max_tokens"] == 7
-    (row,) = home.recorded()
-    assert (row["status"], row["completion_tokens"], row["resumes"], row["resumed_in"]) == (200, 12, 1, "yvr-01")
-    assert peer.recorded() == []
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumes"], row["resumed_in"]) == (200, 5, 1, "yvr-01")
+    assert (there["route"], there["completion_tokens"], there["continues"]) == ("/v1/messages", 7, row["id"])
 
 
-def test_a_responses_stream_resumes_in_a_peer_region_stored_and_billed_once_here(two_regions):
+def test_a_responses_stream_resumes_in_a_peer_region_stored_once_each_region_recording_its_part(two_regions):
     home, peer, key, healthy = two_regions
     response, events = _responses(home, key)
     _assert_one_whole_response(home, key, response, events)
     assert events[-1][1]["response"]["pg_metadata"]["resumed_in"] == "yvr-01"
-    (row,) = home.recorded()
-    assert (row["status"], row["completion_tokens"], row["resumed_in"]) == (200, 12, "yvr-01")
-    assert peer.recorded() == []
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["completion_tokens"], row["resumed_in"]) == (200, 5, "yvr-01")
+    assert (there["route"], there["completion_tokens"], there["continues"]) == ("/v1/responses", 7, row["id"])
 
 
 def test_only_a_peer_router_may_hand_over_a_stream(two_regions):
@@ -532,8 +690,8 @@ def test_a_peer_that_ran_the_whole_answer_reports_its_cached_prompt_tokens(tmp_p
     key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
     _, events = _stream(home, key, stream_options={"include_usage": True})
     metadata = json.loads(next(e for e in events if e.startswith("event: pg_metadata")).split("data: ", 1)[1])
-    (row,) = home.recorded()
-    assert metadata["pg_metadata"]["cached_tokens"] == row["cached_tokens"] == 4
+    (row,), (there,) = home.recorded(), peer.recorded()  # the peer's row bills the prompt it alone ran
+    assert metadata["pg_metadata"]["cached_tokens"] == there["cached_tokens"] == 4 and row["cached_tokens"] == 0
 
 
 def test_a_peer_resumes_a_long_stream_of_a_small_tier_its_token_ids_are_not_priced_as_prompt(tmp_path, router_app):
@@ -558,8 +716,8 @@ def test_a_peer_resumes_a_long_stream_of_a_small_tier_its_token_ids_are_not_pric
     response, events = _stream(home, key, max_tokens=400, messages=[{"role": "user", "content": "x" * 2000}])
     assert response.status_code == 200 and not any('"error"' in e for e in events)
     assert len(healthy.calls) == 1  # ~3,100 bytes of ids on top of a ~2,100-byte request
-    (row,) = home.recorded()
-    assert (row["status"], row["resumes"], row["completion_tokens"]) == (200, 1, 400)
+    (row,), (there,) = home.recorded(), peer.recorded()
+    assert (row["status"], row["resumes"], row["completion_tokens"], there["completion_tokens"]) == (200, 1, 390, 10)
 
 
 class _Clocked(FakeEngine):

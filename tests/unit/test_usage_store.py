@@ -65,6 +65,15 @@ def test_a_record_is_dated_by_the_utc_day_it_started_and_round_trips_through_jso
     assert UsageRecord.from_json(late.to_json()) == late
     assert usage_record(day="2026-12-02", at="00:00:00").day == "2026-12-02"
 
+def test_only_a_continuation_row_writes_the_continues_field_to_a_spool():
+    """A release before the field refuses a spool line that has it (``UnknownFields``) and holds
+    the whole file: a request's record leaves it out, so a rollback replays those files."""
+    request, continuation = usage_record(), usage_record(continues="a" * 32)
+    assert "continues" not in request.to_json() and UsageRecord.from_json(request.to_json()) == request
+    assert continuation.to_json()["continues"] == "a" * 32
+    assert UsageRecord.from_json(continuation.to_json()) == continuation
+
+
 
 @pytest.mark.parametrize(
     "change, fragment",
@@ -109,6 +118,22 @@ def test_insert_is_idempotent_and_the_rollup_counts_each_record_once(store):
     assert after[0] == before[0]
     assert after[1]["requests"] == 3 and after[1]["total_tokens"] == 175 + 120
     assert store.insert([]) == 0
+
+
+def test_a_peers_continuation_row_counts_its_tokens_but_not_a_request(store):
+    """A stream a peer region continued: the request's record where it was admitted, and the
+    peer's row that ``continues`` it (``router/resume.py``): one request, every token, in budgets too."""
+    request = usage_record(prompt=100, completion=20, resumes=1, resumed_in="yvr-01")
+    continuation = usage_record(region="yvr-01", prompt=0, completion=30, resume_prompt_tokens=120,
+                                failover_origin="yul-02", continues=request.id)
+    assert store.insert([request, continuation]) == 2
+    by_region = store.totals(key_id="k1", since="2026-12-01", until="2026-12-01", group_by=("region",))
+    by_region = [(r["region"], r["requests"], r["total_tokens"]) for r in by_region]
+    assert by_region == [("yul-02", 1, 120), ("yvr-01", 0, 30)]
+    (day,) = store.totals(key_id="k1", since="2026-12-01", until="2026-12-01", group_by=("day",))
+    assert (day["requests"], day["prompt_tokens"], day["completion_tokens"]) == (1, 100, 50)
+    assert store.spent("k1", "2026-12-01") == 150
+    assert store.insert([continuation]) == 0  # a replay of the peer's spool: counted once
 
 
 def test_a_batch_larger_than_one_statement_is_written_whole(store):
