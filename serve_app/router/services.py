@@ -193,9 +193,9 @@ class Services:
         """When the replica stops: end the state refresh, the key id listing and the sweep, write the usage records
         still pending (or spool them), close peer connections."""
         self.states.stop()
+        await self.meter.aclose()  # first: the records are what a stop past Serve's kill would lose
         await self.auth.aclose()
         await self.responses.store.aclose()
-        await self.meter.aclose()
         await self.forwarder.aclose()
         self.lines.close()
 

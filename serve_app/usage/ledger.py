@@ -11,8 +11,9 @@ left behind is written by the next one. Two replicas replaying one file at once 
 record ids are idempotent, and a file already unlinked is skipped.
 
 Not covered: records still in memory when the process is killed (at most ``flush_interval_s``
-of them; ``aclose()`` flushes them on a clean stop), and a spool directory that is not durable
-(give the routers a volume for it).
+of them; ``aclose()`` flushes them on a clean stop, within ``CLOSE_WRITE_S``, then spools what
+a slow database has not taken), and a spool directory that is not durable (give the routers a
+volume for it).
 
 The budget guard reads ``pending_tokens``: what this replica recorded and the database does
 not have yet (pending, being written, or spooled), so a router sees its own spend at once.
@@ -37,6 +38,11 @@ SUFFIX = ".jsonl"
 # With no traffic to write, the spool is still looked at this often: files a replica that died
 # left behind (or this one's, spooled during an outage that ended quietly) are replayed.
 IDLE_REPLAY_S = 30.0
+# A stopping replica's last write waits this long for the database (a write under way may take a
+# connect timeout and a statement's: 5 + 15 s, then the last flush as long again), then spools
+# what is not known written: Serve kills a router ``ROUTER_DRAIN_S`` after its stop, which
+# allows the ledger 20 s, and a record still in memory then is lost.
+CLOSE_WRITE_S = 15.0
 
 
 class UsageLedger:
@@ -60,6 +66,7 @@ class UsageLedger:
         self.on_written: Callable[[Mapping[str, int]], None] | None = None
         self.written = self.spooled = self.replayed = 0  # records, for ops
         self._pending: list[UsageRecord] = []
+        self._writing: list[UsageRecord] = []  # the batch a flush took, until it is written or spooled
         self._unwritten: Counter[str] = Counter()  # tokens by key, until the database has them
         self._own_spool: dict[str, Counter[str]] = {}  # this writer's spool files -> their tokens
         # Spool files left for another router, by their size and mtime when left: one that has
@@ -93,19 +100,23 @@ class UsageLedger:
         """Start the writer; call from within the running event loop."""
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def aclose(self) -> None:
-        """Stop the writer and flush what is pending (to the database, or to the spool). The
-        writer is never cancelled mid-write: a batch taken but not yet written would be lost."""
+    async def aclose(self, within_s: float = CLOSE_WRITE_S) -> None:
+        """Stop the writer and flush what is pending (to the database, or to the spool), for
+        ``within_s`` at most. The writer is never cancelled mid-write (a thread's insert cannot be
+        stopped, and a batch taken but not written would be lost): past the bound, what it has
+        not written yet goes to the spool too, and the write goes on alone. A record both
+        written and spooled is counted once (its id), when a router replays the file."""
         self._closing = True
         self._wakeup.set()
-        if self._task is not None:
-            await self._task
-        else:
-            await self.flush()
-        # Records that came while the last flush ran: to the spool with no await between, as any
-        # record from now on (``record``).
+        writer = self._task if self._task is not None else asyncio.ensure_future(self._flush_logged())
+        done, _ = await asyncio.wait({writer}, timeout=within_s)
+        # Records that came while the last flush ran, or that it did not get to write: to the spool
+        # with no await between, as any record from now on (``record``).
         self._closed = True
-        late, self._pending = self._pending, []
+        late, self._pending = ([] if done else self._writing) + self._pending, []
+        if not done:
+            logger.warning("usage ledger: the database took more than %.0f s at close; spooling %d records",
+                           within_s, len(late))
         if late:
             self._spool_now(late)
 
@@ -129,12 +140,17 @@ class UsageLedger:
         """Write everything pending, ``max_batch`` records per transaction; then, if that
         worked, replay the spool. A batch that fails is spooled (or, failing that, kept)."""
         batch, self._pending = self._pending, []
-        for start in range(0, len(batch), self.max_batch):
-            if not await self._write(batch[start : start + self.max_batch]):
-                # The database is away: the rest need not wait for a timeout each.
-                await self._spool_or_keep(batch[start + self.max_batch :])
-                return
-        if batch or time.monotonic() - self._replayed_at > IDLE_REPLAY_S:
+        self._writing = batch
+        try:
+            for start in range(0, len(batch), self.max_batch):
+                if not await self._write(batch[start : start + self.max_batch]):
+                    # The database is away: the rest need not wait for a timeout each.
+                    await self._spool_or_keep(batch[start + self.max_batch :])
+                    return
+        finally:
+            self._writing = []
+        # Closing, the spool is left to the replicas that go on (a replay may be long).
+        if not self._closing and (batch or time.monotonic() - self._replayed_at > IDLE_REPLAY_S):
             await self._replay()
 
     async def _write(self, batch: list[UsageRecord]) -> bool:

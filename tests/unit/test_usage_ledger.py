@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -310,6 +311,49 @@ def test_a_record_that_comes_during_the_last_flush_is_spooled_not_left_in_memory
 
     asyncio.run(main())
     assert ledger.spooled == 1 and len(_spool_files(tmp_path / "spool")) == 1 and ledger._pending == []
+
+
+def test_a_database_that_hangs_at_close_costs_the_bound_and_every_record_is_spooled(store, tmp_path):
+    """A stopping router's last write may wait a connect and a statement timeout, then the last
+    flush as long again: past ``within_s`` what the writer has not written (the batch it holds
+    included) goes to the spool, and a later replay counts each record once, also those the hung
+    write commits after all."""
+    release = threading.Event()
+
+    class HangingStore:
+        def __init__(self):
+            self.inserting, self.returned = threading.Event(), threading.Event()
+
+        def insert(self, records):
+            self.inserting.set()
+            release.wait(30)
+            try:
+                return store.insert(records)  # it commits after the close gave up on it
+            finally:
+                self.returned.set()
+
+    hanging = HangingStore()
+    ledger = UsageLedger(hanging, tmp_path / "spool", writer_id="a", flush_interval_s=0.01)
+    ids = []
+
+    async def main():
+        ledger.start()
+        ledger.record(first := usage_record())
+        await asyncio.to_thread(hanging.inserting.wait, 5)  # the writer holds it, in a hung insert
+        ledger.record(second := usage_record())
+        ids.extend((first.id, second.id))
+        await ledger.aclose(within_s=0.3)
+        returned = hanging.returned.is_set()
+        release.set()  # the hung write commits the first record (``asyncio.run`` waits for its thread)
+        return returned
+
+    assert asyncio.run(main()) is False  # the close did not wait for the hung write
+    spooled = [json.loads(line)["id"] for name in _spool_files(tmp_path / "spool")
+               for line in (tmp_path / "spool" / name).read_text().splitlines()]
+    assert sorted(spooled) == sorted(ids) and ledger.spooled == 2
+    assert _requests(store) == 1
+    asyncio.run(_record_and_flush(UsageLedger(store, tmp_path / "spool", writer_id="b"), usage_record(key_id="next")))
+    assert _requests(store, "k1") == 2 and _spool_files(tmp_path / "spool") == []  # each once
 
 
 def test_record_never_raises_on_a_bad_record(store, tmp_path, caplog):
