@@ -157,6 +157,7 @@ class Context:
     call: ReplicaCall | None = None
     replica_took: bool = False  # a call replaced since (``replace_call``) had its replica's head
     cache_salt: str | None = None  # the owner's prefix-cache partition, for every call it makes
+    session: str | None = None  # the conversation it continues (``routing.session_key``), for every call
     resumer: Any = None  # a stream's resumes (``resume.Resumer``), once its first call is open
     taken_over: Resume | None = None  # a stream a peer region's router asked this one to continue
     # ...whose limit that router had set itself (the client set none): the replica may lower it.

@@ -275,11 +275,12 @@ async def call(ctx: Context) -> Head:
     services = ctx.services
     # The owner's prefix-cache partition: no tenant can hit, and so time, another's prompt.
     ctx.cache_salt = isolation.cache_salt(ctx.caller.owner) if ctx.surface.billed else None
+    # The conversation it continues: the model's request router keeps it on one replica.
+    ctx.session = routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id)
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router or ctx.taken_over_limit_lowerable,
         previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,
-        # The conversation it continues: the model's request router keeps it on one replica.
-        session=routing.session_key(ctx.request.headers, ctx.body, ctx.previous_response_id),
+        session=ctx.session,
     )
     ctx.call = services.replica_call(ctx.model, ctx.surface.name, wire_call)
     if ctx.surface.counts is not None:  # a count the client leaves before is still its charge

@@ -213,6 +213,9 @@ class Resumer:
                 # context the real prompt (and the tokens before the seam) leaves, as the first was.
                 body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router, cache_salt=ctx.cache_salt,
                 resume=resume, avoid_replica=broken.replica, previous_response_id=ctx.previous_response_id,
+                # Its session's pin moves with it: the failed replica's engine is gone, and this
+                # one now holds the conversation (its next turn went back to it until Serve dropped it).
+                session=ctx.session,
             ), deadline=started + min(self.window_s, self.here_s))
             if call is None:
                 call = await self._open_in_peer(body, resume, span)

@@ -11,8 +11,13 @@ In order:
    ``max_ongoing_requests`` (the local configs admit twice the engine's batch, so 0.5 means the
    engine would queue it). A prefix replica must also be within ``max_imbalance_fraction`` ×
    ``max_ongoing_requests`` of the least-loaded one, so that a popular system prompt does not
-   pull every new conversation onto one replica; a session pin only has to be unsaturated (the
-   caller asked for it, and its whole history is there).
+   pull every new conversation onto one replica; a session the caller named only has to be
+   unsaturated (it asked for it, and its whole history is there) — but an end user's id
+   (``pinned_loosely``: OpenAI's ``user``, Anthropic's ``metadata.user_id``, often one value for
+   a whole app) must be within the imbalance too, and so must any pin once every replica is
+   saturated: a tenant's whole traffic on one replica, or a queue there far longer than the
+   others', is not what a session is for. An end user's pin places only what no replica holds a
+   prefix of (a new conversation): its pin moves as load does, the prefix stays.
 3. **Shedding.** A wanted replica that fails (2) is passed over — the request would queue behind
    it longer than a prefill elsewhere costs — for the best prefix holder among the replicas that
    pass, else the least loaded (``shed``); with no affinity at all it is the least loaded
@@ -73,9 +78,11 @@ def plan(
     thresholds: Thresholds,
     *,
     pinned: Hashable | None = None,
+    pinned_loosely: bool = False,
     cache_size: Callable[[Hashable], int] = lambda replica: 0,
 ) -> Plan:
-    """The plan for one request over ``loads`` (at least one replica)."""
+    """The plan for one request over ``loads`` (at least one replica). ``pinned_loosely``: the
+    pin is an end user's, not a conversation's (the module's docstring, 2)."""
     depth = {load.replica: matched_blocks.get(load.replica, 0) for load in loads}
     unsaturated = [load for load in loads if not thresholds.saturated(load)]
     # Every replica saturated: none is better placed to take it than the one it wants.
@@ -100,11 +107,18 @@ def plan(
         return _pick([load for load in among if depth[load.replica] == deepest], by_load)
 
     wanted = next((load for load in loads if pinned is not None and load.replica == pinned), None)
+    holder = best_holder(loads)
+    if wanted is not None and pinned_loosely and holder is not None:
+        wanted = None  # an end user's pin places new conversations; a known prefix places its own turns
     if wanted is not None:
-        reason = SESSION  # a session sticks through imbalance, not to a replica that did not answer its probe
+        # A named session sticks through imbalance while its replica has room; never to a replica
+        # that did not answer its probe.
+        reason = SESSION
         acceptable = (full or not thresholds.saturated(wanted)) and (_known(wanted) or not _known(least))
+        if pinned_loosely or full:
+            acceptable = acceptable and near_least(wanted)
     else:
-        wanted, reason = best_holder(loads), PREFIX
+        wanted, reason = holder, PREFIX
         acceptable = wanted is not None and (full or not thresholds.saturated(wanted)) and near_least(wanted)
     if wanted is None:
         choice, reason = least, LEAST_LOADED

@@ -33,7 +33,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from serve_app.routing import decisions, policy
 from serve_app.routing.index import DEFAULT_MAX_BLOCKS, PrefixIndex
 from serve_app.routing.prompt import DEFAULT_BLOCK_CHARS, PromptBlocks, prompt_blocks
-from serve_app.routing.session import compare_arm, response_id, response_session
+from serve_app.routing.session import compare_arm, loose, response_id, response_session
 from serve_app.telemetry.logs import module_logger
 from serve_app.wire.messages import Call
 
@@ -67,6 +67,7 @@ class _Routing:
     blocks: PromptBlocks
     session: int | None  # the pin it looks up
     pins: tuple[int, ...]  # the pins its replica gets
+    loose: bool = False  # its session names an end user, not a conversation (``session.loose``)
     plan: policy.Plan | None = None
 
     def given_up(self) -> bool:
@@ -133,7 +134,7 @@ class PrefixAffinityRouter(RequestRouter):
         else:
             chosen = policy.plan(
                 await self._loads(candidate_replicas), matched, len(routing.blocks.hashes), self._thresholds,
-                pinned=self._pinned(routing.session), cache_size=self._index.size,
+                pinned=self._pinned(routing.session), pinned_loosely=routing.loose, cache_size=self._index.size,
             )
         routing.plan = chosen
         return [[by_id[replica] for replica in rank if replica in by_id] for rank in chosen.ranks]
@@ -168,10 +169,12 @@ class PrefixAffinityRouter(RequestRouter):
             blocks = prompt_blocks(call.body, call.cache_salt, self._block_chars)
             session = None if call.session is None else hash((call.cache_salt, call.session))
             pins = () if session is None else (session,)
-            if pending_request.metadata.call_method == "responses":  # the next turn continues this answer
+            # The next turn continues this answer, unless it is not stored (no turn can name it).
+            if pending_request.metadata.call_method == "responses" and call.body.get("store") is not False:
                 pins += (hash((call.cache_salt, response_session(response_id(call.request_id)))),)
         routing = _Routing(weakref.ref(pending_request), call.request_id, call.avoid_replica,
-                           compare_arm(call.session) if self._compare else None, blocks, session, pins)
+                           compare_arm(call.session) if self._compare else None, blocks, session, pins,
+                           loose=session is not None and loose(call.session))
         self._remember(key, routing)
         return routing
 

@@ -15,6 +15,10 @@ present wins:
 5. ``user`` (OpenAI chat, completions, Responses): an end user, who may hold several
    conversations, hence last.
 
+The last two name a person, not a conversation, and often not even that (one value for a whole
+app): such a pin holds only within the load imbalance a prefix is allowed (``loose``,
+``policy.py``), or one tenant's traffic would all go to one replica until it saturated.
+
 A key is opaque, tagged by where it came from (two sources never collide) and, in the request
 router, hashed together with the owner's ``cache_salt``: two tenants' equal keys are different
 sessions.
@@ -28,6 +32,7 @@ SESSION_HEADER = "x-session-id"
 # Longest key kept as given; a longer one is replaced by its digest (the pin table stores hashes
 # anyway; this bounds what the wire carries).
 MAX_KEY_CHARS = 256
+_LOOSE = ("a:", "u:")  # Anthropic's metadata.user_id, OpenAI's user
 
 
 def session_key(headers: Mapping[str, str], body: Mapping[str, Any], previous_response_id: str | None = None) -> str | None:
@@ -45,6 +50,11 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any], previous_re
     if isinstance(value := body.get("user"), str) and value:
         return _tagged("u", value)
     return None
+
+
+def loose(key: str) -> bool:
+    """Whether ``session_key``'s ``key`` names an end user rather than a conversation."""
+    return key.startswith(_LOOSE)
 
 
 def response_id(request_id: str) -> str:

@@ -194,6 +194,52 @@ def test_a_named_session_stays_on_its_replica_and_moves_with_it_when_that_one_sa
     assert stays == moved  # re-pinned where its history now is
 
 
+def test_one_user_id_for_a_whole_app_spreads_its_requests_a_named_session_stays():
+    """An app that sends ``user: "my-app"`` on every request: 12 concurrent requests are spread
+    within the imbalance (8), not all on one replica as a named conversation's are (it stays while
+    its replica has room: 16)."""
+    async def scenario(key):
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        placed = [await h.route(chat([f"Question {i}."], sess=key, system=f"app {i}")) for i in range(12)]
+        return {name: placed.count(name) for name in "ab"}
+
+    spread = run(lambda: scenario(session.session_key({}, {"user": "my-app"})))
+    stays = run(lambda: scenario(session.session_key({"x-session-id": "agent-7"}, {})))
+    assert sorted(stays.values()) == [0, 12]
+    assert min(spread.values()) >= 2 and max(spread.values()) - min(spread.values()) <= 8 + 1
+
+
+def test_an_unstored_responses_answer_pins_nothing():
+    """``store: false``: no later turn can name it (``previous_response_id``), so its pin would
+    only push named sessions out of the table."""
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        for store in (True, False):
+            call = Call({"model": "qwen", "input": "hi", "store": store}, uuid.uuid4().hex, cache_salt="owner-a")
+            await h.route(call, method="responses")
+        return len(h.router._sessions)
+
+    assert run(scenario) == 1
+
+
+def test_a_resumed_stream_moves_its_sessions_pin_to_the_replica_that_continued_it():
+    """The router's part (the continuation's call names its session: test_resume.py checks the
+    router's pipeline sends it)."""
+    async def scenario():
+        h = Harness([FakeReplica("a"), FakeReplica("b")])
+        key = session.session_key({"x-session-id": "agent-7"}, {})
+        home = await h.route(chat(["Start."], sess=key))
+        h.finish(home)
+        resumed = dataclasses.replace(chat(["Start."], sess=key), avoid_replica=home)  # its engine failed
+        elsewhere = await h.route(resumed)
+        h.finish(elsewhere)
+        later = await h.route(chat(["Next turn."], sess=key, system="other"))
+        return home, elsewhere, later
+
+    home, elsewhere, later = run(scenario)
+    assert elsewhere != home and later == elsewhere
+
+
 def test_sessions_of_two_owners_with_the_same_key_are_two_sessions():
     async def scenario():
         h = Harness([FakeReplica("a"), FakeReplica("b")])

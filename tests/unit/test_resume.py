@@ -585,6 +585,17 @@ def test_a_continuation_whose_engine_dies_too_goes_on_from_every_token_so_far(ro
     assert last.resume.token_ids == tuple(range(1, 9)) and last.body["max_completion_tokens"] == 4
 
 
+def test_a_continuation_carries_its_session_so_that_the_pin_follows_it(two_replicas):
+    """The request router pins a session where its call goes: the continuation's call names it too
+    (``test_prefix_router``: the pin moves), or the next turn went back to the failed replica."""
+    app, key, dying, healthy = two_replicas
+    response = app.client.post("/v1/chat/completions", headers={**bearer(key), "x-session-id": "agent-7"},
+                                json={"model": MODEL, "messages": ASK, "max_tokens": 12, "stream": True})
+    assert response.status_code == 200
+    ((_, first),), ((_, resumed),) = dying.calls, healthy.calls
+    assert resumed.resume is not None and resumed.session == first.session == "h:agent-7"
+
+
 def test_min_tokens_goes_on_counting_across_the_seam(two_replicas):
     """vLLM counts min_tokens over its own request's output: the continuation is asked for what is
     left of it, not for all of it again."""

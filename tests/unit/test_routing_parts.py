@@ -129,6 +129,42 @@ def test_with_every_replica_saturated_the_request_stays_where_its_prefix_is():
     assert (chosen.choice, chosen.reason) == ("a", "prefix")
 
 
+def test_once_every_replica_is_saturated_a_session_holds_only_within_the_imbalance():
+    """Saturated everywhere, the pin's replica still wins a near tie (its history is there), but
+    not a queue far longer than another's: until 2026-12-07 it won at any length."""
+    near = [policy.Load("a", 20, 32), policy.Load("b", 16, 32)]
+    far = [policy.Load("a", 30, 32), policy.Load("b", 16, 32)]  # 14 more: past the imbalance (8)
+    assert (policy.plan(near, {}, 5, T, pinned="a").choice, policy.plan(near, {}, 5, T, pinned="a").reason) == (
+        "a", "session")
+    shed = policy.plan(far, {}, 5, T, pinned="a")
+    assert (shed.choice, shed.reason) == ("b", "shed")
+
+
+def test_an_end_users_id_pins_within_the_imbalance_a_named_conversation_past_it():
+    """``user`` is often one value for a whole app: pinned like a prefix (within the imbalance),
+    where a session the caller named stays while its replica has room."""
+    loads = [policy.Load("a", 12, 32), policy.Load("b", 0, 32)]  # a unsaturated (16), 12 past b
+    assert policy.plan(loads, {}, 5, T, pinned="a").choice == "a"
+    loose = policy.plan(loads, {}, 5, T, pinned="a", pinned_loosely=True)
+    assert (loose.choice, loose.reason) == ("b", "shed")
+    within = [policy.Load("a", 6, 32), policy.Load("b", 0, 32)]
+    assert policy.plan(within, {}, 5, T, pinned="a", pinned_loosely=True).reason == "session"
+
+
+def test_an_end_users_pin_gives_way_to_a_known_prefix_a_named_session_does_not():
+    loads = [policy.Load("a", 0, 32), policy.Load("b", 0, 32)]
+    assert policy.plan(loads, {"b": 10}, 10, T, pinned="a").choice == "a"
+    follows = policy.plan(loads, {"b": 10}, 10, T, pinned="a", pinned_loosely=True)
+    assert (follows.choice, follows.reason) == ("b", "prefix")
+
+
+def test_only_an_end_users_id_is_a_loose_session():
+    named = [session.session_key({"x-session-id": "s"}, {}), session.session_key({}, {"prompt_cache_key": "k"}),
+             session.session_key({}, {}, "resp_1")]
+    users = [session.session_key({}, {"user": "app"}), session.session_key({}, {"metadata": {"user_id": "app"}})]
+    assert [session.loose(key) for key in named + users] == [False] * 3 + [True] * 2
+
+
 def test_a_short_shared_prefix_is_no_affinity():
     loads = [policy.Load("a", 0, 32), policy.Load("b", 0, 32)]
     assert policy.plan(loads, {"a": 1}, 20, T).reason == "least_loaded"  # 5 % of the prompt
