@@ -26,6 +26,7 @@ from serve_app.telemetry.timing import RequestRecord
 from serve_app.usage.budgets import BudgetGuard, Reservation
 from serve_app.usage.ledger import UsageLedger
 from serve_app.usage.records import UsageRecord
+from serve_app.usage.report import ReportQueue
 from serve_app.usage.store import UsageStore
 from serve_app.wire.messages import Generated
 
@@ -49,6 +50,7 @@ class Meter:
         self.budgets = BudgetGuard(store, self.ledger, cache_ttl_s=cache_ttl_s)
         self.ledger.on_written = self.budgets.written  # a written batch counts in its running total
         self.store = store
+        self.reports = ReportQueue()  # ``GET /v1/usage``, off the threads the ledger and budgets use
 
     def start(self) -> None:
         """Begin writing records in the background (call inside the router's event loop)."""
@@ -56,6 +58,7 @@ class Meter:
 
     async def aclose(self) -> None:
         """Write what is pending (to the database, or to the spool if it is down)."""
+        self.reports.close()
         await self.ledger.aclose()
 
     async def reserve(self, caller: Principal, tokens: int) -> Reservation:

@@ -2,14 +2,18 @@
 the ledger's daily rollup over a range of UTC days, grouped by day, month, model, region or key.
 
 ``parse_query`` turns the query string into arguments and refuses bad ones with a 400 naming the
-parameter; ``usage_report`` reads the store (synchronously: the router calls it in a thread).
+parameter; ``usage_report`` reads the store (synchronously: the router runs it on a
+``ReportQueue``'s threads, a few at a time).
 """
 
+import asyncio
 import csv
 import datetime as dt
+import functools
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from serve_app.errors import APIError
@@ -19,6 +23,36 @@ from serve_app.usage.store import COUNTERS, GROUPS, UsageStore
 # bound on days is a bound on the rows a report reads per key, model and region).
 MAX_RANGE_DAYS = 366
 _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
+# A router's reports at once, and waiting: a report over a year of every key may read for the
+# statement timeout (15 s), and on asyncio's default threads (the node's CPU count + 4) a few of
+# them held the threads the ledger's writes, the budget reads and the key lookups run on.
+REPORT_THREADS = 2
+REPORTS_WAITING = 16
+
+
+class ReportQueue:
+    """Reports on threads of their own, ``REPORT_THREADS`` at a time; past ``REPORTS_WAITING``
+    more, a 429 (``Retry-After``), not an unbounded queue. A report whose client left before its
+    thread took it is dropped; one running finishes alone (a thread cannot be stopped)."""
+
+    def __init__(self, threads: int = REPORT_THREADS, waiting: int = REPORTS_WAITING):
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="usage-report")
+        self._limit = threads + waiting
+        self._under_way = 0
+
+    async def run(self, report: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if self._under_way >= self._limit:
+            raise APIError(429, "too many usage reports are under way on this router; retry in a moment",
+                           code="usage_reports_busy", headers={"Retry-After": "1"})
+        self._under_way += 1
+        try:
+            work = functools.partial(report, *args, **kwargs)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+        finally:
+            self._under_way -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _bad(message: str, param: str) -> APIError:

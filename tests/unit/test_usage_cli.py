@@ -88,6 +88,68 @@ def _usage(cli):
         usage_record(key_id="someone-else", day="2026-12-01"),
     ])
 
+def test_reports_run_a_few_at_a_time_on_their_own_threads_and_a_full_queue_is_a_429():
+    """One thread and one waiting: a third report at once is refused with a 429 saying to retry,
+    not queued without bound (nor run on the threads the ledger and the budgets use); once the
+    first ends, reports run again."""
+    import asyncio
+    import threading
+
+    from serve_app.usage.report import ReportQueue
+
+    release, ran_on = threading.Event(), []
+
+    def report(name):
+        ran_on.append(threading.current_thread().name)
+        release.wait(5)
+        return {"name": name}
+
+    async def scenario():
+        queue = ReportQueue(threads=1, waiting=1)
+        first = asyncio.ensure_future(queue.run(report, "first"))
+        second = asyncio.ensure_future(queue.run(report, "second"))
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as busy:
+            await queue.run(report, "third")
+        release.set()
+        answers = [await first, await second, await queue.run(report, "after")]
+        queue.close()
+        return busy.value, answers
+
+    busy, answers = asyncio.run(scenario())
+    assert (busy.status, busy.code, busy.headers) == (429, "usage_reports_busy", {"Retry-After": "1"})
+    assert [a["name"] for a in answers] == ["first", "second", "after"]
+    assert len(ran_on) == 3 and all(name.startswith("usage-report") for name in ran_on)
+
+
+def test_a_report_whose_client_left_before_its_turn_never_reads_the_database():
+    import asyncio
+    import threading
+
+    from serve_app.usage.report import ReportQueue
+
+    release, ran = threading.Event(), []
+
+    def report(name):
+        ran.append(name)
+        release.wait(5)
+        return {}
+
+    async def scenario():
+        queue = ReportQueue(threads=1, waiting=4)
+        running = asyncio.ensure_future(queue.run(report, "running"))
+        waiting = asyncio.ensure_future(queue.run(report, "left"))
+        await asyncio.sleep(0)  # both handed to the executor: "left" waits behind "running"
+        waiting.cancel()  # its client disconnected while it waited for the thread
+        release.set()
+        await running
+        await queue.run(report, "after")  # the executor runs in order: "left" would have run first
+        queue.close()
+
+    asyncio.run(scenario())
+    assert ran == ["running", "after"]
+
+
 
 def test_report_as_json_is_the_http_routes_report(cli):
     _usage(cli)
