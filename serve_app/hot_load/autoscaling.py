@@ -80,8 +80,27 @@ class HotLoadPolicy:
         self._read_at = float("-inf")
         self._said_at = float("-inf")  # when a failed read was last logged
         self._busy_at = float("-inf")  # when requests were last in flight (``_draining``)
+        self._failed_at = float("-inf")  # when a failure of the policy itself was last logged
+        # A wanted state nobody set through the API is the config's, as of this policy's build (a
+        # config turned from loaded to cold unloads as one asked now would: draining first; since
+        # 1970 it skipped both waits and Serve's fast path started the replica again).
+        self._built_at = time.time()
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
+        """Serve 2.60 updates every application in one loop with no guard of its own: a policy
+        that raised stalled every later application's autoscaling and deploys, every pass. A
+        failure holds this deployment's target (logged once a minute)."""
+        try:
+            return self._decide(ctx)
+        except Exception:
+            now = time.monotonic()
+            if now - self._failed_at >= FAILED_READ_LOG_S:
+                self._failed_at = now
+                logger.exception("hot-load policy of %s/%s failed; holding the current target",
+                                 getattr(ctx, "app_name", "?"), getattr(ctx, "deployment_name", "?"))
+            return ctx.target_num_replicas, ctx.policy_state or {}
+
+    def _decide(self, ctx) -> tuple[int, dict[str, Any]]:
         _with_line_calls(ctx)
         wanted = self._wanted_record(ctx)
         if wanted is None:  # no read has answered since Serve built this policy: change nothing
@@ -133,7 +152,7 @@ class HotLoadPolicy:
                         "holding the current target" if self._wanted is None else "keeping the last state read",
                     )
                 return self._wanted
-            self._wanted = record or WantedRecord(self.initial_state, 0.0)
+            self._wanted = record or WantedRecord(self.initial_state, self._built_at)
         return self._wanted
 
     def _after_delay(self, desired: int, ctx) -> tuple[int, dict[str, Any]]:

@@ -43,9 +43,19 @@ LOADED, LOADING, RECOVERING, FAILED, UNLOADING, COLD = (
 Wanted = Literal["loaded", "cold"]
 KV_NAMESPACE = "serve_app"
 READ_TIMEOUT_S = 10  # a GCS that does not answer: the refresh fails and the last view stands
+# The policy reads in Serve's controller loop, which updates every application in turn: a read
+# with no deadline held them all for as long as the GCS did not answer (the last state stands).
+POLICY_READ_TIMEOUT_S = 1.0
 
-# Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller.
-_STARTING = ("STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION")
+# Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller. A
+# replica serves when RUNNING, and also: PENDING_MIGRATION (its node drains, a KubeRay scale-down
+# or a preemption: Serve routes to it until its replacement runs, minutes for an engine),
+# UPDATING (an in-place change of its options, ``max_ongoing_requests`` or the autoscaling
+# config: its calls queue a moment) and RECOVERING (the controller restarted and finds it again).
+# Until 2026-12-07 those three counted as starting: a model whose replicas were all in one read
+# "loading", new requests were 503 ``model_loading`` and /health failed the region.
+_SERVING = ("RUNNING", "PENDING_MIGRATION", "UPDATING", "RECOVERING")
+_STARTING = ("STARTING",)
 # UNHEALTHY: a replica failed its health checks and Serve is starting its replacement.
 # DEPLOY_FAILED: replicas failed to start, again and again; Serve gave up until the next deploy.
 
@@ -67,7 +77,9 @@ def read_wanted(app_name: str, deployment: str) -> WantedRecord | None:
     """The wanted state set through the API, or None if it was never set in this cluster."""
     from ray.experimental import internal_kv
 
-    return _record(internal_kv._internal_kv_get(_key(app_name, deployment), namespace=KV_NAMESPACE))
+    gcs = internal_kv.internal_kv_get_gcs_client()
+    raw = gcs.internal_kv_get(_key(app_name, deployment), KV_NAMESPACE.encode(), timeout=POLICY_READ_TIMEOUT_S)
+    return _record(raw)
 
 
 async def read_wanted_all(locations: Iterable[tuple[str, str]]) -> dict[tuple[str, str], WantedRecord]:
@@ -97,11 +109,14 @@ def write_wanted(app_name: str, deployment: str, state: Wanted, by: str) -> Want
     from ray.experimental import internal_kv
 
     record = WantedRecord(state=state, since=time.time(), by=by)
-    internal_kv._internal_kv_put(
+    # A deadline: a put the GCS never answers held the router's refresh (a required model's
+    # write-back) and the admin's load or unload with it.
+    internal_kv.internal_kv_get_gcs_client().internal_kv_put(
         _key(app_name, deployment),
         json.dumps({"state": record.state, "since": record.since, "by": record.by}).encode(),
-        overwrite=True,
-        namespace=KV_NAMESPACE,
+        True,
+        KV_NAMESPACE.encode(),
+        timeout=READ_TIMEOUT_S,
     )
     return record
 
@@ -147,7 +162,7 @@ def derive_state(
 ) -> ModelState:
     """The caller-facing state from the wanted state and Serve's replica counts by state name;
     ``message``, Serve's own, only decides whether the state carries one of ours."""
-    running = int(replica_states.get("RUNNING", 0))
+    running = sum(int(replica_states.get(name, 0)) for name in _SERVING)
     starting = sum(int(replica_states.get(name, 0)) for name in _STARTING)
     stopping = int(replica_states.get("STOPPING", 0))
     counts = {"running": running, "starting": starting, "stopping": stopping}

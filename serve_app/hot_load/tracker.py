@@ -92,6 +92,10 @@ class ModelStates:
         self._states: dict[str, ModelState] = {}
         self._serve_status = serve_status or _serve_status
         self._read_all_of, self._write = read_all, write
+        # Refreshes may overlap (the loop's, a first view's, an admin's load): each is numbered when
+        # it starts, and what it read replaces only what an earlier-started one read (the last to
+        # end used to win, and an unload could read "loaded" again for a second).
+        self._refreshes = self._wanted_from = self._status_from = 0
         self._refreshed = False
         self._task: asyncio.Task | None = None
         self._wanted: dict[str, WantedRecord] = {}
@@ -163,16 +167,23 @@ class ModelStates:
         else:
             await asyncio.wait({self._pending}, timeout=wait_s)
 
-    async def refresh(self, *, status: bool = True, wanted: dict[str, WantedRecord] | None = None) -> None:
-        """Re-read the wanted states (unless given), and Serve's status too when ``status``."""
+    async def refresh(self, *, status: bool = True, wanted: dict[str, WantedRecord] | None = None,
+                      number: int | None = None) -> None:
+        """Re-read the wanted states (unless given: ``number`` is then the one taken before they
+        were read, ``_number``), and Serve's status too when ``status``."""
+        number, started = number or self._number(), time.monotonic()
         if wanted is None:
             wanted = await self._read_all()
         wanted = await self._load_required(wanted)
         locations = self.locations  # as they are now: set_models may run while Serve answers
-        if status:
-            self._deployments = self._with_rebuilding(_deployments_of(await asyncio.to_thread(self._serve_status), locations))
-            self._status_read_at = time.monotonic()
-        self._wanted = wanted
+        deployments = await asyncio.to_thread(self._serve_status) if status else None
+        if deployments is not None and number > self._status_from:
+            self._status_from = number
+            self._deployments = self._with_rebuilding(_deployments_of(deployments, locations))
+            self._status_read_at = started  # as old as the read's start: an answer may be seconds late
+        if number > self._wanted_from:
+            self._wanted_from, self._wanted = number, wanted
+        wanted = self._wanted
         for model_id in locations.keys() & wanted.keys():
             status_of = self._deployments.get(model_id)
             self._log_serve_message(model_id, getattr(status_of, "message", "") or "")
@@ -251,8 +262,7 @@ class ModelStates:
             time.monotonic() - self._status_read_at > STATUS_MAX_AGE_S
             or time.monotonic() < self._suspect_until
             or wanted != self._wanted
-            or any(state.state != LOADED or state.message
-                   for model_id, state in self._states.items() if model_id in self.locations)
+            or any(not _settled(state) for model_id, state in self._states.items() if model_id in self.locations)
         )
 
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
@@ -292,14 +302,29 @@ class ModelStates:
         found = await self._read_all_of([locations[model_id] for model_id in models])
         return {model_id: found.get(locations[model_id]) or initial[model_id] for model_id in models}
 
+    def _number(self) -> int:
+        self._refreshes += 1
+        return self._refreshes
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(REFRESH_S)
             try:
+                number = self._number()
                 wanted = await self._read_all()
-                await self.refresh(status=self._status_may_have_changed(wanted), wanted=wanted)
+                await self.refresh(status=self._status_may_have_changed(wanted), wanted=wanted, number=number)
             except Exception:  # the controller restarting, say: keep the last view and retry
                 logger.warning("could not refresh model states", exc_info=True)
+
+
+def _settled(state: ModelState) -> bool:
+    """Nothing to watch for: loaded with nothing to say, or cold with no replica left. A model an
+    admin unloaded read Serve's status every second (each read a thread hop here and, in the
+    controller, a checkpoint read and a validation of every application) for as long as it stayed
+    cold; a change of its wanted state still reads at once."""
+    if state.state == COLD:
+        return not (state.running or state.starting or state.stopping)
+    return state.state == LOADED and not state.message
 
 
 def _log_failure(task: asyncio.Task) -> None:

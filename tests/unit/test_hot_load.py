@@ -44,6 +44,12 @@ COLD_BY_API = WantedRecord("cold", 100.0, by="key-admin")
         (COLD_BY_API, {"RUNNING": 1}, "DOWNSCALING", "unloading"),
         (COLD_BY_API, {"STOPPING": 1}, "HEALTHY", "unloading"),
         (COLD_BY_API, {}, "HEALTHY", "cold"),
+        # Replicas that serve though not RUNNING: their node drains (Serve routes to them until
+        # their replacement runs), an in-place option change, a controller restart finding them.
+        (LOADED_BY_API, {"PENDING_MIGRATION": 1, "STARTING": 1}, "HEALTHY", "loaded"),
+        (LOADED_BY_API, {"UPDATING": 1}, "UPDATING", "loaded"),
+        (LOADED_BY_API, {"RECOVERING": 2}, "HEALTHY", "loaded"),
+        (COLD_BY_API, {"PENDING_MIGRATION": 1}, "HEALTHY", "unloading"),
     ],
 )
 def test_state_follows_wanted_state_and_replicas(wanted, replicas, status, expected):
@@ -263,6 +269,38 @@ def test_calls_on_the_replicas_direct_lines_count_as_requests_for_scaling_and_an
     # Long after the handles' reports could lag, a line call still under way holds the replica.
     assert unloading.tick(line_calls={"r1": 1.0}, now=start + 150) == 1
     assert unloading.tick(now=start + 250) == 0
+
+
+def test_a_config_turned_cold_drains_as_an_unload_asked_now_does():
+    """A model no admin ever set, whose region file turns it from loaded to cold: its wanted state
+    is the config's as of the policy's build (Serve builds one per config change), so the unload
+    waits for its requests and the handles' reports; dated 1970 it went to zero at once, and a
+    late report made Serve's fast path start the replica it had just stopped."""
+    built = time.time()
+    cluster = Cluster(_model(initial_state="cold"), {})
+    cluster.running = cluster.target = 2  # it was loaded and serving under the previous config
+    assert cluster.tick(requests=1, now=built + 1) == 2  # a request in flight: draining
+    assert cluster.tick(requests=0, now=built + 2) == 2  # the handles' reports may still come
+    drained = built + REPORT_LAG_S + cluster.config.look_back_period_s + 1
+    assert cluster.tick(requests=0, now=drained) == 1  # Serve steps down to one first...
+    assert cluster.tick(requests=0, now=drained + 0.1) == 0  # ...then to zero
+
+
+def test_a_policy_that_raises_holds_its_target_and_says_so_once_a_minute(caplog):
+    """Serve 2.60 updates every application in one loop without a guard: a policy that raised
+    stalled every later application's autoscaling, and deploys, on every pass."""
+    cluster = Cluster(_model(), {("llm", "model-x"): WantedRecord("loaded", 1.0, "admin")})
+    cluster.running = cluster.target = 2
+    cluster.state = {"direction": "down", "since": 5.0}
+
+    def broken(ctx):
+        raise AttributeError("a field a Serve upgrade renamed")
+
+    cluster.policy.__wrapped__._decide = broken  # the instance Serve's wrapper calls
+    with caplog.at_level(logging.ERROR, logger="ray.serve.serve_app.hot_load.autoscaling"):
+        assert cluster.tick() == 2 and (cluster.state["direction"], cluster.state["since"]) == ("down", 5.0)
+        assert cluster.tick() == 2
+    assert sum("hot-load policy of llm/model-x failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_kv_outage_keeps_the_last_known_state():
@@ -498,6 +536,58 @@ def test_serve_status_is_read_only_when_it_may_have_changed():
     assert not states._status_may_have_changed(asyncio.run(states._read_all()))
     states.suspect()  # a replica said its engine died: follow Serve closely for a while
     assert states._status_may_have_changed(asyncio.run(states._read_all()))
+
+
+def test_a_model_left_cold_costs_no_status_read_once_its_replicas_are_gone():
+    """An unloaded model is a steady state: it read Serve's status every second (a thread here, a
+    checkpoint read and every application's validation in the controller) for as long as it
+    stayed cold. Its replicas stopping, and a change of its wanted state, are still followed."""
+    fake = FakeServe()  # MODEL loaded and running, SIBLING cold with no replica
+    states = _states(fake)
+    asyncio.run(states.refresh())
+    assert (states.get(MODEL).state, states.get(SIBLING).state) == ("loaded", "cold")
+    assert not states._status_may_have_changed(asyncio.run(states._read_all()))
+    fake.replicas["model-" + SIBLING] = {"STOPPING": 1}  # an unload under way
+    asyncio.run(states.refresh())
+    assert states.get(SIBLING).state == "unloading" and states._status_may_have_changed(asyncio.run(states._read_all()))
+    fake.write(model_app_name("llm", SIBLING), "model-" + SIBLING, "loaded", "admin")
+    assert states._status_may_have_changed(asyncio.run(states._read_all()))
+
+
+def test_a_refresh_that_read_before_another_does_not_overwrite_its_newer_view():
+    """Refreshes overlap (the loop's and an admin's unload): the one that started first may end
+    last, and its older read must not bring "loaded" back over the unload."""
+    fake = FakeServe()
+    key = (model_app_name("llm", MODEL), "model-" + MODEL)
+    released = None
+
+    async def read_all(locations):
+        found = await fake.read_all(locations)
+        if read_all.slow:  # the first refresh's read: answered before the unload, returned after it
+            read_all.slow = False
+            await released.wait()
+        return found
+
+    read_all.slow = False
+    models = [ModelDeploymentArgs(id=MODEL)]
+    states = ModelStates("llm", models, serve_status=fake.status, read_all=read_all, write=fake.write)
+
+    async def scenario():
+        nonlocal released
+        released = asyncio.Event()
+        await states.refresh()
+        read_all.slow = True
+        older = asyncio.ensure_future(states.refresh())  # reads "loaded", then waits
+        await asyncio.sleep(0)
+        fake.kv[key] = WantedRecord("cold", time.time(), "admin")  # the unload, and its own refresh
+        fake.replicas["model-" + MODEL] = {}
+        await states.refresh()
+        assert states.get(MODEL).state == "cold"
+        released.set()
+        await older
+
+    asyncio.run(scenario())
+    assert states.get(MODEL).state == "cold"
 
 
 def test_in_flight_says_busy_when_every_slot_is_taken_and_shedding_when_the_queue_is_too():
