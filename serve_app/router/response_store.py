@@ -104,11 +104,26 @@ class Sweep:
     evicted: dict[str, int] = field(default_factory=dict)  # owner -> rows past the global bound
 
 
+# Longest id a lookup sends to the database: the server's are ``resp_`` and 32 hex digits (a 2 MiB
+# one, from a client, was a 2 MiB query parameter on the shared primary).
+MAX_ID_CHARS = 128
+
+
 def could_be_stored(response_id: str) -> bool:
     """Whether a client's id could name a stored row. Ids are the server's (``resp_`` and hex): one
     that is not ASCII, or has a NUL, was never stored, and PostgreSQL refuses to even look up a NUL
     or a lone surrogate (an error, not "not found"): such an id is missing, found without a query."""
-    return response_id.isascii() and "\x00" not in response_id
+    return len(response_id) <= MAX_ID_CHARS and response_id.isascii() and "\x00" not in response_id
+
+
+def _of_models(models: frozenset[str] | None) -> tuple[str, tuple[str, ...]]:
+    """The filter of a key restricted to some models (None: every model): it sees only responses
+    of those, as it can call no other (it continued, read or deleted any of its owner's before)."""
+    if models is None:
+        return "", ()
+    if not models:
+        return " AND 1 = 0", ()
+    return f" AND model IN ({', '.join('?' * len(models))})", tuple(sorted(models))
 
 
 class ResponseStore:
@@ -166,27 +181,43 @@ class ResponseStore:
             if turn.users == 0:
                 del self._owner_puts[owner]  # nobody holds or waits: an owner seen once holds no memory
 
-    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        """None when missing, expired or another owner's: the three look the same from outside, so
-        nobody learns whether someone else's response id exists."""
+    async def get(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> StoredResponse | None:
+        """None when missing, expired, another owner's or of a model ``models`` (the caller's key's,
+        None: every one) leaves out: they look the same from outside, so nobody learns whether
+        someone else's response id exists."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_lookup(self._get, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._get, response_id, owner, self._now_ms(), models)
 
-    async def delete(self, response_id: str, owner: str) -> bool:
+    async def response_text(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> str | None:
+        """The stored Response object's JSON as stored (what ``GET`` answers), None like get(): the
+        response column alone, never decoded (a 4 MiB row's decode and re-encode held the lookup
+        thread and the event loop ~0.2 s each)."""
+        if not could_be_stored(response_id):
+            return None
+        return await self._run_lookup(self._response_text, response_id, owner, self._now_ms(), models)
+
+    async def exists(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> bool:
+        """Whether get() would find it, reading no column of it."""
+        if not could_be_stored(response_id):
+            return False
+        return await self._run_lookup(self._exists, response_id, owner, self._now_ms(), models)
+
+    async def delete(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
         if not could_be_stored(response_id):
             return False
-        return await self._run_lookup(self._delete, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._delete, response_id, owner, self._now_ms(), models)
 
-    async def history(self, response_id: str, owner: str) -> tuple[list, int] | None:
+    async def history(self, response_id: str, owner: str,
+                      models: frozenset[str] | None = None) -> tuple[list, int] | None:
         """The input a follow-up with ``previous_response_id`` continues from: the conversation,
         then the response's output items, and its size in bytes (what it adds to the request's
         price); None like get(). Decoded and measured on the store's threads: up to 4 MiB of
         JSON is no work for the router's event loop."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_lookup(self._history, response_id, owner, self._now_ms())
+        return await self._run_lookup(self._history, response_id, owner, self._now_ms(), models)
 
     async def footprint(self, owner: str) -> tuple[int, int]:
         """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
@@ -280,13 +311,16 @@ class ResponseStore:
             (stored.owner, stored.id, self.max_rows_per_owner - 1, self.max_bytes_per_owner - size),
         ).rowcount
 
-    def _get(self, response_id: str, owner: str, now_ms: int) -> StoredResponse | None:
+    def _select(self, columns: str, response_id: str, owner: str, now_ms: int, models: frozenset[str] | None):
+        in_models, model_params = _of_models(models)
         with self.database.connect() as db:
-            row = db.execute(
-                "SELECT id, owner, model, created_at, response, conversation FROM stored_responses"
-                " WHERE id = ? AND owner = ? AND stored_at_ms >= ?",
-                (response_id, owner, now_ms - self.retention_ms),
+            return db.execute(
+                f"SELECT {columns} FROM stored_responses WHERE id = ? AND owner = ? AND stored_at_ms >= ?{in_models}",
+                (response_id, owner, now_ms - self.retention_ms, *model_params),
             ).fetchone()
+
+    def _get(self, response_id: str, owner: str, now_ms: int, models: frozenset[str] | None) -> StoredResponse | None:
+        row = self._select("id, owner, model, created_at, response, conversation", response_id, owner, now_ms, models)
         if row is None:
             return None
         return StoredResponse(
@@ -294,8 +328,16 @@ class ResponseStore:
             json.loads(row["response"]), json.loads(row["conversation"]),
         )
 
-    def _history(self, response_id: str, owner: str, now_ms: int) -> tuple[list, int] | None:
-        stored = self._get(response_id, owner, now_ms)
+    def _response_text(self, response_id: str, owner: str, now_ms: int, models: frozenset[str] | None) -> str | None:
+        row = self._select("response", response_id, owner, now_ms, models)
+        return None if row is None else row["response"]
+
+    def _exists(self, response_id: str, owner: str, now_ms: int, models: frozenset[str] | None) -> bool:
+        return self._select("1 AS found", response_id, owner, now_ms, models) is not None
+
+    def _history(self, response_id: str, owner: str, now_ms: int,
+                 models: frozenset[str] | None) -> tuple[list, int] | None:
+        stored = self._get(response_id, owner, now_ms, models)
         if stored is None:
             return None
         output = stored.response.get("output") or []
@@ -304,11 +346,12 @@ class ResponseStore:
         # (6 bytes for a character of CJK text where the client's body spends 3).
         return history, len(_compact(history).encode())
 
-    def _delete(self, response_id: str, owner: str, now_ms: int) -> bool:
+    def _delete(self, response_id: str, owner: str, now_ms: int, models: frozenset[str] | None) -> bool:
+        in_models, model_params = _of_models(models)
         with self.database.connect() as db:
             cursor = db.execute(
-                "DELETE FROM stored_responses WHERE id = ? AND owner = ? AND stored_at_ms >= ?",
-                (response_id, owner, now_ms - self.retention_ms),
+                f"DELETE FROM stored_responses WHERE id = ? AND owner = ? AND stored_at_ms >= ?{in_models}",
+                (response_id, owner, now_ms - self.retention_ms, *model_params),
             )
         return cursor.rowcount > 0
 

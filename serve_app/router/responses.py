@@ -24,8 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.responses import Response
+
 from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.refusals import registry_unavailable
+from serve_app.auth.keys import ALL
 from serve_app.auth.principal import Principal
 from serve_app.errors import APIError
 from serve_app.router.json_body import shown
@@ -64,7 +67,7 @@ class ResponsesAPI:
         previous = body.pop("previous_response_id", None)
         if previous:
             try:
-                found = await self.store.history(previous, caller.owner)
+                found = await self.store.history(previous, caller.owner, _models(caller))
             except RegistryUnavailable as err:  # the region's store is away: retry later, not a 500
                 raise registry_unavailable(err) from None
             if found is None:
@@ -103,22 +106,29 @@ class ResponsesAPI:
 
         return keep
 
-    async def retrieve(self, response_id: str, caller: Principal) -> dict[str, Any]:
-        stored = await self.store.get(response_id, caller.owner)
-        if stored is None:
+    async def retrieve(self, response_id: str, caller: Principal) -> Response:
+        """The stored object's JSON as stored: the same bytes a ``JSONResponse`` of it would be."""
+        text = await self.store.response_text(response_id, caller.owner, _models(caller))
+        if text is None:
             raise _not_found(response_id, "response_id")
-        return stored.response
+        return Response(text, media_type="application/json")
 
     async def delete(self, response_id: str, caller: Principal) -> dict[str, Any]:
-        if not await self.store.delete(response_id, caller.owner):
+        if not await self.store.delete(response_id, caller.owner, _models(caller)):
             raise _not_found(response_id, "response_id")
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def cancel(self, response_id: str, caller: Principal) -> dict[str, Any]:
-        await self.retrieve(response_id, caller)  # 404 first: an unknown id is not "finished"
+        if not await self.store.exists(response_id, caller.owner, _models(caller)):
+            raise _not_found(response_id, "response_id")  # 404 first: an unknown id is not "finished"
         raise APIError(
             400,
             "only background responses can be cancelled, and this deployment runs none: this response has finished",
             param="response_id",
             code="response_not_cancellable",
         )
+
+
+def _models(caller: Principal) -> frozenset[str] | None:
+    """The models whose stored responses ``caller`` may see: its key's (None: every one)."""
+    return None if ALL in caller.models else caller.models

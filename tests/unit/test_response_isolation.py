@@ -58,6 +58,12 @@ def regions(request, tmp_path):
     return ResponsesAPI(ResponseStore(database, ResponsesArgs())), ResponsesAPI(ResponseStore(database, ResponsesArgs()))
 
 
+def _json(response) -> dict:
+    """A GET's answer: the stored JSON, as stored."""
+    assert response.media_type == "application/json"
+    return json.loads(response.body)
+
+
 def _answer(response_id: str) -> dict:
     return {"id": response_id, "object": "response", "status": "completed", "created_at": 1,
             "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hi"}]}]}
@@ -76,7 +82,7 @@ def test_a_response_a_peer_region_stored_is_the_owners_at_the_origin_and_nobody_
     async def scenario():
         stored = await _serve(peer, ALICE, "resp_failed_over")  # served by the peer after a failover
         assert stored > 0  # the bytes the request's usage record counts
-        assert (await origin.retrieve("resp_failed_over", ALICE))["id"] == "resp_failed_over"
+        assert _json(await origin.retrieve("resp_failed_over", ALICE))["id"] == "resp_failed_over"
         await _serve(origin, ALICE, "resp_next", previous_response_id="resp_failed_over")
         for attempt in (
             origin.retrieve("resp_failed_over", BOB),
@@ -101,7 +107,7 @@ def test_a_taken_id_is_logged_and_stores_nothing(regions, caplog):
         await _serve(origin, ALICE, "resp_1")
         with caplog.at_level(logging.ERROR, logger="serve_app.router.responses"):
             assert await _serve(peer, BOB, "resp_1") == 0
-        assert (await origin.retrieve("resp_1", ALICE))["output"][0]["content"][0]["text"] == "hi"
+        assert _json(await origin.retrieve("resp_1", ALICE))["output"][0]["content"][0]["text"] == "hi"
         assert await _serve(origin, ALICE, "resp_2", store=False) == 0  # store: false keeps nothing
 
     asyncio.run(scenario())
@@ -146,3 +152,50 @@ def test_a_conversation_continued_while_the_store_is_away_is_a_503_to_retry_not_
                                headers=bearer(setup.key))
     assert (answer.status_code, answer.json()["error"]["code"]) == (503, "key_registry_unavailable")
     assert answer.headers["retry-after"] and setup.engine.calls == []  # nothing ran on a model
+
+
+def test_a_key_restricted_to_a_model_sees_none_of_its_owners_responses_of_another(regions):
+    """A key for one model could read, delete and continue (its whole conversation repeated into
+    that model's prompt) any response its owner stored through another model: each is a 404 now,
+    as a response that does not exist; the owner's unrestricted key still has it."""
+    origin, _ = regions
+    other_model = "qwen-3.5-27b"
+    only_the_other = Principal("k3", "alice", frozenset({other_model}), frozenset({"*"}), frozenset(), "standard",
+                               "api_key")
+
+    async def scenario():
+        await _serve(origin, ALICE, "resp_main")  # stored under MODEL
+        for attempt in (
+            origin.retrieve("resp_main", only_the_other),
+            origin.delete("resp_main", only_the_other),
+            origin.cancel("resp_main", only_the_other),
+            origin.continue_from({"model": other_model, "input": "go on", "previous_response_id": "resp_main"},
+                                 only_the_other),
+        ):
+            with pytest.raises(APIError) as refused:
+                await attempt
+            assert refused.value.status == 404 and refused.value.code == "response_not_found"
+        assert _json(await origin.retrieve("resp_main", ALICE))["id"] == "resp_main"  # untouched
+        restricted_to_it = Principal("k4", "alice", frozenset({MODEL}), frozenset({"*"}), frozenset(), "standard",
+                                     "api_key")
+        assert _json(await origin.retrieve("resp_main", restricted_to_it))["id"] == "resp_main"
+
+    asyncio.run(scenario())
+
+
+def test_an_id_no_server_made_is_missing_without_a_query(regions):
+    origin, _ = regions
+    queries = []
+    database = origin.store.database
+    connect = database.connect
+    database.connect = lambda *a, **kw: queries.append(1) or connect(*a, **kw)
+
+    async def scenario():
+        for too_long in ("resp_" + "0" * 124, "resp_" + "x" * (2 << 20)):
+            with pytest.raises(APIError) as refused:
+                await origin.retrieve(too_long, ALICE)
+            assert refused.value.status == 404
+
+    asyncio.run(scenario())
+    assert queries == []
+
