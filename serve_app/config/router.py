@@ -13,12 +13,13 @@ from serve_app.settings import Settings
 # How long a router replica being replaced may take to stop. Behind HAProxy Serve keeps it
 # reachable for 30 s first (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S: a stale HAProxy process
 # may still send it requests), and a request it admits then may run the whole request timeout;
-# then its last item comes (router/call.py LAST_ITEM_WAIT_S, 10 s) and the ledger's last write
-# (usage/ledger.py CLOSE_WRITE_S, 15 s, then the spool for what the database did not take). At
-# the request timeout alone (600 s, until 2026-12-07) Serve killed the replica while such a
-# request ran: its record, and every record the ledger had not written yet, were lost, and their
-# tokens never billed.
-ROUTER_DRAIN_S = REQUEST_TIMEOUT_S + 30 + 10 + 20
+# then what its settling waits for, the longest being a Responses answer's store (router/context.py
+# STORE_WAIT_S, 30 s; a stream's last item router/call.py LAST_ITEM_WAIT_S, 10 s), and the ledger's
+# last write (usage/ledger.py CLOSE_WRITE_S, 15 s, then the spool for what the database did not
+# take), and 5 s to spare. At the request timeout alone (600 s, until 2026-12-07) Serve killed the
+# replica while such a request ran: its record, and every record the ledger had not written yet,
+# were lost, and their tokens never billed (660 s that day still left out the store's wait).
+ROUTER_DRAIN_S = REQUEST_TIMEOUT_S + 30 + 30 + 15 + 5
 
 
 class RouterArgs(Settings):

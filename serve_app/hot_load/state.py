@@ -47,14 +47,15 @@ READ_TIMEOUT_S = 10  # a GCS that does not answer: the refresh fails and the las
 # with no deadline held them all for as long as the GCS did not answer (the last state stands).
 POLICY_READ_TIMEOUT_S = 1.0
 
-# Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller. A
-# replica serves when RUNNING, and also: PENDING_MIGRATION (its node drains, a KubeRay scale-down
-# or a preemption: Serve routes to it until its replacement runs, minutes for an engine),
-# UPDATING (an in-place change of its options, ``max_ongoing_requests`` or the autoscaling
-# config: its calls queue a moment) and RECOVERING (the controller restarted and finds it again).
-# Until 2026-12-07 those three counted as starting: a model whose replicas were all in one read
-# "loading", new requests were 503 ``model_loading`` and /health failed the region.
-_SERVING = ("RUNNING", "PENDING_MIGRATION", "UPDATING", "RECOVERING")
+# Serve's replica states (ray.serve._private.common.ReplicaState) grouped for the caller. Serve
+# routes to a replica RUNNING or PENDING_MIGRATION (its node drains, a KubeRay scale-down or a
+# preemption: it serves until its replacement runs, minutes for an engine); one RECOVERING (the
+# controller restarted and finds it again) it lists as before until recovered. UPDATING (an
+# in-place change of its options) is out of Serve's routing for a moment, its calls queued: the
+# model still serves (``updating``), but that replica is not one a call can go to now. Until
+# 2026-12-07 all four but RUNNING counted as starting: a model whose replicas were all in one
+# read "loading", new requests were 503 ``model_loading`` and /health failed the region.
+_ROUTABLE = ("RUNNING", "PENDING_MIGRATION", "RECOVERING")
 _STARTING = ("STARTING",)
 # UNHEALTHY: a replica failed its health checks and Serve is starting its replacement.
 # DEPLOY_FAILED: replicas failed to start, again and again; Serve gave up until the next deploy.
@@ -125,9 +126,10 @@ def write_wanted(app_name: str, deployment: str, state: Wanted, by: str) -> Want
 class ModelState:
     state: str  # one of LOADED, LOADING, RECOVERING, FAILED, UNLOADING, COLD
     wanted: Wanted
-    running: int = 0
+    running: int = 0  # replicas a call can go to now (the direct line, a resume's count of others)
     starting: int = 0
     stopping: int = 0
+    updating: int = 0  # serving, out of Serve's routing for an in-place change (shown as running)
     since: float | None = None  # when the wanted state was set (None: since deploy)
     message: str | None = None  # while loading, recovering or failed, when Serve says why: ours
 
@@ -139,7 +141,7 @@ class ModelState:
         now = time.time() if now is None else now
         return {
             "state": self.state,
-            "replicas": {"running": self.running, "starting": self.starting, "stopping": self.stopping},
+            "replicas": {"running": self.running + self.updating, "starting": self.starting, "stopping": self.stopping},
             "since": self.since,
             "elapsed_s": None if self.since is None else round(max(now - self.since, 0.0), 1),
             "message": self.message,
@@ -162,15 +164,16 @@ def derive_state(
 ) -> ModelState:
     """The caller-facing state from the wanted state and Serve's replica counts by state name;
     ``message``, Serve's own, only decides whether the state carries one of ours."""
-    running = sum(int(replica_states.get(name, 0)) for name in _SERVING)
+    running = sum(int(replica_states.get(name, 0)) for name in _ROUTABLE)
     starting = sum(int(replica_states.get(name, 0)) for name in _STARTING)
     stopping = int(replica_states.get("STOPPING", 0))
-    counts = {"running": running, "starting": starting, "stopping": stopping}
+    updating = int(replica_states.get("UPDATING", 0))
+    counts = {"running": running, "starting": starting, "stopping": stopping, "updating": updating}
     since = wanted.since if wanted.by is not None else None
     if wanted.state == "cold":
-        state = UNLOADING if running or starting or stopping else COLD
+        state = UNLOADING if running or starting or stopping or updating else COLD
         return ModelState(state, "cold", since=since, **counts)
-    if running:
+    if running or updating:
         return ModelState(LOADED, "loaded", since=since, **counts)
     state = {"DEPLOY_FAILED": FAILED, "UNHEALTHY": RECOVERING}.get(deployment_status or "", LOADING)
     return ModelState(state, "loaded", since=since, message=PUBLIC_MESSAGES[state] if message else None, **counts)

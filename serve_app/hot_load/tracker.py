@@ -171,16 +171,17 @@ class ModelStates:
                       number: int | None = None) -> None:
         """Re-read the wanted states (unless given: ``number`` is then the one taken before they
         were read, ``_number``), and Serve's status too when ``status``."""
-        number, started = number or self._number(), time.monotonic()
+        number = number or self._number()
         if wanted is None:
             wanted = await self._read_all()
         wanted = await self._load_required(wanted)
         locations = self.locations  # as they are now: set_models may run while Serve answers
+        asked = time.monotonic()
         deployments = await asyncio.to_thread(self._serve_status) if status else None
         if deployments is not None and number > self._status_from:
             self._status_from = number
             self._deployments = self._with_rebuilding(_deployments_of(deployments, locations))
-            self._status_read_at = started  # as old as the read's start: an answer may be seconds late
+            self._status_read_at = asked  # as old as the question: an answer may be seconds late
         if number > self._wanted_from:
             self._wanted_from, self._wanted = number, wanted
         wanted = self._wanted
@@ -268,7 +269,13 @@ class ModelStates:
     async def set_wanted(self, model_id: str, state: Wanted, by: str) -> ModelState:
         """Record the wanted state for every router and the autoscaling policy; return the new view."""
         app, deployment = self.locations[model_id]
-        await asyncio.to_thread(self._write, app, deployment, state, by)
+        try:
+            await asyncio.to_thread(self._write, app, deployment, state, by)
+        except Exception as err:  # the GCS did not answer within its deadline: it may still land
+            logger.warning("could not record %s wanted %s: %s: %s", model_id, state, type(err).__name__, err)
+            raise retry_later(f"{model_id}'s wanted state could not be recorded (the cluster's store did not "
+                              "answer); it may still be: read the model's state, then retry",
+                              "model_state_unavailable", retry_after_s=5) from None
         await self.refresh()
         return self._states[model_id]
 
@@ -323,7 +330,7 @@ def _settled(state: ModelState) -> bool:
     controller, a checkpoint read and a validation of every application) for as long as it stayed
     cold; a change of its wanted state still reads at once."""
     if state.state == COLD:
-        return not (state.running or state.starting or state.stopping)
+        return not (state.running or state.starting or state.stopping or state.updating)
     return state.state == LOADED and not state.message
 
 

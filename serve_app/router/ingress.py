@@ -254,6 +254,7 @@ class Router:
     # --- stored responses, usage, keys ------------------------------------------------------------
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request) -> dict[str, Any]:
+        # A Response object (the annotation is the OpenAPI schema): its JSON as stored, not re-encoded.
         return await operations.retrieve_response(self.services, response_id, request)
 
     @app.delete("/v1/responses/{response_id}")

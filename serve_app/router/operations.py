@@ -187,7 +187,8 @@ async def usage(services: Services, request: Request) -> Response:
 
 
 # --- stored responses ------------------------------------------------------------------------------
-async def retrieve_response(services: Services, response_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_response(services: Services, response_id: str, request: Request) -> Response:
+    """The stored Response object's JSON, as stored (``ResponsesAPI.retrieve``)."""
     return await services.responses.retrieve(response_id, await metered_caller(services, request))
 
 

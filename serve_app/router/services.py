@@ -203,8 +203,9 @@ class Services:
         """``call`` to a replica of ``model``, for ``surface``, on the region's transport."""
         lines = self.lines if self.handle_transport == "direct" else None
         state = self.states.get(model)
-        # A replica stopping (a redeploy, a scale-down): Serve knows which one serves, the line may not.
-        replicas = state.running if not state.stopping else 0
+        # A replica stopping (a redeploy, a scale-down) or updating in place: Serve knows which one
+        # serves now, the line may not.
+        replicas = state.running if not (state.stopping or state.updating) else 0
         serving = functools.partial(self.states.require_serving, model, self.region)
         return ReplicaCall(self.method_handle(model, surface), call, model, self.region, surface=surface, lines=lines,
                            replicas=replicas, serving=serving, on_unreachable=self.states.suspect)

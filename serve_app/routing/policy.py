@@ -85,7 +85,8 @@ def plan(
     pin is an end user's, not a conversation's (the module's docstring, 2)."""
     depth = {load.replica: matched_blocks.get(load.replica, 0) for load in loads}
     unsaturated = [load for load in loads if not thresholds.saturated(load)]
-    # Every replica saturated: none is better placed to take it than the one it wants.
+    # Every replica saturated: the one it wants takes it if it is near the least loaded (a pin
+    # below, as a prefix always), else the least loaded does.
     full = not unsaturated
     unsaturated = unsaturated or list(loads)
 

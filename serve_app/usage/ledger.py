@@ -41,7 +41,7 @@ IDLE_REPLAY_S = 30.0
 # A stopping replica's last write waits this long for the database (a write under way may take a
 # connect timeout and a statement's: 5 + 15 s, then the last flush as long again), then spools
 # what is not known written: Serve kills a router ``ROUTER_DRAIN_S`` after its stop, which
-# allows the ledger 20 s, and a record still in memory then is lost.
+# allows the ledger this and 5 s, and a record still in memory then is lost.
 CLOSE_WRITE_S = 15.0
 
 

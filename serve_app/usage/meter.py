@@ -57,7 +57,8 @@ class Meter:
         self.ledger.start()
 
     async def aclose(self) -> None:
-        """Write what is pending (to the database, or to the spool if it is down)."""
+        """Stop taking usage reports, and write what is pending: to the database within the
+        ledger's bound (``CLOSE_WRITE_S``), the rest to the spool."""
         self.reports.close()
         await self.ledger.aclose()
 

@@ -56,6 +56,30 @@ def test_state_follows_wanted_state_and_replicas(wanted, replicas, status, expec
     assert derive_state(wanted, replicas, status, "msg").state == expected
 
 
+def test_a_replica_updating_in_place_serves_but_is_no_replica_a_call_can_go_to_now():
+    """Serve takes an UPDATING replica out of its routing for the change: the model is loaded (no
+    503), but the router does not count it where it picks a replica's line or counts the others a
+    resume could go to; callers see it among the running."""
+    state = derive_state(LOADED_BY_API, {"UPDATING": 1, "RUNNING": 1}, "UPDATING")
+    assert (state.state, state.running, state.updating) == ("loaded", 1, 1)
+    assert state.to_json(now=100.0)["replicas"] == {"running": 2, "starting": 0, "stopping": 0}
+
+
+def test_a_wanted_state_the_store_did_not_take_is_a_503_to_retry_not_a_500():
+    fake = FakeServe()
+
+    def unanswered(app, deployment, state, by):
+        raise TimeoutError("the GCS did not answer within its deadline")
+
+    states = ModelStates("llm", [ModelDeploymentArgs(id=MODEL)], serve_status=fake.status, read_all=fake.read_all,
+                         write=unanswered)
+    asyncio.run(states.refresh())
+    with pytest.raises(APIError) as refused:
+        asyncio.run(states.set_wanted(MODEL, "cold", "admin"))
+    assert (refused.value.status, refused.value.code, refused.value.headers["Retry-After"]) == (
+        503, "model_state_unavailable", "5")
+
+
 def test_state_reports_progress_and_when_it_was_asked_for():
     serve_says = "Deployment 'model-x' has 1 replicas that have taken more than 30s to be scheduled."
     state = derive_state(LOADED_BY_API, {"STARTING": 1}, "UPDATING", serve_says)

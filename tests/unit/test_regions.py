@@ -219,7 +219,7 @@ def test_yul_02_keeps_its_pilot_settings():
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
     # The Router's deployment options are written whole: a default Serve would pick is still ours.
     assert args["router"] == {"num_replicas": 2, "num_cpus": 1, "resources": {"region_credentials": 1},
-                              "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": 660}
+                              "max_ongoing_requests": 1000, "graceful_shutdown_timeout_s": 680}
     model, embedding = args["models"]
     assert model == {
         "id": "qwen-3.6-35b-a3b",

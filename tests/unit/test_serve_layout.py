@@ -194,11 +194,14 @@ def test_a_router_stopped_behind_haproxy_outlasts_what_it_admits_in_its_reachabl
 
     from serve_app.config.model import REQUEST_TIMEOUT_S
     from serve_app.config.router import ROUTER_DRAIN_S, RouterArgs
+    from serve_app.router.context import COUNT_WAIT_S, STORE_WAIT_S
     from serve_app.usage.ledger import CLOSE_WRITE_S
 
     assert RouterArgs().graceful_shutdown_timeout_s == ROUTER_DRAIN_S
-    # ...and the ledger's last write, bounded (then spooled) so that it ends before Serve's kill.
-    assert ROUTER_DRAIN_S > (REQUEST_TIMEOUT_S + RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + LAST_ITEM_WAIT_S
+    # ...what a request's settling may wait for after its end (wait_settled, in Ingress.__del__),
+    # and the ledger's last write, bounded (then spooled), so that both end before Serve's kill.
+    settling = max(LAST_ITEM_WAIT_S, STORE_WAIT_S, COUNT_WAIT_S)
+    assert ROUTER_DRAIN_S > (REQUEST_TIMEOUT_S + RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S + settling
                              + CLOSE_WRITE_S)
 
 

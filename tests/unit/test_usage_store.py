@@ -137,7 +137,7 @@ def test_a_peers_continuation_row_counts_its_tokens_but_not_a_request(store):
 
 
 def test_a_batch_larger_than_one_statement_is_written_whole(store):
-    count = MAX_PARAMS // 16 * 2 + 7  # three INSERT statements of records
+    count = MAX_PARAMS // 20 * 2 + 7  # three INSERT statements of records (20 columns each)
     batch = [usage_record(key_id=f"k{i % 3}", completion=1, prompt=0) for i in range(count)]
     assert store.insert(batch) == count
     rows = store.totals(key_id=None, since="2026-12-01", until="2026-12-01", group_by=("key_id",))
