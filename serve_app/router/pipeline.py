@@ -329,6 +329,10 @@ async def fail_over(ctx: Context, local: APIError) -> Response | None:
     # The region that took it bills it; none did: this one (any other error: no peer's engine ran it).
     ctx.telemetry.note_failover(result.attempts, result.region)
     if result.response is None:
+        if result.attempts and result.attempts[-1].outcome == "no_head":
+            # A peer had it and sent no answer's head: it may be running it, and records what its
+            # engine did (until 2026-12-07 this region recorded its 503 too: two requests for one).
+            ctx.billed_elsewhere = True
         return None
     ctx.hand_over()
     if not result.stream:

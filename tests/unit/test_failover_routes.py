@@ -54,3 +54,24 @@ def test_a_peer_answer_whose_body_broke_off_is_a_502_with_this_regions_trace_id_
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "peer_stream_failed"
     assert len(answer.headers[TRACE_ID_HEADER]) == 32 and answer.headers["x-pg-failover-from"] == "fra-01"
     assert parse_server_timing(answer.headers["server-timing"])["total"] > 0
+
+
+def test_a_peer_that_had_the_request_and_sent_no_head_records_it_this_region_does_not(tmp_path, router_app):
+    """The peer's line broke (or stayed silent) after the request was sent: the client gets this
+    region's 503, the peer may be running it and records what its engine did. This region wrote
+    its 503 too, so the key's reports counted two requests for one."""
+    async def silent(_: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("no head within the read timeout")
+
+    regions = federated_regions(tmp_path / "keys", "fra-01", "yul-02")
+    home = router_app(auth=regions["fra-01"], region="fra-01", engine=FakeEngine(),
+                      peers=(Peer(region="yul-02", endpoint="https://yul.test"),),
+                      transport=httpx.MockTransport(silent))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    home.serve.stop(MODEL)
+    home.run(home.services.states.refresh)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    answer = home.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "model_loading"
+    assert home.recorded() == []
+
