@@ -30,6 +30,20 @@ def test_a_model_no_peer_serves_is_the_origins_503_with_retry_after_not_the_peer
     assert direct.status_code == 404  # a client of the peer's own: the model does not exist there
 
 
+def _failed_over_to(peer, tmp_path, router_app):
+    """fra-01, its model loading, fails a chat request over to ``peer`` (an httpx handler as the
+    peer region's URL answers): the router and what the client got."""
+    regions = federated_regions(tmp_path / "keys", "fra-01", "yul-02")
+    home = router_app(auth=regions["fra-01"], region="fra-01", engine=FakeEngine(),
+                      peers=(Peer(region="yul-02", endpoint="https://yul.test"),),
+                      transport=httpx.MockTransport(peer))
+    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
+    home.serve.stop(MODEL)
+    home.run(home.services.states.refresh)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return home, home.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+
+
 def test_a_peer_answer_whose_body_broke_off_is_a_502_with_this_regions_trace_id_and_timing(tmp_path, router_app):
     """The 502 is made here (the peer's head came, its body did not): like every JSON answer of
     ours it names its trace, so the failover span can be found from what the client has."""
@@ -42,15 +56,7 @@ def test_a_peer_answer_whose_body_broke_off_is_a_502_with_this_regions_trace_id_
             raise httpx.ReadError("peer reset the connection")
         return httpx.Response(200, headers={"content-type": "application/json"}, content=chunks())
 
-    regions = federated_regions(tmp_path / "keys", "fra-01", "yul-02")
-    home = router_app(auth=regions["fra-01"], region="fra-01", engine=FakeEngine(),
-                      peers=(Peer(region="yul-02", endpoint="https://yul.test"),),
-                      transport=httpx.MockTransport(broken))
-    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
-    home.serve.stop(MODEL)
-    home.run(home.services.states.refresh)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    answer = home.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    _, answer = _failed_over_to(broken, tmp_path, router_app)
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "peer_stream_failed"
     assert len(answer.headers[TRACE_ID_HEADER]) == 32 and answer.headers["x-pg-failover-from"] == "fra-01"
     assert parse_server_timing(answer.headers["server-timing"])["total"] > 0
@@ -63,15 +69,7 @@ def test_a_peer_that_had_the_request_and_sent_no_head_records_it_this_region_doe
     async def silent(_: httpx.Request) -> httpx.Response:
         raise httpx.ReadTimeout("no head within the read timeout")
 
-    regions = federated_regions(tmp_path / "keys", "fra-01", "yul-02")
-    home = router_app(auth=regions["fra-01"], region="fra-01", engine=FakeEngine(),
-                      peers=(Peer(region="yul-02", endpoint="https://yul.test"),),
-                      transport=httpx.MockTransport(silent))
-    key, _ = home.auth.keys.create_key(owner="alice", tier="standard")
-    home.serve.stop(MODEL)
-    home.run(home.services.states.refresh)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    answer = home.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    home, answer = _failed_over_to(silent, tmp_path, router_app)
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "model_loading"
     assert home.recorded() == []
 
