@@ -328,10 +328,9 @@ def _settled(state: ModelState) -> bool:
     """Nothing to watch for: loaded with nothing to say, or cold with no replica left. A model an
     admin unloaded read Serve's status every second (each read a thread hop here and, in the
     controller, a checkpoint read and a validation of every application) for as long as it stayed
-    cold; a change of its wanted state still reads at once."""
-    if state.state == COLD:
-        return not (state.running or state.starting or state.stopping or state.updating)
-    return state.state == LOADED and not state.message
+    cold; a change of its wanted state still reads at once. (Cold means no replica left:
+    ``derive_state`` says unloading while any is.)"""
+    return state.state == COLD or (state.state == LOADED and not state.message)
 
 
 def _log_failure(task: asyncio.Task) -> None:
