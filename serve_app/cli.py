@@ -196,9 +196,25 @@ def keys_list(ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json"
 
 
 @keys_app.command("revoke")
-def keys_revoke(ctx: typer.Context, key_id: str) -> None:
-    """Disable a key for good; tokens minted from it stop working in this region too."""
-    if not _ctx(ctx).store().revoke_key(key_id):
+def keys_revoke(
+    ctx: typer.Context,
+    key_id: str,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (scripts).")] = False,
+) -> None:
+    """Disable a key for good; tokens minted from it stop working in this region too. Asks
+    first, naming the key's owner: a revoked key cannot be re-enabled, and its owner's traffic
+    fails at once."""
+    store = _ctx(ctx).store()
+    record = store.get(key_id)
+    if record is None:
+        _fail(f"no key {key_id!r}")
+    if record.disabled_at is not None:  # nothing to ask: revoking again changes nothing
+        typer.echo(f"{key_id} was revoked on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(record.disabled_at))}")
+        return
+    if not yes:
+        typer.confirm(f"revoke key {key_id} of {record.owner} (tier {record.tier}, scopes "
+                      f"{' '.join(record.scopes)}) for good? It cannot be re-enabled", abort=True, err=True)
+    if not store.revoke_key(key_id):  # removed meanwhile (another operator)
         _fail(f"no key {key_id!r}")
     typer.echo(f"revoked {key_id}")
 

@@ -84,8 +84,8 @@ def _cli(tmp_path, **overrides):
     path.write_text(yaml.safe_dump(config))
     runner = CliRunner()
 
-    def run(*argv: str, ok: bool = True):
-        result = runner.invoke(app, ["--config", str(path), *argv])
+    def run(*argv: str, ok: bool = True, input: str | None = None):
+        result = runner.invoke(app, ["--config", str(path), *argv], input=input)
         assert (result.exit_code == 0) is ok, result.output
         return result
 
@@ -108,9 +108,29 @@ def test_cli_creates_lists_and_revokes_keys_printing_the_secret_once(cli):
     as_json = json.loads(cli("keys", "list", "--json").stdout)
     assert as_json[0]["key_id"] == key_id and "secret_sha256" not in as_json[0]
 
-    cli("keys", "revoke", key_id)
+    cli("keys", "revoke", key_id, "--yes")
     assert json.loads(cli("keys", "list", "--json").stdout)[0]["status"] == "revoked"
-    assert "no key" in cli("keys", "revoke", "ffffffffffff", ok=False).output
+    assert "no key" in cli("keys", "revoke", "ffffffffffff", "--yes", ok=False).output
+
+
+def test_cli_revoke_asks_first_naming_the_owner_and_a_no_keeps_the_key(cli):
+    """Revoking is for good and fails the owner's traffic at once: a mistyped id of another
+    customer's key was revoked without a word."""
+    key_id = cli("keys", "create", "--owner", "acme").stdout.strip().split("_")[1]
+
+    def status() -> str:
+        return json.loads(cli("keys", "list", "--json").stdout)[0]["status"]
+
+    refused = cli("keys", "revoke", key_id, ok=False, input="n\n")
+    assert "acme" in refused.output and "cannot be re-enabled" in refused.output
+    assert status() == "active"
+    cli("keys", "revoke", key_id, ok=False)  # no answer (stdin closed): kept
+    assert status() == "active"
+    cli("keys", "revoke", key_id, input="y\n")
+    assert status() == "revoked"
+    again = cli("keys", "revoke", key_id)  # nothing to ask: says when, changes nothing
+    assert "was revoked on" in again.output and status() == "revoked"
+    assert "no key" in cli("keys", "revoke", "ffffffffffff", ok=False).output  # asked nothing
 
 
 def test_cli_rejects_unknown_models_and_tiers(cli):
