@@ -23,7 +23,7 @@ from serve_app.auth.authenticator import mint_token
 from serve_app.auth.principal import Principal
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 from serve_app.bench import agent_report, cli as bench_cli
 from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
@@ -131,7 +131,9 @@ def keys_create(
     model: Annotated[list[str], typer.Option(help="Allowed model (repeatable); default: all.")] = [],  # noqa: B006
     region: Annotated[list[str], typer.Option(help="Allowed region (repeatable); default: all.")] = [],  # noqa: B006
     tier: Annotated[str | None, typer.Option(help="Rate-limit tier; default: auth.default_tier.")] = None,
-    admin: Annotated[bool, typer.Option(help="Also grant the admin scope (key admin endpoints).")] = False,
+    admin: Annotated[bool, typer.Option(help="Also grant the admin scope: its owner's keys and usage.")] = False,
+    operator: Annotated[bool, typer.Option(help="An operator's key: admin of every owner's keys and usage, and "
+                                                "of the models (load, unload).")] = False,
     expires_in_days: Annotated[float | None, typer.Option(help="Expire after this many days.")] = None,
     any_region: Annotated[bool, typer.Option(help="Take a --region this config and regions/ do not know "
                                                   "(one being added).")] = False,
@@ -159,7 +161,8 @@ def keys_create(
         tier=tier,
         models=tuple(models) or (ALL,),
         regions=tuple(region) or (ALL,),
-        scopes=(SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,),
+        scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR) if operator else
+               (SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,),
         expires_at=int(time.time() + expires_in_days * 86400) if expires_in_days is not None else None,
     )
     typer.echo(f"created key {record.key_id} for {owner} (tier {tier}, scopes {' '.join(record.scopes)}) "
@@ -186,11 +189,11 @@ def keys_list(ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json"
     if as_json:
         typer.echo(json.dumps(records, indent=2))
         return
-    typer.echo(f"{'KEY ID':<14}{'STATUS':<9}{'TIER':<12}{'SCOPES':<18}{'OWNER':<20}MODELS / REGIONS / EXPIRES")
+    typer.echo(f"{'KEY ID':<14}{'STATUS':<9}{'TIER':<12}{'SCOPES':<26}{'OWNER':<20}MODELS / REGIONS / EXPIRES")
     for r in records:
         expires = time.strftime("%Y-%m-%d", time.gmtime(r["expires_at"])) if r["expires_at"] else "never"
         typer.echo(
-            f"{r['key_id']:<14}{r['status']:<9}{r['tier']:<12}{' '.join(r['scopes']):<18}{r['owner']:<20}"
+            f"{r['key_id']:<14}{r['status']:<9}{r['tier']:<12}{' '.join(r['scopes']):<26}{r['owner']:<20}"
             f"{','.join(r['models'])} / {','.join(r['regions'])} / {expires}"
         )
 

@@ -1,14 +1,15 @@
 """What an admin may see and do: the keys it lists and revokes, the usage it reads.
 
 Key admin acts on the registry every region shares (a revocation applies everywhere), so only an
-admin restricted in nothing manages other owners' keys. Two kinds of admin (a key or token with
-the ``admin`` scope; tokens signed by another region's key never carry it):
+operator manages other owners' keys. Two kinds of admin (a key or token with the ``admin`` scope;
+tokens signed by another region's key carry neither scope):
 
-- an **operator**: ``models`` and ``regions`` both ``["*"]`` (``serve-app keys create --admin``
-  without ``--model``/``--region``), or the local dev key: lists and revokes every key, reads
-  every key's usage;
-- an **owner admin**, any narrower one (a model or a region named): lists, revokes and reads the
-  usage of its own owner's keys only. Another owner's key looks exactly like a key that does not
+- an **operator**: the ``operator`` scope too (``serve-app keys create --operator``), or the
+  local dev key: lists and revokes every key, reads every key's usage, loads and unloads models.
+  Until 2026-12-07 any admin key unrestricted in models and regions was one, so a customer's
+  admin key made without ``--model``/``--region`` managed every tenant: such keys made before
+  then got the scope once (``keys._grant_operator_scope_once``), later ones are owner admins;
+- an **owner admin**, any other: lists, revokes and reads the usage of its own owner's keys only. Another owner's key looks exactly like a key that does not
   exist (404 ``key_not_found``, an empty report), so an owner admin cannot learn which ids other
   owners hold. It cannot load or unload a model: a model serves every owner in its region
   (``router/operations.set_wanted``).
@@ -19,16 +20,15 @@ an admin's view, through ``usage_filter``.
 
 from dataclasses import dataclass
 
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, is_key_id
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, is_key_id
 from serve_app.auth.principal import Principal, forbidden
 from serve_app.errors import APIError
 
 
 def manages_every_key(caller: Principal) -> bool:
-    """An operator: an admin whose models and regions are unrestricted (or the local dev key,
-    which is all-access but confined to the local region by construction)."""
-    unrestricted = ALL in caller.models and (ALL in caller.regions or caller.via == "dev_key")
-    return SCOPE_ADMIN in caller.scopes and unrestricted
+    """An operator: an admin with the operator scope (the local dev key has every scope, and is
+    confined to the local region by construction)."""
+    return SCOPE_ADMIN in caller.scopes and SCOPE_OPERATOR in caller.scopes
 
 
 def managed_owner(caller: Principal) -> str | None:

@@ -33,6 +33,7 @@ from serve_app.auth.database import RegistryUnavailable
 from serve_app.auth.keys import (
     ALL,
     SCOPE_ADMIN,
+    SCOPE_OPERATOR,
     SCOPES,
     CacheMiss,
     KeyStore,
@@ -207,7 +208,7 @@ class Authenticator(Admission):
             # Another region's key vouches for inference only: were it stolen, its holder could
             # otherwise mint admin tokens (revoke keys, unload models) valid in every region.
             principal = replace(
-                principal, scopes=principal.scopes - {SCOPE_ADMIN}, signed_in=signing_key.region or ""
+                principal, scopes=principal.scopes - {SCOPE_ADMIN, SCOPE_OPERATOR}, signed_in=signing_key.region or ""
             )
         return principal
 

@@ -38,7 +38,13 @@ PREFIX = "pgk"
 ALL = "*"
 SCOPE_INFERENCE = "inference"
 SCOPE_ADMIN = "admin"
-SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN)
+# With admin: every owner's keys and usage, and the region's models (load, unload). Its own scope
+# since 2026-12-07: an admin key unrestricted in models and regions was one, so a customer's admin
+# key made without --model/--region managed every tenant's keys (``_OPERATOR_MIGRATION``).
+SCOPE_OPERATOR = "operator"
+SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
+# The registry's one-time data migrations, each applied by the first store that opens it.
+_OPERATOR_MIGRATION = "operator-scope"
 
 _ALPHABET = string.ascii_letters + string.digits
 _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
@@ -72,6 +78,10 @@ CREATE TABLE IF NOT EXISTS revoked_tokens (
     jti         TEXT PRIMARY KEY,
     revoked_at  INTEGER NOT NULL,
     purge_after INTEGER NOT NULL  -- once the token has expired anyway, the row can go
+);
+CREATE TABLE IF NOT EXISTS registry_migrations (
+    name        TEXT PRIMARY KEY,
+    applied_at  INTEGER NOT NULL
 );
 """
 
@@ -155,6 +165,7 @@ class KeyStore:
         a second (the router's bound on a flood of made-up ids); None: unbounded (the CLI)."""
         self.database = open_database(location, create=create, replica=replica)
         self.database.create_schema(_SCHEMA)
+        self._grant_operator_scope_once()
         budget = MissBudget(miss_lookups_per_s, clock) if miss_lookups_per_s else None
         # Every key id the registry holds, as last listed (refresh_known_ids): never budgeted.
         self._known_ids: set[str] = set()
@@ -172,6 +183,26 @@ class KeyStore:
             cache_ttl_s, is_miss=lambda _: False, is_final=lambda revoked: revoked is True,
             refresher=self._refresher, clock=clock,
         )
+
+    def _grant_operator_scope_once(self) -> None:
+        """The keys that were operators before the scope existed (admin, every model and region)
+        get it, once: a key made so later is an owner admin, and must stay one. The migration's
+        row is taken in the same transaction as the grant, so of stores opening the registry at
+        once exactly one grants (the others wait on the row, then find it taken)."""
+        with self._connect(read=True) as db:
+            if db.execute("SELECT 1 FROM registry_migrations WHERE name = ?", (_OPERATOR_MIGRATION,)).fetchone():
+                return
+        with self._connect() as db:
+            taken = db.execute("INSERT INTO registry_migrations VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
+                               (_OPERATOR_MIGRATION, int(time.time())))
+            if taken.rowcount == 0:
+                return
+            for row in db.execute("SELECT key_id, models, regions, scopes FROM api_keys").fetchall():
+                scopes = json.loads(row["scopes"])
+                unrestricted = json.loads(row["models"]) == [ALL] and json.loads(row["regions"]) == [ALL]
+                if unrestricted and SCOPE_ADMIN in scopes and SCOPE_OPERATOR not in scopes:
+                    db.execute("UPDATE api_keys SET scopes = ? WHERE key_id = ?",
+                                (json.dumps([*scopes, SCOPE_OPERATOR]), row["key_id"]))
 
     def _connect(self, read: bool = False):
         # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: on one
@@ -266,6 +297,8 @@ class KeyStore:
         unknown = set(scopes) - set(SCOPES)
         if unknown:
             raise ValueError(f"unknown scopes {sorted(unknown)}; known: {', '.join(SCOPES)}")
+        if SCOPE_OPERATOR in scopes and SCOPE_ADMIN not in scopes:
+            raise ValueError("the operator scope needs the admin scope")
         secret = "".join(secrets.choice(_ALPHABET) for _ in range(_SECRET_LEN))
         record = KeyRecord(
             key_id=secrets.token_hex(6),

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve_app import catalog
 from serve_app.auth import admin
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, is_key_id
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, is_key_id
 from serve_app.auth.principal import Principal, forbidden
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
@@ -115,8 +115,8 @@ async def set_wanted(services: Services, request: Request, wanted: str) -> JSONR
     if not admin.manages_every_key(caller):
         # A model serves every owner in its region: an owner admin unloading one (even one of its
         # own models) would take it from every tenant, and loading one spends the region's GPUs.
-        raise forbidden("loading and unloading a model is an operator's (an admin key for every model and "
-                        "region): a model serves every owner in the region", "insufficient_scope", SCOPE_ADMIN)
+        raise forbidden("loading and unloading a model is an operator's (a key with the operator scope): a model "
+                        "serves every owner in the region", "insufficient_scope", SCOPE_OPERATOR)
     model_id = services.resolve(parse_json_object(await read_body(request)).get("model"))
     if wanted == "cold" and services.models[model_id].required_for_health:
         # Its region's /health would turn 503 and take the region out of the global name for

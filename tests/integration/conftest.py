@@ -228,10 +228,11 @@ PEER_UNLOAD_TIMEOUT_S = 180
 
 @pytest.fixture(scope="session")
 def peer_admin_key(serve_app) -> str:
-    from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+    from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 
     store = KeyStore(serve_app["auth"].key_store(), cache_ttl_s=0)
-    key, _ = store.create_key(owner="it-peer-state", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    key, _ = store.create_key(owner="it-peer-state", tier="standard",
+                              scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     return key
 
 

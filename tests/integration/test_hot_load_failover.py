@@ -40,7 +40,7 @@ def keys(serve_app) -> dict[str, str]:
     """API keys in the key store both regions share (tiers with room for this module's calls)."""
     return {
         "user": _cli(serve_app, "keys", "create", "--owner", "it-failover", "--tier", "standard"),
-        "admin": _cli(serve_app, "keys", "create", "--owner", "it-ops", "--admin", "--tier", "standard"),
+        "admin": _cli(serve_app, "keys", "create", "--owner", "it-ops", "--operator", "--tier", "standard"),
         "peer_only": _cli(
             serve_app, "keys", "create", "--owner", "it-peer-only", "--region", "peer", "--tier", "standard"
         ),

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from serve_app.auth.database import open_database
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 from serve_app.router.pricing import estimate_prompt_tokens
 from serve_app.usage.store import UsageStore
 
@@ -186,7 +186,7 @@ def test_a_budget_is_enforced_in_every_region_from_the_shared_ledger(serve_app, 
 def test_usage_reports_are_a_keys_own_unless_admin(serve_app, registry):
     key, key_id = _new_key(registry, "it-usage-report")
     other, _ = _new_key(registry, "it-usage-report-other")
-    admin, _ = _new_key(registry, "it-usage-admin", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    admin, _ = _new_key(registry, "it-usage-admin", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     base = serve_app["base_url"]
     assert httpx.post(
         f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,

@@ -1,12 +1,13 @@
 """What an admin may see and do (issue #22, item 6; docs/auth.md, "Admin scopes"): an admin
-restricted to a model or a region manages its own owner's keys only (list, revoke, usage), and
-another owner's key looks like a key that does not exist. Tested on the Authenticator and the
-usage report the routes call, against a real registry file."""
+without the operator scope manages its own owner's keys only (list, revoke, usage), however
+unrestricted its models and regions, and another owner's key looks like a key that does not
+exist. Tested on the Authenticator and the usage report the routes call, against a real registry
+file."""
 
 import pytest
 
 from serve_app.auth import admin
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 from serve_app.errors import APIError
 from serve_app.usage.report import usage_report
 from serve_app.usage.store import UsageStore
@@ -14,6 +15,7 @@ from tests.unit.auth_support import DEV_KEY, MODEL, authenticator, bearer
 from tests.unit.test_usage_store import usage_record
 
 BOTH = (SCOPE_INFERENCE, SCOPE_ADMIN)
+OPERATOR = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
 
 
 @pytest.fixture
@@ -23,14 +25,16 @@ def auth(tmp_path):
 
 @pytest.fixture
 def keys(auth):
-    """Two owners' keys: acme's admin is scoped to one model, the operator to nothing."""
+    """Two owners' keys and an operator: acme's admin is scoped to one model, globex's to one
+    region, initech's to nothing (every model and region) — an owner admin all the same."""
 
     def create(owner, **claims):
         raw, record = auth.keys.create_key(owner=owner, tier="standard", **claims)
         return raw, record.key_id
 
     made = {
-        "operator": create("platform", scopes=BOTH),
+        "operator": create("platform", scopes=OPERATOR),
+        "initech_admin": create("initech", scopes=BOTH),
         "acme_admin": create("acme", models=(MODEL,), scopes=BOTH),
         "acme": create("acme"),
         "globex": create("globex"),
@@ -57,6 +61,23 @@ def test_an_admin_scoped_to_one_model_lists_only_its_owners_keys(auth, keys):
 def test_an_admin_scoped_to_one_region_is_its_owners_admin_too(auth, keys):
     globex = _ids(auth.list_keys(_caller(auth, keys, "globex_admin")))
     assert globex == {keys["globex"][1], keys["globex_admin"][1]}
+
+
+def test_an_admin_of_every_model_and_region_is_still_only_its_owners_admin(auth, keys):
+    """A customer's admin key made without --model or --region listed, revoked and read the usage
+    of every tenant's keys, and could unload the region's models: that took the operator scope."""
+    initech = _caller(auth, keys, "initech_admin")
+    assert not admin.manages_every_key(initech)
+    assert _ids(auth.list_keys(initech)) == {keys["initech_admin"][1]}
+    assert auth.revoke_key(initech, keys["globex"][1]) is False
+    assert admin.usage_filter(initech, "*").owner == "initech"
+    assert admin.manages_every_key(_caller(auth, keys, "operator"))
+
+
+def test_the_operator_scope_needs_the_admin_scope(tmp_path):
+    with pytest.raises(ValueError, match="needs the admin scope"):
+        KeyStore(tmp_path / "keys.sqlite3", create=True).create_key(
+            owner="x", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_OPERATOR))
 
 
 def test_an_owner_admin_cannot_revoke_another_owners_key_and_it_looks_not_found(auth, keys):

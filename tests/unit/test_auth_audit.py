@@ -16,7 +16,7 @@ from serve_app.auth import lease as lease_module
 from serve_app.auth import tokens
 from serve_app.auth.authenticator import FORWARDING_TOKEN_TTL_S, Authenticator, region_audience
 from serve_app.auth.config import AuthArgs
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, parse_key
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, parse_key
 from serve_app.auth.lease import LeasedRateLimiter
 from serve_app.auth.ratelimit import LocalRateLimiter, RateLimiter, SharedRateLimiter
 from serve_app.errors import APIError
@@ -88,10 +88,11 @@ def test_the_public_openapi_schema_lists_no_admin_route_and_keeps_the_rest():
 
 
 # --- 3. load / unload are an operator's --------------------------------------------------------
-@pytest.mark.parametrize("models, regions", [((MODEL,), ("*",)), (("*",), ("local",))])
+@pytest.mark.parametrize("models, regions", [((MODEL,), ("*",)), (("*",), ("local",)), (("*",), ("*",))])
 def test_an_owner_admin_cannot_load_or_unload_a_model_every_owner_shares(tmp_path, router_app, models, regions):
-    """An admin scoped to a model or a region is an owner's (docs/auth.md, "Admin scopes"); the
-    model serves every owner in the region: unloading it, even its own, would take it from all."""
+    """An admin without the operator scope is an owner's (docs/auth.md, "Admin scopes"), however
+    wide its models and regions; the model serves every owner in the region: unloading it, even
+    its own, would take it from all."""
     auth = authenticator(tmp_path)
     app = router_app(auth=auth)
     owner_admin, _ = auth.keys.create_key(owner="acme", tier="standard", models=models, regions=regions,
@@ -100,7 +101,8 @@ def test_an_owner_admin_cannot_load_or_unload_a_model_every_owner_shares(tmp_pat
         refused = app.client.post(f"/v1/models/{action}", json={"model": MODEL}, headers=bearer(owner_admin))
         assert _error(refused)[:2] == (403, "insufficient_scope")
     assert app.serve.kv == {}  # nothing was written
-    operator, record = auth.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    operator, record = auth.keys.create_key(owner="ops", tier="standard",
+                                            scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     allowed = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(operator))
     assert allowed.status_code in (200, 202), allowed.text
     assert [(deployment, r.state, r.by) for (_, deployment), r in app.serve.kv.items()] == [
@@ -151,6 +153,11 @@ def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_pa
     assert yvr_client.get("/v1/admin/keys", headers=bearer(own)).status_code == 200
     imported = [k for k in yvr.keyset.current().keys if k.imported]
     assert [k.region for k in imported] == ["yul-02"]  # kid → the region that issued it
+    operator_key, _ = yul.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
+    operator_token = _mint(router_client(yul), operator_key)
+    assert yul.authenticate(f"Bearer {operator_token}", scope=SCOPE_ADMIN).scopes == {
+        SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR}
+    assert yvr.authenticate(f"Bearer {operator_token}", scope=SCOPE_INFERENCE).scopes == {SCOPE_INFERENCE}
 
 
 def test_a_region_publishes_its_own_keys_only_so_trust_is_never_passed_on(tmp_path):

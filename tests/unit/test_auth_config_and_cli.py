@@ -100,7 +100,7 @@ def test_cli_creates_lists_and_revokes_keys_printing_the_secret_once(cli):
     key_id = key.split("_")[1]
     record = KeyStore(cli.auth.key_store()).lookup(key)
     assert record.models == ("qwen-3.6-35b-a3b",)  # aliases are stored as canonical ids
-    assert set(record.scopes) == {"inference", "admin"}
+    assert set(record.scopes) == {"inference", "admin"}  # its owner's admin, not an operator
 
     listed = cli("keys", "list")
     assert key_id in listed.output and "alice" in listed.output and "active" in listed.output
@@ -111,6 +111,16 @@ def test_cli_creates_lists_and_revokes_keys_printing_the_secret_once(cli):
     cli("keys", "revoke", key_id, "--yes")
     assert json.loads(cli("keys", "list", "--json").stdout)[0]["status"] == "revoked"
     assert "no key" in cli("keys", "revoke", "ffffffffffff", "--yes", ok=False).output
+
+
+def test_cli_makes_an_operator_only_when_asked_and_lists_its_scopes(cli):
+    """--admin without --model/--region made an operator of every owner's keys; now only --operator does."""
+    admin = cli("keys", "create", "--owner", "acme", "--admin").stdout.strip()
+    operator = cli("keys", "create", "--owner", "ops", "--operator").stdout.strip()
+    store = KeyStore(cli.auth.key_store())
+    assert set(store.lookup(admin).scopes) == {"inference", "admin"}
+    assert set(store.lookup(operator).scopes) == {"inference", "admin", "operator"}
+    assert "inference admin operator" in cli("keys", "list").output
 
 
 def test_cli_revoke_asks_first_naming_the_owner_and_a_no_keeps_the_key(cli):

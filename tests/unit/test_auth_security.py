@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 from serve_app.auth.tokens import SigningKey
 from tests.unit.fake_processes import Clock
 from tests.unit.auth_support import (
@@ -190,7 +190,8 @@ def test_a_region_outside_the_scope_is_403(auth, client):
 
 
 def test_admin_endpoints_need_the_admin_scope(auth, client, api_key):
-    admin_key, _ = auth.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    admin_key, _ = auth.keys.create_key(owner="ops", tier="standard",
+                                        scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     refused = client.get("/v1/admin/keys", headers=bearer(api_key))
     assert refused.status_code == 403
     assert refused.json()["error"]["code"] == "insufficient_scope"

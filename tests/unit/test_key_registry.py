@@ -9,7 +9,7 @@ import pytest
 
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import PostgresDatabase, SqliteDatabase
-from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, KeyStore
+from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
 from tests.unit.fake_processes import Clock
 
 
@@ -59,6 +59,29 @@ def test_an_owner_lists_and_revokes_its_own_keys_only(registry):
     assert not store.revoke_key(theirs, owner="acme")  # as if it did not exist
     assert store.get(theirs).disabled_at is None
     assert store.revoke_key(sorted(mine)[0], owner="acme")
+
+
+def test_the_operators_of_before_the_scope_get_it_once_and_later_admins_do_not(registry):
+    """Until 2026-12-07 an admin key of every model and region was an operator: such keys keep
+    their powers through the upgrade. One made later is an owner admin (a customer's admin key
+    made without --model or --region managed every tenant), and stays one through restarts."""
+    admin, operator = (SCOPE_INFERENCE, SCOPE_ADMIN), (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
+    store = KeyStore(registry, cache_ttl_s=0)
+    old = {
+        "operator": store.create_key(owner="platform", tier="standard", scopes=admin)[1].key_id,
+        "one_model": store.create_key(owner="acme", tier="standard", models=("m",), scopes=admin)[1].key_id,
+        "one_region": store.create_key(owner="acme", tier="standard", regions=("yul",), scopes=admin)[1].key_id,
+        "user": store.create_key(owner="acme", tier="standard")[1].key_id,
+    }
+    with store.database.connect() as db:  # as a release before the scope left the registry
+        db.execute("DROP TABLE registry_migrations")
+    upgraded, other_region = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0)
+    assert upgraded.get(old["operator"]).scopes == operator
+    assert [upgraded.get(old[name]).scopes for name in ("one_model", "one_region")] == [admin, admin]
+    assert upgraded.get(old["user"]).scopes == (SCOPE_INFERENCE,)
+    later = upgraded.create_key(owner="initech", tier="standard", scopes=admin)[1].key_id
+    assert KeyStore(registry, cache_ttl_s=0).get(later).scopes == admin  # a restart grants nothing
+    assert other_region.get(old["operator"]).scopes == operator  # opened at once: granted once, not twice
 
 
 def test_revoked_token_ids_are_shared_and_revoking_twice_is_fine(registry):
