@@ -9,6 +9,7 @@ Nothing else prints a secret; ``keys list`` shows ids and claims, never hashes.
 """
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -23,7 +24,7 @@ from serve_app.auth.authenticator import mint_token
 from serve_app.auth.principal import Principal
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore, owner_problem
 from serve_app.bench import agent_report, cli as bench_cli
 from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
@@ -153,8 +154,13 @@ def keys_create(
     if not any_region and (unknown := [name for name in region if name not in known]):  # a typo: refused everywhere
         _fail(f"unknown region {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))} "
               "(--any-region for one being added)")
-    if expires_in_days is not None and expires_in_days <= 0:  # 0 read as "never", a negative as expired
-        _fail("--expires-in-days must be more than 0 (leave it out for a key that does not expire)")
+    # 0 read as "never", a negative as expired; inf and nan were tracebacks, a century past any
+    # database's integer: leave it out for a key that does not expire.
+    if expires_in_days is not None and not 0 < expires_in_days <= MAX_KEY_DAYS:
+        _fail(f"--expires-in-days must be more than 0 and at most {MAX_KEY_DAYS} (leave it out for a key that "
+              "does not expire)")
+    if (problem := owner_problem(owner)) is not None:
+        _fail(problem)
     store = c.store(create=True)
     key, record = store.create_key(
         owner=owner,
@@ -171,6 +177,7 @@ def keys_create(
     typer.echo(key)  # stdout carries only the key, for KEY=$(serve-app keys create ...)
 
 
+MAX_KEY_DAYS = 36_500  # a century: --expires-in-days past it is a mistake (inf overflowed the database)
 # From a rotation on an operator's copy of a keyset to its routers signing with the new key: the
 # Secret's apply and the kubelet's sync of the mounted file (about a minute), with room.
 KEYSET_PROPAGATION_S = 180
@@ -306,6 +313,9 @@ def token_mint(ctx: typer.Context, key_id: str) -> None:
     typer.echo(answer["access_token"])
 
 
+_JTI_RE = re.compile(r"[A-Za-z0-9_-]{22}")  # tokens.mint: secrets.token_urlsafe(16)
+
+
 @token_app.command("revoke")
 def token_revoke(ctx: typer.Context, jti_or_token: str) -> None:
     """Revoke one token by its jti (or by the token itself) before it expires."""
@@ -314,6 +324,8 @@ def token_revoke(ctx: typer.Context, jti_or_token: str) -> None:
     if jti_or_token.count(".") == 2:
         payload = _verified_payload(c, jti_or_token)
         jti, purge_after = payload["jti"], int(payload["exp"]) + c.auth.leeway_s
+    elif not _JTI_RE.fullmatch(jti):  # a typo "revoked" nothing and said so
+        _fail(f"{jti!r} is neither a token nor a token id (jti: 22 characters of A-Z a-z 0-9 _ -)")
     c.store().revoke_jti(jti, purge_after=purge_after)
     typer.echo(f"revoked token {jti}")
 

@@ -21,6 +21,7 @@ import contextvars
 import functools
 import hmac
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -64,6 +65,8 @@ UNKNOWN_ID_THREADS = 2
 # How often a router lists the key ids created since its last listing (one indexed query): a
 # key created since is the only real one a flood of made-up ids can hold back, this long at most.
 KNOWN_IDS_REFRESH_S = 10
+# The revocations are read from the primary every cache_ttl_s (two indexed queries), at most this often.
+MIN_REVOCATIONS_EVERY_S = 1.0
 
 
 def region_audience(audience: str, region: str) -> str:
@@ -107,7 +110,8 @@ class Authenticator(Admission):
         # Tokens for everyone, and failover tokens minted by a peer for this region only.
         self._audiences = [args.audience, region_audience(args.audience, region)]
         self._charging: set[asyncio.Task] = set()
-        self._following: asyncio.Task | None = None
+        self._following: list[asyncio.Task] = []  # the key ids' listing, the revocations' reading
+        self._revocations_failed_at: float | None = None  # when a failed read was last logged
         # Made-up key ids are queried here, a few at a time (their rate: registry_miss_lookups_per_s).
         self._unknown_id_threads = ThreadPoolExecutor(UNKNOWN_ID_THREADS, thread_name_prefix="unknown-key-id")
 
@@ -241,18 +245,22 @@ class Authenticator(Admission):
     # --- background work ------------------------------------------------------------------
     def start(self) -> None:
         """List the registry's key ids now and every ``KNOWN_IDS_REFRESH_S`` (``KeyStore.
-        refresh_known_ids``): their lookups never wait behind a flood of made-up ids. Inside the
-        router's event loop; the listing runs on a thread."""
-        if self._following is None:
-            self._following = asyncio.get_running_loop().create_task(self._follow_known_ids(), name="known-key-ids")
+        refresh_known_ids``): their lookups never wait behind a flood of made-up ids. Read the
+        revocations from the primary every ``cache_ttl_s`` (``KeyStore.follow_revocations``): a
+        revoked key or token is refused within that, however far the read replica lags. Inside
+        the router's event loop; the queries run on threads."""
+        if not self._following:
+            loop = asyncio.get_running_loop()
+            self._following = [loop.create_task(self._follow_known_ids(), name="known-key-ids"),
+                               loop.create_task(self._follow_revocations(), name="revocations")]
 
     async def aclose(self) -> None:
         await self.registry.aclose()
         self.keys.close()
-        if self._following is not None:
-            self._following.cancel()
-            await asyncio.gather(self._following, return_exceptions=True)
-            self._following = None
+        for task in self._following:
+            task.cancel()
+        await asyncio.gather(*self._following, return_exceptions=True)
+        self._following = []
 
     async def list_key_ids(self) -> None:
         """List the registry's key ids now (``KeyStore.refresh_known_ids``), on a thread; a failure
@@ -267,12 +275,32 @@ class Authenticator(Admission):
             await self.list_key_ids()
             await asyncio.sleep(KNOWN_IDS_REFRESH_S)
 
+    async def read_revocations(self) -> None:
+        """``KeyStore.follow_revocations`` on a thread; a failure is logged once a minute (the
+        primary away: revocations still reach this router as its cached rows are read again)."""
+        try:
+            await asyncio.to_thread(self.keys.follow_revocations)
+            self._revocations_failed_at = None
+        except Exception as err:
+            now = time.monotonic()
+            if self._revocations_failed_at is None or now - self._revocations_failed_at >= 60:
+                self._revocations_failed_at = now
+                logger.warning("key registry: reading the revocations from the primary failed (%s); retrying", err)
+
+    async def _follow_revocations(self) -> None:
+        while True:
+            await asyncio.sleep(max(MIN_REVOCATIONS_EVERY_S, self.args.cache_ttl_s))
+            await self.read_revocations()
+
     # --- the token endpoint and key admin ---------------------------------------------------
     async def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:
         """Exchange an API key (never a token: a token must not be able to renew itself) for a JWT.
-        The key comes from the body (``api_key``) or else from the Authorization header. Rate
+        The key comes from the body (``api_key``) or from the Authorization header, never both. Rate
         limited per key (``token_requests_per_minute``), checked before anything is signed."""
         with logged_refusal():
+            if api_key and authorization is not None:  # which one counts is the attack (``authorization``)
+                raise APIError(400, "the request carries a key in its body and an Authorization header; send "
+                               "exactly one credential", param="api_key", code="duplicate_authorization")
             credential = api_key or bearer(authorization)
             if _looks_like_jwt(credential):
                 raise APIError(400, "the token endpoint takes an API key, not a token", code="api_key_required")

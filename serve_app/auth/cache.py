@@ -207,14 +207,27 @@ class LookupCache:
         under way are not stored (they may have read the row before the change), and a lookup
         from now on does not wait for one of them."""
         with self._lock:
-            self._rows.pop(key, None)
-            self._misses.pop(key, None)
-            self._flights.pop(key, None)
-            self._writes += 1
-            self._written[key] = self._writes
-            self._written.move_to_end(key)
-            while len(self._written) > self.MAX_WRITTEN:
-                self._written_floor = self._written.popitem(last=False)[1]
+            self._forget_locked(key)
+
+    def _forget_locked(self, key: Hashable) -> None:
+        """``forget``, with the lock held."""
+        self._rows.pop(key, None)
+        self._misses.pop(key, None)
+        self._flights.pop(key, None)
+        self._writes += 1
+        self._written[key] = self._writes
+        self._written.move_to_end(key)
+        while len(self._written) > self.MAX_WRITTEN:
+            self._written_floor = self._written.popitem(last=False)[1]
+
+    def put_final(self, key: Hashable, value: Any, for_s: float = math.inf) -> None:
+        """Hold ``value`` for ``key`` for ``for_s`` (a revocation this process learnt of from the
+        primary: a token's until it would have expired anyway), never read again meanwhile:
+        queries under way, which may have read a lagging replica, do not replace it."""
+        with self._lock:
+            self._forget_locked(key)
+            if for_s > 0:
+                self._rows[key] = (self.clock() + for_s, value, False)
 
     def _fly(self, key: Hashable, load: Callable[[], Any], flight: _Flight, now: float) -> None:
         """Run ``flight``'s query (begun at ``now``), store its answer, wake its waiters."""

@@ -43,6 +43,10 @@ SCOPE_ADMIN = "admin"
 # key made without --model/--region managed every tenant's keys (``_OPERATOR_MIGRATION``).
 SCOPE_OPERATOR = "operator"
 SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
+# How far back each read of the revocations goes (``follow_revocations``): a revocation is dated
+# by the clock of the host that made it (a router, an operator's machine), which may be this much
+# behind; the rows read again are few (revocations are rare) and cost nothing to hold again.
+REVOCATION_LOOK_BACK_S = 600
 # The registry's one-time data migrations, each applied by the first store that opens it.
 _OPERATOR_MIGRATION = "operator-scope"
 
@@ -72,13 +76,16 @@ CREATE TABLE IF NOT EXISTS api_keys (
     expires_at    INTEGER,        -- NULL: never
     disabled_at   INTEGER         -- NULL: active; set by `serve-app keys revoke`
 );
--- Each router lists the ids created since its last listing (KeyStore.refresh_known_ids).
+-- Each router lists the ids created since its last listing (KeyStore.refresh_known_ids), and the
+-- keys and tokens revoked lately, from the primary (KeyStore.follow_revocations).
 CREATE INDEX IF NOT EXISTS api_keys_created_at ON api_keys (created_at);
+CREATE INDEX IF NOT EXISTS api_keys_disabled_at ON api_keys (disabled_at);
 CREATE TABLE IF NOT EXISTS revoked_tokens (
     jti         TEXT PRIMARY KEY,
     revoked_at  INTEGER NOT NULL,
     purge_after INTEGER NOT NULL  -- once the token has expired anyway, the row can go
 );
+CREATE INDEX IF NOT EXISTS revoked_tokens_revoked_at ON revoked_tokens (revoked_at);
 CREATE TABLE IF NOT EXISTS registry_migrations (
     name        TEXT PRIMARY KEY,
     applied_at  INTEGER NOT NULL
@@ -97,11 +104,22 @@ def parse_key(raw: str) -> tuple[str, str] | None:
 
 
 _KEY_ID_RE = re.compile(r"[0-9a-f]{12}")
+# A customer or team id: printable, no spaces or control characters (``keys list`` prints it to a
+# terminal; a NUL is refused by PostgreSQL with an error of its own).
+_OWNER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:+-]{0,127}")
 
 
 def is_key_id(raw: str) -> bool:
     """Whether ``raw`` has a key id's shape (what a ``pgk_`` key carries after its prefix)."""
     return _KEY_ID_RE.fullmatch(raw) is not None
+
+
+def owner_problem(owner: str) -> str | None:
+    """Why ``owner`` cannot own a key, if it cannot."""
+    if _OWNER_RE.fullmatch(owner) is None:
+        return (f"owner {owner!r} is not an id: letters, digits and . _ @ : + - (at most 128, beginning with a "
+                "letter or digit)")
+    return None
 
 
 def looks_like_key(raw: str) -> bool:
@@ -248,6 +266,23 @@ class KeyStore:
         self._known_ids.update(other._known_ids)
         self._known_since = max(self._known_since, since)
 
+    def follow_revocations(self) -> int:
+        """The keys and tokens revoked in the last ``REVOCATION_LOOK_BACK_S``, read from the
+        primary and held as revoked here (for good, as any revocation): a key or token revoked in
+        any region is refused here within one call's interval however far the region's read
+        replica lags (a cached row is otherwise read again from the replica, which may not have
+        the revocation yet). How many were read. The router calls it every ``cache_ttl_s``."""
+        since = int(time.time()) - REVOCATION_LOOK_BACK_S
+        with self._connect(read=False) as db:
+            keys = db.execute("SELECT * FROM api_keys WHERE disabled_at >= ?", (since,)).fetchall()
+            jtis = db.execute("SELECT jti, purge_after FROM revoked_tokens WHERE revoked_at >= ?", (since,)).fetchall()
+        for row in keys:
+            self._keys.put_final(row["key_id"], _record(row))
+        now = time.time()
+        for row in jtis:  # held until the token would have expired anyway (its row's purge)
+            self._revoked.put_final(row["jti"], True, for_s=row["purge_after"] - now)
+        return len(keys) + len(jtis)
+
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the
         ids whose lookups a flood of made-up ids can never hold back (``cache.py``), at most
@@ -299,6 +334,8 @@ class KeyStore:
             raise ValueError(f"unknown scopes {sorted(unknown)}; known: {', '.join(SCOPES)}")
         if SCOPE_OPERATOR in scopes and SCOPE_ADMIN not in scopes:
             raise ValueError("the operator scope needs the admin scope")
+        if (problem := owner_problem(owner)) is not None:
+            raise ValueError(problem)
         secret = "".join(secrets.choice(_ALPHABET) for _ in range(_SECRET_LEN))
         record = KeyRecord(
             key_id=secrets.token_hex(6),
@@ -344,9 +381,11 @@ class KeyStore:
         if owner is not None:
             sql, params = sql + " AND owner = ?", (*params, owner)
         with self._connect() as db:
-            cursor = db.execute(sql, params)
-        self._keys.forget(key_id)
-        return cursor.rowcount > 0
+            revoked = db.execute(sql, params).rowcount > 0
+            row = db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone() if revoked else None
+        if row is not None:  # refused here at once, whatever the replica holds yet (another owner's id: untouched)
+            self._keys.put_final(key_id, _record(row))
+        return revoked
 
     def revoke_jti(self, jti: str, *, purge_after: int) -> None:
         now = int(time.time())
@@ -357,7 +396,7 @@ class KeyStore:
                 " SET revoked_at = excluded.revoked_at, purge_after = excluded.purge_after",
                 (jti, now, purge_after),
             )
-        self._revoked.forget(jti)
+        self._revoked.put_final(jti, True, for_s=purge_after - time.time())
 
 
 def _record(row) -> KeyRecord:

@@ -108,11 +108,13 @@ def hostile_bodies(url: str, key: str, timeout_s: float = 60) -> dict[str, Any]:
     the refusal is in the route's error shape. Every body here is refused or bounded: none may run
     the engine long."""
     answers: dict[str, str] = {}
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    with httpx.Client(headers=headers, timeout=timeout_s) as client:
+    authorized = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(headers={"Content-Type": "application/json"}, timeout=timeout_s) as client:
         for name, (route, raw) in HOSTILE.items():
             try:
-                response = client.post(url + route, content=raw)
+                # The token endpoint's body carries the key: a header beside it is a 400 of its own.
+                headers = {} if route == TOKEN_PATH else authorized
+                response = client.post(url + route, content=raw, headers=headers)
             except httpx.TimeoutException:
                 answers[name] = "hung"
                 continue

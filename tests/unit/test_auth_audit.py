@@ -425,6 +425,33 @@ def test_duplicate_authorization_headers_are_400_at_the_token_endpoint(tmp_path)
     assert _error(client.post("/v1/auth/token", headers=twice)) == (400, "duplicate_authorization", "authorization")
 
 
+def test_a_key_in_the_body_and_another_in_the_header_are_400_at_the_token_endpoint(tmp_path):
+    """The body's key won silently over the header's: a proxy that checks one and a router that
+    uses the other would disagree on who is calling."""
+    auth = authenticator(tmp_path)
+    key, _ = auth.keys.create_key(owner="alice", tier="standard")
+    other, _ = auth.keys.create_key(owner="mallory", tier="standard")
+    client = router_client(auth)
+    both = client.post("/v1/auth/token", headers=bearer(other), json={"api_key": key})
+    assert _error(both) == (400, "duplicate_authorization", "api_key") and key not in both.text
+    assert client.post("/v1/auth/token", json={"api_key": key}).status_code == 200  # either one alone
+    assert client.post("/v1/auth/token", headers=bearer(key), json={}).status_code == 200
+
+
+def test_revoking_another_owners_key_id_leaves_its_cached_row_alone(tmp_path):
+    """An owner admin's revoke of an id it does not own dropped that key's cached row on the
+    router (a registry read on its owner's next request); ten thousand ids a minute would also
+    have thrown away every lookup under way on that router."""
+    auth = authenticator(tmp_path, cache_ttl_s=60)
+    acme_admin, _ = auth.keys.create_key(owner="acme", tier="standard", models=(MODEL,),
+                                         scopes=(SCOPE_INFERENCE, SCOPE_ADMIN))
+    globex, record = auth.keys.create_key(owner="globex", tier="standard")
+    auth.authenticate(f"Bearer {globex}", scope=SCOPE_INFERENCE)  # its row, cached
+    caller = auth.authenticate(f"Bearer {acme_admin}", scope=SCOPE_ADMIN)
+    assert auth.revoke_key(caller, record.key_id) is False
+    assert auth.authenticate(f"Bearer {globex}", scope=SCOPE_INFERENCE, offline=True).owner == "globex"  # no read
+
+
 def test_the_token_endpoint_refuses_a_body_bigger_than_a_key_before_reading_it(tmp_path):
     """The body is read before any credential is known: a megabyte of JSON objects would be
     parsed for anyone who can reach the router."""
@@ -436,3 +463,31 @@ def test_the_token_endpoint_refuses_a_body_bigger_than_a_key_before_reading_it(t
     response = client.post("/v1/auth/token", content=padded, headers={"content-type": "application/json"})
     assert _error(response)[:2] == (413, "request_too_large")
 
+
+
+def test_a_router_reads_the_revocations_from_the_primary_every_cache_ttl_and_a_failure_is_logged(tmp_path, caplog):
+    """``KeyStore.follow_revocations`` is what bounds a revocation's reach when the region's
+    replica lags (tests/unit/test_key_registry.py); here, that the router runs it and that a
+    primary away is logged once, not raised into the loop that runs it."""
+    import asyncio
+
+    auth = authenticator(tmp_path, cache_ttl_s=1)
+    readings: list[int] = []
+
+    def unreachable():
+        raise RuntimeError("primary away")
+
+    async def go():
+        auth.keys.follow_revocations = lambda: readings.append(1) or 0
+        auth.start()
+        async with asyncio.timeout(30):
+            while len(readings) < 2:  # every cache_ttl_s (1 s here)
+                await asyncio.sleep(0.05)
+        auth.keys.follow_revocations = unreachable
+        await auth.read_revocations()
+        await auth.read_revocations()
+        await auth.aclose()
+        assert auth._following == []
+
+    asyncio.run(go())
+    assert caplog.text.count("reading the revocations from the primary failed") == 1

@@ -162,6 +162,20 @@ def test_cli_rejects_an_unknown_region_and_an_expiry_that_is_not_ahead(cli):
     assert sorted(tuple(k["regions"]) for k in listed) == [("sea-01",), ("yul-02", "local")]
 
 
+@pytest.mark.parametrize("days", ["inf", "nan", "36501", "1e300"])
+def test_cli_refuses_an_expiry_no_database_holds_with_a_message_not_a_traceback(cli, days):
+    refused = cli("keys", "create", "--owner", "a", "--expires-in-days", days, ok=False)
+    assert "at most 36500" in refused.output and isinstance(refused.exception, SystemExit)
+    assert not cli.auth.key_store().exists()
+
+
+@pytest.mark.parametrize("owner", ["", " acme", "ac\x00me", "a\x1b[31m", "x" * 129, "-flag"])
+def test_cli_refuses_an_owner_that_is_no_id(cli, owner):
+    refused = cli("keys", "create", "--owner", owner, ok=False)
+    assert "is not an id" in refused.output and isinstance(refused.exception, SystemExit)
+    assert not cli.auth.key_store().exists()
+
+
 def test_a_key_for_the_configs_failover_peer_is_for_a_known_region(tmp_path):
     """The local two-region setup's peer ("peer") is no region file: the config names it."""
     from serve_app.devtools.local_regions import PEER_REGION
@@ -197,8 +211,10 @@ def test_cli_rotates_signing_keys_and_mints_and_revokes_tokens(cli):
     fresh = cli("token", "mint", key_id).stdout.strip()
     cli("token", "revoke", fresh)
     assert KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked(jwt.decode(fresh, options={"verify_signature": False})["jti"])
-    cli("token", "revoke", "some-jti")
-    assert KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked("some-jti")
+    cli("token", "revoke", "A" * 22)  # by its id
+    assert KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked("A" * 22)
+    assert "neither a token nor a token id" in cli("token", "revoke", "some-jti", ok=False).output  # a typo
+    assert not KeyStore(cli.auth.key_store(), cache_ttl_s=0).is_jti_revoked("some-jti")
 
 
 def test_cli_exports_and_imports_jwks_between_regions(cli, tmp_path):

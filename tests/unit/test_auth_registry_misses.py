@@ -161,7 +161,7 @@ def test_the_router_lists_key_ids_in_the_background_and_stops_with_it(tmp_path):
         await auth.aclose()
         return len(auth.keys._known_ids), auth._following
 
-    assert asyncio.run(scenario()) == (1, None)
+    assert asyncio.run(scenario()) == (1, [])
 
 
 def test_unknown_ids_are_queried_on_threads_of_their_own_never_in_front_of_real_keys(tmp_path):

@@ -249,3 +249,49 @@ def test_the_read_replica_is_named_by_env_and_only_beside_a_primary():
     assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": "postgresql://r/x"}) == "postgresql://r/x"
     assert args.key_store_replica({"PRIMARY": "postgresql://p/x", "REPLICA": " "}) is None  # empty: all on the primary
     assert AuthArgs(key_registry_read_dsn_env="REPLICA").key_store_replica({"REPLICA": "postgresql://r/x"}) is None
+
+
+def _replicated(primary: KeyStore, replica: str, key_id: str) -> None:
+    """Copy a key's row as the primary holds it now to ``replica`` (what replication would bring,
+    up to that moment: from then on the replica lags)."""
+    with primary.database.connect() as db:
+        row = dict(db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone())
+    with KeyStore(replica).database.connect() as db:
+        db.execute(f"INSERT INTO api_keys ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+
+
+def test_a_revocation_reaches_a_router_whose_replica_lags_with_its_next_reading_of_the_primary(postgres_dsn):
+    """A router's cached row is read again from the region's replica: one that lags (or has
+    stopped replaying) kept a revoked key and a revoked token working, for as long as it lagged.
+    The revocations are read from the primary (every cache_ttl_s in a router)."""
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    operator = KeyStore(primary, cache_ttl_s=0)  # the CLI, or another region's admin endpoint
+    key, record = operator.create_key(owner="alice", tier="standard")
+    _replicated(operator, replica, record.key_id)
+    clock = Clock()
+    router = KeyStore(primary, cache_ttl_s=5, replica=replica, clock=clock)
+    jti = "J" * 22
+    assert router.lookup(key).status(time.time()) == "active" and not router.is_jti_revoked(jti)
+    assert operator.revoke_key(record.key_id)
+    operator.revoke_jti(jti, purge_after=int(time.time()) + 900)
+    clock.now += 6  # past the cache's 5 s: read again, from the replica, which has neither revocation
+    assert router.lookup(key).status(time.time()) == "active" and not router.is_jti_revoked(jti)
+    assert router.follow_revocations() == 2
+    assert router.lookup(key).status(time.time()) == "revoked" and router.is_jti_revoked(jti)
+    clock.now += 3600  # held for good: no later read of the replica brings the key back
+    assert router.lookup(key).status(time.time()) == "revoked"
+
+
+def test_a_revocation_made_here_is_refused_here_at_once_whatever_the_replica_holds(postgres_dsn):
+    from tests.postgres_server import new_database
+
+    primary, replica = new_database(postgres_dsn), new_database(postgres_dsn)
+    operator = KeyStore(primary, cache_ttl_s=0)
+    key, record = operator.create_key(owner="alice", tier="standard")
+    _replicated(operator, replica, record.key_id)
+    router = KeyStore(primary, cache_ttl_s=5, replica=replica)
+    assert router.lookup(key).status(time.time()) == "active"
+    assert router.revoke_key(record.key_id)  # the router's own admin endpoint
+    assert router.get(record.key_id).status(time.time()) == "revoked"  # not re-read from the replica
