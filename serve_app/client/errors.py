@@ -1,8 +1,10 @@
 """Exceptions the client raises: one class per status the server documents (docs/api.md, "Errors").
 
 Every HTTP error carries what the server's body and headers said (``status``, ``type``, ``code``,
-``param``, ``retry_after``) plus where it happened (``region``, ``trace_id``), so a caller can branch
-on ``code`` and quote the trace id to an operator. The class names mirror the openai SDK's, so code
+``param``, ``retry_after``, ``request_id``; the response's ``headers`` and its ``body`` text, a
+proxy's page too) plus where it happened (``region``, ``trace_id``), so a caller can branch on
+``code`` and quote the request and trace ids to an operator. Every error pickles (a worker pool
+hands it to its parent). The class names mirror the openai SDK's, so code
 written against it reads the same; they are our own classes, not subclasses of openai's (the client
 must not need the openai package).
 
@@ -11,10 +13,15 @@ raised as the class its ``type`` stands for, with ``during_stream=True``: never 
 caller has already consumed part of the answer.
 """
 
+import email.utils
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
+
+BODY_KEPT_CHARS = 8192  # of an error's body text (a proxy's page can be large)
 
 # The status an error event stands for when there is no status line to read it from (a stream's
 # error event, after its 200). By code first: these two codes have their own statuses.
@@ -37,6 +44,18 @@ _STATUS_BY_TYPE = {
 
 class ServeAppError(Exception):
     """Base of every error this client raises."""
+
+    def __reduce__(self):
+        # Exception pickles as cls(*args): keyword-only fields would be lost (and required ones
+        # fail to unpickle). Rebuilt from the message, with every field as it was.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, fields: dict[str, Any]) -> ServeAppError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(fields)
+    return err
 
 
 class APIConnectionError(ServeAppError):
@@ -67,11 +86,19 @@ class APIStatusError(ServeAppError):
         trace_id: str | None = None,
         during_stream: bool = False,
         json_body: bool = True,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: str | None = None,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.code, self.param = message, status, type, code, param
         self.retry_after, self.region, self.trace_id, self.during_stream = retry_after, region, trace_id, during_stream
         self.json_body = json_body  # False: a page or plain text, from a proxy rather than an application
+        # The id the server logged the request under (``x-request-id``; an Anthropic body's
+        # ``request_id``): quote it with the trace id when reporting a failure.
+        self.request_id = request_id
+        self.headers = dict(headers or {})  # the response's (lower-case names), none for a stream's event
+        self.body = body  # the response's text, at most BODY_KEPT_CHARS
 
     @property
     def status_code(self) -> int:  # the openai SDK's name for it
@@ -130,12 +157,11 @@ def described(err: ServeAppError) -> str:
     return type(err).__name__
 
 
-def retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """Seconds to wait, from ``retry-after-ms`` (finer, sent with 429s) or ``Retry-After``.
-
-    Only the delta-seconds form: the server never sends an HTTP date, and a date would need the
-    client's clock to agree with the server's.
-    """
+def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds to wait, from ``retry-after-ms`` (finer, sent with 429s) or ``Retry-After``: in
+    seconds, as the server sends it, or as an HTTP date (a CDN's or a load balancer's 429 or 503,
+    read against this host's clock; a date past is 0). ``inf``, ``nan`` or a negative say nothing.
+    ``now``: the wall clock, for a date (tests)."""
     for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
         value = headers.get(name)
         if value is None:
@@ -143,10 +169,20 @@ def retry_after_s(headers: Mapping[str, str]) -> float | None:
         try:
             seconds = float(value) * scale
         except ValueError:
-            continue
-        if seconds >= 0:
+            seconds = _seconds_until(value, now) if scale == 1.0 else None
+        if seconds is not None and math.isfinite(seconds) and seconds >= 0:
             return seconds
     return None
+
+
+def _seconds_until(date: str, now: float | None) -> float | None:
+    try:
+        when = email.utils.parsedate_to_datetime(date)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:  # RFC 9110 dates are GMT; one without a zone is read as such
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _error_fields(body: Any) -> dict[str, Any]:
@@ -160,11 +196,19 @@ def _error_fields(body: Any) -> dict[str, Any]:
 
 def from_response(response: httpx.Response, *, region: str | None, trace_id: str | None) -> APIStatusError:
     """The exception for an error response (its body must have been read)."""
-    json_body = True
+    json_body, payload = True, None
     try:
-        fields = _error_fields(response.json())
+        payload = response.json()
+        fields = _error_fields(payload)
     except (ValueError, httpx.StreamError):  # not JSON (a proxy's HTML page), or a body that broke off
         fields, json_body = {}, False
+    try:
+        text = response.text[:BODY_KEPT_CHARS]
+    except (httpx.StreamError, UnicodeDecodeError):
+        text = None
+    request_id = response.headers.get("x-request-id")
+    if request_id is None and isinstance(payload, dict) and isinstance(payload.get("request_id"), str):
+        request_id = payload["request_id"]  # Anthropic's shape
     message = str(fields.get("message") or response.reason_phrase or "error")
     return _class_for(response.status_code)(
         message,
@@ -176,6 +220,9 @@ def from_response(response: httpx.Response, *, region: str | None, trace_id: str
         region=response.headers.get("x-pg-region") or region,
         trace_id=trace_id,
         json_body=json_body,
+        request_id=request_id,
+        headers=response.headers,
+        body=text,
     )
 
 

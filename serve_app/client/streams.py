@@ -121,9 +121,12 @@ class AsyncStream(Generic[Chunk]):
         return self
 
     async def __anext__(self) -> Chunk:
-        if self._closed or self.ended:
+        if self.ended:
             await self.aclose()
             raise StopAsyncIteration
+        if self._closed:  # by another task or thread (a shutdown's close): cut short, never complete
+            raise APIConnectionError("the stream was closed before its end: the answer is incomplete",
+                                     region=self.region, trace_id=self.trace_id)
         await self.start()
         assert self._events is not None
         try:
@@ -146,9 +149,11 @@ class AsyncStream(Generic[Chunk]):
         except (httpx.TimeoutException, TimeoutError):  # httpx's read timeout, or ``silence_s``
             await self.aclose()
             raise APITimeoutError("the stream stalled past the read timeout", region=self.region, trace_id=self.trace_id) from None
-        except httpx.TransportError as err:
+        except (httpx.HTTPError, httpx.StreamError) as err:  # a broken line, a bad encoding, a close meanwhile
+            closed_meanwhile = self._closed
             await self.aclose()
-            raise APIConnectionError(f"the stream broke off: {type(err).__name__}", region=self.region, trace_id=self.trace_id) from None
+            why = "was closed before its end" if closed_meanwhile else f"broke off: {type(err).__name__}"
+            raise APIConnectionError(f"the stream {why}", region=self.region, trace_id=self.trace_id) from None
         except ServeAppError:
             await self.aclose()
             raise

@@ -11,15 +11,27 @@ region across requests. What happens to one request, in order:
   region's HAProxy saying no router took the request (500 ``gateway_unavailable``: nothing ran)
   moves on to the next region at once. The server has already tried its own peers before
   answering 503 (docs/api.md, "Cross-region failover"), so this only adds the regions the caller
-  knows about.
+  knows about. So does a 404 ``model_not_found``, a region's word on the models it serves: the
+  model may be served in another (a region's optional model); it is raised only when every
+  region said it.
+- A pooled connection the server had closed (an ingress reload closes idle ones) breaks at once,
+  before any answer, on a connection this request did not open: nothing ran, and the request is
+  sent again on a new one, to the same region, once. A line that breaks otherwise before the
+  answer is raised (the server may have run the request) — but for a ``GET`` and the token
+  exchange, which run nothing twice: they go on as after a connect error.
 - When every region failed in a round, or on a 429 (the caller's budget, which another region
   would charge too), the client waits until the first region may be asked again — its
   ``Retry-After`` if it gave one (plus up to a fifth, so that clients shed together do not come
   back together), else exponential backoff with jitter — and starts a new round with the regions
   whose wait is over; a 429 waits for its own region's ``Retry-After``, whatever other regions
-  said. At most ``max_retries`` waits and ``max_retry_time_s`` in all. A ``Retry-After`` past that
-  budget is not waited for: the error is raised at once with ``retry_after`` set (a cold model
-  says 60 s; the caller decides).
+  said. A region that could not be reached waits ``region_hold_s`` while another region answered
+  (it would otherwise be due first, at every round, and spend the retries a region that answers
+  asked to wait for). At most ``max_retries`` waits and ``max_retry_time_s`` in all. A
+  ``Retry-After`` past that budget is not waited for: the error is raised at once with
+  ``retry_after`` set (a cold model says 60 s; the caller decides).
+- The error raised when the attempts end is the most useful one of the call's, not the last: a
+  429, then an answer with ``Retry-After``, then any other answer, then a connection's failure,
+  then a region's 404 ``model_not_found``; of equals, the region first in the caller's order.
 - A 401 that refuses the token (``token_expired``, ``token_not_yet_valid``, ``token_revoked``,
   ``invalid_token``: a signing key rotated out) mints a new token once and resends
   (``Auth.after_rejection``); so does a 401 whose body has no code but whose ``WWW-Authenticate``
@@ -66,8 +78,14 @@ DEFAULT_STREAM_READ_TIMEOUT_S = 30.0  # ≫ the server's 1 s keep-alive period (
 # to read), since requests may wait on it when there is no valid token to send meanwhile.
 EXCHANGE_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 GATEWAY_UNAVAILABLE = "gateway_unavailable"  # HAProxy's: no router took the request (haproxy/error_pages.py)
+MODEL_NOT_FOUND = "model_not_found"  # a region's word on the models it serves
 RETRY_AFTER_SPREAD = 0.2  # a Retry-After is waited for, plus up to this fraction of it
 _CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+# A line that breaks before the answer: read, a closed connection's "disconnected without a
+# response", or a write that failed (the server never had the whole body).
+_BROKEN_LINE = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError)
+# A break this soon on a connection the request did not open: a pooled one the server had closed.
+STALE_BREAK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -156,12 +174,16 @@ class Transport:
     ) -> Sent:
         """The first response below 400, or the error that ended the attempts (module docstring).
         ``credential``: sent as the Bearer value instead of the client's (the exchange's key)."""
+        if self._http.is_closed:
+            raise ServeAppError("this client has been closed")
         traceparent = traceparent or new_traceparent(self.trace_sample_ratio)
         trace_id = trace_id_of(traceparent)
-        started, retries, refreshed = self._clock(), 0, False
+        started, retries, refreshed, resent_stale = self._clock(), 0, False, False
         order = self._order()
         untried = list(order)  # this round's regions, in order
         due: dict[int, float] = {}  # region → when it may be asked again: its Retry-After, or a backoff
+        failures: dict[int, ServeAppError] = {}  # each region's last failure in this call
+        idempotent = method == "GET" or path == TOKEN_PATH  # runs nothing twice if sent twice
         while True:
             index = untried.pop(0)
             base_url = self.base_urls[index]
@@ -172,10 +194,17 @@ class Transport:
                 await self.auth.ensure(self.exchange)
                 sent_credential = self.auth.credential()
             headers["authorization"] = f"Bearer {sent_credential.reveal()}"
+            fresh: list[bool] = []  # whether this request opened its own connection (httpcore's trace)
+
+            async def trace(event: str, info: dict, fresh: list[bool] = fresh) -> None:
+                if event.endswith(".connect_tcp.complete"):
+                    fresh.append(True)
+
             request = self._http.build_request(
-                method, base_url + path, json=body, headers=headers,
+                method, base_url + path, json=body, headers=headers, extensions={"trace": trace},
                 timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
             )
+            sent_at = self._clock()
             try:
                 response = await self._http.send(request, stream=stream)
             except _CONNECT_ERRORS as err:
@@ -183,6 +212,16 @@ class Transport:
                 self._hold(index, None)
             except httpx.TimeoutException as err:
                 raise APITimeoutError(f"{base_url} did not answer in time ({type(err).__name__})", trace_id=trace_id) from None
+            except _BROKEN_LINE as err:
+                broken = APIConnectionError(f"connection to {base_url} failed: {type(err).__name__}", trace_id=trace_id)
+                if not fresh and self._clock() - sent_at < STALE_BREAK_S and not resent_stale:
+                    resent_stale = True  # a pooled connection the server had closed: nothing ran
+                    logger.info("%s closed a pooled connection (%s); sending again", base_url, type(err).__name__)
+                    untried.insert(0, index)
+                    continue
+                if not idempotent:
+                    raise broken from None  # the server may have run (and billed) it
+                failure = broken
             except httpx.TransportError as err:
                 raise APIConnectionError(f"connection to {base_url} failed: {type(err).__name__}", trace_id=trace_id) from None
             else:
@@ -198,22 +237,32 @@ class Transport:
                     logger.info("token refused at %s (%s); minted a new one and resending", base_url, failure.code)
                     untried.insert(0, index)
                     continue
+                not_served = failure.status == 404 and failure.code == MODEL_NOT_FOUND and len(order) > 1
                 if failure.status == 503 or (failure.status == 500 and failure.code == GATEWAY_UNAVAILABLE):
                     self._hold(index, failure.retry_after)
-                elif failure.status != 429:
+                elif failure.status != 429 and not not_served:
                     raise failure
+            failures[index] = failure
             rate_limited = getattr(failure, "status", None) == 429
             retry_after = getattr(failure, "retry_after", None)
-            due[index] = self._clock() + (retry_after * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
-                                          if retry_after is not None else self.retry.backoff(retries))
+            if not _not_served(failure):  # a region that does not serve the model is not asked again
+                due[index] = self._clock() + (retry_after * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
+                                              if retry_after is not None else self.retry.backoff(retries))
             if untried and not rate_limited:
                 logger.info("%s failed (%s); trying %s", base_url, described(failure), self.base_urls[untried[0]])
                 continue
             # The round is over: wait until the first region may be asked again, within the budget
             # (a 429: until its own region may be, the only one asked again).
-            wait = max(0.0, (due[index] if rate_limited else min(due.values())) - self._clock())
+            if rate_limited:
+                raised, wait = failure, max(0.0, due[index] - self._clock())
+            else:
+                raised = _most_useful(failures, order)
+                if not due:  # every region said it does not serve the model
+                    raise raised
+                self._wait_for_answering_regions(due, failures)
+                wait = max(0.0, min(due.values()) - self._clock())
             if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
-                raise failure
+                raise raised
             logger.info("%s failed (%s); retrying in %.2fs (%d/%d)", base_url, described(failure), wait,
                         retries + 1, self.retry.max_retries)
             await asyncio.sleep(wait)
@@ -224,7 +273,38 @@ class Transport:
             # is asked then, never none.
             now = self._clock()
             untried = [index] if rate_limited else (
-                [i for i in order if due.get(i, 0.0) <= now] or [min(due, key=due.__getitem__)])
+                [i for i in order if i in due and due[i] <= now] or [min(due, key=due.__getitem__)])
+
+    def _wait_for_answering_regions(self, due: dict[int, float], failures: dict[int, ServeAppError]) -> None:
+        """A region that could not be reached is due after a short backoff, one that answered
+        after its Retry-After: the dead one would be asked first at every round, spending the
+        retries the live one asked to wait for. While any region answers, the unreachable ones
+        wait ``region_hold_s``."""
+        if not any(isinstance(failures[i], APIStatusError) for i in due):
+            return
+        held = self._clock() + self.retry.region_hold_s
+        for i in due:
+            if not isinstance(failures[i], APIStatusError):
+                due[i] = max(due[i], held)
+
+
+def _not_served(failure: ServeAppError) -> bool:
+    return isinstance(failure, APIStatusError) and failure.status == 404 and failure.code == MODEL_NOT_FOUND
+
+
+def _most_useful(failures: dict[int, ServeAppError], order: list[int]) -> ServeAppError:
+    """The failure to raise when the attempts end (module docstring): a 429, an answer with
+    Retry-After, any other answer, a connection's failure, a region's model_not_found; of
+    equals, the region first in ``order``."""
+
+    def rank(failure: ServeAppError) -> int:
+        if _not_served(failure):
+            return 4
+        if not isinstance(failure, APIStatusError):
+            return 3
+        return 0 if failure.status == 429 else 1 if failure.retry_after is not None else 2
+
+    return min((failures[i] for i in order if i in failures), key=rank)
 
 
 async def _error_of(response: httpx.Response, trace_id: str) -> APIStatusError:

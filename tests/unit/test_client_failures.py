@@ -1,0 +1,208 @@
+"""serve_app.client when things go wrong across regions and connections (a user's review): the
+error raised is the most useful of the call's, a region that does not serve the model or cannot be
+reached does not spend the retries a live region asked to wait for, a pooled connection the
+server closed is sent again, a stream closed by another task never looks complete, and errors
+carry the request id, headers and body, and pickle."""
+
+import asyncio
+import pickle
+
+import httpx
+import pytest
+
+from serve_app.client import (
+    APIConnectionError,
+    AsyncClient,
+    NotFoundError,
+    RateLimitError,
+    ServeAppError,
+    ServiceUnavailableError,
+)
+from serve_app.client.errors import from_response, retry_after_s
+from tests.unit.client_fake_server import FakeRegion, dead_url, error, streaming, unavailable
+from tests.unit.client_fake_server import run_client
+from tests.unit.test_client_retries import REQUEST, run
+
+
+def not_served() -> object:
+    return error(404, "The model 'qwen-3.6-35b-a3b' does not exist", type_="invalid_request_error",
+                 code="model_not_found", param="model")
+
+
+def test_a_region_that_does_not_serve_the_model_does_not_hide_another_regions_503():
+    """A's 503 said when to come back; B does not serve the model. The caller got B's 404 "does
+    not exist", which no client retries."""
+    a, b = FakeRegion("yul-02"), FakeRegion("yvr-01")
+    a.answers += [unavailable(retry_after="60")] * 3
+    b.answers += [not_served()] * 3
+
+    async def scenario(client):
+        with pytest.raises(ServiceUnavailableError) as err:
+            await client.chat_completion(REQUEST)
+        return err.value
+
+    err = run([a, b], scenario, max_retry_time_s=5)
+    assert (err.status, err.retry_after, err.region) == (503, 60.0, "yul-02")
+    assert a.statuses == [503] and b.statuses == [404]
+
+
+def test_a_first_region_that_does_not_serve_the_model_moves_on_to_one_that_does():
+    b, a = FakeRegion("yvr-01"), FakeRegion("yul-02")
+    b.answers.append(not_served())
+    reply = run([b, a], lambda client: client.chat_completion(REQUEST))
+    assert reply.timing.region == "yul-02" and b.statuses == [404] and a.statuses == [200]
+
+
+def test_a_model_no_region_serves_is_a_404_once_each_and_one_region_alone_is_asked_once():
+    a, b = FakeRegion("yul-02"), FakeRegion("yvr-01")
+    a.answers.append(not_served())
+    b.answers.append(not_served())
+
+    async def scenario(client):
+        with pytest.raises(NotFoundError) as err:
+            await client.chat_completion(REQUEST)
+        return err.value
+
+    assert run([a, b], scenario).region == "yul-02"  # the caller's first region's word
+    assert a.statuses == [404] and b.statuses == [404]
+    alone = FakeRegion("yul-02")
+    alone.answers += [not_served()] * 2
+    run([alone], scenario)
+    assert alone.statuses == [404]
+
+
+def test_an_unreachable_region_does_not_spend_the_retries_a_live_region_asked_to_wait_for():
+    """The dead region's backoff (≤ 0.5 s, then ≤ 1 s) came before the live region's Retry-After
+    (2 s): every retry went to the dead one, and the caller got its connection error."""
+    live = FakeRegion("yul-02")
+    live.answers.append(unavailable(retry_after="2"))
+    reply = run([live], lambda client: client.chat_completion(REQUEST), extra_urls=[dead_url()], max_retries=2)
+    assert reply.timing.region == "yul-02" and live.statuses == [503, 200]
+
+
+def _mock_client(handler, **options) -> AsyncClient:
+    return AsyncClient("pgk_0123456789ab_" + "A" * 43, base_urls=["http://mock"],
+                       http_transport=httpx.MockTransport(handler), **options)
+
+
+def _token(request: httpx.Request) -> httpx.Response | None:
+    if request.url.path == "/v1/auth/token":
+        return httpx.Response(200, json={"access_token": "t", "token_type": "Bearer", "expires_in": 900})
+    return None
+
+
+def _models() -> httpx.Response:
+    return httpx.Response(200, json={"object": "list", "data": []})
+
+
+def _chat() -> httpx.Response:
+    return httpx.Response(200, json={
+        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def test_a_pooled_connection_the_server_closed_is_sent_again_once_even_for_a_post():
+    """An ingress reload closes idle keep-alive connections: the request on one breaks at once,
+    having run nothing, and was raised (one failed request per pooled connection per deploy)."""
+    calls: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if (token := _token(request)) is not None:
+            return token
+        calls.append(request.url.path)
+        if len(calls) in (1, 3, 4):  # no connect in the trace: a pooled connection
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return _models() if request.method == "GET" else _chat()
+
+    async def scenario():
+        async with _mock_client(handler, max_retries=0) as client:
+            assert (await client.chat_completion(REQUEST)).choices[0].message.content == "hi"
+            with pytest.raises(APIConnectionError):  # broken twice: the second time may have run
+                await client.chat_completion(REQUEST)
+
+    asyncio.run(scenario())
+    assert calls == ["/v1/chat/completions"] * 4
+
+
+def test_a_line_that_breaks_on_a_new_connection_is_resent_for_a_get_and_raised_for_a_post():
+    calls: list[str] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if (token := _token(request)) is not None:
+            return token
+        calls.append(request.method)
+        if len(calls) in (1, 3):
+            await request.extensions["trace"]("connection.connect_tcp.complete", {})  # it opened its own
+            raise httpx.ReadError("connection reset")
+        return _models() if request.method == "GET" else _chat()
+
+    async def scenario():
+        async with _mock_client(handler) as client:
+            assert (await client.models()).data == []  # broken once, asked again
+            with pytest.raises(APIConnectionError):  # a generation may be running: not sent twice
+                await client.chat_completion(REQUEST)
+
+    asyncio.run(scenario())
+    assert calls == ["GET", "GET", "POST"]
+
+
+def test_a_closed_client_says_so_in_its_own_error():
+    async def scenario():
+        client = _mock_client(lambda request: _token(request) or _models())
+        await client.close()
+        with pytest.raises(ServeAppError, match="closed"):
+            await client.models()
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_closed_by_another_task_raises_instead_of_ending_as_if_complete():
+    region = FakeRegion("a")
+    region.answers.append(lambda seen: streaming(region.stream_events(seen, pieces=("x",) * 50), delay_s=0.02))
+
+    async def scenario(client):
+        stream = client.chat_completion_stream(REQUEST)
+        got = 0
+        with pytest.raises(APIConnectionError, match="closed before its end"):
+            async for _ in stream:
+                got += 1
+                if got == 5:
+                    asyncio.get_running_loop().create_task(stream.aclose())  # a shutdown handler's
+        return got, stream.ended
+
+    got, ended = run_client(region, scenario)
+    assert 5 <= got < 50 and not ended
+
+
+def test_an_error_carries_the_request_id_headers_and_a_proxys_body():
+    request = httpx.Request("POST", "http://x/v1/chat/completions")
+    page = httpx.Response(502, text="<html>upstream connect error</html>", headers={"x-request-id": "req-1"},
+                          request=request)
+    err = from_response(page, region=None, trace_id="t")
+    assert (err.request_id, err.body, err.json_body) == ("req-1", "<html>upstream connect error</html>", False)
+    assert err.headers["x-request-id"] == "req-1"
+    anthropic = httpx.Response(529, request=request, json={
+        "type": "error", "error": {"type": "overloaded_error", "message": "busy"}, "request_id": "req-2"})
+    assert from_response(anthropic, region=None, trace_id=None).request_id == "req-2"
+
+
+def test_every_error_pickles_with_its_fields():
+    """A worker pool hands its errors to its parent: a status error failed to unpickle."""
+    err = RateLimitError("slow down", status=429, code="rate_limit_exceeded", retry_after=2.0, region="yul-02",
+                         request_id="req-1", headers={"retry-after": "2"})
+    again = pickle.loads(pickle.dumps(err))
+    assert type(again) is RateLimitError and str(again) == str(err)
+    assert (again.status, again.code, again.retry_after, again.region, again.request_id, again.headers) == (
+        429, "rate_limit_exceeded", 2.0, "yul-02", "req-1", {"retry-after": "2"})
+    lost = pickle.loads(pickle.dumps(APIConnectionError("cannot connect", region="a", trace_id="t")))
+    assert (type(lost), lost.message, lost.region, lost.trace_id) == (APIConnectionError, "cannot connect", "a", "t")
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("Wed, 21 Oct 2015 07:28:05 GMT", 5.0),  # a date 5 s ahead of "now"
+    ("Wed, 21 Oct 2015 07:27:00 GMT", 0.0),  # a date past: now
+    ("inf", None), ("nan", None), ("-1", None), ("soon", None), ("3", 3.0),
+])
+def test_retry_after_takes_an_http_date_and_refuses_what_is_no_wait(value, seconds):
+    assert retry_after_s({"retry-after": value}, now=1445412480.0) == seconds
