@@ -221,12 +221,45 @@ def keys_revoke(
     if record.disabled_at is not None:  # nothing to ask: revoking again changes nothing
         typer.echo(f"{key_id} was revoked on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(record.disabled_at))}")
         return
-    if not yes:
-        typer.confirm(f"revoke key {key_id} of {record.owner} (tier {record.tier}, scopes "
-                      f"{' '.join(record.scopes)}) for good? It cannot be re-enabled", abort=True, err=True)
+    _confirm(yes, f"revoke key {key_id} of {record.owner} (tier {record.tier}, scopes {' '.join(record.scopes)}) "
+                  "for good? It cannot be re-enabled", "not revoked")
     if not store.revoke_key(key_id):  # removed meanwhile (another operator)
         _fail(f"no key {key_id!r}")
     typer.echo(f"revoked {key_id}")
+
+
+@keys_app.command("grant-operator")
+def keys_grant_operator(
+    ctx: typer.Context,
+    key_id: str,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask (scripts).")] = False,
+) -> None:
+    """Make a key an operator's: admin of every owner's keys and usage, and of the models (load,
+    unload). For an operator's own keys made before the scope existed (2026-12-07), whose admin
+    powers over every owner the upgrade took away (docs/auth.md, "Admin scopes")."""
+    store = _ctx(ctx).store()
+    record = store.get(key_id)
+    if record is None:
+        _fail(f"no key {key_id!r}")
+    if record.disabled_at is not None:
+        _fail(f"{key_id} is revoked")
+    _confirm(yes, f"make key {key_id} of {record.owner} an operator: it manages every owner's keys and the "
+                  "region's models?", "not granted")
+    store.grant_operator(key_id)
+    typer.echo(f"{key_id} is an operator's key")
+
+
+def _confirm(yes: bool, question: str, otherwise: str) -> None:
+    """Ask ``question`` unless ``yes``; a no, or no answer at all (a script: its stdin closed),
+    says what was not done and how to do it without asking (click's own word was "Aborted!")."""
+    if yes:
+        return
+    try:
+        if typer.confirm(question, err=True):
+            return
+    except typer.Abort:  # end of input, or Ctrl-C
+        typer.echo("", err=True)
+    _fail(f"{otherwise} (pass --yes to do it without asking)")
 
 
 # --- signing keys ------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ tokens signed by another region's key carry neither scope):
 - an **operator**: the ``operator`` scope too (``serve-app keys create --operator``), or the
   local dev key: lists and revokes every key, reads every key's usage, loads and unloads models.
   Until 2026-12-07 any admin key unrestricted in models and regions was one, so a customer's
-  admin key made without ``--model``/``--region`` managed every tenant: such keys made before
-  then got the scope once (``keys._grant_operator_scope_once``), later ones are owner admins;
+  admin key made without ``--model``/``--region`` managed every tenant; no key got the scope by
+  the upgrade (an operator grants it to its own: ``serve-app keys grant-operator``);
 - an **owner admin**, any other: lists, revokes and reads the usage of its own owner's keys only. Another owner's key looks exactly like a key that does not
   exist (404 ``key_not_found``, an empty report), so an owner admin cannot learn which ids other
   owners hold. It cannot load or unload a model: a model serves every owner in its region

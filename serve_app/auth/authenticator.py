@@ -112,6 +112,7 @@ class Authenticator(Admission):
         self._charging: set[asyncio.Task] = set()
         self._following: list[asyncio.Task] = []  # the key ids' listing, the revocations' reading
         self._revocations_failed_at: float | None = None  # when a failed read was last logged
+        self._revocations_thread: ThreadPoolExecutor | None = None  # while the revocations are followed
         # Made-up key ids are queried here, a few at a time (their rate: registry_miss_lookups_per_s).
         self._unknown_id_threads = ThreadPoolExecutor(UNKNOWN_ID_THREADS, thread_name_prefix="unknown-key-id")
 
@@ -251,8 +252,10 @@ class Authenticator(Admission):
         the router's event loop; the queries run on threads."""
         if not self._following:
             loop = asyncio.get_running_loop()
-            self._following = [loop.create_task(self._follow_known_ids(), name="known-key-ids"),
-                               loop.create_task(self._follow_revocations(), name="revocations")]
+            self._following = [loop.create_task(self._follow_known_ids(), name="known-key-ids")]
+            if getattr(self.keys.database, "replica", None):  # else every lookup reads the primary already
+                self._revocations_thread = ThreadPoolExecutor(1, thread_name_prefix="revocations")
+                self._following.append(loop.create_task(self._follow_revocations(), name="revocations"))
 
     async def aclose(self) -> None:
         await self.registry.aclose()
@@ -261,6 +264,9 @@ class Authenticator(Admission):
             task.cancel()
         await asyncio.gather(*self._following, return_exceptions=True)
         self._following = []
+        if self._revocations_thread is not None:
+            self._revocations_thread.shutdown(wait=False, cancel_futures=True)
+            self._revocations_thread = None
 
     async def list_key_ids(self) -> None:
         """List the registry's key ids now (``KeyStore.refresh_known_ids``), on a thread; a failure
@@ -279,7 +285,9 @@ class Authenticator(Admission):
         """``KeyStore.follow_revocations`` on a thread; a failure is logged once a minute (the
         primary away: revocations still reach this router as its cached rows are read again)."""
         try:
-            await asyncio.to_thread(self.keys.follow_revocations)
+            # A thread of its own: with the primary away, its 5 s connects hold none of the
+            # threads the lookups and signing run on.
+            await asyncio.get_running_loop().run_in_executor(self._revocations_thread, self.keys.follow_revocations)
             self._revocations_failed_at = None
         except Exception as err:
             now = time.monotonic()
@@ -288,9 +296,9 @@ class Authenticator(Admission):
                 logger.warning("key registry: reading the revocations from the primary failed (%s); retrying", err)
 
     async def _follow_revocations(self) -> None:
-        while True:
-            await asyncio.sleep(max(MIN_REVOCATIONS_EVERY_S, self.args.cache_ttl_s))
+        while True:  # at once first: a new store (a settings change) holds no revocation yet
             await self.read_revocations()
+            await asyncio.sleep(max(MIN_REVOCATIONS_EVERY_S, self.args.cache_ttl_s))
 
     # --- the token endpoint and key admin ---------------------------------------------------
     async def issue_token(self, authorization: str | None, api_key: str | None = None) -> dict[str, Any]:
@@ -357,6 +365,21 @@ class Authenticator(Admission):
     def list_keys(self, caller: Principal) -> list[dict[str, Any]]:
         """The keys ``caller`` may see (``GET /v1/admin/keys``)."""
         return [record.public() for record in self.keys.list_keys(owner=admin.managed_owner(caller))]
+
+    async def key_owner(self, key_id: str) -> str | None:
+        """Who owns ``key_id`` (None: no such key), from the cache, else read on a thread
+        (``KeyStore.find``: a made-up id spends the budget for unknown ids, as a raw key's does)."""
+        try:
+            try:
+                record = self.keys.find(key_id, offline=True)
+            except CacheMiss as miss:
+                record = await self._off_loop(functools.partial(self.keys.find, key_id), miss)
+        except RegistryBusy:
+            raise retry_later("too many lookups of key ids this router has not seen yet", "key_registry_busy",
+                              REGISTRY_BUSY_RETRY_S) from None
+        except RegistryUnavailable as err:
+            raise registry_unavailable(err) from None
+        return record.owner if record is not None else None
 
     def revoke_key(self, caller: Principal, key_id: str) -> bool:
         """Revoke ``key_id`` if ``caller`` manages it; False (the route's 404 ``key_not_found``)

@@ -228,6 +228,13 @@ class LookupCache:
             self._forget_locked(key)
             if for_s > 0:
                 self._rows[key] = (self.clock() + for_s, value, False)
+                while len(self._rows) > self.MAX_ROWS:
+                    self._rows.popitem(last=False)
+
+    def held(self, key: Hashable) -> Any:
+        """The row held for ``key`` now, if one is (None otherwise); counts as no use of it."""
+        row = self._rows.get(key)
+        return row[1] if row is not None and row[0] > self.clock() else None
 
     def _fly(self, key: Hashable, load: Callable[[], Any], flight: _Flight, now: float) -> None:
         """Run ``flight``'s query (begun at ``now``), store its answer, wake its waiters."""

@@ -40,15 +40,15 @@ SCOPE_INFERENCE = "inference"
 SCOPE_ADMIN = "admin"
 # With admin: every owner's keys and usage, and the region's models (load, unload). Its own scope
 # since 2026-12-07: an admin key unrestricted in models and regions was one, so a customer's admin
-# key made without --model/--region managed every tenant's keys (``_OPERATOR_MIGRATION``).
+# key made without --model/--region managed every tenant's keys. No key got it by the upgrade
+# (that would have kept exactly those customers' keys operators): an operator gives it to its own
+# keys with ``serve-app keys grant-operator`` (``grant_operator``).
 SCOPE_OPERATOR = "operator"
 SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
 # How far back each read of the revocations goes (``follow_revocations``): a revocation is dated
 # by the clock of the host that made it (a router, an operator's machine), which may be this much
 # behind; the rows read again are few (revocations are rare) and cost nothing to hold again.
 REVOCATION_LOOK_BACK_S = 600
-# The registry's one-time data migrations, each applied by the first store that opens it.
-_OPERATOR_MIGRATION = "operator-scope"
 
 _ALPHABET = string.ascii_letters + string.digits
 _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
@@ -86,10 +86,6 @@ CREATE TABLE IF NOT EXISTS revoked_tokens (
     purge_after INTEGER NOT NULL  -- once the token has expired anyway, the row can go
 );
 CREATE INDEX IF NOT EXISTS revoked_tokens_revoked_at ON revoked_tokens (revoked_at);
-CREATE TABLE IF NOT EXISTS registry_migrations (
-    name        TEXT PRIMARY KEY,
-    applied_at  INTEGER NOT NULL
-);
 """
 
 
@@ -183,7 +179,6 @@ class KeyStore:
         a second (the router's bound on a flood of made-up ids); None: unbounded (the CLI)."""
         self.database = open_database(location, create=create, replica=replica)
         self.database.create_schema(_SCHEMA)
-        self._grant_operator_scope_once()
         budget = MissBudget(miss_lookups_per_s, clock) if miss_lookups_per_s else None
         # Every key id the registry holds, as last listed (refresh_known_ids): never budgeted.
         self._known_ids: set[str] = set()
@@ -202,26 +197,6 @@ class KeyStore:
             refresher=self._refresher, clock=clock,
         )
 
-    def _grant_operator_scope_once(self) -> None:
-        """The keys that were operators before the scope existed (admin, every model and region)
-        get it, once: a key made so later is an owner admin, and must stay one. The migration's
-        row is taken in the same transaction as the grant, so of stores opening the registry at
-        once exactly one grants (the others wait on the row, then find it taken)."""
-        with self._connect(read=True) as db:
-            if db.execute("SELECT 1 FROM registry_migrations WHERE name = ?", (_OPERATOR_MIGRATION,)).fetchone():
-                return
-        with self._connect() as db:
-            taken = db.execute("INSERT INTO registry_migrations VALUES (?, ?) ON CONFLICT (name) DO NOTHING",
-                               (_OPERATOR_MIGRATION, int(time.time())))
-            if taken.rowcount == 0:
-                return
-            for row in db.execute("SELECT key_id, models, regions, scopes FROM api_keys").fetchall():
-                scopes = json.loads(row["scopes"])
-                unrestricted = json.loads(row["models"]) == [ALL] and json.loads(row["regions"]) == [ALL]
-                if unrestricted and SCOPE_ADMIN in scopes and SCOPE_OPERATOR not in scopes:
-                    db.execute("UPDATE api_keys SET scopes = ? WHERE key_id = ?",
-                                (json.dumps([*scopes, SCOPE_OPERATOR]), row["key_id"]))
-
     def _connect(self, read: bool = False):
         # A transaction per operation (SQLite: on the thread's kept connection; PostgreSQL: on one
         # an earlier operation left, or a new one): reads are rare (cached). Reads may go to a read
@@ -234,6 +209,11 @@ class KeyStore:
         the database: it retries the whole check in a thread, ``Authenticator.authenticate_async``).
         Never budgeted: callers hold a verified token or are the operator (``lookup`` is budgeted)."""
         return self._keys.get(key_id, lambda: self._load(key_id, primary_too=True), offline)
+
+    def find(self, key_id: str, offline: bool = False) -> KeyRecord | None:
+        """``get`` for an id a caller chose (an admin's usage query names any id): read as a raw
+        key's id is, on the replica only, an id with no row spending the miss budget (RegistryBusy)."""
+        return self._keys.get(key_id, functools.partial(self._load, key_id), offline, budgeted=True, ahead=False)
 
     def lookup(self, raw_key: str, offline: bool = False) -> KeyRecord | None:
         """The record whose secret ``raw_key`` carries, or None (bad shape, unknown, wrong secret).
@@ -271,17 +251,23 @@ class KeyStore:
         primary and held as revoked here (for good, as any revocation): a key or token revoked in
         any region is refused here within one call's interval however far the region's read
         replica lags (a cached row is otherwise read again from the replica, which may not have
-        the revocation yet). How many were read. The router calls it every ``cache_ttl_s``."""
+        the revocation yet). How many it held anew. The router calls it every ``cache_ttl_s``,
+        where a read replica serves its lookups (without one they read the primary already)."""
         since = int(time.time()) - REVOCATION_LOOK_BACK_S
         with self._connect(read=False) as db:
-            keys = db.execute("SELECT * FROM api_keys WHERE disabled_at >= ?", (since,)).fetchall()
+            # The ids first, the whole rows of the keys not held as revoked here yet only: a bulk
+            # revocation is read whole once, not every pass for ten minutes.
+            ids = [row["key_id"] for row in db.execute("SELECT key_id FROM api_keys WHERE disabled_at >= ?", (since,))]
+            new = [key_id for key_id in ids if getattr(self._keys.held(key_id), "disabled_at", None) is None]
+            keys = [db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone() for key_id in new]
             jtis = db.execute("SELECT jti, purge_after FROM revoked_tokens WHERE revoked_at >= ?", (since,)).fetchall()
-        for row in keys:
+        for row in filter(None, keys):
             self._keys.put_final(row["key_id"], _record(row))
         now = time.time()
-        for row in jtis:  # held until the token would have expired anyway (its row's purge)
+        new_jtis = [row for row in jtis if self._revoked.held(row["jti"]) is not True]
+        for row in new_jtis:  # held until the token would have expired anyway (its row's purge)
             self._revoked.put_final(row["jti"], True, for_s=row["purge_after"] - now)
-        return len(keys) + len(jtis)
+        return len(new) + len(new_jtis)
 
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the
@@ -372,6 +358,19 @@ class KeyStore:
         with self._connect(read=True) as db:
             rows = db.execute(f"SELECT * FROM api_keys {where}ORDER BY created_at, key_id", params).fetchall()
         return [_record(row) for row in rows]
+
+    def grant_operator(self, key_id: str) -> bool:
+        """Add the operator scope (and admin) to ``key_id``'s; True if the key exists. The CLI's
+        alone: an operator's own keys after the upgrade that made the scope."""
+        with self._connect() as db:
+            row = db.execute("SELECT scopes FROM api_keys WHERE key_id = ?", (key_id,)).fetchone()
+            if row is None:
+                return False
+            scopes = json.loads(row["scopes"])
+            wanted = [*scopes, *(scope for scope in (SCOPE_ADMIN, SCOPE_OPERATOR) if scope not in scopes)]
+            db.execute("UPDATE api_keys SET scopes = ? WHERE key_id = ?", (json.dumps(wanted), key_id))
+        self._keys.forget(key_id)
+        return True
 
     def revoke_key(self, key_id: str, owner: str | None = None) -> bool:
         """Disable a key for good; True if it existed (and, given ``owner``, is that owner's).

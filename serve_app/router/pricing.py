@@ -105,6 +105,8 @@ def price(
         elif method == "detokenize":  # its tokens are the ids it sends: exact
             prompt = max(prompt, token_ids_in(body.get("tokens")))
         return Price(prompt, 0, 0)
+    if method == "completions":  # a prompt of token ids is ~2 bytes an id: its count is exact
+        prompt = max(prompt, token_ids_in(body.get("prompt")))
     route = BY_NAME[method].limit
     if method in ("chat", "completions"):  # the only requests vLLM runs beam search for
         _refuse_beam_search(body)

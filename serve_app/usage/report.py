@@ -28,28 +28,43 @@ _DAY = re.compile(r"\d{4}-\d{2}-\d{2}")
 # them held the threads the ledger's writes, the budget reads and the key lookups run on.
 REPORT_THREADS = 2
 REPORTS_WAITING = 16
+# One owner's reports under way (running or waiting) on a router: a tenant firing a dashboard's
+# year-long reports at once held every place in the queue, and every other tenant got the 429.
+REPORTS_PER_OWNER = 2
 
 
 class ReportQueue:
     """Reports on threads of their own, ``REPORT_THREADS`` at a time; past ``REPORTS_WAITING``
-    more, a 429 (``Retry-After``), not an unbounded queue. A report whose client left before its
-    thread took it is dropped; one running finishes alone (a thread cannot be stopped)."""
+    more, or ``REPORTS_PER_OWNER`` of one owner's, a 429 (``Retry-After``), not an unbounded
+    queue. A report whose client left before its thread took it is dropped; one running finishes
+    alone (a thread cannot be stopped)."""
 
-    def __init__(self, threads: int = REPORT_THREADS, waiting: int = REPORTS_WAITING):
+    def __init__(self, threads: int = REPORT_THREADS, waiting: int = REPORTS_WAITING,
+                 per_owner: int = REPORTS_PER_OWNER):
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="usage-report")
-        self._limit = threads + waiting
+        self._limit, self._per_owner = threads + waiting, per_owner
         self._under_way = 0
+        self._by_owner: dict[str | None, int] = {}
 
-    async def run(self, report: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def run(self, report: Callable[..., dict[str, Any]], *args: Any, caller_owner: str | None = None,
+                  **kwargs: Any) -> dict[str, Any]:
+        """``caller_owner``: whose report it is (the caller's key's owner), for its share."""
         if self._under_way >= self._limit:
             raise APIError(429, "too many usage reports are under way on this router; retry in a moment",
                            code="usage_reports_busy", headers={"Retry-After": "1"})
+        if self._by_owner.get(caller_owner, 0) >= self._per_owner:
+            raise APIError(429, f"{self._per_owner} usage reports of this owner are under way on this router; "
+                           "retry when one has answered", code="usage_reports_busy", headers={"Retry-After": "1"})
         self._under_way += 1
+        self._by_owner[caller_owner] = self._by_owner.get(caller_owner, 0) + 1
         try:
             work = functools.partial(report, *args, **kwargs)
             return await asyncio.get_running_loop().run_in_executor(self._executor, work)
         finally:
             self._under_way -= 1
+            self._by_owner[caller_owner] -= 1
+            if not self._by_owner[caller_owner]:
+                del self._by_owner[caller_owner]
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -104,6 +119,13 @@ def usage_report(
     if key_id == "":
         raise ValueError("key_id '' names no key: None is every key's report")
     rows = store.totals(key_id=key_id, since=since, until=until, group_by=group_by, owner=owner)
+    return report_of(rows, key_id=key_id, since=since, until=until, group_by=group_by, owner=owner)
+
+
+def report_of(rows: list[dict[str, Any]], *, key_id: str | None, since: str, until: str, group_by: tuple[str, ...],
+              owner: str | None) -> dict[str, Any]:
+    """The report object of ``rows`` (``[]``: the report of a key with no usage, or of one the
+    caller may not see, which must look the same)."""
     return {
         "object": "usage.report",
         "key_id": key_id,

@@ -190,3 +190,28 @@ def test_through_the_routes_an_owner_admin_sees_and_revokes_only_its_owners_keys
     every = app.client.get("/v1/usage", params={"key_id": "*", "group_by": "key_id", "since": "2026-12-01", "until": "2026-12-01"}, headers=headers)
     assert every.status_code == 200
     assert {row["key_id"] for row in every.json()["data"]} == {acme.key_id}
+
+
+def test_an_owner_admins_report_of_another_owners_key_reads_none_of_its_usage(router_app):
+    """The report filtered by (key id, owner) read the other key's rows to find none of them: its
+    time grew with that key's usage, telling another owner's busy key from an id nobody holds."""
+    app = router_app()
+    acme_admin, _ = app.auth.keys.create_key(owner="acme", tier="standard", models=(MODEL,), scopes=BOTH)
+    _, acme = app.auth.keys.create_key(owner="acme", tier="standard")
+    _, globex = app.auth.keys.create_key(owner="globex", tier="standard")
+    store = app.services.meter.store
+    store.insert([usage_record(key_id=acme.key_id, owner="acme"), usage_record(key_id=globex.key_id, owner="globex")])
+    read: list[str | None] = []
+    totals = store.totals
+    store.totals = lambda **kwargs: read.append(kwargs["key_id"]) or totals(**kwargs)
+    query = {"group_by": "key_id", "since": "2026-12-01", "until": "2026-12-01"}
+
+    def report(key_id: str) -> dict:
+        answer = app.client.get("/v1/usage", params={**query, "key_id": key_id}, headers=bearer(acme_admin))
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    theirs, nobodys = report(globex.key_id), report("0000ffffffff")
+    assert read == [] and theirs["data"] == nobodys["data"] == []
+    assert {k: v for k, v in theirs.items() if k != "key_id"} == {k: v for k, v in nobodys.items() if k != "key_id"}
+    assert [row["key_id"] for row in report(acme.key_id)["data"]] == [acme.key_id] and read == [acme.key_id]

@@ -479,6 +479,10 @@ def test_a_router_reads_the_revocations_from_the_primary_every_cache_ttl_and_a_f
 
     async def go():
         auth.keys.follow_revocations = lambda: readings.append(1) or 0
+        auth.start()  # no read replica: every lookup reads the primary, nothing to follow
+        assert [task.get_name() for task in auth._following] == ["known-key-ids"]
+        await auth.aclose()
+        auth.keys.database.replica = "postgresql://replica.invalid/registry"  # as a region's
         auth.start()
         async with asyncio.timeout(30):
             while len(readings) < 2:  # every cache_ttl_s (1 s here)

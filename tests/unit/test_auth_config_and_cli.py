@@ -123,6 +123,18 @@ def test_cli_makes_an_operator_only_when_asked_and_lists_its_scopes(cli):
     assert "inference admin operator" in cli("keys", "list").output
 
 
+def test_cli_grants_the_operator_scope_to_a_key_after_asking(cli):
+    key_id = cli("keys", "create", "--owner", "ops", "--admin").stdout.strip().split("_")[1]
+    store = KeyStore(cli.auth.key_store(), cache_ttl_s=0)
+    assert "not granted (pass --yes" in cli("keys", "grant-operator", key_id, ok=False).output
+    assert "operator" not in store.get(key_id).scopes
+    assert "operator's key" in cli("keys", "grant-operator", key_id, input="y\n").output
+    assert set(store.get(key_id).scopes) == {"inference", "admin", "operator"}
+    assert "no key" in cli("keys", "grant-operator", "ffffffffffff", "--yes", ok=False).output
+    cli("keys", "revoke", key_id, "--yes")
+    assert "is revoked" in cli("keys", "grant-operator", key_id, "--yes", ok=False).output
+
+
 def test_cli_revoke_asks_first_naming_the_owner_and_a_no_keeps_the_key(cli):
     """Revoking is for good and fails the owner's traffic at once: a mistyped id of another
     customer's key was revoked without a word."""
@@ -133,8 +145,9 @@ def test_cli_revoke_asks_first_naming_the_owner_and_a_no_keeps_the_key(cli):
 
     refused = cli("keys", "revoke", key_id, ok=False, input="n\n")
     assert "acme" in refused.output and "cannot be re-enabled" in refused.output
-    assert status() == "active"
-    cli("keys", "revoke", key_id, ok=False)  # no answer (stdin closed): kept
+    assert "not revoked (pass --yes" in refused.output and status() == "active"
+    unasked = cli("keys", "revoke", key_id, ok=False)  # a script: no answer, its stdin closed
+    assert "not revoked (pass --yes" in unasked.output and "Aborted" not in unasked.output
     assert status() == "active"
     cli("keys", "revoke", key_id, input="y\n")
     assert status() == "revoked"

@@ -61,27 +61,19 @@ def test_an_owner_lists_and_revokes_its_own_keys_only(registry):
     assert store.revoke_key(sorted(mine)[0], owner="acme")
 
 
-def test_the_operators_of_before_the_scope_get_it_once_and_later_admins_do_not(registry):
-    """Until 2026-12-07 an admin key of every model and region was an operator: such keys keep
-    their powers through the upgrade. One made later is an owner admin (a customer's admin key
-    made without --model or --region managed every tenant), and stays one through restarts."""
+def test_no_key_becomes_an_operator_but_by_an_operators_grant(registry):
+    """Until 2026-12-07 an admin key of every model and region was an operator: a customer's admin
+    key made with the CLI's defaults managed every tenant's keys. The upgrade gives the new scope
+    to nobody (it would have kept exactly those keys operators); the CLI grants it."""
     admin, operator = (SCOPE_INFERENCE, SCOPE_ADMIN), (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
     store = KeyStore(registry, cache_ttl_s=0)
-    old = {
-        "operator": store.create_key(owner="platform", tier="standard", scopes=admin)[1].key_id,
-        "one_model": store.create_key(owner="acme", tier="standard", models=("m",), scopes=admin)[1].key_id,
-        "one_region": store.create_key(owner="acme", tier="standard", regions=("yul",), scopes=admin)[1].key_id,
-        "user": store.create_key(owner="acme", tier="standard")[1].key_id,
-    }
-    with store.database.connect() as db:  # as a release before the scope left the registry
-        db.execute("DROP TABLE registry_migrations")
-    upgraded, other_region = KeyStore(registry, cache_ttl_s=0), KeyStore(registry, cache_ttl_s=0)
-    assert upgraded.get(old["operator"]).scopes == operator
-    assert [upgraded.get(old[name]).scopes for name in ("one_model", "one_region")] == [admin, admin]
-    assert upgraded.get(old["user"]).scopes == (SCOPE_INFERENCE,)
-    later = upgraded.create_key(owner="initech", tier="standard", scopes=admin)[1].key_id
-    assert KeyStore(registry, cache_ttl_s=0).get(later).scopes == admin  # a restart grants nothing
-    assert other_region.get(old["operator"]).scopes == operator  # opened at once: granted once, not twice
+    ops = store.create_key(owner="platform", tier="standard", scopes=admin)[1].key_id
+    user = store.create_key(owner="acme", tier="standard")[1].key_id
+    assert KeyStore(registry, cache_ttl_s=0).get(ops).scopes == admin  # a restart grants nothing
+    assert store.grant_operator(ops) and store.grant_operator(user) and not store.grant_operator("0000ffffffff")
+    assert store.get(ops).scopes == operator
+    assert store.get(user).scopes == (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)  # admin comes with it
+    assert store.grant_operator(ops) and store.get(ops).scopes == operator  # twice: nothing more
 
 
 def test_revoked_token_ids_are_shared_and_revoking_twice_is_fine(registry):
@@ -280,6 +272,7 @@ def test_a_revocation_reaches_a_router_whose_replica_lags_with_its_next_reading_
     assert router.lookup(key).status(time.time()) == "active" and not router.is_jti_revoked(jti)
     assert router.follow_revocations() == 2
     assert router.lookup(key).status(time.time()) == "revoked" and router.is_jti_revoked(jti)
+    assert router.follow_revocations() == 0  # held already: not read whole again every pass
     clock.now += 3600  # held for good: no later read of the replica brings the key back
     assert router.lookup(key).status(time.time()) == "revoked"
 

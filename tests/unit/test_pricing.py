@@ -264,6 +264,17 @@ def test_counting_routes_are_priced_by_their_size_and_generate_nothing(method):
     assert body == {"model": MODEL, "prompt": "x" * 200_000}  # nothing to normalise
 
 
+@pytest.mark.parametrize("prompt", [[0] * 50_000, [[0] * 25_000, [7] * 25_000]])
+def test_a_completions_prompt_of_token_ids_is_priced_by_their_count_not_their_bytes(prompt):
+    """"0," is 2 bytes a token: 50,000 ids were priced as 25,009 tokens (half), as embeddings'
+    input of ids was before it was counted."""
+    body = completions(prompt=prompt, max_tokens=10)
+    raw = len(json.dumps(body, separators=(",", ":")))  # as a client sends it compact
+    assert pricing.estimate_prompt_tokens(raw) < 30_000
+    charged = price("completions", body, raw, context_len=100_000, default_max_tokens=DEFAULT)
+    assert charged.prompt_tokens == 50_000
+
+
 # --- the attacks of issue #22 ("The charge is not what the engine generates", bullets 1-3) ----------
 def charge(method: str, body: dict[str, Any], size: int) -> int | None:
     """The tokens the router charges for ``body`` of ``size`` bytes, normalising it as the

@@ -122,6 +122,40 @@ def test_reports_run_a_few_at_a_time_on_their_own_threads_and_a_full_queue_is_a_
     assert len(ran_on) == 3 and all(name.startswith("usage-report") for name in ran_on)
 
 
+def test_one_owners_reports_take_at_most_their_share_of_the_queue():
+    """A tenant firing a dashboard's year-long reports at once held every place, and every other
+    tenant got the 429."""
+    import asyncio
+    import threading
+
+    from serve_app.usage.report import ReportQueue
+
+    release = threading.Event()
+
+    def report(name):
+        release.wait(5)
+        return {"name": name}
+
+    async def scenario():
+        queue = ReportQueue(threads=1, waiting=8, per_owner=2)
+        mine = [asyncio.ensure_future(queue.run(report, f"acme-{i}", caller_owner="acme")) for i in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as busy:
+            await queue.run(report, "acme-2", caller_owner="acme")
+        theirs = asyncio.ensure_future(queue.run(report, "globex", caller_owner="globex"))
+        await asyncio.sleep(0)
+        release.set()
+        answers = [await task for task in (*mine, theirs)]
+        again = await queue.run(report, "acme-3", caller_owner="acme")  # its share is free again
+        queue.close()
+        return busy.value, answers, again
+
+    busy, answers, again = asyncio.run(scenario())
+    assert (busy.status, busy.code, busy.headers) == (429, "usage_reports_busy", {"Retry-After": "1"})
+    assert "of this owner" in busy.message
+    assert [a["name"] for a in answers] == ["acme-0", "acme-1", "globex"] and again["name"] == "acme-3"
+
+
 def test_a_report_whose_client_left_before_its_turn_never_reads_the_database():
     import asyncio
     import threading
