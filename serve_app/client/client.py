@@ -28,6 +28,7 @@ from serve_app.client.embeddings import AsyncEmbeddings
 from serve_app.client.calls import Calls
 from serve_app.client.streams import AsyncStream
 from serve_app.client.transport import (
+    DEFAULT_LIMITS,
     DEFAULT_STREAM_READ_TIMEOUT_S,
     DEFAULT_TIMEOUT,
     RetryPolicy,
@@ -69,6 +70,7 @@ class AsyncClient:
         trace_sample_ratio: float = 0.1,
         http_transport: httpx.AsyncBaseTransport | None = None,
         stream_read_timeout_s: float | None = DEFAULT_STREAM_READ_TIMEOUT_S,
+        limits: httpx.Limits = DEFAULT_LIMITS,
     ):
         """No network here: the token is minted on the first request. ``create`` mints it at once."""
         api_key = api_key or os.environ.get(API_KEY_ENV)
@@ -83,6 +85,7 @@ class AsyncClient:
             trace_sample_ratio=trace_sample_ratio,
             http_transport=http_transport,
             stream_read_timeout_s=stream_read_timeout_s,
+            limits=limits,
         )
         self._calls = Calls(self._transport)
         self.responses = resources.Responses(self._calls)

@@ -15,18 +15,20 @@ region across requests. What happens to one request, in order:
   model may be served in another (a region's optional model); it is raised only when every
   region said it.
 - A pooled connection the server had closed (an ingress reload closes idle ones) breaks at once,
-  before any answer, on a connection this request did not open: nothing ran, and the request is
-  sent again on a new one, to the same region, once. A line that breaks otherwise before the
-  answer is raised (the server may have run the request) — but for a ``GET`` and the token
-  exchange, which run nothing twice: they go on as after a connect error.
+  before any answer, on a connection this request did not open ("disconnected without a
+  response", or a failed write): nothing ran, and the request is sent again on a new one, to the
+  same region, once (the server's own failover reads it the same way). A line that breaks
+  otherwise before the answer, or is reset (the server may have had the request), is raised —
+  but for a ``GET`` and the token exchange, which run nothing twice: they go on as after a connect
+  error.
 - When every region failed in a round, or on a 429 (the caller's budget, which another region
   would charge too), the client waits until the first region may be asked again — its
   ``Retry-After`` if it gave one (plus up to a fifth, so that clients shed together do not come
   back together), else exponential backoff with jitter — and starts a new round with the regions
   whose wait is over; a 429 waits for its own region's ``Retry-After``, whatever other regions
-  said. A region that could not be reached waits ``region_hold_s`` while another region answered
-  (it would otherwise be due first, at every round, and spend the retries a region that answers
-  asked to wait for). At most ``max_retries`` waits and ``max_retry_time_s`` in all. A
+  said. A region that could not be reached waits as long as the first region that answered with
+  a ``Retry-After`` (its short backoff would otherwise make it due first, alone, at every round,
+  spending the retries that region asked to wait for). At most ``max_retries`` waits and ``max_retry_time_s`` in all. A
   ``Retry-After`` past that budget is not waited for: the error is raised at once with
   ``retry_after`` set (a cold model says 60 s; the caller decides).
 - The error raised when the attempts end is the most useful one of the call's, not the last: a
@@ -77,6 +79,10 @@ DEFAULT_STREAM_READ_TIMEOUT_S = 30.0  # ≫ the server's 1 s keep-alive period (
 # The token exchange: a signature and a key lookup. Bounded apart from the client's timeout (600 s
 # to read), since requests may wait on it when there is no valid token to send meanwhile.
 EXCHANGE_TIMEOUT = httpx.Timeout(10.0, connect=5.0)
+# Connections per client, all kept alive between calls: httpx keeps 20 of its 100 alive, so past 20
+# concurrent streams every call opened (and TLS-shook) a new connection. The 101st concurrent call
+# waits for one (the timeout's pool part, the read timeout's by default).
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=100)
 GATEWAY_UNAVAILABLE = "gateway_unavailable"  # HAProxy's: no router took the request (haproxy/error_pages.py)
 MODEL_NOT_FOUND = "model_not_found"  # a region's word on the models it serves
 RETRY_AFTER_SPREAD = 0.2  # a Retry-After is waited for, plus up to this fraction of it
@@ -131,6 +137,7 @@ class Transport:
         http_transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         stream_read_timeout_s: float | None = DEFAULT_STREAM_READ_TIMEOUT_S,
+        limits: httpx.Limits = DEFAULT_LIMITS,
     ):
         if not base_urls:
             raise ValueError("at least one base URL is needed")
@@ -138,7 +145,9 @@ class Transport:
         self.auth, self.retry, self.trace_sample_ratio, self._clock = auth, retry, trace_sample_ratio, clock
         self._held_until = [0.0] * len(self.base_urls)
         # No Authorization here: it is set per request, from whatever Auth holds at that moment.
-        self._http = httpx.AsyncClient(timeout=timeout, transport=http_transport, headers={"user-agent": USER_AGENT})
+        self.max_connections = limits.max_connections
+        self._http = httpx.AsyncClient(timeout=timeout, transport=http_transport, limits=limits,
+                                       headers={"user-agent": USER_AGENT})
         self.stream_read_timeout_s = stream_read_timeout_s  # an open stream's silence (``AsyncStream``)
 
     async def aclose(self) -> None:
@@ -197,7 +206,7 @@ class Transport:
             fresh: list[bool] = []  # whether this request opened its own connection (httpcore's trace)
 
             async def trace(event: str, info: dict, fresh: list[bool] = fresh) -> None:
-                if event.endswith(".connect_tcp.complete"):
+                if event.endswith((".connect_tcp.complete", ".connect_unix_socket.complete")):
                     fresh.append(True)
 
             request = self._http.build_request(
@@ -210,11 +219,19 @@ class Transport:
             except _CONNECT_ERRORS as err:
                 failure: ServeAppError = APIConnectionError(f"cannot connect to {base_url}: {type(err).__name__}", trace_id=trace_id)
                 self._hold(index, None)
+            except httpx.PoolTimeout:  # nothing was sent: this client's own connections were all taken
+                raise APITimeoutError(f"all {self.max_connections} connections of this client were in use until "
+                                      "the timeout; raise its limits or send fewer calls at once",
+                                      trace_id=trace_id) from None
             except httpx.TimeoutException as err:
                 raise APITimeoutError(f"{base_url} did not answer in time ({type(err).__name__})", trace_id=trace_id) from None
             except _BROKEN_LINE as err:
                 broken = APIConnectionError(f"connection to {base_url} failed: {type(err).__name__}", trace_id=trace_id)
-                if not fresh and self._clock() - sent_at < STALE_BREAK_S and not resent_stale:
+                # A closed keep-alive connection: the request written into it, then "disconnected
+                # without a response" (or the write failed). A reset (ReadError) may come from a
+                # server that had the request: resent only where nothing runs twice.
+                stale_shape = idempotent or not isinstance(err, httpx.ReadError)
+                if stale_shape and not fresh and self._clock() - sent_at < STALE_BREAK_S and not resent_stale:
                     resent_stale = True  # a pooled connection the server had closed: nothing ran
                     logger.info("%s closed a pooled connection (%s); sending again", base_url, type(err).__name__)
                     untried.insert(0, index)
@@ -245,7 +262,9 @@ class Transport:
             failures[index] = failure
             rate_limited = getattr(failure, "status", None) == 429
             retry_after = getattr(failure, "retry_after", None)
-            if not _not_served(failure):  # a region that does not serve the model is not asked again
+            if _not_served(failure):  # a region that does not serve the model is not asked again
+                due.pop(index, None)
+            else:
                 due[index] = self._clock() + (retry_after * random.uniform(1.0, 1.0 + RETRY_AFTER_SPREAD)
                                               if retry_after is not None else self.retry.backoff(retries))
             if untried and not rate_limited:
@@ -257,8 +276,13 @@ class Transport:
                 raised, wait = failure, max(0.0, due[index] - self._clock())
             else:
                 raised = _most_useful(failures, order)
-                if not due:  # every region said it does not serve the model
-                    raise raised
+                if not due:
+                    # Every region asked said it does not serve the model; one not asked yet (a
+                    # 429's round asks its own region alone) is asked now, without a wait.
+                    untried = [i for i in order if i not in failures]
+                    if not untried:
+                        raise raised
+                    continue
                 self._wait_for_answering_regions(due, failures)
                 wait = max(0.0, min(due.values()) - self._clock())
             if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
@@ -277,15 +301,16 @@ class Transport:
 
     def _wait_for_answering_regions(self, due: dict[int, float], failures: dict[int, ServeAppError]) -> None:
         """A region that could not be reached is due after a short backoff, one that answered
-        after its Retry-After: the dead one would be asked first at every round, spending the
-        retries the live one asked to wait for. While any region answers, the unreachable ones
-        wait ``region_hold_s``."""
-        if not any(isinstance(failures[i], APIStatusError) for i in due):
+        with a Retry-After when it said: the dead one would be asked alone at every round,
+        spending the retries the live one asked to wait for. So the unreachable ones wait as long
+        as the first such region (and are asked in its round)."""
+        asked_to_wait = [due[i] for i in due if getattr(failures[i], "retry_after", None) is not None]
+        if not asked_to_wait:
             return
-        held = self._clock() + self.retry.region_hold_s
+        then = min(asked_to_wait)
         for i in due:
             if not isinstance(failures[i], APIStatusError):
-                due[i] = max(due[i], held)
+                due[i] = max(due[i], then)
 
 
 def _not_served(failure: ServeAppError) -> bool:

@@ -12,6 +12,7 @@ import pytest
 
 from serve_app.client import (
     APIConnectionError,
+    APITimeoutError,
     AsyncClient,
     NotFoundError,
     RateLimitError,
@@ -80,9 +81,34 @@ def test_an_unreachable_region_does_not_spend_the_retries_a_live_region_asked_to
     assert reply.timing.region == "yul-02" and live.statuses == [503, 200]
 
 
-def _mock_client(handler, **options) -> AsyncClient:
-    return AsyncClient("pgk_0123456789ab_" + "A" * 43, base_urls=["http://mock"],
+def _mock_client(handler, hosts=("mock",), **options) -> AsyncClient:
+    return AsyncClient("pgk_0123456789ab_" + "A" * 43, base_urls=[f"http://{host}" for host in hosts],
                        http_transport=httpx.MockTransport(handler), **options)
+
+
+def _scripted(script: dict[str, list]) -> tuple[object, list[str]]:
+    """A mock transport's handler over several regions (hosts): each inference request gets its
+    host's next scripted answer (a status with a code, an exception to raise, or "ok"; the last one
+    repeats); the hosts asked, in order."""
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if (token := _token(request)) is not None:
+            return token
+        host = request.url.host
+        asked.append(host)
+        answers = script[host]
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        if answer == "ok":
+            return _chat()
+        status, code, *headers = answer
+        return httpx.Response(status, headers=dict(headers), json={"error": {
+            "message": code, "type": "service_unavailable" if status >= 500 else "invalid_request_error",
+            "param": None, "code": code}})
+
+    return handler, asked
 
 
 def _token(request: httpx.Request) -> httpx.Response | None:
@@ -100,6 +126,62 @@ def _chat() -> httpx.Response:
         "id": "c", "object": "chat.completion", "created": 0, "model": "m",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def test_an_unreachable_region_is_asked_again_beside_one_that_answered_without_a_retry_after():
+    """Held back for region_hold_s (the whole budget) whenever another region answered, the region
+    that had refused one connect was never asked again: a call the older client served failed."""
+    handler, asked = _scripted({
+        "a": [(500, "gateway_unavailable")],
+        "b": [httpx.ConnectError("refused"), "ok"],
+    })
+
+    async def scenario():
+        async with _mock_client(handler, hosts=("a", "b")) as client:
+            return await client.chat_completion(REQUEST)
+
+    assert asyncio.run(scenario()).choices[0].message.content == "hi" and asked[-1] == "b"
+
+
+def test_a_region_that_said_model_not_found_is_not_asked_again():
+    """a: busy, then it does not serve the model (unloaded meanwhile); b: busy for a second each
+    time. a was asked at every later round all the same."""
+    handler, asked = _scripted({"a": [(503, "overloaded"), (404, "model_not_found")],
+                                "b": [(503, "overloaded", ("retry-after", "1"))]})
+
+    async def scenario():
+        async with _mock_client(handler, hosts=("a", "b"), max_retries=3) as client:
+            with pytest.raises(ServiceUnavailableError) as err:
+                await client.chat_completion(REQUEST)
+            return err.value
+
+    assert asyncio.run(scenario()).retry_after == 1.0  # b's word, not a's 404
+    assert asked.count("a") == 2 and asked.count("b") == 3
+
+
+def test_after_a_429_a_model_not_found_asks_the_regions_not_asked_yet():
+    handler, asked = _scripted({"a": [(429, "rate_limit_exceeded", ("retry-after-ms", "10")),
+                                      (404, "model_not_found")],
+                                "b": ["ok"]})
+
+    async def scenario():
+        async with _mock_client(handler, hosts=("a", "b")) as client:
+            return await client.chat_completion(REQUEST)
+
+    assert asyncio.run(scenario()).choices[0].message.content == "hi" and asked == ["a", "a", "b"]
+
+
+def test_a_reset_on_a_pooled_connection_is_not_resent_for_a_post():
+    """A reset may come from a server that had the request: only where nothing runs twice."""
+    handler, asked = _scripted({"mock": [httpx.ReadError("connection reset by peer"), "ok"]})
+
+    async def scenario():
+        async with _mock_client(handler) as client:
+            with pytest.raises(APIConnectionError, match="ReadError"):
+                await client.chat_completion(REQUEST)
+
+    asyncio.run(scenario())
+    assert asked == ["mock"]
 
 
 def test_a_pooled_connection_the_server_closed_is_sent_again_once_even_for_a_post():
@@ -206,3 +288,22 @@ def test_every_error_pickles_with_its_fields():
 ])
 def test_retry_after_takes_an_http_date_and_refuses_what_is_no_wait(value, seconds):
     assert retry_after_s({"retry-after": value}, now=1445412480.0) == seconds
+
+
+def test_connections_are_kept_alive_to_the_limit_and_a_full_pool_says_so():
+    """httpx kept 20 of its 100 connections alive: past 20 concurrent calls each opened a new one.
+    A call that found every connection taken timed out as if the server had not answered."""
+    from serve_app.client.transport import DEFAULT_LIMITS
+
+    assert DEFAULT_LIMITS.max_keepalive_connections == DEFAULT_LIMITS.max_connections == 100
+    region = FakeRegion("a")
+    region.answers.append(lambda seen: streaming(region.stream_events(seen, pieces=("x",) * 20), delay_s=0.05))
+
+    async def scenario(client):
+        async with client.chat_completion_stream(REQUEST) as stream:  # holds the one connection
+            await anext(stream)
+            with pytest.raises(APITimeoutError, match="all 1 connections of this client were in use"):
+                await client.chat_completion(REQUEST, timeout=httpx.Timeout(5.0, pool=0.2))
+
+    run_client(region, scenario, limits=httpx.Limits(max_connections=1))
+    assert len(region.inference()) == 1  # the second call was never sent
