@@ -203,11 +203,16 @@ class Transport:
                 await self.auth.ensure(self.exchange)
                 sent_credential = self.auth.credential()
             headers["authorization"] = f"Bearer {sent_credential.reveal()}"
-            fresh: list[bool] = []  # whether this request opened its own connection (httpcore's trace)
+            # From httpcore's trace: whether this request opened its own connection, and whether
+            # an answer's head came back (a body cut after it is a request the server ran).
+            fresh: list[bool] = []
+            answered: list[bool] = []
 
-            async def trace(event: str, info: dict, fresh: list[bool] = fresh) -> None:
+            async def trace(event: str, info: dict, fresh: list[bool] = fresh, answered: list[bool] = answered) -> None:
                 if event.endswith((".connect_tcp.complete", ".connect_unix_socket.complete")):
                     fresh.append(True)
+                elif event.endswith(".receive_response_headers.complete"):
+                    answered.append(True)
 
             request = self._http.build_request(
                 method, base_url + path, json=body, headers=headers, extensions={"trace": trace},
@@ -230,7 +235,7 @@ class Transport:
                 # A closed keep-alive connection: the request written into it, then "disconnected
                 # without a response" (or the write failed). A reset (ReadError) may come from a
                 # server that had the request: resent only where nothing runs twice.
-                stale_shape = idempotent or not isinstance(err, httpx.ReadError)
+                stale_shape = idempotent or (not answered and not isinstance(err, httpx.ReadError))
                 if stale_shape and not fresh and self._clock() - sent_at < STALE_BREAK_S and not resent_stale:
                     resent_stale = True  # a pooled connection the server had closed: nothing ran
                     logger.info("%s closed a pooled connection (%s); sending again", base_url, type(err).__name__)
@@ -276,14 +281,14 @@ class Transport:
                 raised, wait = failure, max(0.0, due[index] - self._clock())
             else:
                 raised = _most_useful(failures, order)
-                if not due:
-                    # Every region asked said it does not serve the model; one not asked yet (a
-                    # 429's round asks its own region alone) is asked now, without a wait.
-                    untried = [i for i in order if i not in failures]
-                    if not untried:
-                        raise raised
+                # A region not asked yet in this call (a 429's rounds ask their own region alone)
+                # is asked now, without a wait, whatever the others said.
+                untried = [i for i in order if i not in failures]
+                if untried:
                     continue
-                self._wait_for_answering_regions(due, failures)
+                if not due:  # every region said it does not serve the model
+                    raise raised
+                self._wait_for_answering_regions(due, failures, started)
                 wait = max(0.0, min(due.values()) - self._clock())
             if retries >= self.retry.max_retries or self._clock() - started + wait > self.retry.max_retry_time_s:
                 raise raised
@@ -299,15 +304,19 @@ class Transport:
             untried = [index] if rate_limited else (
                 [i for i in order if i in due and due[i] <= now] or [min(due, key=due.__getitem__)])
 
-    def _wait_for_answering_regions(self, due: dict[int, float], failures: dict[int, ServeAppError]) -> None:
+    def _wait_for_answering_regions(self, due: dict[int, float], failures: dict[int, ServeAppError],
+                                    started: float) -> None:
         """A region that could not be reached is due after a short backoff, one that answered
         with a Retry-After when it said: the dead one would be asked alone at every round,
         spending the retries the live one asked to wait for. So the unreachable ones wait as long
-        as the first such region (and are asked in its round)."""
+        as the first such region (and are asked in its round) — unless that is past the call's
+        time budget (a cold model's 60 s): then they are all this call has left to ask."""
         asked_to_wait = [due[i] for i in due if getattr(failures[i], "retry_after", None) is not None]
         if not asked_to_wait:
             return
         then = min(asked_to_wait)
+        if then - started > self.retry.max_retry_time_s:
+            return
         for i in due:
             if not isinstance(failures[i], APIStatusError):
                 due[i] = max(due[i], then)

@@ -131,16 +131,7 @@ def _chat() -> httpx.Response:
 def test_an_unreachable_region_is_asked_again_beside_one_that_answered_without_a_retry_after():
     """Held back for region_hold_s (the whole budget) whenever another region answered, the region
     that had refused one connect was never asked again: a call the older client served failed."""
-    handler, asked = _scripted({
-        "a": [(500, "gateway_unavailable")],
-        "b": [httpx.ConnectError("refused"), "ok"],
-    })
-
-    async def scenario():
-        async with _mock_client(handler, hosts=("a", "b")) as client:
-            return await client.chat_completion(REQUEST)
-
-    assert asyncio.run(scenario()).choices[0].message.content == "hi" and asked[-1] == "b"
+    assert _served({"a": [(500, "gateway_unavailable")], "b": [httpx.ConnectError("refused"), "ok"]})[-1] == "b"
 
 
 def test_a_region_that_said_model_not_found_is_not_asked_again():
@@ -159,16 +150,59 @@ def test_a_region_that_said_model_not_found_is_not_asked_again():
     assert asked.count("a") == 2 and asked.count("b") == 3
 
 
-def test_after_a_429_a_model_not_found_asks_the_regions_not_asked_yet():
-    handler, asked = _scripted({"a": [(429, "rate_limit_exceeded", ("retry-after-ms", "10")),
-                                      (404, "model_not_found")],
-                                "b": ["ok"]})
+def _served(script: dict[str, list]) -> list[str]:
+    """A completion through the scripted regions (in the script's order), served in the end: the
+    regions asked, in order."""
+    handler, asked = _scripted(script)
 
     async def scenario():
-        async with _mock_client(handler, hosts=("a", "b")) as client:
+        async with _mock_client(handler, hosts=tuple(script)) as client:
             return await client.chat_completion(REQUEST)
 
-    assert asyncio.run(scenario()).choices[0].message.content == "hi" and asked == ["a", "a", "b"]
+    assert asyncio.run(scenario()).choices[0].message.content == "hi"
+    return asked
+
+
+@pytest.mark.parametrize("then", [(404, "model_not_found"), (503, "overloaded", ("retry-after", "60"))])
+def test_after_a_429_round_the_regions_not_asked_yet_are(then):
+    """A 429's rounds ask its own region alone; when that region then fails otherwise, the
+    regions never asked in this call were left out (only the asked ones were due)."""
+    assert _served({"a": [(429, "rate_limit_exceeded", ("retry-after-ms", "10")), then], "b": ["ok"]}) == [
+        "a", "a", "b"]
+
+
+def test_a_region_that_refused_a_connect_is_asked_again_when_the_other_says_wait_past_the_budget():
+    """A cold model's 503 says 60 s, past the call's 30 s: the region that refused one connect was
+    held that long too, so the call ended at once though that region had come back."""
+    assert _served({"a": [(503, "model_cold", ("retry-after", "60"))],
+                    "b": [httpx.ConnectError("refused"), "ok"]}) == ["a", "b", "b"]
+
+
+def test_a_post_whose_answer_broke_after_its_head_is_not_resent():
+    """httpx reads a non-stream body inside send: a 200 cut mid-body raised as a protocol error
+    on a pooled connection within the second, and the completion was posted again (run and
+    billed twice)."""
+    calls: list[str] = []
+
+    class CutBody(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'{"id": "c", "object": '
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if (token := _token(request)) is not None:
+            return token
+        calls.append(request.method)
+        await request.extensions["trace"]("http11.receive_response_headers.complete", {})
+        return httpx.Response(200, headers={"content-type": "application/json"}, stream=CutBody())
+
+    async def scenario():
+        async with _mock_client(handler) as client:
+            with pytest.raises(APIConnectionError):
+                await client.chat_completion(REQUEST)
+
+    asyncio.run(scenario())
+    assert calls == ["POST"]
 
 
 def test_a_reset_on_a_pooled_connection_is_not_resent_for_a_post():
