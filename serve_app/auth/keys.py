@@ -49,6 +49,7 @@ SCOPES = (SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR)
 # by the clock of the host that made it (a router, an operator's machine), which may be this much
 # behind; the rows read again are few (revocations are rare) and cost nothing to hold again.
 REVOCATION_LOOK_BACK_S = 600
+REVOCATION_ROWS_PER_READ = 500  # the rows of keys newly revoked, read this many a statement (a bulk revocation)
 
 _ALPHABET = string.ascii_letters + string.digits
 _SECRET_LEN = 43  # log2(62) * 43 ≈ 256 bits
@@ -259,15 +260,19 @@ class KeyStore:
             # revocation is read whole once, not every pass for ten minutes.
             ids = [row["key_id"] for row in db.execute("SELECT key_id FROM api_keys WHERE disabled_at >= ?", (since,))]
             new = [key_id for key_id in ids if getattr(self._keys.held(key_id), "disabled_at", None) is None]
-            keys = [db.execute("SELECT * FROM api_keys WHERE key_id = ?", (key_id,)).fetchone() for key_id in new]
+            keys = []
+            for start in range(0, len(new), REVOCATION_ROWS_PER_READ):
+                batch = new[start:start + REVOCATION_ROWS_PER_READ]
+                marks = ", ".join("?" * len(batch))
+                keys += db.execute(f"SELECT * FROM api_keys WHERE key_id IN ({marks})", tuple(batch)).fetchall()
             jtis = db.execute("SELECT jti, purge_after FROM revoked_tokens WHERE revoked_at >= ?", (since,)).fetchall()
-        for row in filter(None, keys):
+        for row in keys:
             self._keys.put_final(row["key_id"], _record(row))
         now = time.time()
         new_jtis = [row for row in jtis if self._revoked.held(row["jti"]) is not True]
         for row in new_jtis:  # held until the token would have expired anyway (its row's purge)
             self._revoked.put_final(row["jti"], True, for_s=row["purge_after"] - now)
-        return len(new) + len(new_jtis)
+        return len(keys) + len(new_jtis)
 
     def refresh_known_ids(self) -> int:
         """List the key ids created since the last listing (all of them the first time) into the

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 
 from serve_app.auth.principal import Principal
+from serve_app.engine.rendered import CONTEXT_LENGTH_EXCEEDED
 from serve_app.errors import APIError
 from serve_app.router.call import ReplicaCall
 from serve_app.router.services import Services
@@ -304,6 +305,16 @@ class Context:
         taken = self.replica_took or _taken(self.call)
         return outcome.status >= 500 and not taken and self.record.first_chunk_ms is None
 
+    def _refundable(self, outcome: Outcome) -> int:
+        """What of the price goes back for a request not served here: all of it, but for a prompt
+        the engine refused as longer than the context: it rendered and tokenized the whole of it
+        (up to the tier's body size: megabytes) on the replica every tenant shares, so the
+        prompt's estimate stays charged (a request each was the whole cost: at 600 a minute, a
+        replica's front end tokenizing for nobody)."""
+        if not self.billed_elsewhere and outcome.code == CONTEXT_LENGTH_EXCEEDED and outcome.status == 400:
+            return self.price.completion_tokens
+        return self.price.total
+
     def _close(self) -> None:
         outcome = self.outcome
         self.release_slot()
@@ -328,6 +339,6 @@ class Context:
         elif self.admitted and self.counted_tokens:  # counting tokens: not billed, but rate-limited
             self.services.auth.charge(self.caller, self.counted_tokens - self.price.total)
         if self.admitted and not self.admission_returned and self._not_served_here(outcome):
-            self.services.auth.refund(self.caller, self.price.total)
+            self.services.auth.refund(self.caller, self._refundable(outcome))
         if self.reservation is not None:  # after the record: its real tokens count from now on
             self.reservation.release()

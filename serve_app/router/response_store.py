@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from serve_app.auth.database import RegistryUnavailable
+from serve_app.router.owner_share import OwnerShares
 from serve_app.config import MAX_STORED_RESPONSE_BYTES, ResponsesArgs
 from serve_app.telemetry.logs import module_logger
 
@@ -84,14 +85,6 @@ class StoredResponse:
     conversation: list  # input items that produced it (full history, without instructions)
 
 
-@dataclass
-class _Turn:
-    """An owner's puts on this router: one runs (``lock``), ``users`` run or wait."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
-
-
 class ResponseIdTaken(Exception):
     """A put whose id is stored already (whoever's): nothing was stored, nothing replaced."""
 
@@ -107,6 +100,7 @@ class Sweep:
 # Longest id a lookup sends to the database: the server's are ``resp_`` and 32 hex digits (a 2 MiB
 # one, from a client, was a 2 MiB query parameter on the shared primary).
 MAX_ID_CHARS = 128
+LOOKUPS_PER_OWNER = 2  # of the 4 lookup threads (``__init__``)
 
 
 def could_be_stored(response_id: str) -> bool:
@@ -147,7 +141,11 @@ class ResponseStore:
         # thread that another owner's answer waits for.
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store")
         self._lookups = ThreadPoolExecutor(max_workers=4, thread_name_prefix="response-store-lookup")
-        self._owner_puts: dict[str, _Turn] = {}
+        self._owner_puts = OwnerShares(per_owner=1)
+        # An owner's lookups: half of their threads at most (a tenant looping GET on its 4 MiB
+        # rows, or a burst of its follow-ups, held all four, and every other owner's follow-up
+        # waited behind them).
+        self._owner_lookups = OwnerShares(per_owner=LOOKUPS_PER_OWNER)
         self._schema_lock = threading.Lock()
         self._schema_ready = False
         self._sweeper: asyncio.Task | None = None
@@ -165,21 +163,8 @@ class ResponseStore:
         """Store a finished response; return the bytes stored (its request's ``stored_bytes``).
         ValueError when its JSON is over ``max_bytes`` or not valid Unicode; ResponseIdTaken when
         its id is stored already. Either way nothing was stored or changed."""
-        async with self._owner_turn(stored.owner):
+        async with self._owner_puts.turn(stored.owner):  # the owner's one put at a time (``__init__``)
             return await self._run(self._put, stored, self._now_ms())
-
-    @contextlib.asynccontextmanager
-    async def _owner_turn(self, owner: str):
-        """The owner's one put at a time on this router (``__init__`` says why)."""
-        turn = self._owner_puts.setdefault(owner, _Turn())
-        turn.users += 1  # counted: a released lock reads unlocked before its next holder runs
-        try:
-            async with turn.lock:
-                yield
-        finally:
-            turn.users -= 1
-            if turn.users == 0:
-                del self._owner_puts[owner]  # nobody holds or waits: an owner seen once holds no memory
 
     async def get(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> StoredResponse | None:
         """None when missing, expired, another owner's or of a model ``models`` (the caller's key's,
@@ -187,7 +172,7 @@ class ResponseStore:
         someone else's response id exists."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_lookup(self._get, response_id, owner, self._now_ms(), models)
+        return await self._run_lookup(owner, self._get, response_id, owner, self._now_ms(), models)
 
     async def response_text(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> str | None:
         """The stored Response object's JSON as stored (what ``GET`` answers), None like get(): the
@@ -195,19 +180,19 @@ class ResponseStore:
         thread and the event loop ~0.2 s each)."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_lookup(self._response_text, response_id, owner, self._now_ms(), models)
+        return await self._run_lookup(owner, self._response_text, response_id, owner, self._now_ms(), models)
 
     async def exists(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> bool:
         """Whether get() would find it, reading no column of it."""
         if not could_be_stored(response_id):
             return False
-        return await self._run_lookup(self._exists, response_id, owner, self._now_ms(), models)
+        return await self._run_lookup(owner, self._exists, response_id, owner, self._now_ms(), models)
 
     async def delete(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> bool:
         """True if a row was deleted. False in exactly the cases where get() would return None."""
         if not could_be_stored(response_id):
             return False
-        return await self._run_lookup(self._delete, response_id, owner, self._now_ms(), models)
+        return await self._run_lookup(owner, self._delete, response_id, owner, self._now_ms(), models)
 
     async def history(self, response_id: str, owner: str,
                       models: frozenset[str] | None = None) -> tuple[list, int] | None:
@@ -217,11 +202,11 @@ class ResponseStore:
         JSON is no work for the router's event loop."""
         if not could_be_stored(response_id):
             return None
-        return await self._run_lookup(self._history, response_id, owner, self._now_ms(), models)
+        return await self._run_lookup(owner, self._history, response_id, owner, self._now_ms(), models)
 
     async def footprint(self, owner: str) -> tuple[int, int]:
         """``(rows, bytes)`` the owner holds now (expired rows included until swept)."""
-        return await self._run_lookup(self._footprint, owner)
+        return await self._run_lookup(owner, self._footprint, owner)
 
     # --- the sweep --------------------------------------------------------------------------
     def start(self) -> None:
@@ -264,8 +249,10 @@ class ResponseStore:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._with_schema, fn, args)
 
-    async def _run_lookup(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._lookups, self._with_schema, fn, args)
+    async def _run_lookup(self, owner: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the lookups' threads, within ``owner``'s share of them."""
+        async with self._owner_lookups.turn(owner):
+            return await asyncio.get_running_loop().run_in_executor(self._lookups, self._with_schema, fn, args)
 
     def _with_schema(self, fn: Callable[..., T], args: tuple) -> T:
         # On first use rather than in __init__, so building the router does no I/O; every

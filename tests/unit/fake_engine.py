@@ -51,7 +51,7 @@ class EngineFailed(Exception):
 class FakeEngine:
     """``tokens``: how many a request gets unless its limit says fewer; ``latency_s``: between
     tokens; ``fail_after``: raise after that many tokens (``dies``: the engine is dead then);
-    ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx instead;
+    ``fail_before``: raise instead of answering; ``refuse``: answer this 4xx (or (4xx, code)) instead;
     ``prompt_tokens`` / ``cached_tokens``: what each generation reports for its prompt;
     ``counted``: what /tokenize and count_tokens count (else ``TOKENIZED``'s 3); ``cuts_at_seam``:
     as ``VLLMEngine`` where a resumed tail ends inside a character, this many of its tokens are
@@ -109,8 +109,9 @@ class FakeEngine:
         if self.fail_before:
             self.dead = self.dies
             raise EngineFailed("before the answer")
-        if self.refuse is not None:
-            return Answer(self.refuse, error_body(self.refuse, "refused", param="messages"))
+        if self.refuse is not None:  # a status, or (status, code)
+            status, code = self.refuse if isinstance(self.refuse, tuple) else (self.refuse, None)
+            return Answer(status, error_body(status, "refused", param="messages", code=code))
         if surface == "embeddings":
             return await self._embeddings(body)
         if surface in ("tokenize", "detokenize", "count_tokens"):

@@ -288,3 +288,19 @@ def test_a_revocation_made_here_is_refused_here_at_once_whatever_the_replica_hol
     assert router.lookup(key).status(time.time()) == "active"
     assert router.revoke_key(record.key_id)  # the router's own admin endpoint
     assert router.get(record.key_id).status(time.time()) == "revoked"  # not re-read from the replica
+
+
+def test_a_bulk_revocation_is_read_whole_once_in_batches(registry):
+    from serve_app.auth.keys import REVOCATION_ROWS_PER_READ
+
+    store = KeyStore(registry, cache_ttl_s=0)
+    count = REVOCATION_ROWS_PER_READ + 20
+    with store.database.connect() as db:  # a bulk of keys, then revoked at once
+        for i in range(count):
+            db.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (f"{i:012x}", b"x", "acme", '["*"]', '["*"]', "standard", '["inference"]',
+                        int(time.time()), None, int(time.time())))
+    router = KeyStore(registry, cache_ttl_s=5)
+    assert router.follow_revocations() == count  # every row, across two statements
+    assert router.follow_revocations() == 0
+    assert router.get(f"{count - 1:012x}").status(time.time()) == "revoked"

@@ -61,6 +61,21 @@ def test_a_request_the_engine_refused_before_generating_gives_the_tokens_back(ro
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (400, 0, 0)
 
 
+def test_a_prompt_the_engine_found_over_the_context_keeps_its_prompt_charged(router_app):
+    """The replica rendered and tokenized the whole prompt (megabytes, up to the tier's body size)
+    before it refused it: at a request each, a key tokenized on the replica every tenant shares
+    for nothing. Its prompt's estimate stays charged; its completion's limit goes back."""
+    app = router_app(engine=FakeEngine(refuse=(400, "context_length_exceeded")), tiers=TIERS)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")  # 1,000 tokens a minute
+    body = {**BODY, "max_tokens": 100, "messages": [{"role": "user", "content": "x" * 2_400}]}  # ~600 tokens
+    refused = app.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "context_length_exceeded")
+    left = _tokens_left(app, key)
+    assert 1_000 - 700 < left < 1_000 - 550  # the prompt's ~600 kept, the 100 of its limit back
+    (row,) = app.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (400, 0, 0)  # no bill
+
+
 def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, router_app):
     regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
     peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))

@@ -573,7 +573,7 @@ def test_an_owner_whose_puts_are_held_holds_no_thread_another_owners_answer_wait
         finally:
             held.set()
         await asyncio.gather(*alices)
-        return found, store._owner_puts
+        return found, store._owner_puts.owners()
 
     found, turns = run(scenario())
     assert found is not None and turns == {}  # every owner's turn is given back
@@ -618,7 +618,46 @@ def test_an_owners_puts_arriving_while_one_runs_and_one_waits_still_run_one_at_a
         await asyncio.gather(second, third)
         return third_ran_beside
 
-    assert run(scenario()) is False and most[0] == 1 and store._owner_puts == {}
+    assert run(scenario()) is False and most[0] == 1 and store._owner_puts.owners() == {}
+
+
+def test_one_owners_lookups_take_at_most_half_of_the_lookup_threads(database):
+    """A tenant looping GET on its 4 MiB rows, or a burst of its follow-ups, held all four lookup
+    threads: every other owner's follow-up waited behind them. Two of an owner's run at once;
+    the rest wait their owner's turn, and another owner's lookup runs meanwhile."""
+    import threading
+
+    from serve_app.router.response_store import LOOKUPS_PER_OWNER
+
+    store = ResponseStore(database, args())
+    run(store.put(stored(0, owner="alice")))
+    run(store.put(stored(1, owner="bob")))
+    held, guard, running, most, get = threading.Event(), threading.Lock(), [0], [0], store._get
+
+    def slow_for_alice(response_id, owner, *rest):
+        if owner == "alice":
+            with guard:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            held.wait(30)
+            with guard:
+                running[0] -= 1
+        return get(response_id, owner, *rest)
+
+    store._get = slow_for_alice
+
+    async def scenario():
+        alices = [asyncio.ensure_future(store.get("resp_0", "alice")) for _ in range(6)]
+        await asyncio.sleep(0.2)
+        try:  # a hang guard, not a timing bound: without the share bob waits for alice's
+            bobs = await asyncio.wait_for(store.get("resp_1", "bob"), 20)
+        finally:
+            held.set()
+        return bobs, await asyncio.gather(*alices), store._owner_lookups.owners()
+
+    bobs, alices, shares = run(scenario())
+    assert bobs is not None and all(found is not None for found in alices)
+    assert most[0] == LOOKUPS_PER_OWNER == 2 and shares == {}
 
 
 # --- what is refused, and where it runs --------------------------------------------------------------
