@@ -18,7 +18,7 @@ region across requests. What happens to one request, in order:
   before any answer, on a connection this request did not open ("disconnected without a
   response", or a failed write): nothing ran, and the request is sent again on a new one, to the
   same region, once (the server's own failover reads it the same way). A line that breaks
-  otherwise before the answer, or is reset (the server may have had the request), is raised —
+  otherwise, after the answer's head, or is reset (the server may have had the request), is raised —
   but for a ``GET`` and the token exchange, which run nothing twice: they go on as after a connect
   error.
 - When every region failed in a round, or on a 429 (the caller's budget, which another region
@@ -28,7 +28,9 @@ region across requests. What happens to one request, in order:
   whose wait is over; a 429 waits for its own region's ``Retry-After``, whatever other regions
   said. A region that could not be reached waits as long as the first region that answered with
   a ``Retry-After`` (its short backoff would otherwise make it due first, alone, at every round,
-  spending the retries that region asked to wait for). At most ``max_retries`` waits and ``max_retry_time_s`` in all. A
+  spending the retries that region asked to wait for), unless that is past the call's budget.
+  After a 429's rounds, a region not asked yet in the call is asked once that region fails
+  otherwise. At most ``max_retries`` waits and ``max_retry_time_s`` in all. A
   ``Retry-After`` past that budget is not waited for: the error is raised at once with
   ``retry_after`` set (a cold model says 60 s; the caller decides).
 - The error raised when the attempts end is the most useful one of the call's, not the last: a

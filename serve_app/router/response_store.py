@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from serve_app.auth.database import RegistryUnavailable
-from serve_app.router.owner_share import OwnerShares
 from serve_app.config import MAX_STORED_RESPONSE_BYTES, ResponsesArgs
+from serve_app.router.owner_share import OwnerShares
 from serve_app.telemetry.logs import module_logger
 
 logger = module_logger(__name__)
@@ -163,8 +163,9 @@ class ResponseStore:
         """Store a finished response; return the bytes stored (its request's ``stored_bytes``).
         ValueError when its JSON is over ``max_bytes`` or not valid Unicode; ResponseIdTaken when
         its id is stored already. Either way nothing was stored or changed."""
-        async with self._owner_puts.turn(stored.owner):  # the owner's one put at a time (``__init__``)
-            return await self._run(self._put, stored, self._now_ms())
+        # The owner's one put at a time (``__init__``), on the store's threads.
+        return await self._owner_puts.run(stored.owner, self._executor, self._with_schema, self._put,
+                                          (stored, self._now_ms()))
 
     async def get(self, response_id: str, owner: str, models: frozenset[str] | None = None) -> StoredResponse | None:
         """None when missing, expired, another owner's or of a model ``models`` (the caller's key's,
@@ -251,8 +252,7 @@ class ResponseStore:
 
     async def _run_lookup(self, owner: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the lookups' threads, within ``owner``'s share of them."""
-        async with self._owner_lookups.turn(owner):
-            return await asyncio.get_running_loop().run_in_executor(self._lookups, self._with_schema, fn, args)
+        return await self._owner_lookups.run(owner, self._lookups, self._with_schema, fn, args)
 
     def _with_schema(self, fn: Callable[..., T], args: tuple) -> T:
         # On first use rather than in __init__, so building the router does no I/O; every

@@ -660,6 +660,49 @@ def test_one_owners_lookups_take_at_most_half_of_the_lookup_threads(database):
     assert most[0] == LOOKUPS_PER_OWNER == 2 and shares == {}
 
 
+def test_an_owner_whose_clients_hang_up_still_holds_its_share_until_its_threads_are_done(database):
+    """A request whose client left is cancelled, but its statement on a thread runs on: the share
+    was given back at the cancel, so a tenant hanging up at once on each 4 MiB read filled every
+    lookup thread all the same."""
+    import threading
+
+    store = ResponseStore(database, args())
+    run(store.put(stored(0, owner="alice")))
+    run(store.put(stored(1, owner="bob")))
+    held, started, get = threading.Event(), threading.Semaphore(0), store._get
+
+    def slow_for_alice(response_id, owner, *rest):
+        if owner == "alice":
+            started.release()
+            held.wait(30)
+        return get(response_id, owner, *rest)
+
+    store._get = slow_for_alice
+
+    async def scenario():
+        first = [asyncio.ensure_future(store.get("resp_0", "alice")) for _ in range(2)]
+        for _ in range(2):
+            await asyncio.to_thread(started.acquire, True, 30)  # both on their threads
+        for task in first:
+            task.cancel()  # their clients left; the statements run on
+        await asyncio.gather(*first, return_exceptions=True)
+        second = [asyncio.ensure_future(store.get("resp_0", "alice")) for _ in range(2)]  # and again
+        try:  # a hang guard, not a timing bound: without the fix all four threads are alice's
+            bobs = await asyncio.wait_for(store.get("resp_1", "bob"), 20)
+            waiting = store._owner_lookups.owners()
+        finally:
+            held.set()
+        await asyncio.gather(*second)
+        for _ in range(2000):  # the cancelled ones' threads end about now: their places come back then
+            if not store._owner_lookups.owners():
+                break
+            await asyncio.sleep(0.01)
+        return bobs, waiting, store._owner_lookups.owners()
+
+    bobs, waiting, after = run(scenario())
+    assert bobs is not None and waiting == {"alice": 4} and after == {}
+
+
 # --- what is refused, and where it runs --------------------------------------------------------------
 def test_a_response_over_max_bytes_or_not_valid_unicode_is_refused_and_nothing_stored(database):
     store = ResponseStore(database, args())
