@@ -9,10 +9,10 @@ tokens signed by another region's key carry neither scope):
   Until 2026-12-07 any admin key unrestricted in models and regions was one, so a customer's
   admin key made without ``--model``/``--region`` managed every tenant; no key got the scope by
   the upgrade (an operator grants it to its own: ``serve-app keys grant-operator``);
-- an **owner admin**, any other: lists, revokes and reads the usage of its own owner's keys only. Another owner's key looks exactly like a key that does not
-  exist (404 ``key_not_found``, an empty report), so an owner admin cannot learn which ids other
-  owners hold. It cannot load or unload a model: a model serves every owner in its region
-  (``router/operations.set_wanted``).
+- an **owner admin**, any other: lists, revokes and reads the usage of its own owner's keys only.
+  Another owner's key looks exactly like a key that does not exist (404 ``key_not_found``, an
+  empty report), so an owner admin cannot learn which ids other owners hold. It cannot load or
+  unload a model: a model serves every owner in its region (``router/operations.set_wanted``).
 
 ``GET /v1/usage`` without ``key_id`` is any key's own usage (``inference`` scope); with one it is
 an admin's view, through ``usage_filter``.

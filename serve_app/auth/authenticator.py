@@ -65,7 +65,7 @@ UNKNOWN_ID_THREADS = 2
 # How often a router lists the key ids created since its last listing (one indexed query): a
 # key created since is the only real one a flood of made-up ids can hold back, this long at most.
 KNOWN_IDS_REFRESH_S = 10
-# The revocations are read from the primary every cache_ttl_s (two indexed queries), at most this often.
+# The revocations are read from the primary every cache_ttl_s (KeyStore.follow_revocations), at most this often.
 MIN_REVOCATIONS_EVERY_S = 1.0
 
 

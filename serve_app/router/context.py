@@ -307,10 +307,10 @@ class Context:
 
     def _refundable(self, outcome: Outcome) -> int:
         """What of the price goes back for a request not served here: all of it, but for a prompt
-        the engine refused as longer than the context: it rendered and tokenized the whole of it
-        (up to the tier's body size: megabytes) on the replica every tenant shares, so the
-        prompt's estimate stays charged (a request each was the whole cost: at 600 a minute, a
-        replica's front end tokenizing for nobody)."""
+        the engine refused as longer than the context: the replica every tenant shares rendered it
+        whole (up to the tier's body size: megabytes), and tokenized it unless it was longer in
+        characters than the context already, so the prompt's estimate stays charged (a request
+        each was the whole cost: at 600 a minute, a replica's front end working for nobody)."""
         if not self.billed_elsewhere and outcome.code == CONTEXT_LENGTH_EXCEEDED and outcome.status == 400:
             return self.price.completion_tokens
         return self.price.total

@@ -153,7 +153,8 @@ def test_imported_kids_are_bound_to_their_region_and_carry_no_admin_scope(tmp_pa
     assert yvr_client.get("/v1/admin/keys", headers=bearer(own)).status_code == 200
     imported = [k for k in yvr.keyset.current().keys if k.imported]
     assert [k.region for k in imported] == ["yul-02"]  # kid → the region that issued it
-    operator_key, _ = yul.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
+    operator_key, _ = yul.keys.create_key(owner="ops", tier="standard",
+                                          scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     operator_token = _mint(router_client(yul), operator_key)
     assert yul.authenticate(f"Bearer {operator_token}", scope=SCOPE_ADMIN).scopes == {
         SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR}

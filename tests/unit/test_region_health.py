@@ -65,7 +65,8 @@ def test_the_required_model_cannot_be_unloaded_through_the_api(router_app):
     """Unloading it would turn /health 503 and take the region out of the global name for every
     tenant: an admin call refuses it; the region's settings can make it optional first."""
     app = router_app(models=(MODEL, EMBED), model_settings=REQUIRED_CHAT)
-    key, _ = app.auth.keys.create_key(owner="ops", tier="standard", scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
+    key, _ = app.auth.keys.create_key(owner="ops", tier="standard",
+                                      scopes=(SCOPE_INFERENCE, SCOPE_ADMIN, SCOPE_OPERATOR))
     refused = app.client.post("/v1/models/unload", json={"model": MODEL}, headers=bearer(key))
     error = refused.json()["error"]
     assert (refused.status_code, error["code"], error["param"]) == (409, "model_required", "model")
