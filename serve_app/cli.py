@@ -24,7 +24,7 @@ from serve_app.auth.authenticator import mint_token
 from serve_app.auth.principal import Principal
 from serve_app.auth.config import AuthArgs
 from serve_app.auth.database import is_dsn
-from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyStore, owner_problem
+from serve_app.auth.keys import ALL, SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, KeyRecord, KeyStore, owner_problem
 from serve_app.bench import agent_report, cli as bench_cli
 from serve_app.config import parse_app_args
 from serve_app.faults import cli as faults_cli
@@ -215,9 +215,7 @@ def keys_revoke(
     first, naming the key's owner: a revoked key cannot be re-enabled, and its owner's traffic
     fails at once."""
     store = _ctx(ctx).store()
-    record = store.get(key_id)
-    if record is None:
-        _fail(f"no key {key_id!r}")
+    record = _existing(store, key_id)
     if record.disabled_at is not None:  # nothing to ask: revoking again changes nothing
         typer.echo(f"{key_id} was revoked on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(record.disabled_at))}")
         return
@@ -238,15 +236,21 @@ def keys_grant_operator(
     unload). For an operator's own keys made before the scope existed (2026-12-07), whose admin
     powers over every owner the upgrade took away (docs/auth.md, "Admin scopes")."""
     store = _ctx(ctx).store()
-    record = store.get(key_id)
-    if record is None:
-        _fail(f"no key {key_id!r}")
+    record = _existing(store, key_id)
     if record.disabled_at is not None:
         _fail(f"{key_id} is revoked")
     _confirm(yes, f"make key {key_id} of {record.owner} an operator: it manages every owner's keys and the "
                   "region's models?", "not granted")
     store.grant_operator(key_id)
     typer.echo(f"{key_id} is an operator's key")
+
+
+def _existing(store: KeyStore, key_id: str) -> KeyRecord:
+    """``key_id``'s record, or the CLI's error."""
+    record = store.get(key_id)
+    if record is None:
+        _fail(f"no key {key_id!r}")
+    return record
 
 
 def _confirm(yes: bool, question: str, otherwise: str) -> None:
@@ -336,9 +340,7 @@ def signing_import(ctx: typer.Context, jwks_file: Path) -> None:
 def token_mint(ctx: typer.Context, key_id: str) -> None:
     """Mint a token for an active key (no secret needed: this is the operator's tool)."""
     c = _ctx(ctx)
-    record = c.store().get(key_id)
-    if record is None:
-        _fail(f"no key {key_id!r}")
+    record = _existing(c.store(), key_id)
     if record.status(time.time()) != "active":
         _fail(f"key {key_id} is {record.status(time.time())}")
     answer = mint_token(c.auth, c.keyset(), Principal.from_record(record), record.expires_at)

@@ -261,7 +261,7 @@ class Transport:
                     logger.info("token refused at %s (%s); minted a new one and resending", base_url, failure.code)
                     untried.insert(0, index)
                     continue
-                not_served = failure.status == 404 and failure.code == MODEL_NOT_FOUND and len(order) > 1
+                not_served = len(order) > 1 and _not_served(failure)
                 if failure.status == 503 or (failure.status == 500 and failure.code == GATEWAY_UNAVAILABLE):
                     self._hold(index, failure.retry_after)
                 elif failure.status != 429 and not not_served:
