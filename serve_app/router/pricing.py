@@ -108,8 +108,9 @@ def price(
     if method == "completions":  # a prompt of token ids is ~2 bytes an id: its count is exact
         prompt = max(prompt, token_ids_in(body.get("prompt")))
     route = BY_NAME[method].limit
-    if method in ("chat", "completions"):  # the only requests vLLM runs beam search for
+    if method in ("chat", "completions"):  # the only requests vLLM runs beam search and prompt logprobs for
         _refuse_beam_search(body)
+        _refuse_prompt_logprobs_per_sample(method, body)
     limit = _limit(route, method, body, context_len)
     set_by_router = limit is None
     sequences = _sequences(method, body)
@@ -194,6 +195,31 @@ def _entries(value: Any) -> int:
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return 1
     return len(value) if isinstance(value, list) else 1
+
+
+def _asks_prompt_logprobs(method: str, body: dict[str, Any]) -> bool:
+    """Whether vLLM computes the prompt's logprobs: asked for (a vLLM extra), or implied by
+    ``echo`` (completions: with ``logprobs``; chat: always, ``top_logprobs`` defaulting to 0)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return bool(body.get("echo")) and (method == "chat" or body.get("logprobs") is not None)
+
+
+def _refuse_prompt_logprobs_per_sample(method: str, body: dict[str, Any]) -> None:
+    """vLLM computes a prompt's logprobs once for each of the ``n`` samples, each prefilling the
+    whole prompt (such a request reads nothing from the prefix cache), and repeats them in every
+    choice: an 8,000-token prompt with n 128 was 128 full prefills and ~20M logprob entries on
+    the replica every tenant shares, priced and billed as one prompt."""
+    n = body.get("n")
+    if isinstance(n, int) and n > 1 and _asks_prompt_logprobs(method, body):
+        asked = "prompt_logprobs" if body.get("prompt_logprobs") is not None else "echo"
+        raise APIError(
+            400,
+            f"the prompt's logprobs ({asked}) are computed again for each of the n samples, the whole prompt "
+            "each time: set n to 1 (send one request a sample: each is priced as one prompt)",
+            param="n",
+            code="unsupported_parameter",
+        )
 
 
 def _refuse_beam_search(body: dict[str, Any]) -> None:

@@ -227,6 +227,41 @@ def test_beam_search_is_refused(method, body):
     assert refused.param == "use_beam_search" and refused.code == "unsupported_parameter"
 
 
+def _vllm_prompt_logprobs(method: str, body: dict[str, Any]) -> bool:
+    """Whether vLLM computes ``body``'s prompt logprobs, each sample its own prefill of the whole
+    prompt (``skip_reading_prefix_cache``)."""
+    model = ChatCompletionRequest if method == "chat" else CompletionRequest
+    params = model.model_validate(copy.deepcopy(body)).to_sampling_params(16, {})
+    assert params.skip_reading_prefix_cache == (params.prompt_logprobs is not None)
+    return params.prompt_logprobs is not None
+
+
+PROMPT_LOGPROBS = [
+    ("chat", {"prompt_logprobs": 0}),
+    ("chat", {"prompt_logprobs": 5}),
+    ("chat", {"echo": True}),  # top_logprobs defaults to 0: the prompt's logprobs all the same
+    ("chat", {"echo": True, "logprobs": True, "top_logprobs": 3}),
+    ("chat", {"logprobs": True, "top_logprobs": 3}),  # the samples' logprobs only
+    ("chat", {"echo": False}),
+    ("completions", {"echo": True, "logprobs": 20, "max_tokens": 0}),
+    ("completions", {"echo": True, "logprobs": 0}),
+    ("completions", {"prompt_logprobs": 1}),
+    ("completions", {"echo": True}),  # the prompt's text, no logprobs
+    ("completions", {"logprobs": 5}),
+]
+
+
+@pytest.mark.parametrize("method, fields", PROMPT_LOGPROBS)
+def test_prompt_logprobs_are_refused_with_several_samples_exactly_when_vllm_computes_them(method, fields):
+    body = (chat if method == "chat" else completions)(**fields)
+    assert priced(method, {**copy.deepcopy(body), "n": 1}).sequences == 1  # one sample: one prefill, priced
+    if _vllm_prompt_logprobs(method, body):
+        refused = refusal(method, {**body, "n": 128})
+        assert refused.param == "n" and refused.code == "unsupported_parameter"
+    else:
+        assert priced(method, {**body, "n": 4}).sequences == 4
+
+
 # --- sequences ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "prompt",
