@@ -17,6 +17,7 @@ the task that serves it.
 """
 
 import contextvars
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,14 @@ def for_this_request(*, clamp_limit: bool = False, continue_with: tuple[int, ...
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# A pooling request's inputs over the request cap (``install_request_cap``): like a prompt over the
+# context, refused after the replica tokenized it all, so its estimate stays charged.
+MAX_TOKENS_PER_REQUEST = "max_tokens_per_request"
+# The replica's refusals of what the router could only estimate, after the work of rendering it.
+REFUSED_AFTER_RENDERING = frozenset({CONTEXT_LENGTH_EXCEEDED, MAX_TOKENS_PER_REQUEST})
+# (vLLM's ``VLLMValidationError`` adds its parameter to the words.)
+_OVER_REQUEST_CAP = re.compile(
+    r"(the input is \d+ tokens, all its entries together; at most \d+ in one request)(?: \(parameter=input\))?")
 # The parameters vLLM names when the prompt alone is over the cap.
 VLLM_PROMPT_TOO_LONG_PARAMS = {"input_tokens", "input_text"}
 
@@ -118,7 +127,7 @@ def install_request_cap(serving: Any, max_tokens: int) -> None:
     async def prepare_within_cap(ctx):
         inputs = ctx.engine_inputs or ()
         total = sum(len(engine_input["prompts"].get("prompt_token_ids") or ()) for engine_input in inputs)
-        if total > max_tokens:
+        if total > max_tokens:  # its words are how over_request_cap knows it (vLLM keeps no code)
             raise VLLMValidationError(
                 f"the input is {total} tokens, all its entries together; at most {max_tokens} in one request",
                 parameter="input")
@@ -132,6 +141,12 @@ def _lower_limit(request: Any, limit: int) -> None:
     for field in ("max_completion_tokens", "max_tokens"):
         if getattr(request, field, None) is not None:
             setattr(request, field, limit)
+
+
+def over_request_cap(error: Any) -> str | None:
+    """The client's words of ``install_request_cap``'s refusal, if vLLM's ``ErrorResponse`` is it."""
+    found = _OVER_REQUEST_CAP.fullmatch(error.message) if error.param == "input" else None
+    return found.group(1) if found else None
 
 
 def is_context_overflow(error: Any) -> bool:

@@ -32,6 +32,8 @@ def error_answer(response, exc: BaseException | None = None, *, body: dict | Non
         message, code = _SERVER_FAULTS.get(error.code, _SERVER_FAULT)
         return Answer(error.code, error_body(error.code, message, code=code))
     body, param, message = body or {}, error.param, error.message
+    if (over_cap := rendered.over_request_cap(error)) is not None:
+        return Answer(error.code, error_body(error.code, over_cap, param="input", code=rendered.MAX_TOKENS_PER_REQUEST))
     if not rendered.is_context_overflow(error):
         if message.startswith(_UNREADABLE_TOOL_GRAMMAR) and body.get("tools"):  # the tools' grammar (or merged)
             if found := _uncompilable_tool_schema(body.get("tools")):

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from fastapi import Request
 
 from serve_app.auth.principal import Principal
-from serve_app.engine.rendered import CONTEXT_LENGTH_EXCEEDED
+from serve_app.engine.rendered import REFUSED_AFTER_RENDERING
 from serve_app.errors import APIError
 from serve_app.router.call import ReplicaCall
 from serve_app.router.services import Services
@@ -307,11 +307,12 @@ class Context:
 
     def _refundable(self, outcome: Outcome) -> int:
         """What of the price goes back for a request not served here: all of it, but for a prompt
-        the engine refused as longer than the context: the replica every tenant shares rendered it
-        whole (up to the tier's body size: megabytes), and tokenized it unless it was longer in
-        characters than the context already, so the prompt's estimate stays charged (a request
-        each was the whole cost: at 600 a minute, a replica's front end working for nobody)."""
-        if not self.billed_elsewhere and outcome.code == CONTEXT_LENGTH_EXCEEDED and outcome.status == 400:
+        the engine refused as longer than the context, or embeddings' inputs over the request's
+        cap: the replica every tenant shares rendered it whole (up to the tier's body size:
+        megabytes), and tokenized it unless it was longer in characters than the context already,
+        so the prompt's estimate stays charged (a request each was the whole cost: at 600 a
+        minute, a replica's front end working for nobody)."""
+        if not self.billed_elsewhere and outcome.code in REFUSED_AFTER_RENDERING and outcome.status == 400:
             return self.price.completion_tokens
         return self.price.total
 

@@ -76,6 +76,22 @@ def test_a_prompt_the_engine_found_over_the_context_keeps_its_prompt_charged(rou
     assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (400, 0, 0)  # no bill
 
 
+def test_embeddings_the_replica_found_over_the_request_cap_keep_their_charge(router_app):
+    """The request cap (300,000 tokens) is checked on the rendered inputs: the replica tokenized
+    them all before it refused (2,048 strings of digits, ~75,000 tokens by size, are over
+    300,000). It kept nothing charged: at a request each, a tenant's tokenizing on the replica
+    every tenant shares was free. As for a prompt over the context, the estimate stays charged."""
+    embed = "qwen-3-embedding-0.6b"
+    app = router_app(engine=FakeEngine(refuse=(400, "max_tokens_per_request")), tiers=TIERS, models=(MODEL, embed))
+    key, _ = app.auth.keys.create_key(owner="alice", tier="small")  # 1,000 tokens a minute
+    body = {"model": embed, "input": ["1234567890" * 24] * 10}  # ~600 tokens by size
+    refused = app.client.post("/v1/embeddings", json=body, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (400, "max_tokens_per_request")
+    assert 1_000 - 700 < _tokens_left(app, key) < 1_000 - 500  # before: all 1,000 left
+    (row,) = app.recorded()
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == (400, 0, 0)  # no bill
+
+
 def test_a_request_a_peer_region_served_gives_the_origins_tokens_back(tmp_path, router_app):
     regions = federated_regions(tmp_path / "keys", "yul-02", "yvr-01")
     peer = router_app(auth=regions["yvr-01"], region="yvr-01", engine=FakeEngine(tokens=3))

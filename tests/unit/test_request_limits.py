@@ -103,3 +103,13 @@ def test_a_pooling_requests_tokens_are_capped_over_all_its_rendered_inputs():
         asyncio.run(serving._prepare_generators(inputs(4, 4, 3)))
     assert refused.value.parameter == "input" and "11 tokens" in str(refused.value)
     assert serving.started == 2
+    # As the replica answers it (vLLM's error response of the exception): its own code, which
+    # keeps the inputs' estimate charged as the router settles (test_ratelimit_refunds.py).
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    from serve_app.engine import vllm_errors
+
+    answer = vllm_errors.error_answer(create_error_response(refused.value), refused.value, body={"input": ["x"]})
+    error = answer.body["error"]
+    assert (answer.status, error["param"], error["code"]) == (400, "input", rendered.MAX_TOKENS_PER_REQUEST)
+    assert error["message"] == "the input is 11 tokens, all its entries together; at most 10 in one request"
