@@ -96,13 +96,13 @@ async def health(services: Services) -> JSONResponse:
 async def list_models(services: Services, request: Request) -> dict[str, Any]:
     caller = await metered_caller(services, request)
     await services.states.ensure_fresh()
-    cards = [model_card(services, model_id) for model_id in services.served if caller.allows_model(model_id)]
+    cards = [model_card(services, model_id) for model_id in services.usable_by(caller)]
     return {"object": "list", "data": cards}
 
 
 async def retrieve_model(services: Services, model: str, request: Request) -> dict[str, Any]:
     caller = await metered_caller(services, request)
-    model_id = services.resolve(model)
+    model_id = services.resolve(model, caller)
     services.auth.authorize_model(caller, model_id)
     await services.states.ensure_fresh()
     return model_card(services, model_id)

@@ -122,7 +122,7 @@ async def parse(ctx: Context) -> None:
 
 async def resolve(ctx: Context) -> None:
     try:
-        ctx.model = ctx.body["model"] = ctx.services.resolve(ctx.body.get("model"))
+        ctx.model = ctx.body["model"] = ctx.services.resolve(ctx.body.get("model"), ctx.caller)
     except APIError as err:
         if ctx.origin is None or err.code != "model_not_found":
             raise
@@ -225,7 +225,8 @@ async def _charge_refusal(ctx: Context) -> None:
 
 
 def _wrong_task(ctx: Context) -> APIError:
-    served = [model for model in ctx.services.served if ctx.services.models[model].task == ctx.surface.task]
+    models = ctx.services.models
+    served = [model for model in ctx.services.usable_by(ctx.caller) if models[model].task == ctx.surface.task]
     return APIError(
         400,
         f"{ctx.model} does not serve {ctx.surface.route}: it is a model of task {ctx.services.models[ctx.model].task!r}"

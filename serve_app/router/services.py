@@ -228,8 +228,10 @@ class Services:
         authorization = self.auth.authorization(request.headers, api_key_header=api_key_header)  # 400 if two
         return await self.auth.authenticate_async(authorization, scope=scope)
 
-    def resolve(self, name: Any) -> str:
-        """A model name (canonical id, alias or HF repo id) as the canonical id served here (404)."""
+    def resolve(self, name: Any, caller: Principal | None = None) -> str:
+        """A model name (canonical id, alias or HF repo id) as the canonical id served here (404,
+        naming the models served here that ``caller`` may use: a key kept to one model is not
+        told which others the region serves, as ``GET /v1/models`` does not)."""
         if not isinstance(name, str):
             raise APIError(400, "invalid request: model: a model id or alias, a string", param="model")
         if not name.strip():
@@ -239,11 +241,15 @@ class Services:
             raise APIError(
                 404,
                 f"The model {shown(name)!r} does not exist or is not served in region {self.region}. "
-                f"Served here: {', '.join(self.served)}",
+                f"Served here: {', '.join(self.usable_by(caller)) or 'none for this key'}",
                 param="model",
                 code="model_not_found",
             )
         return model_id
+
+    def usable_by(self, caller: Principal | None) -> list[str]:
+        """The models served here, those ``caller`` may use (all of them for no caller)."""
+        return [model for model in self.served if caller is None or caller.allows_model(model)]
 
 
 def _written(args: AppArgs) -> dict[str, Any]:

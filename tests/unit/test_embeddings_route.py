@@ -157,6 +157,24 @@ def test_tokenize_works_on_the_embedding_model(app):
 def test_a_key_scoped_to_the_chat_model_cannot_embed(app):
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard", models=(MODEL,))
     assert embed(app, key).status_code == 403
+
+
+def test_a_key_kept_to_one_model_is_not_told_of_the_others_in_refusals(app):
+    """``GET /v1/models`` lists only the models a key may use; the 404 of an unknown model and the
+    400 of a model of the wrong task listed every model of the region (found by a review)."""
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard", models=(MODEL,))
+    chat = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
+    unknown = app.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
+    assert unknown.status_code == 404 and MODEL in unknown.json()["error"]["message"]
+    assert EMBED not in unknown.json()["error"]["message"]
+    wrong_task = app.client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=bearer(key))
+    assert wrong_task.json()["error"]["code"] == "model_does_not_serve_route"
+    assert EMBED not in wrong_task.json()["error"]["message"]
+    everything, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    told = app.client.post("/v1/embeddings", json={"model": MODEL, "input": "hi"}, headers=bearer(everything))
+    assert EMBED in told.json()["error"]["message"]  # a key of every model is told where to go
+    listed = app.client.get("/v1/models", headers=bearer(key)).json()["data"]
+    assert [card["id"] for card in listed] == [MODEL]
     assert app.engine.calls == []
 
 
