@@ -68,6 +68,8 @@ def check_input(value: Any) -> None:
     if not isinstance(value, list) or not value:
         raise ValueError(f"must be {_SHAPE}")
     if len(value) > MAX_INPUTS:
+        if _is_token_id(value[0]):  # one input: a list of token ids, held to the same length
+            raise ValueError(f"{len(value)} token ids in one input; at most {MAX_INPUTS} in a list of token ids")
         raise ValueError(f"{len(value)} inputs; at most {MAX_INPUTS} in one request")
     first = value[0]
     for index, entry in enumerate(value):

@@ -90,6 +90,17 @@ def test_the_fields_the_server_sets_are_refused(field):
     assert refused.value.param == field and "server" in refused.value.message
 
 
+@pytest.mark.parametrize("value, told", [
+    (["x"] * (MAX_INPUTS + 1), f"{MAX_INPUTS + 1} inputs; at most {MAX_INPUTS} in one request"),
+    ([7] * (MAX_INPUTS + 1), f"{MAX_INPUTS + 1} token ids in one input; at most {MAX_INPUTS} in a list of token ids"),
+])
+def test_a_list_too_long_is_told_as_inputs_or_as_one_inputs_token_ids(value, told):
+    """A list of token ids is one input: it was told "2049 inputs" (found by a review)."""
+    with pytest.raises(APIError) as refused:
+        validate_body("embeddings", {"model": MODEL, "input": value})
+    assert told in refused.value.message and refused.value.param == "input"
+
+
 def test_the_vllm_fields_kept_are_priority_lowered_and_truncation():
     validate_body("embeddings", {"model": MODEL, "input": "x", "priority": 5, "truncate_prompt_tokens": 512})
     for field, value in (("priority", -1), ("truncate_prompt_tokens", 0)):
