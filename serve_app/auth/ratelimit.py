@@ -222,6 +222,9 @@ class SharedRateLimiter:
     The actor is named per region and created by whichever replica asks first
     (``get_if_exists``); it is detached so it outlives the replica that created it, asks for no
     CPU (it must never keep a model replica from being placed), and Ray restarts it if it dies.
+    It is placed on the node of the router that creates it (a region's head): Ray places an actor
+    that asks for no resource on a node picked at random, a GPU worker's as likely, whose
+    scale-down or eviction restarted it with every key's buckets full.
     """
 
     def __init__(self, region: str):
@@ -232,19 +235,24 @@ class SharedRateLimiter:
         if self._actor is None:
             import ray
 
-            self._actor = (
-                ray.remote(RateLimiter)
-                .options(
-                    name=self.actor_name,
-                    namespace=ACTOR_NAMESPACE,
-                    get_if_exists=True,
-                    lifetime="detached",
-                    num_cpus=0,
-                    max_restarts=-1,
-                )
-                .remote()
-            )
+            options = self.actor_options(ray.get_runtime_context().get_node_id())
+            self._actor = ray.remote(RateLimiter).options(**options).remote()
         return self._actor
+
+    def actor_options(self, node_id: str) -> dict[str, Any]:
+        """The actor's options when a router on ``node_id`` creates it (soft: on a node that is
+        gone, Ray places it elsewhere rather than never)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {
+            "name": self.actor_name,
+            "namespace": ACTOR_NAMESPACE,
+            "get_if_exists": True,
+            "lifetime": "detached",
+            "num_cpus": 0,
+            "max_restarts": -1,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True),
+        }
 
     def refuses(self, key_id: str, rpm: int, tpm: int, tokens: int) -> Decision | None:
         """Nothing is known here without an actor call (the router's ``LeasedRateLimiter`` knows)."""

@@ -312,3 +312,16 @@ def test_a_429_at_admission_costs_its_key_a_request(router_app):
     unread = app.client.post("/v1/chat/completions", content=b"{not json", headers=bearer(key))
     assert (unread.status_code, unread.json()["error"]["code"]) == (429, "rate_limit_exceeded")  # not 400
     assert unread.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_the_shared_limiter_actor_is_placed_on_the_node_of_the_router_that_creates_it():
+    """Ray places an actor that asks for no resource on a node picked at random (a region's GPU
+    worker as likely as its head), and a worker's scale-down restarted it with every bucket full."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from serve_app.auth.ratelimit import SharedRateLimiter
+
+    options = SharedRateLimiter("yul-02").actor_options("ab" * 28)
+    placed = options["scheduling_strategy"]
+    assert isinstance(placed, NodeAffinitySchedulingStrategy) and (placed.node_id, placed.soft) == ("ab" * 28, True)
+    assert options["num_cpus"] == 0 and options["lifetime"] == "detached" and options["name"] == "ratelimit-yul-02"
