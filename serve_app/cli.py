@@ -31,6 +31,7 @@ from serve_app.faults import cli as faults_cli
 from serve_app.paths import REPO_ROOT
 from serve_app.regions import layout
 from serve_app.regions.cli import app as regions_app
+from serve_app.runtime import drain_node as drain_node_module
 from serve_app.usage.cli import usage_app
 
 # Never print local variables in a traceback: they can hold a key or a private key.
@@ -52,6 +53,22 @@ app.command("bench-agent")(agent_report.command)
 app.command("faults")(faults_cli.command)
 app.command("gpu-smoke")(gpu_smoke.command)
 app.command("image-lock")(image_lock.command)
+
+
+@app.command("drain-node")
+def drain_node(
+    deadline_s: Annotated[float, typer.Option("--deadline-s", min=0, help="How long the node may take to empty.")] = (
+        drain_node_module.DRAIN_DEADLINE_S),
+    address: Annotated[str, typer.Option(help="The Ray cluster's address; auto: this node's.")] = "auto",
+) -> None:
+    """Drain this Ray node (a GPU worker pod's preStop): Serve moves its replicas, the command waits
+    until none is left here (docs/operations.md, "Node maintenance")."""
+    try:
+        drained = drain_node_module.drain_this_node(deadline_s, address)
+    except Exception as err:  # Kubernetes records the hook's failure, then stops the pod as without it
+        _fail(f"could not drain this node: {err}")
+    if not drained:
+        raise typer.Exit(1)
 
 class _Context:
     def __init__(self, config: Path, key_store: str | None, signing_keys: Path | None):

@@ -193,7 +193,13 @@ locals {
         metadata = { labels = local.labels }
         spec = {
           securityContext = { fsGroup = var.pod_fs_group }
-          nodeSelector    = local.gpu_pool_labels
+          # A deleted or evicted worker pod (a node drain, an upgrade) drains its Ray node first
+          # (the preStop below): Serve moves its replicas, each stopped once its replacement runs
+          # or at the latest with the time its requests may still take, and its HAProxy finishes
+          # the connections it holds. Kubernetes' default of 30 s before SIGKILL cut every stream
+          # of the node. serve_app/runtime/drain_node.py: TERMINATION_GRACE_S, DRAIN_DEADLINE_S.
+          terminationGracePeriodSeconds = 660
+          nodeSelector                  = local.gpu_pool_labels
           # One GPU worker per server before a second on any (soft: a pod still starts where
           # only one server has a free GPU): a region's two replicas on one server go down
           # together with it, and its required model with them. Counted per RayCluster
@@ -235,6 +241,7 @@ locals {
             image     = var.image
             env       = local.worker_env
             resources = { requests = local.worker_resources, limits = local.worker_resources }
+            lifecycle = { preStop = { exec = { command = ["serve-app", "drain-node", "--deadline-s", "630"] } } }
             volumeMounts = concat(local.stream_tls_mounts, [
               { name = "model-cache", mountPath = "/models" },
               { name = "shm", mountPath = "/dev/shm" },
