@@ -70,6 +70,7 @@ def drain_node(
     if not drained:
         raise typer.Exit(1)
 
+
 class _Context:
     def __init__(self, config: Path, key_store: str | None, signing_keys: Path | None):
         args = layout.parse_region(yaml.safe_load(config.read_text()))  # the config's one region

@@ -12,11 +12,17 @@ deadline (what the autoscaler does before it removes a node). Serve then migrate
 replicas: it starts each one's replacement on another node and stops the old one once the
 replacement runs, or at the latest its ``graceful_shutdown_timeout_s`` before the deadline, so
 the requests it holds finish either way; its proxy stops taking connections, finishes those it
-holds, and goes. The command returns once no Serve actor is left on the node (or at the deadline),
-and Kubernetes then stops a node that serves nothing. A failure (Ray refusing the drain, no Ray
-node here) is reported and exits non-zero: Kubernetes records a ``FailedPreStopHook`` event and
-stops the pod as it would have without the hook. The state API failing while it waits is
-reported once, and the wait goes on to the deadline (the drain is under way).
+holds, and goes. The command returns once no Serve actor is left on the node (or at the
+deadline), and Kubernetes then stops a node that serves nothing.
+
+With no Serve controller in the cluster it returns at once. The state API failing while it waits
+(the dashboard restarting) is reported once and waited out, for a minute at most: failing that
+long, the head is gone (the whole cluster is being deleted: a rollout's old one, a region torn
+down), nothing will move the replicas, and it stops waiting. A failure (Ray refusing the drain,
+no Ray node here) is reported and exits non-zero: Kubernetes records a ``FailedPreStopHook``
+event and stops the pod as it would have without the hook. (A node Ray has drained and found idle
+stops its raylet, and the container may stop with it while the hook still runs: the same event,
+after a drain that worked.)
 """
 
 import os
@@ -36,7 +42,11 @@ DRAIN_DEADLINE_S = REQUEST_TIMEOUT_S + 30
 # same as the delay before a rollout deletes the old cluster: a test holds them equal).
 TERMINATION_GRACE_S = CLUSTER_DELETION_DELAY_S
 SERVE_NAMESPACE = "serve"  # Ray Serve's actors' namespace: replicas, proxies, HAProxy's manager
+SERVE_CONTROLLER = "SERVE_CONTROLLER_ACTOR"  # Ray Serve's name for its controller actor
 POLL_S = 5.0
+# The state API failing this long on end: the cluster's head is gone (the whole cluster is being
+# deleted: a rollout's old one, a region torn down), and nothing will move the node's replicas.
+UNREADABLE_FOR_S = 60.0
 # Ray's reason for a drain the node cannot refuse (an idle-termination drain is refused while the
 # node runs anything).
 DRAIN_REASON = "DRAIN_NODE_REASON_PREEMPTION"
@@ -61,14 +71,19 @@ def drain(
     end = clock() + deadline_s
     request_drain(deadline_s)
     said = None
-    unreadable = False
+    unreadable_since = None
     while True:
         try:
             left = serve_actors(actors_here())
+            unreadable_since = None
         except Exception as err:  # the dashboard restarting, say: the drain goes on all the same
-            if not unreadable:
-                say(f"cannot list this node's actors ({err}); waiting until the deadline unless that changes")
-            unreadable, left = True, ["(unknown)"]
+            if unreadable_since is None:
+                say(f"cannot list this node's actors ({err}); waiting while that lasts under {UNREADABLE_FOR_S:.0f} s")
+                unreadable_since = clock()
+            elif clock() - unreadable_since >= UNREADABLE_FOR_S:
+                say(f"this node's actors could not be listed for {UNREADABLE_FOR_S:.0f} s: the cluster's head is gone")
+                return False
+            left = ["(unknown)"]
         if not left:
             say("drained: no Serve actor left on this node")
             return True
@@ -101,6 +116,11 @@ def drain_this_node(deadline_s: float = DRAIN_DEADLINE_S, address: str = "auto",
         context = ray.get_runtime_context()
         node_id = context.get_node_id()
         gcs = ray._raylet.GcsClient(address=context.gcs_address)
+        try:
+            ray.get_actor(SERVE_CONTROLLER, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            say("no Serve controller in this cluster: nothing would move this node's replicas; not draining")
+            return True
 
         def request_drain(seconds: float) -> None:
             deadline_ms = time.time_ns() // 1_000_000 + int(seconds * 1000)

@@ -66,6 +66,14 @@ def test_the_state_api_failing_meanwhile_keeps_the_hook_waiting_until_it_answers
     assert sum("cannot list" in line for line in said) == 1
 
 
+def test_a_head_that_is_gone_ends_the_wait_after_a_minute_not_at_the_deadline():
+    """The whole cluster being deleted (a rollout's old one): the head goes with the workers, nothing
+    will move the replicas, and waiting to the deadline held the old cluster's GPUs 10 minutes more."""
+    drained, _, said, took = run([[REPLICA], ConnectionError("GCS unreachable")])
+    assert not drained and took == 65.0  # 5 s, then a minute of failures
+    assert said[-1].endswith("the cluster's head is gone")
+
+
 def test_the_command_fails_the_hook_when_ray_refuses_and_when_the_deadline_passes(monkeypatch):
     def refused(deadline_s, address):
         raise RuntimeError("Ray refused to drain node ab12: not alive")
