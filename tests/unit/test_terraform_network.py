@@ -9,6 +9,7 @@ are applied port by port to the pods a region has (KubeRay adds its ray.io/* lab
 template's) and to a pod that is not the region's.
 """
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -45,6 +46,8 @@ class Module:
             "tostring": str,
             "max": max,
             "jsonencode": lambda value: json.dumps(_plain(value)),
+            "sha256": lambda text: hashlib.sha256(text.encode()).hexdigest(),
+            "nonsensitive": lambda value: value,
         }
 
     def __call__(self, value):
@@ -395,3 +398,24 @@ def test_a_region_naming_a_gcs_redis_gets_kubernetes_gcs_fault_tolerance_and_non
     assert merged.get("gcsFaultToleranceOptions") == options and merged["rayVersion"] == "x"
     spec = resources(MODULE)["kubernetes_manifest.rayservice"]["manifest"]["spec"]
     assert spec["rayClusterConfig"] == "${merge(local.gcs_fault_tolerance, local.ray_cluster)}"
+
+
+def test_a_changed_registry_dsn_rolls_a_new_cluster_through_the_head_pods_digest():
+    """The DSNs reach the routers as env vars read at start: a rotated password in the Secret
+    reached no running pod. Every value of the registry Secret is in the digest the head pod's
+    template carries, so a change of any is a new cluster (a rollout), shown in the plan."""
+    secret = resources(MODULE)["kubernetes_secret_v1.registry"]["data"]
+    inputs = json.loads((REPO / "terraform" / "regions" / "yul-02" / "generated.auto.tfvars.json").read_text())
+    dsns = {"registry_dsn": "postgresql://serve_app_a:one@primary/serve_app",
+            "registry_read_dsn": "postgresql://serve_app_a:one@replica/serve_app"}
+
+    def head_annotations(**changed):
+        module = Module(MODULE, inputs | dsns | changed)
+        return module(module(RAY_CLUSTER["headGroupSpec"]["template"]["metadata"]["annotations"]))
+
+    before = head_annotations()
+    assert set(before) == {"polargrid.ai/secrets-digest"} and "one" not in before["polargrid.ai/secrets-digest"]
+    assert head_annotations() == before  # an apply that changes nothing rolls nothing
+    for field in secret.values():
+        name = re.fullmatch(r"\$\{var\.(\w+)\}", field).group(1)
+        assert head_annotations(**{name: dsns[name].replace("one", "two")}) != before, name

@@ -107,6 +107,14 @@ locals {
 
   # The head (the routers, the Serve controller) gets the region's credentials; a GPU worker (the
   # model replicas) what an engine and its stream listener need, and nothing of the routers'.
+  # The registry's DSNs reach the routers as env vars, read once as a process starts: a Secret
+  # changed under a running pod (a rotated password) reached no pod, and the first reconnect after
+  # the old password was gone failed in every region at once. Their digest in the pod template
+  # makes a change of them a new cluster, rolled out as any (docs/operations.md, "Rotating
+  # secrets"); a secret named by var (stream TLS, Redis) changes with its name.
+  secrets_digest  = nonsensitive(sha256(jsonencode([var.registry_dsn, var.registry_read_dsn])))
+  pod_annotations = { "polargrid.ai/secrets-digest" = local.secrets_digest }
+
   head_env     = concat(local.env, local.registry_env, local.stream_tls_env)
   head_volumes = concat(local.auth_volumes, local.stream_tls_volumes)
   head_mounts  = concat(local.auth_mounts, local.stream_tls_mounts)
@@ -152,7 +160,7 @@ locals {
         "resources"           = jsonencode(jsonencode(var.region.head.resources))
       }
       template = {
-        metadata = { labels = local.labels }
+        metadata = { labels = local.labels, annotations = local.pod_annotations }
         spec = {
           securityContext = { fsGroup = var.pod_fs_group }
           containers = [{
