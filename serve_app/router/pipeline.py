@@ -5,9 +5,10 @@
                   request limit (429) or a body larger than its tier allows (400)
     parse         the body: size (413), JSON (400 invalid_json)
     resolve       the model name → the canonical id served here (404)
+    authorize     the caller's model scope (403), before anything else is said of the model
+                  (its task, its context, its vectors' size)
     validate      the surface's strict body model (400 naming the field), and a model that
                   does the surface's task (400: an embedding model does not chat)
-    authorize     the caller's model scope (403)
     recall        Responses: the stored conversation ``previous_response_id`` continues (404)
     price         what the request may cost: prompt plus the completion the engine will obey
     admit         the key's token budget and rate limit (429 + Retry-After)
@@ -207,14 +208,14 @@ async def admit(ctx: Context) -> None:
         ctx.body["priority"] = services.auth.priority(caller, ctx.body.get("priority"))  # the tier's, or lower
 
 
-STAGES = (authenticate, parse, resolve, validate, authorize, recall, price, admit)
+STAGES = (authenticate, parse, resolve, authorize, validate, recall, price, admit)
 # Every stage after the key is known: a request they refuse costs its key one request of its
 # minute, as a refusal at admission does (docs/auth.md, "A refusal costs a request"). Each is
 # router work — a parse of up to the tier's minute of prompt (~0.3 s of the event loop for 2 MiB
 # of small objects), a Responses follow-up's stored conversation read from the key registry —
 # and a key whose refusals were free could have it done without end: a bad body sent in a loop
 # was never a 429.
-CHARGED_WHEN_REFUSED = (parse, resolve, validate, authorize, recall, price)
+CHARGED_WHEN_REFUSED = (parse, resolve, authorize, validate, recall, price)
 
 
 async def _charge_refusal(ctx: Context) -> None:

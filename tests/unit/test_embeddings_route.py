@@ -157,11 +157,13 @@ def test_tokenize_works_on_the_embedding_model(app):
 def test_a_key_scoped_to_the_chat_model_cannot_embed(app):
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard", models=(MODEL,))
     assert embed(app, key).status_code == 403
+    assert app.engine.calls == []
 
 
 def test_a_key_kept_to_one_model_is_not_told_of_the_others_in_refusals(app):
     """``GET /v1/models`` lists only the models a key may use; the 404 of an unknown model and the
-    400 of a model of the wrong task listed every model of the region (found by a review)."""
+    400 of a model of the wrong task listed every model of the region, and a model the key may not
+    use, sent to another task's route, got that 400 naming its task (found by reviews)."""
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard", models=(MODEL,))
     chat = {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}
     unknown = app.client.post("/v1/chat/completions", json=chat, headers=bearer(key))
@@ -175,6 +177,9 @@ def test_a_key_kept_to_one_model_is_not_told_of_the_others_in_refusals(app):
     assert EMBED in told.json()["error"]["message"]  # a key of every model is told where to go
     listed = app.client.get("/v1/models", headers=bearer(key)).json()["data"]
     assert [card["id"] for card in listed] == [MODEL]
+    not_its_own = app.client.post("/v1/chat/completions", json={**chat, "model": EMBED}, headers=bearer(key))
+    error = not_its_own.json()["error"]
+    assert (not_its_own.status_code, error["code"]) == (403, "model_not_allowed")  # not its task: 400
     assert app.engine.calls == []
 
 
