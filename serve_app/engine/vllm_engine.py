@@ -197,7 +197,8 @@ class VLLMEngine:
         if (problem := self._dimensions_problem(body.get("dimensions"))) is not None:
             return problem
         with pooling_timing.collect() as stats:
-            answer = await self._run(EmbeddingCompletionRequest, self._embedding_serving, body, outputs.EMBEDDINGS)
+            output = outputs.EmbeddingsOutput(encoded=call.encoded_answers)
+            answer = await self._run(EmbeddingCompletionRequest, self._embedding_serving, body, output)
         if answer.trailer is None:
             # What vLLM refuses past the router's checks is the input (a token id outside the
             # vocabulary, an input past the context): its errors name no field, or its own
@@ -319,10 +320,7 @@ class VLLMEngine:
         if isinstance(result, ErrorResponse):
             return vllm_errors.error_answer(result, body=shape_body)
         if not stream:
-            response = output.dump(result)
-            summary = output.summarize(response)
-            output.shape(response, shape_body)
-            return Answer(200, response, summary)
+            return output.answer(result, shape_body)
         if (refusal := watcher.refusal(result.made_first)) is not None:
             # Refused as the engine took it (a grammar xgrammar cannot compile): no head is out
             # yet, so the client gets the status a non-stream request gets, not a 200 and an error event.

@@ -282,7 +282,7 @@ async def call(ctx: Context) -> Head:
     wire_call = Call(
         ctx.body, ctx.id, limit_set_by_router=ctx.price.limit_set_by_router or ctx.taken_over_limit_lowerable,
         previous_response_id=ctx.previous_response_id, cache_salt=ctx.cache_salt, resume=ctx.taken_over,
-        session=ctx.session,
+        session=ctx.session, encoded_answers=True,
     )
     ctx.call = services.replica_call(ctx.model, ctx.surface.name, wire_call)
     if ctx.surface.counts is not None:  # a count the client leaves before is still its charge

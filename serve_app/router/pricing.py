@@ -97,7 +97,8 @@ def price(
     ``default_total``: the most such a request's sequences may generate together (what its key's
     tier leaves after the prompt), shared among them so that a request without a limit is served
     rather than refused for a limit it never set. APIError 400 for a limit field the route
-    ignores, two chat limits that disagree, a limit over the context, beam search."""
+    ignores, two chat limits that disagree, a limit over the context, beam search, the prompt's
+    logprobs with ``n`` over 1."""
     prompt = estimate_prompt_tokens(body_bytes)
     if not BY_NAME[method].generates:
         if method == "embeddings":

@@ -100,6 +100,9 @@ class Call:
     # The replica (Serve's replica id) whose engine failed this stream: its continuation goes to
     # another while Serve still routes to it (a dead engine fails its health checks for ~10 s).
     avoid_replica: str | None = None
+    # The router takes an ``Answer`` whose body comes as JSON text (``Answer.encoded``); a router
+    # released before does not, and is answered with the dict.
+    encoded_answers: bool = False
 
     @property
     def stream(self) -> bool:
@@ -165,6 +168,10 @@ class Answer:
     body: Body
     trailer: Trailer | None = None  # a success's engine report (None: an error before the engine)
     replica_ms: float | None = None  # the replica's own time before this item (not Serve's queue)
+    # The whole body as the JSON the client gets (``body`` then empty), for a call that allowed it
+    # (``Call.encoded_answers``): embeddings, whose vectors vLLM encoded already (tens of MB that
+    # the router decoded and encoded again on the event loop every stream shares).
+    encoded: bytes | None = None
 
 
 @_versioned

@@ -113,7 +113,7 @@ class FakeEngine:
             status, code = self.refuse if isinstance(self.refuse, tuple) else (self.refuse, None)
             return Answer(status, error_body(status, "refused", param="messages", code=code))
         if surface == "embeddings":
-            return await self._embeddings(body)
+            return await self._embeddings(body, call.encoded_answers)
         if surface in ("tokenize", "detokenize", "count_tokens"):
             await asyncio.sleep(self.latency_s)  # a large input's tokenization
             answer = TOKENIZED if surface == "tokenize" else {"prompt": "t1 t2"} if surface == "detokenize" else {"input_tokens": 3}
@@ -180,9 +180,11 @@ class FakeEngine:
             watcher = seam.ResponsesCut(call.resume.received, call.resume.ids, watcher, replay.current().is_past_seam)
         return Stream(await Prefetched.started(events, ahead=0 if call.resume else AHEAD), watcher)
 
-    async def _embeddings(self, body: dict[str, Any]) -> Answer:
-        """vLLM's embeddings body (its extra id, created and usage fields included), then shaped;
-        the inputs one after another through the counted ``encode`` (``latency_s`` each)."""
+    async def _embeddings(self, body: dict[str, Any], encoded: bool) -> Answer:
+        """vLLM's embeddings response (its JSON, its extra id, created and usage fields included),
+        answered by the replica's own output (``outputs.EmbeddingsOutput``: as JSON text when the
+        router takes it); the inputs one after another through the counted ``encode``
+        (``latency_s`` each)."""
         value = body["input"]
         inputs = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else value
         size = body.get("dimensions") or EMBEDDING_DIMENSIONS
@@ -199,10 +201,11 @@ class FakeEngine:
         response = {"id": "embd-f", "object": "list", "created": 1, "model": body.get("model"), "data": data,
                     "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
                               "prompt_tokens_details": None}}
-        summary = engine_outputs.EMBEDDINGS.summarize(response)
-        engine_outputs.EMBEDDINGS.shape(response, body)
+        # As vLLM's JSONResponse renders it (starlette's, compact; ORJSONResponse when orjson is in).
+        result = SimpleNamespace(body=json.dumps(response, ensure_ascii=False, separators=(",", ":")).encode())
+        answer = engine_outputs.EmbeddingsOutput(encoded=encoded).answer(result, body)
         timing = pooling_timing.timing([POOLING_STATS] * len(inputs))
-        return Answer(200, response, Trailer(timing=timing, usage=summary.usage))
+        return dataclasses.replace(answer, trailer=dataclasses.replace(answer.trailer, timing=timing))
 
     def _body(self, surface: str, call: Call, text: str, usage: dict[str, int]) -> dict[str, Any]:
         """A chat or completions body as vLLM dumps it (every field, nulls and extras included)."""

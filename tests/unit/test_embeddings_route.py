@@ -64,6 +64,26 @@ def test_float_embeddings_are_openais_response_exactly_with_timing(app):
     assert "inference;dur=4.0" in response.headers["server-timing"]
 
 
+def test_the_router_relays_the_vectors_as_the_replica_encoded_them(app, monkeypatch):
+    """2,048 inputs of 1,024 floats are a 42 MB body that the router decoded (unpickled) and
+    encoded again on its event loop (0.9 s, every stream of the router waiting): it now adds its
+    pg_metadata to the replica's JSON text (test_embeddings_encoded.py)."""
+    from serve_app.router import relay
+
+    class NotHere(relay.JSONResponse):
+        def render(self, content):
+            if isinstance(content, dict) and "data" in content:
+                raise AssertionError("the embeddings body was encoded again in the router")
+            return super().render(content)
+
+    monkeypatch.setattr(relay, "JSONResponse", NotHere)
+    key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
+    response = embed(app, key, input=["hello world", "other"])
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert len(body["data"]) == 2 and body["pg_metadata"]["model"] == EMBED and body["usage"]["prompt_tokens"] == 3
+
+
 def test_base64_embeddings_decode_to_the_float_vector(app):
     key, _ = app.auth.keys.create_key(owner="alice", tier="standard")
     as_float = embed(app, key, input=[[5, 6, 7]]).json()["data"][0]["embedding"]

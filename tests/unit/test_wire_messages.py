@@ -14,9 +14,9 @@ from serve_app.wire.messages import Call, DirectLine, Generated, Resume, StreamO
 # older reader must find the class before it can drop the field); none is removed, renamed or moved.
 RELEASED = {
     "Call": ("body", "request_id", "limit_set_by_router", "previous_response_id", "cache_salt", "resume", "session",
-             "avoid_replica"),
+             "avoid_replica", "encoded_answers"),
     "Resume": ("token_ids", "received", "ids", "cached_tokens", "created"),
-    "Answer": ("status", "body", "trailer", "replica_ms"),
+    "Answer": ("status", "body", "trailer", "replica_ms", "encoded"),
     "StreamOpen": ("address", "ticket", "replica_ms", "tls", "local", "node", "line"),
     "Accepted": ("address", "ticket", "replica_ms", "tls", "local", "node", "line"),
     "DirectLine": ("replica", "key", "address", "tls", "local", "node", "capacity"),
