@@ -149,7 +149,7 @@ class _Entry:
     spent_day: int
     spent_month: int
     written: int  # this router's running total of the key's written tokens when the read began
-    expires: float  # past it, a check waits for a fresh read (one more TTL if one is under way)
+    expires: float  # (monotonic) past it, a check waits for a fresh read (one more TTL if one is under way)
     refresh_at: float  # past it, a check starts a fresh read in the background and does not wait
     known: bool = True  # False: the store could not be read and the key is admitted unchecked
 
@@ -171,9 +171,15 @@ class BudgetGuard:
         *,
         cache_ttl_s: float = 5.0,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] | None = None,
     ):
         self.store, self.ledger = store, ledger
+        # ``clock`` dates (the UTC day and month a spend is of); ``monotonic`` times the cache:
+        # on the wall clock, a step back (NTP, a VM resumed) of an hour kept every entry an hour
+        # more, a raised budget unseen and other routers' spend uncounted. A test's clock drives
+        # both unless it gives a monotonic clock of its own.
         self.cache_ttl_s, self.clock = cache_ttl_s, clock
+        self.monotonic = monotonic or (time.monotonic if clock is time.time else clock)
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Task] = {}
         # This router's written tokens by key (a running total; see the module's docstring), and
@@ -192,11 +198,11 @@ class BudgetGuard:
         """Hold ``tokens`` (the request's price) against the key's budget until the request ends;
         APIError 429 ``budget_exceeded`` when they do not fit in what is left of the day's or the
         month's budget. A key without a budget holds nothing (``headers`` empty)."""
-        now = self.clock()
+        now, at = self.clock(), self.monotonic()
         entry = self._entries.get(key_id)
-        if entry is None or entry.expires <= now and not self._read_on_its_way(key_id, entry, now):
+        if entry is None or entry.expires <= at and not self._read_on_its_way(key_id, entry, at):
             entry = await asyncio.shield(self._read(key_id, now))  # a client gone must not cancel it
-        elif entry.refresh_at <= now:
+        elif entry.refresh_at <= at:
             self._read(key_id, now)  # for the checks after this one: this one decides on the entry
         if entry.budget is None:  # no budget, or admitted unchecked while the store is away
             return Reservation({})
@@ -243,7 +249,7 @@ class BudgetGuard:
         """The ledger wrote these tokens of these keys to the store (hook it to
         ``UsageLedger.on_written``, which calls it as they stop counting as pending): from now on
         they count through the running total until a read sees them in the store."""
-        now = self.clock()
+        now = self.monotonic()
         for key_id, tokens in tokens_by_key.items():
             self._written_tokens[key_id] = self._written_tokens.get(key_id, 0) + tokens
             self._written_at[key_id] = now
@@ -255,7 +261,7 @@ class BudgetGuard:
         while running := [task for task in self._loading.values() if not task.done()]:
             await asyncio.wait(running)
 
-    def _read_on_its_way(self, key_id: str, entry: _Entry, now: float) -> bool:
+    def _read_on_its_way(self, key_id: str, entry: _Entry, now: float) -> bool:  # now: monotonic
         """An expired entry still decides while its re-read is under way, for one more
         ``cache_ttl_s``: a slow database (or an outage's connect timeout) must not stall every
         request of a busy key; an idle key's expired entry has no read under way and is waited for."""
@@ -277,14 +283,14 @@ class BudgetGuard:
         written = self._written_tokens.get(key_id, 0)  # before the read: what it may not see comes after
         try:
             try:
-                primary = self.clock() - self._written_at.get(key_id, -math.inf) < PRIMARY_AFTER_WRITE_S
+                primary = self.monotonic() - self._written_at.get(key_id, -math.inf) < PRIMARY_AFTER_WRITE_S
                 budget, spent_day, spent_month = await asyncio.to_thread(
                     self.store.budget_state, key_id, day=day, month_start=month, primary=primary
                 )
-                read_at = self.clock()
+                read_at = self.monotonic()
                 entry = _Entry(budget, day, month, spent_day, spent_month, written, *self._lifetime(read_at))
             except Exception as err:  # RegistryUnavailable, or any error of the database's: never a 500
-                lifetime = self._lifetime(self.clock())
+                lifetime = self._lifetime(self.monotonic())
                 if stale is None or not stale.known:
                     logger.warning(
                         "budget check: usage store unavailable (%s); admitting key %s unchecked", err, key_id
@@ -317,7 +323,7 @@ class BudgetGuard:
 
     def _cache(self, key_id: str, entry: _Entry) -> None:
         if len(self._entries) >= MAX_ENTRIES:
-            now = self.clock()
+            now = self.monotonic()
             self._entries = {k: e for k, e in self._entries.items() if e.expires > now}
             if len(self._entries) >= MAX_ENTRIES:
                 self._entries.clear()

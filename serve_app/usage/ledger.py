@@ -10,6 +10,11 @@ unlinked once its records are in. Any replica replays any file, so what a replic
 left behind is written by the next one. Two replicas replaying one file at once is harmless:
 record ids are idempotent, and a file already unlinked is skipped.
 
+Once a write has failed, every batch goes to the spool first, and the database is tried apart
+(``_probe``: a replay, which writes the oldest file) until a write works again: a write to a
+database that is away takes its connect timeout (5 s, 15 s on a kept connection), and the records
+a flush held meanwhile were in memory only, a hard kill's to lose.
+
 Not covered: records still in memory when the process is killed (at most ``flush_interval_s``
 of them; ``aclose()`` flushes them on a clean stop, within ``CLOSE_WRITE_S``, then spools what
 a slow database has not taken), and a spool directory that is not durable (give the routers a
@@ -43,6 +48,8 @@ IDLE_REPLAY_S = 30.0
 # what is not known written: Serve kills a router ``ROUTER_DRAIN_S`` after its stop, which
 # allows the ledger this and 5 s, and a record still in memory then is lost.
 CLOSE_WRITE_S = 15.0
+# A part-written spool file (``*.jsonl.tmp``) this old has no writer any more.
+STALE_TMP_S = 600.0
 
 
 class UsageLedger:
@@ -77,6 +84,9 @@ class UsageLedger:
         self._closed = False  # the last flush is done: a later record is spooled as it comes
         self._task: asyncio.Task | None = None
         self._replayed_at = time.monotonic()
+        self.database_away = False  # a write failed, and none has worked since
+        self._replay_due = False  # the database is back: what was spooled meanwhile goes in now
+        self._probe: asyncio.Task | None = None  # the database tried apart while it is away
 
     # --- the request path ---------------------------------------------------------------------
     def record(self, r: UsageRecord) -> None:
@@ -108,6 +118,8 @@ class UsageLedger:
         written and spooled is counted once (its id), when a router replays the file."""
         self._closing = True
         self._wakeup.set()
+        if self._probe is not None:  # a replay under way goes on in its thread; its file is written or kept
+            self._probe.cancel()
         writer = self._task if self._task is not None else asyncio.ensure_future(self._flush_logged())
         done, _ = await asyncio.wait({writer}, timeout=within_s)
         # Records that came while the last flush ran, or that it did not get to write: to the spool
@@ -140,6 +152,11 @@ class UsageLedger:
         """Write everything pending, ``max_batch`` records per transaction; then, if that
         worked, replay the spool. A batch that fails is spooled (or, failing that, kept)."""
         batch, self._pending = self._pending, []
+        if self.database_away:  # to the spool at once; the database is tried apart
+            await self._spool_or_keep(batch)
+            if not self._closing and (self._probe is None or self._probe.done()):
+                self._probe = asyncio.get_running_loop().create_task(self._try_database())
+            return
         self._writing = batch
         try:
             for start in range(0, len(batch), self.max_batch):
@@ -150,8 +167,22 @@ class UsageLedger:
         finally:
             self._writing = []
         # Closing, the spool is left to the replicas that go on (a replay may be long).
-        if not self._closing and (batch or time.monotonic() - self._replayed_at > IDLE_REPLAY_S):
+        if not self._closing and (batch or self._replay_due or time.monotonic() - self._replayed_at > IDLE_REPLAY_S):
             await self._replay()
+
+    async def _try_database(self) -> None:
+        """While the database is away: replay the spool (its oldest file is the try), or, with
+        nothing of this writer's spooled (the disk refused it), write what is held in memory."""
+        try:
+            if self._pending and not self._own_spool:
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
+                await self._write(batch)
+            else:
+                await self._replay()
+            # Back: the files spooled while the try ran go in with the next flush, not 30 s later.
+            self._replay_due = not self.database_away
+        except Exception:
+            logger.exception("usage ledger: trying the database failed")
 
     async def _write(self, batch: list[UsageRecord]) -> bool:
         try:
@@ -160,8 +191,10 @@ class UsageLedger:
             logger.warning(
                 "usage ledger: writing %d records failed (%s: %s); spooling them", len(batch), type(err).__name__, err
             )
+            self.database_away = True
             await self._spool_or_keep(batch)
             return False
+        self.database_away = False
         self.written += len(batch)
         self._settle(_tokens_by_key(batch))
         return True
@@ -198,19 +231,23 @@ class UsageLedger:
             stamp += 1
         name = f"{self.writer_id}-{stamp}{SUFFIX}"
         tmp = self.spool_dir / f"{name}.tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
-            out.writelines(json.dumps(r.to_json()) + "\n" for r in batch)
-            out.flush()
-            os.fsync(out.fileno())
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+                out.writelines(json.dumps(r.to_json()) + "\n" for r in batch)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:  # a full disk: the part written is no file, and holds space the next try needs
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.spool_dir / name)
         _fsync_dir(self.spool_dir)  # the rename itself must survive a crash
         return name
 
     async def _replay(self) -> None:
-        self._replayed_at = time.monotonic()
+        self._replayed_at, self._replay_due = time.monotonic(), False
         names = await asyncio.to_thread(self._spool_files)
-        if names is None:  # unlisted: none of this writer's files can be said to be gone
-            return
+        if names is None:  # unlisted: this writer's own files, which it knows by name (none said gone)
+            names = sorted(self._own_spool, key=lambda n: (_stamp(n), n))
         self._held = {name: held for name, held in self._held.items() if name in names}  # gone: forgotten
         # This writer's files that are gone were replayed by another replica: they are written.
         for name in [n for n in self._own_spool if n not in names]:
@@ -225,9 +262,11 @@ class UsageLedger:
                 continue
             except Exception as err:  # the database went away again: the rest waits for the next write
                 logger.warning("usage ledger: replaying %s failed (%s: %s)", name, type(err).__name__, err)
+                self.database_away = True
                 return
             if records is None:  # another replica replayed it first
                 continue
+            self.database_away = False
             self.replayed += len(records)
             own = self._own_spool.pop(name, None)  # this writer's file: its tokens stop counting here
             self._settle(own if own is not None else _tokens_by_key(records), unwritten=own is not None)
@@ -237,13 +276,27 @@ class UsageLedger:
         """Every writer's spool files, oldest first (by the time in their names); None when the
         spool cannot be listed (EMFILE, EIO): its files are not gone, only unseen this time."""
         try:
-            names = [n for n in os.listdir(self.spool_dir) if n.endswith(SUFFIX)]
+            listed = os.listdir(self.spool_dir)
         except FileNotFoundError:  # nothing was ever spooled
             return []
         except OSError as err:  # unusable (not a directory, no permission): spooling fails loudly too
             logger.warning("usage ledger: cannot list the spool %s (%s)", self.spool_dir, err)
             return None
+        for name in (n for n in listed if n.endswith(SUFFIX + ".tmp")):
+            self._sweep(self.spool_dir / name)
+        names = [n for n in listed if n.endswith(SUFFIX)]
         return sorted(names, key=lambda n: (_stamp(n), n))
+
+    @staticmethod
+    def _sweep(tmp: Path) -> None:
+        """Remove a part-written spool file whose writer is gone (killed mid-write: a write takes
+        milliseconds), so the volume does not fill with them."""
+        try:
+            if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                tmp.unlink(missing_ok=True)
+                logger.warning("usage ledger: removed %s, a spool file its writer never finished", tmp.name)
+        except OSError:
+            pass
 
     def _replay_file(self, path: Path) -> list[UsageRecord] | None:
         """Insert a spool file's records and unlink it; None if it is already gone."""

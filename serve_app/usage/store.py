@@ -204,11 +204,13 @@ class UsageStore:
             budget = _budget(db, key_id)
             if budget is None:
                 return None, 0, 0
+            # Up to ``day``: a row dated later (a router's clock ahead, a continuation a peer dated
+            # across midnight) counts on its own day, not on today's and then on its own again.
             row = db.execute(
-                "SELECT COALESCE(SUM(CASE WHEN day >= ? THEN prompt_tokens + completion_tokens ELSE 0 END), 0)"
+                "SELECT COALESCE(SUM(CASE WHEN day = ? THEN prompt_tokens + completion_tokens ELSE 0 END), 0)"
                 " AS today, COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS month"
-                " FROM usage_daily WHERE key_id = ? AND day >= ?",
-                (day, key_id, month_start),
+                " FROM usage_daily WHERE key_id = ? AND day >= ? AND day <= ?",
+                (day, key_id, month_start, day),
             ).fetchone()
         return budget, int(row["today"]), int(row["month"])
 

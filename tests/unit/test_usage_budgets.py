@@ -3,6 +3,7 @@ router's unwritten spend, the cache, and what happens when the store is away."""
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import os
 import threading
@@ -124,6 +125,8 @@ def test_a_monthly_budget_counts_the_whole_utc_month_and_names_the_later_reset(s
     assert "2027-01-01T00:00:00Z" in refused.message and refused.headers["Retry-After"] == "3600"
 
     store.set_budget("k1", tokens_per_day=1, tokens_per_month=5000)  # both spent: the month is the one to wait for
+    # On the 20th the month's spend is what was used up to that day (the 31st's token comes later).
+    store.insert([usage_record(day="2026-12-19", prompt=1, completion=0)])
     clock.now = at("2026-12-20T10:00:00")  # 1999 spent today: the day's 1 is spent too
     refused = _refusal(BudgetGuard(store, None, clock=clock))
     assert "monthly" in refused.message and refused.headers["Retry-After"] == str(11 * 86400 + 14 * 3600)
@@ -366,8 +369,9 @@ def test_records_spooled_in_an_outage_and_replayed_count_once(sqlite_store, tmp_
         assert ledger.spooled == 1 and await remaining() == "700"
         sqlite_store.database = database
         ledger.record(usage_record(day="2026-12-01", prompt=100, completion=0))
-        await ledger.flush()  # writes the 100, then replays the spooled 300
-        assert ledger.replayed == 1 and await remaining() == "600"
+        await ledger.flush()  # the database was away: the 100 is spooled too, and the replay tries it
+        await ledger._probe
+        assert ledger.replayed == 2 and await remaining() == "600" and not ledger.database_away
         clock.now += 6  # read again: the store has both, counted once
         assert await remaining() == "600"
 
@@ -387,15 +391,20 @@ def test_a_spool_that_cannot_be_listed_keeps_its_records_pending(sqlite_store, t
         sqlite_store.database = database
         real_listdir = os.listdir
         monkeypatch.setattr(os, "listdir", lambda path: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+        # The spool cannot be listed: this writer's own files are not "gone" (their spend would
+        # stop counting before the database has it), and are replayed by the names it knows.
+        another = tmp_path / "spool-a" / f"other-{time.time_ns()}.jsonl"
+        another.write_text(json.dumps(usage_record(day="2026-12-01", prompt=50, completion=0).to_json()) + "\n")
         ledger.record(usage_record(day="2026-12-01", prompt=100, completion=0))
-        await ledger.flush()  # the 100 is written; the spool cannot be listed: its file is not "gone"
-        assert ledger.pending_tokens("k1") == 300
+        await ledger.flush()
+        assert ledger.pending_tokens("k1") == 400  # spooled, not yet known written
+        await ledger._probe
+        assert ledger.replayed == 2 and ledger.pending_tokens("k1") == 0 and another.exists()
         assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "600"
         monkeypatch.setattr(os, "listdir", real_listdir)
         ledger.record(usage_record(day="2026-12-01", prompt=1, completion=0))
-        await ledger.flush()  # listed again: replayed, counted once
-        assert ledger.replayed == 1 and ledger.pending_tokens("k1") == 0
-        assert (await guard.check("k1"))["x-budget-remaining-tokens-day"] == "599"
+        await ledger.flush()  # written; listed again: the other writer's file is replayed, counted once
+        assert ledger.replayed == 3 and not another.exists()
 
     asyncio.run(main())
 
@@ -638,3 +647,20 @@ def test_the_overshoot_left_is_other_routers_reservations_in_flight(sqlite_store
                 await guard.reserve("k1", 1)
 
     asyncio.run(main())
+
+
+def test_a_wall_clock_stepped_back_does_not_keep_a_cached_budget_past_its_ttl(sqlite_store):
+    """The cache's lifetimes were on the wall clock: NTP or a resumed VM stepping it back an hour
+    kept a spent key refused for that hour after its budget was raised (no re-read), and left other
+    routers' spend unseen as long. They are on the monotonic clock now."""
+    sqlite_store.set_budget("k1", tokens_per_day=100, tokens_per_month=None)
+    sqlite_store.insert([usage_record(day="2026-12-01", prompt=100, completion=0)])
+    wall, monotonic = Clock("2026-12-01T12:00:00"), Clock("2026-12-01T00:00:00")
+    guard = BudgetGuard(sqlite_store, None, cache_ttl_s=5, clock=wall, monotonic=monotonic)
+    assert _refusal(guard).code == "budget_exceeded"
+    sqlite_store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)  # raised
+    wall.now -= 3600  # stepped back an hour
+    monotonic.now += 6  # past the entry's TTL
+    reads = sqlite_store.reads
+    assert _check(guard)["x-budget-remaining-tokens-day"] == "900"  # before: refused for an hour
+    assert sqlite_store.reads == reads + 1

@@ -112,20 +112,26 @@ def test_a_failed_write_is_spooled_then_replayed_exactly_once_after_recovery(sto
     assert ledger.pending_tokens("k1") == 240  # not in the database yet: still this router's to count
 
     store.database = working
+    # The database was away: the record goes to the spool first, and the replay is the try.
     asyncio.run(_record_and_flush(ledger, usage_record(key_id="k3")))
-    assert ledger.written == 1 and ledger.replayed == 3 and _spool_files(spool) == []
+    assert ledger.written == 0 and ledger.replayed == 4 and _spool_files(spool) == [] and not ledger.database_away
     assert _requests(store, "k1") == 2 and _requests(store, "k2") == 1 and _requests(store) == 4
     assert ledger.pending_tokens("k1") == 0
+    asyncio.run(_record_and_flush(ledger, usage_record(key_id="k3")))
+    assert ledger.written == 1  # back: written at once
 
     (spool / f"other-{time.time_ns()}.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in lost))
     asyncio.run(_record_and_flush(ledger, usage_record(key_id="k3")))  # the same file replayed again
-    assert _requests(store) == 5 and _spool_files(spool) == []
+    assert _requests(store) == 6 and _spool_files(spool) == []
 
 
 async def _record_and_flush(ledger, *records):
+    """Record, flush, and wait for the flush's try of a database that was away (``_probe``)."""
     for r in records:
         ledger.record(r)
     await ledger.flush()
+    if ledger._probe is not None:
+        await ledger._probe
 
 
 def test_a_dead_replicas_spool_is_replayed_by_another_and_its_owner_notices(store, tmp_path):
@@ -143,8 +149,8 @@ def test_a_dead_replicas_spool_is_replayed_by_another_and_its_owner_notices(stor
     assert survivor.pending_tokens("k1") == 0  # never its own to count
 
     # Back from a partition: its file is gone, so its spend is in the database now.
-    asyncio.run(_record_and_flush(dying, usage_record(key_id="k2")))
-    assert dying.pending_tokens("k1") == 0 and dying.replayed == 0 and _requests(store) == 3
+    asyncio.run(_record_and_flush(dying, usage_record(key_id="k2")))  # spooled (it had the database away), replayed
+    assert dying.pending_tokens("k1") == 0 and dying.replayed == 1 and _requests(store) == 3
 
 
 def test_two_replicas_replaying_one_file_at_once_write_each_record_once(store, tmp_path):
@@ -356,6 +362,53 @@ def test_a_database_that_hangs_at_close_costs_the_bound_and_every_record_is_spoo
     assert _requests(store, "k1") == 2 and _spool_files(tmp_path / "spool") == []  # each once
 
 
+def test_once_a_write_failed_every_batch_is_spooled_at_once_while_the_database_is_tried_apart(store, tmp_path):
+    """A database that is away costs each write its connect timeout (5 s, 15 s on a kept
+    connection): every flush tried the insert first, and what it held meanwhile was in memory only,
+    5-16 s of records a hard kill lost (found by a review). After one failure, the next batches go
+    straight to the spool and the database is tried apart, by replaying the oldest file."""
+    spool, release = tmp_path / "spool", threading.Event()
+
+    class AwayStore:
+        """The first insert fails; the next ones hang until released (the database unreachable),
+        then go through."""
+
+        def __init__(self):
+            self.calls, self.hanging = 0, threading.Event()
+
+        def insert(self, records):
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectionError("the registry is unreachable")
+            self.hanging.set()
+            release.wait(30)
+            return store.insert(records)
+
+    away = AwayStore()
+    ledger = UsageLedger(away, spool, writer_id="a", flush_interval_s=0.02)
+    first, second, third = usage_record(key_id="k1"), usage_record(key_id="k1"), usage_record(key_id="k2")
+
+    def spooled_ids():
+        return {json.loads(line)["id"] for name in _spool_files(spool)
+                for line in (spool / name).read_text().splitlines()}
+
+    async def main():
+        ledger.start()
+        ledger.record(first)
+        await _until(lambda: ledger.database_away)
+        await asyncio.to_thread(away.hanging.wait, 5)  # the try: a replay of the first file, hung
+        ledger.record(second)
+        ledger.record(third)
+        await _until(lambda: {second.id, third.id} <= spooled_ids())  # on disk while the try hangs
+        assert ledger.pending_tokens("k1") == 240 and ledger.written == 0
+        release.set()
+        await _until(lambda: not ledger.database_away and _spool_files(spool) == [])
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert _requests(store, "k1") == 2 and _requests(store, "k2") == 1 and ledger.pending_tokens("k1") == 0
+
+
 def test_record_never_raises_on_a_bad_record(store, tmp_path, caplog):
     ledger = UsageLedger(store, tmp_path / "spool", writer_id="a")
     with caplog.at_level(logging.ERROR, logger="ray.serve"):
@@ -375,8 +428,36 @@ def test_records_that_can_be_neither_written_nor_spooled_are_kept_for_the_next_w
     asyncio.run(_record_and_flush(ledger, kept))
     assert ledger.spooled == 0 and ledger.pending_tokens("k1") == 120
     store.database = working
-    asyncio.run(ledger.flush())
+    asyncio.run(_record_and_flush(ledger))  # nothing spooled to replay: the try writes what is held
     assert ledger.written == 1 and store.batches[-1] == [kept.id] and ledger.pending_tokens("k1") == 0
+
+
+def test_a_full_disk_leaves_no_part_written_spool_file_and_one_left_by_a_killed_writer_is_swept(
+        store, tmp_path, monkeypatch):
+    """ENOSPC mid-write left ``*.jsonl.tmp`` behind, never removed (and a writer killed mid-write
+    its own): on a 1 GiB volume during a long outage they took the space the next spool needed."""
+    import errno
+
+    from serve_app.usage import ledger as ledger_module
+
+    spool = tmp_path / "spool"
+    store.database = unreachable(store.database)
+    ledger = UsageLedger(store, spool, writer_id="a")
+
+    def full(_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ledger_module.json, "dumps", full)
+    kept = usage_record(key_id="k1")
+    asyncio.run(_record_and_flush(ledger, kept))
+    assert ledger.spooled == 0 and ledger.pending_tokens("k1") == 120  # held in memory, as before
+    assert _spool_files(spool) == []  # before: a-<stamp>.jsonl.tmp
+    monkeypatch.undo()
+    (spool / "dead-1.jsonl.tmp").write_text('{"id": "half')
+    (spool / "busy-2.jsonl.tmp").write_text('{"id": "half')
+    old = time.time() - ledger_module.STALE_TMP_S - 1
+    os.utime(spool / "dead-1.jsonl.tmp", (old, old))
+    assert ledger._spool_files() == [] and _spool_files(spool) == ["busy-2.jsonl.tmp"]  # a writer's, maybe
 
 
 def test_a_spool_left_behind_is_replayed_without_new_traffic(store, tmp_path, monkeypatch):

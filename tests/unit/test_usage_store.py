@@ -238,6 +238,18 @@ def test_budgets_are_set_replaced_read_and_cleared(store):
     assert store.clear_budget("k1") and store.budget("k1") is None
 
 
+def test_a_row_dated_after_today_counts_on_its_own_day_not_on_today_too(store):
+    """A router whose clock is ahead, or a continuation a peer dated past midnight, writes a row
+    for tomorrow: it counted against today's and this month's spend, then against its own day's."""
+    store.set_budget("k1", tokens_per_day=1000, tokens_per_month=None)
+    store.insert([usage_record(day="2026-12-02", prompt=5, completion=4),
+                  usage_record(day="2026-12-03", at="00:02:00", prompt=70, completion=30)])
+    (_, today, month) = store.budget_state("k1", day="2026-12-02", month_start="2026-12-01")
+    assert (today, month) == (9, 9)  # before: 109 and 109
+    (_, tomorrow, month) = store.budget_state("k1", day="2026-12-03", month_start="2026-12-01")
+    assert (tomorrow, month) == (100, 109)
+
+
 def test_records_are_written_to_the_primary_and_reports_read_from_the_replica(postgres_dsn):
     from tests.postgres_server import new_database
 
