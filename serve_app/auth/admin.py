@@ -31,6 +31,17 @@ def manages_every_key(caller: Principal) -> bool:
     return SCOPE_ADMIN in caller.scopes and SCOPE_OPERATOR in caller.scopes
 
 
+def may_revoke_token(caller: Principal, key_id: str, key_owner: str | None) -> bool:
+    """Whether ``caller`` may revoke a token of ``key_id`` (owned by ``key_owner``; None: no such
+    key): any caller its own key's (a leaked token, without revoking the key), an admin those of
+    the keys it manages."""
+    if key_id == caller.key_id:
+        return True
+    if SCOPE_ADMIN not in caller.scopes or key_owner is None:
+        return False
+    return manages_every_key(caller) or key_owner == caller.owner
+
+
 def managed_owner(caller: Principal) -> str | None:
     """The owner whose keys ``caller`` may manage, or None for every owner (an operator).
     A caller without the admin scope manages nothing: 403 (the routes check it first)."""

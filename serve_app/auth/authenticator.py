@@ -177,17 +177,21 @@ class Authenticator(Admission):
                 raise forbidden(why, "insufficient_scope", scope)
             return principal
 
+    def _verified(self, token: str) -> tuple[dict[str, Any], tokens.SigningKey]:
+        """``token``'s claims and signing key, if it is a token of this service (TokenError)."""
+        return tokens.verify_signed(
+            token,
+            self.keyset,
+            issuer=self.args.issuer,
+            audience=self._audiences,
+            leeway_s=self.args.leeway_s,
+            # No region mints longer (they share token_ttl_s); failover tokens are shorter.
+            max_lifetime_s=self.args.token_ttl_s,
+        )
+
     def _from_token(self, token: str, offline: bool = False) -> Principal:
         try:
-            claims, signing_key = tokens.verify_signed(
-                token,
-                self.keyset,
-                issuer=self.args.issuer,
-                audience=self._audiences,
-                leeway_s=self.args.leeway_s,
-                # No region mints longer (they share token_ttl_s); failover tokens are shorter.
-                max_lifetime_s=self.args.token_ttl_s,
-            )
+            claims, signing_key = self._verified(token)
         except tokens.TokenError as err:
             raise unauthorized(str(err), err.code) from None
         principal = Principal.from_claims(claims)
@@ -388,6 +392,19 @@ class Authenticator(Admission):
         if revoked:
             logger.info("%s revoked key %s", caller.key_id, key_id)
         return revoked
+
+    def revoke_token(self, caller: Principal, token: str) -> str | None:
+        """Revoke ``token`` (TokenError if it is no token of this service) if ``caller`` may
+        (``admin.may_revoke_token``): its jti; None (the route's 404) for a token of a key it does
+        not manage, which must look like no token at all."""
+        claims, _ = self._verified(token)
+        key_id = claims["sub"]
+        record = None if key_id == caller.key_id else self.keys.get(key_id)
+        if not admin.may_revoke_token(caller, key_id, record.owner if record is not None else None):
+            return None
+        self.keys.revoke_jti(claims["jti"], purge_after=int(claims["exp"]) + self.args.leeway_s)
+        logger.info("%s revoked token %s of key %s", caller.key_id, claims["jti"], key_id)
+        return claims["jti"]
 
 
 def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_after: int | None) -> dict[str, Any]:

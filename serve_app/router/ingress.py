@@ -232,6 +232,11 @@ class Router:
     async def issue_token(self, request: Request) -> dict[str, Any]:
         return await operations.issue_token(self.services, request)
 
+    @app.post("/v1/auth/token/revoke")
+    async def revoke_token(self, request: Request) -> dict[str, Any]:
+        """Revoke one token before it expires (by its own key, or by whoever manages that key); the key stays."""
+        return await operations.revoke_token(self.services, request)
+
     # --- models and hot-load ----------------------------------------------------------------------
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> dict[str, Any]:

@@ -53,10 +53,16 @@ class TokenRequest(BaseModel):
     api_key: str | None = None  # without it, the Bearer credential is the key
 
 
-# Every surface's strict body (serve_app/surfaces), and the token endpoint's.
+class TokenRevocation(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    token: str  # a token of the caller's key, or of a key the caller administers
+
+
+# Every surface's strict body (serve_app/surfaces), and the token endpoints'.
 _BODIES: dict[str, type[BaseModel]] = {
     **{surface.route: surface.body for surface in SURFACES},
     "/v1/auth/token": TokenRequest,
+    "/v1/auth/token/revoke": TokenRevocation,
 }
 _ANTHROPIC_PATHS = tuple(surface.route for surface in SURFACES if surface.dialect is dialects.ANTHROPIC)
 # Routes that need the admin scope: served, never published.

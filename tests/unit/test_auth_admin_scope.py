@@ -215,3 +215,74 @@ def test_an_owner_admins_report_of_another_owners_key_reads_none_of_its_usage(ro
     assert read == [] and theirs["data"] == nobodys["data"] == []
     assert {k: v for k, v in theirs.items() if k != "key_id"} == {k: v for k, v in nobodys.items() if k != "key_id"}
     assert [row["key_id"] for row in report(acme.key_id)["data"]] == [acme.key_id] and read == [acme.key_id]
+
+
+def _token(app, key: str) -> str:
+    minted = app.client.post("/v1/auth/token", json={"api_key": key})
+    assert minted.status_code == 200, minted.text
+    return minted.json()["access_token"]
+
+
+def test_a_leaked_token_is_revoked_over_http_by_its_key_without_revoking_the_key(router_app):
+    """Only the CLI revoked one token; a tenant with a leaked token revoked its key (every
+    deployment of its own down). Now its key (or any token of it) revokes that token alone."""
+    app = router_app()
+    key, record = app.auth.keys.create_key(owner="acme", tier="standard")
+    leaked, kept = _token(app, key), _token(app, key)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert app.client.post("/v1/chat/completions", json=body, headers=bearer(leaked)).status_code == 200
+    revoked = app.client.post("/v1/auth/token/revoke", json={"token": leaked}, headers=bearer(kept))
+    assert revoked.status_code == 200 and revoked.json()["revoked"] is True and revoked.json()["jti"]
+    refused = app.client.post("/v1/chat/completions", json=body, headers=bearer(leaked))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (401, "token_revoked")
+    assert app.client.post("/v1/chat/completions", json=body, headers=bearer(kept)).status_code == 200
+    assert app.client.post("/v1/chat/completions", json=body, headers=bearer(key)).status_code == 200
+    assert app.auth.keys.get(record.key_id).disabled_at is None
+
+
+def test_a_token_of_another_owners_key_is_no_token_and_an_admin_revokes_its_owners(router_app):
+    app = router_app()
+    acme_admin, _ = app.auth.keys.create_key(owner="acme", tier="standard", scopes=BOTH)
+    acme, _ = app.auth.keys.create_key(owner="acme", tier="standard")
+    acme_other, _ = app.auth.keys.create_key(owner="acme", tier="standard")
+    globex, _ = app.auth.keys.create_key(owner="globex", tier="standard")
+    globex_token = _token(app, globex)
+    for caller in (acme, acme_admin):  # a key of another owner; an admin of another owner
+        refused = app.client.post("/v1/auth/token/revoke", json={"token": globex_token}, headers=bearer(caller))
+        assert (refused.status_code, refused.json()["error"]["code"]) == (404, "token_not_found")
+    acme_token = _token(app, acme)
+    not_its_key = app.client.post("/v1/auth/token/revoke", json={"token": acme_token}, headers=bearer(acme_other))
+    assert not_its_key.status_code == 404  # the same owner's other key is no admin of it
+    by_admin = app.client.post("/v1/auth/token/revoke", json={"token": acme_token}, headers=bearer(acme_admin))
+    assert by_admin.status_code == 200 and by_admin.json()["revoked"] is True
+    assert app.client.get("/v1/models", headers=bearer(globex_token)).status_code == 200  # untouched
+    assert app.client.get("/v1/models", headers=bearer(acme_token)).status_code == 401
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({}, 400, "invalid_token_field"),
+    ({"token": 7}, 400, "invalid_token_field"),
+    ({"token": "not.a.token"}, 400, "invalid_token"),
+    ({"token": "x" * 5000}, 413, "request_too_large"),
+])
+def test_what_is_no_token_is_a_400_naming_the_field(router_app, body, status, code):
+    app = router_app()
+    key, _ = app.auth.keys.create_key(owner="acme", tier="standard")
+    refused = app.client.post("/v1/auth/token/revoke", json=body, headers=bearer(key))
+    assert (refused.status_code, refused.json()["error"]["code"]) == (status, code)
+    assert status == 413 or refused.json()["error"]["param"] == "token"
+    assert app.client.post("/v1/auth/token/revoke", json={"token": "a.b.c"}).status_code == 401  # a credential first
+
+
+def test_an_expired_token_needs_no_revocation_and_is_told_so(router_app):
+    import time
+
+    from serve_app.auth.authenticator import mint_token
+    from serve_app.auth.principal import Principal
+
+    app = router_app()
+    key, record = app.auth.keys.create_key(owner="acme", tier="standard")
+    principal, an_hour_ago = Principal.from_record(record), int(time.time()) - 3600
+    expired = mint_token(app.auth.args, app.auth.keyset.current(), principal, an_hour_ago)
+    answer = app.client.post("/v1/auth/token/revoke", json={"token": expired["access_token"]}, headers=bearer(key))
+    assert answer.status_code == 200 and answer.json() == {"jti": None, "revoked": False, "reason": "expired"}
