@@ -26,6 +26,7 @@ not have yet (pending, being written, or spooled), so a router sees its own spen
 
 import asyncio
 import json
+import math
 import os
 import re
 import time
@@ -50,6 +51,8 @@ IDLE_REPLAY_S = 30.0
 CLOSE_WRITE_S = 15.0
 # A part-written spool file (``*.jsonl.tmp``) this old has no writer any more.
 STALE_TMP_S = 600.0
+# While the database is away, a disk that refused a batch is asked again this much later.
+SPOOL_RETRY_S = 5.0
 
 
 class UsageLedger:
@@ -86,6 +89,8 @@ class UsageLedger:
         self._replayed_at = time.monotonic()
         self.database_away = False  # a write failed, and none has worked since
         self._replay_due = False  # the database is back: what was spooled meanwhile goes in now
+        self._replaying = False
+        self._spool_failed_at = -math.inf  # when the disk last refused a batch
         self._probe: asyncio.Task | None = None  # the database tried apart while it is away
 
     # --- the request path ---------------------------------------------------------------------
@@ -120,6 +125,7 @@ class UsageLedger:
         self._wakeup.set()
         if self._probe is not None:  # a replay under way goes on in its thread; its file is written or kept
             self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)  # the records it took are back
         writer = self._task if self._task is not None else asyncio.ensure_future(self._flush_logged())
         done, _ = await asyncio.wait({writer}, timeout=within_s)
         # Records that came while the last flush ran, or that it did not get to write: to the spool
@@ -153,7 +159,10 @@ class UsageLedger:
         worked, replay the spool. A batch that fails is spooled (or, failing that, kept)."""
         batch, self._pending = self._pending, []
         if self.database_away:  # to the spool at once; the database is tried apart
-            await self._spool_or_keep(batch)
+            if time.monotonic() - self._spool_failed_at < SPOOL_RETRY_S:
+                self._pending[:0] = batch  # the disk refused the last batch: held, not rewritten every second
+            else:
+                await self._spool_or_keep(batch)
             if not self._closing and (self._probe is None or self._probe.done()):
                 self._probe = asyncio.get_running_loop().create_task(self._try_database())
             return
@@ -171,16 +180,21 @@ class UsageLedger:
             await self._replay()
 
     async def _try_database(self) -> None:
-        """While the database is away: replay the spool (its oldest file is the try), or, with
-        nothing of this writer's spooled (the disk refused it), write what is held in memory."""
+        """While the database is away: replay the spool (its oldest file is the try), or, when no
+        spooled record reached the database (the disk refused them, none could be read), write
+        what is held in memory."""
+        batch: list[UsageRecord] = []
         try:
-            if self._pending and not self._own_spool:
-                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-                await self._write(batch)
-            else:
-                await self._replay()
+            tried = await self._replay() if self._own_spool or not self._pending else False
+            if not tried and self._pending:
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                await self._write(batch)  # a failure spools or keeps them itself
+                batch = []
             # Back: the files spooled while the try ran go in with the next flush, not 30 s later.
             self._replay_due = not self.database_away
+        except asyncio.CancelledError:  # a stop: the records it took go back, to be spooled
+            self._pending[:0] = batch
+            raise
         except Exception:
             logger.exception("usage ledger: trying the database failed")
 
@@ -214,6 +228,7 @@ class UsageLedger:
         try:
             name = await asyncio.to_thread(self._spool, batch)
         except Exception as err:  # the disk is full or read-only: hold them until a write succeeds
+            self._spool_failed_at = time.monotonic()
             logger.error(
                 "usage ledger: cannot spool %d records to %s (%s); keeping them in memory",
                 len(batch), self.spool_dir, err,
@@ -243,15 +258,30 @@ class UsageLedger:
         _fsync_dir(self.spool_dir)  # the rename itself must survive a crash
         return name
 
-    async def _replay(self) -> None:
+    async def _replay(self) -> bool:
+        """Replay the spool, oldest first; True when a file's records were put to the database
+        (written or not). One replay at a time: asked during another, it is due with the next flush
+        (two at once inserted the same files and told the budget guard their tokens twice)."""
+        if self._replaying:
+            self._replay_due = True
+            return False
+        self._replaying = True
+        try:
+            return await self._replay_files()
+        finally:
+            self._replaying = False
+
+    async def _replay_files(self) -> bool:
         self._replayed_at, self._replay_due = time.monotonic(), False
+        own_files = list(self._own_spool)  # before the listing: a file spooled during it is not "gone"
         names = await asyncio.to_thread(self._spool_files)
         if names is None:  # unlisted: this writer's own files, which it knows by name (none said gone)
-            names = sorted(self._own_spool, key=lambda n: (_stamp(n), n))
+            names = sorted(own_files, key=lambda n: (_stamp(n), n))
         self._held = {name: held for name, held in self._held.items() if name in names}  # gone: forgotten
         # This writer's files that are gone were replayed by another replica: they are written.
-        for name in [n for n in self._own_spool if n not in names]:
+        for name in [n for n in own_files if n not in names and n in self._own_spool]:
             self._settle(self._own_spool.pop(name))
+        tried = False
         for name in names:
             try:
                 records = await asyncio.to_thread(self._replay_file, self.spool_dir / name)
@@ -263,14 +293,16 @@ class UsageLedger:
             except Exception as err:  # the database went away again: the rest waits for the next write
                 logger.warning("usage ledger: replaying %s failed (%s: %s)", name, type(err).__name__, err)
                 self.database_away = True
-                return
+                return True
             if records is None:  # another replica replayed it first
                 continue
-            self.database_away = False
+            if records:  # none (every line corrupt) reached no database: it says nothing of one
+                tried, self.database_away = True, False
             self.replayed += len(records)
             own = self._own_spool.pop(name, None)  # this writer's file: its tokens stop counting here
             self._settle(own if own is not None else _tokens_by_key(records), unwritten=own is not None)
             logger.info("usage ledger: replayed %d records from %s", len(records), name)
+        return tried
 
     def _spool_files(self) -> list[str] | None:
         """Every writer's spool files, oldest first (by the time in their names); None when the

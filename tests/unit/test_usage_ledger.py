@@ -362,29 +362,30 @@ def test_a_database_that_hangs_at_close_costs_the_bound_and_every_record_is_spoo
     assert _requests(store, "k1") == 2 and _spool_files(tmp_path / "spool") == []  # each once
 
 
+class AwayStore:
+    """A database that is away: the first insert fails, the next ones hang until ``release``,
+    then do ``then`` (go through, or fail again)."""
+
+    def __init__(self, release: threading.Event, then):
+        self.release, self.then = release, then
+        self.calls, self.hanging = 0, threading.Event()
+
+    def insert(self, records):
+        self.calls += 1
+        if self.calls == 1:
+            raise ConnectionError("the registry is unreachable")
+        self.hanging.set()
+        self.release.wait(30)
+        return self.then(records)
+
+
 def test_once_a_write_failed_every_batch_is_spooled_at_once_while_the_database_is_tried_apart(store, tmp_path):
     """A database that is away costs each write its connect timeout (5 s, 15 s on a kept
     connection): every flush tried the insert first, and what it held meanwhile was in memory only,
     5-16 s of records a hard kill lost (found by a review). After one failure, the next batches go
     straight to the spool and the database is tried apart, by replaying the oldest file."""
     spool, release = tmp_path / "spool", threading.Event()
-
-    class AwayStore:
-        """The first insert fails; the next ones hang until released (the database unreachable),
-        then go through."""
-
-        def __init__(self):
-            self.calls, self.hanging = 0, threading.Event()
-
-        def insert(self, records):
-            self.calls += 1
-            if self.calls == 1:
-                raise ConnectionError("the registry is unreachable")
-            self.hanging.set()
-            release.wait(30)
-            return store.insert(records)
-
-    away = AwayStore()
+    away = AwayStore(release, then=store.insert)
     ledger = UsageLedger(away, spool, writer_id="a", flush_interval_s=0.02)
     first, second, third = usage_record(key_id="k1"), usage_record(key_id="k1"), usage_record(key_id="k2")
 
@@ -473,3 +474,85 @@ def test_a_spool_left_behind_is_replayed_without_new_traffic(store, tmp_path, mo
     idle = UsageLedger(store, spool, writer_id="idle")
     asyncio.run(idle.flush())  # nothing pending here: the spool is looked at all the same
     assert idle.replayed == 1 and _spool_files(spool) == [] and _requests(store, "k1") == 1
+
+
+def test_recovery_replays_each_spooled_file_once_and_tells_the_budget_its_tokens_once(store, tmp_path):
+    """The try's replay and the flush's ran at once after recovery: both inserted the same files,
+    and the budget guard was told 4,200 tokens of 3,000 (found by a review of the try)."""
+    spool = tmp_path / "spool"
+    working = store.database
+    store.database = unreachable(working)
+    told: list[dict] = []
+    ledger = UsageLedger(store, spool, writer_id="a", flush_interval_s=0.005)
+    ledger.on_written = told.append
+    records = [usage_record(key_id="k1") for _ in range(12)]
+
+    async def main():
+        for r in records[:8]:  # eight files while it is away
+            ledger.record(r)
+            await ledger.flush()
+        assert len(_spool_files(spool)) == 8 and ledger.database_away
+        store.database = working
+        ledger.start()
+        for r in records[8:]:  # records keep coming while the files go in
+            ledger.record(r)
+            await asyncio.sleep(0.01)
+        await _until(lambda: not ledger.database_away and _spool_files(spool) == []
+                     and ledger.pending_tokens("k1") == 0)
+        await ledger.aclose()
+
+    asyncio.run(main())
+    assert sum(t.get("k1", 0) for t in told) == 120 * 12 and _requests(store, "k1") == 12
+
+
+def test_held_records_reach_a_database_back_when_the_spool_can_be_neither_read_nor_written(
+        store, tmp_path, monkeypatch):
+    """Its own files unreadable, the spool unlistable and refusing writes: the try found nothing to
+    replay and wrote nothing, so the ledger never wrote again (found by a review of the try)."""
+    spool = tmp_path / "spool"
+    working = store.database
+    store.database = unreachable(working)
+    ledger = UsageLedger(store, spool, writer_id="a")
+    asyncio.run(_record_and_flush(ledger, usage_record(key_id="k1")))
+    (name,) = _spool_files(spool)
+    (spool / name).unlink()
+    (spool / name).mkdir()  # its own file, unreadable as one
+    monkeypatch.setattr(ledger, "_spool_files", lambda: None)
+
+    def refuse(batch):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ledger, "_spool", refuse)
+    store.database = working
+    held = usage_record(key_id="k2")
+    asyncio.run(_record_and_flush(ledger, held))
+    assert not ledger.database_away and store.batches[-1] == [held.id] and ledger.pending_tokens("k2") == 0
+
+
+def test_a_stop_while_the_try_writes_held_records_spools_them(store, tmp_path, monkeypatch):
+    """The try took held records out of the pending list; a stop cancelled it mid-insert, and the
+    records were in no list the close spools: gone, not even named in the log."""
+    release = threading.Event()
+    spool = tmp_path / "spool"
+
+    def still_away(records):
+        raise ConnectionError("still unreachable")
+
+    hanging = AwayStore(release, then=still_away)
+    ledger = UsageLedger(hanging, spool, writer_id="a", flush_interval_s=0.01)
+    real_spool = ledger._spool
+    monkeypatch.setattr(ledger, "_spool", lambda batch: (_ for _ in ()).throw(OSError(28, "No space left")))
+    held = usage_record(key_id="k1")
+
+    async def main():
+        ledger.start()
+        ledger.record(held)
+        await asyncio.to_thread(hanging.hanging.wait, 5)  # the try holds it, in a hung insert
+        monkeypatch.setattr(ledger, "_spool", real_spool)  # the disk has room again
+        await ledger.aclose(within_s=0.5)
+        release.set()
+
+    asyncio.run(main())
+    spooled = [json.loads(line)["id"] for name in _spool_files(spool)
+               for line in (spool / name).read_text().splitlines()]
+    assert spooled == [held.id]
