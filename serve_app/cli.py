@@ -9,7 +9,6 @@ Nothing else prints a secret; ``keys list`` shows ids and claims, never hashes.
 """
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -366,8 +365,6 @@ def token_mint(ctx: typer.Context, key_id: str) -> None:
     typer.echo(answer["access_token"])
 
 
-_JTI_RE = re.compile(r"[A-Za-z0-9_-]{22}")  # tokens.mint: secrets.token_urlsafe(16)
-
 
 @token_app.command("revoke")
 def token_revoke(ctx: typer.Context, jti_or_token: str) -> None:
@@ -377,7 +374,7 @@ def token_revoke(ctx: typer.Context, jti_or_token: str) -> None:
     if jti_or_token.count(".") == 2:
         payload = _verified_payload(c, jti_or_token)
         jti, purge_after = payload["jti"], int(payload["exp"]) + c.auth.leeway_s
-    elif not _JTI_RE.fullmatch(jti):  # a typo "revoked" nothing and said so
+    elif not tokens.is_jti(jti):  # a typo "revoked" nothing and said so
         _fail(f"{jti!r} is neither a token nor a token id (jti: 22 characters of A-Z a-z 0-9 _ -)")
     c.store().revoke_jti(jti, purge_after=purge_after)
     typer.echo(f"revoked token {jti}")

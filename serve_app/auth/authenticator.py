@@ -57,6 +57,7 @@ DEV_KEY_ID = "dev"
 # The token endpoint's budget lives in the same limiter as inference, under its own bucket name
 # (key ids are hex, so no key's inference bucket is called this), so minting costs no inference.
 TOKEN_ENDPOINT_BUCKET = "token-endpoint:{key_id}"
+TOKEN_REVOKE_BUCKET = "token-revoke:{key_id}"
 # A spent budget for unknown key ids refills this fast: a second brings registry_miss_lookups_per_s.
 REGISTRY_BUSY_RETRY_S = 1
 # At most this many registry queries for unknown key ids at once, per router replica: a flood
@@ -324,16 +325,17 @@ class Authenticator(Admission):
         # Signing and the keyset file's check stay off the event loop.
         return await asyncio.to_thread(self._mint_for, principal)
 
-    async def _admit_token_request(self, principal: Principal) -> None:
+    async def _admit_token_request(self, principal: Principal, bucket: str = TOKEN_ENDPOINT_BUCKET,
+                                   what: str = "token requests") -> None:
         rpm = self.args.token_requests_per_minute
         # One token dimension of capacity 1 and cost 0: only requests are counted here.
-        bucket = TOKEN_ENDPOINT_BUCKET.format(key_id=principal.key_id)
+        bucket = bucket.format(key_id=principal.key_id)
         decision = decided(await self.limiter.acquire(bucket, rpm, 1, 0))
         if not decision.allowed:
             headers = {k: v for k, v in decision.headers().items() if not k.endswith("-tokens")}
             raise APIError(
                 429,
-                f"Too many token requests for key {principal.key_id} ({rpm}/min); a token lasts "
+                f"Too many {what} for key {principal.key_id} ({rpm}/min); a token lasts "
                 f"{self.args.token_ttl_s}s, reuse it; retry in {decision.retry_after_s:.1f}s",
                 code="rate_limit_exceeded",
                 headers=headers,
@@ -393,18 +395,25 @@ class Authenticator(Admission):
             logger.info("%s revoked key %s", caller.key_id, key_id)
         return revoked
 
-    def revoke_token(self, caller: Principal, token: str) -> str | None:
-        """Revoke ``token`` (TokenError if it is no token of this service) if ``caller`` may
-        (``admin.may_revoke_token``): its jti; None (the route's 404) for a token of a key it does
-        not manage, which must look like no token at all."""
+    def token_to_revoke(self, caller: Principal, token: str) -> tuple[str, int] | None:
+        """``token``'s jti and when its row may go, if ``caller`` may revoke it
+        (``admin.may_revoke_token``); None (the route's 404) for a token of a key it does not
+        manage, which must look like no token at all. TokenError if it is no token of this service."""
         claims, _ = self._verified(token)
-        key_id = claims["sub"]
+        key_id, jti = claims["sub"], claims["jti"]
+        if not (isinstance(key_id, str) and (is_key_id(key_id) or key_id == DEV_KEY_ID)):
+            raise tokens.TokenError("token subject is not a key id", "invalid_token")
+        if not (isinstance(jti, str) and tokens.is_jti(jti)):
+            raise tokens.TokenError("token id (jti) is not one this service makes", "invalid_token")
         record = None if key_id == caller.key_id else self.keys.get(key_id)
         if not admin.may_revoke_token(caller, key_id, record.owner if record is not None else None):
             return None
-        self.keys.revoke_jti(claims["jti"], purge_after=int(claims["exp"]) + self.args.leeway_s)
-        logger.info("%s revoked token %s of key %s", caller.key_id, claims["jti"], key_id)
-        return claims["jti"]
+        return jti, int(claims["exp"]) + self.args.leeway_s
+
+    async def admit_revocation(self, caller: Principal) -> None:
+        """A revocation's write, charged to its own per-key budget (the token endpoint's rate, a
+        bucket apart): not to the key's requests, which the leaked token may be spending."""
+        await self._admit_token_request(caller, TOKEN_REVOKE_BUCKET, "token revocations")
 
 
 def mint_token(args: AuthArgs, keyset: tokens.Keyset, principal: Principal, not_after: int | None) -> dict[str, Any]:

@@ -17,6 +17,7 @@ longer than the configured maximum plus the leeway is refused, however good its 
 
 import json
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -37,6 +38,12 @@ ALGORITHM = "EdDSA"
 REQUIRED_CLAIMS = ["exp", "iat", "nbf", "iss", "aud", "sub", "jti"]
 # Far above any token we mint (a few hundred bytes); a cheap bound before any parsing.
 MAX_TOKEN_BYTES = 4096
+_JTI = re.compile(r"[A-Za-z0-9_-]{22}")  # mint's: secrets.token_urlsafe(16)
+
+
+def is_jti(value: str) -> bool:
+    """Whether ``value`` has the shape of the token ids this service makes."""
+    return _JTI.fullmatch(value) is not None
 
 
 class TokenError(Exception):

@@ -74,6 +74,9 @@ _INFERENCE_ERRORS = (400, 401, 403, 404, 413, 415, 429, 503)
 # Bodies of the routes that go through a model replica (and so may answer 413, 429 and 503).
 _INFERENCE_BODIES = tuple(surface.body for surface in SURFACES)
 _OTHER_ERRORS = (400, 401, 403, 404)
+# The token endpoints: a body past its bound, their own rate limit, the registry away.
+_TOKEN_PATHS = ("/v1/auth/token", "/v1/auth/token/revoke")
+_TOKEN_ERRORS = (400, 401, 403, 404, 413, 429, 503)
 _DESCRIPTIONS = {
     400: "Invalid request: the failing field is named in `param`",
     401: "Missing, invalid or expired credential",
@@ -124,7 +127,8 @@ def build(app: FastAPI) -> dict[str, Any]:
                 }
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            statuses = _PUBLIC.get(path, _INFERENCE_ERRORS if model in _INFERENCE_BODIES else _OTHER_ERRORS)
+            statuses = _PUBLIC.get(path, _TOKEN_ERRORS if path in _TOKEN_PATHS else
+                                   _INFERENCE_ERRORS if model in _INFERENCE_BODIES else _OTHER_ERRORS)
             error_model = "AnthropicErrorResponse" if path in _ANTHROPIC_PATHS else "ErrorResponse"
             for status in statuses:
                 responses[str(status)] = {

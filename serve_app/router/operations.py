@@ -18,7 +18,7 @@ from serve_app import catalog
 from serve_app.auth import admin
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, is_key_id
 from serve_app.auth.principal import Principal, forbidden
-from serve_app.auth.tokens import TokenError
+from serve_app.auth import tokens
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
 from serve_app.router.request_schema import parse_json_object
@@ -232,19 +232,25 @@ async def issue_token(services: Services, request: Request) -> dict[str, Any]:
 async def revoke_token(services: Services, request: Request) -> dict[str, Any]:
     """``POST /v1/auth/token/revoke`` ``{"token": ...}``: one token, before it expires, by the key
     it was minted for or an admin of that key (a leaked token, without revoking the key). Another
-    owner's token is, to the caller, no token (404), as another owner's key is."""
-    caller = await metered_caller(services, request)
-    too_large = APIError(413, f'the token revocation takes {{"token": ...}}, at most {TOKEN_BODY_MAX_BYTES} bytes',
+    owner's token is, to the caller, no token (404), as another owner's key is. Not charged to the
+    key's requests, which the leaked token may be spending: the write is, to a bucket of its own."""
+    caller = await services.caller(request)
+    limit = tokens.MAX_TOKEN_BYTES + 64  # the token, in {"token": "..."}
+    too_large = APIError(413, f'the token revocation takes {{"token": ...}}, at most {limit} bytes',
                          code="request_too_large")
-    token = parse_json_object(await read_body(request, refuse_past=(TOKEN_BODY_MAX_BYTES, too_large))).get("token")
+    token = parse_json_object(await read_body(request, refuse_past=(limit, too_large))).get("token")
     if not isinstance(token, str) or not token:
         raise APIError(400, "token: the token to revoke, a string", param="token", code="invalid_token_field")
     try:
-        jti = await asyncio.to_thread(services.auth.revoke_token, caller, token)
-    except TokenError as err:
+        revoking = await asyncio.to_thread(services.auth.token_to_revoke, caller, token)
+    except tokens.TokenError as err:
         if err.code == "token_expired":  # no request accepts it any more: nothing to revoke
             return {"jti": None, "revoked": False, "reason": "expired"}
         raise APIError(400, f"token: {err}", param="token", code="invalid_token") from None
-    if jti is None:
+    if revoking is None:
         raise APIError(404, "no such token of a key this credential manages", param="token", code="token_not_found")
+    jti, purge_after = revoking
+    await services.auth.admit_revocation(caller)  # 429 past the key's token rate
+    await asyncio.to_thread(services.auth.keys.revoke_jti, jti, purge_after=purge_after)
+    logger.info("%s revoked token %s", caller.key_id, jti)
     return {"jti": jti, "revoked": True}

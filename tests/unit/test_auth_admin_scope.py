@@ -286,3 +286,22 @@ def test_an_expired_token_needs_no_revocation_and_is_told_so(router_app):
     expired = mint_token(app.auth.args, app.auth.keyset.current(), principal, an_hour_ago)
     answer = app.client.post("/v1/auth/token/revoke", json={"token": expired["access_token"]}, headers=bearer(key))
     assert answer.status_code == 200 and answer.json() == {"jti": None, "revoked": False, "reason": "expired"}
+
+
+def test_a_key_whose_requests_a_leaked_token_spends_still_revokes_it(router_app):
+    """The revocation cost a request of the key's rate limit: the leaked token, spending it, kept
+    the owner from revoking it (429) just when it mattered. Its write is charged to a bucket of
+    its own (found by a review)."""
+    from serve_app.auth.config import Tier
+
+    roomy = Tier(requests_per_minute=600, tokens_per_minute=1_000_000)
+    app = router_app(tiers={"small": Tier(requests_per_minute=2, tokens_per_minute=100_000), "standard": roomy,
+                            "dev": roomy})
+    key, _ = app.auth.keys.create_key(owner="acme", tier="small")
+    leaked = _token(app, key)
+    for _ in range(3):
+        app.client.get("/v1/models", headers=bearer(leaked))  # the thief spends the key's minute
+    assert app.client.get("/v1/models", headers=bearer(key)).status_code == 429
+    revoked = app.client.post("/v1/auth/token/revoke", json={"token": leaked}, headers=bearer(key))
+    assert revoked.status_code == 200 and revoked.json()["revoked"] is True
+    assert app.client.get("/v1/models", headers=bearer(leaked)).json()["error"]["code"] == "token_revoked"

@@ -496,3 +496,12 @@ def test_a_router_reads_the_revocations_from_the_primary_every_cache_ttl_and_a_f
 
     asyncio.run(go())
     assert caplog.text.count("reading the revocations from the primary failed") == 1
+
+
+def test_the_token_endpoints_publish_the_errors_they_answer():
+    """Both answer 413 (a body past its bound), 429 (their own rate) and 503 (the registry away),
+    which the schema did not list."""
+    schema = openapi.build(ingress.app)
+    for path in ("/v1/auth/token", "/v1/auth/token/revoke"):
+        assert {"413", "429", "503"} <= set(schema["paths"][path]["post"]["responses"]), path
+    assert schema["paths"]["/v1/auth/token/revoke"]["post"]["requestBody"]["required"] is True
