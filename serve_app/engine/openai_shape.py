@@ -122,12 +122,14 @@ _EMBEDDING_FIELDS = ("object", "index", "embedding")
 def embeddings(body: Body, request: Body | None = None) -> Body:
     """A vLLM embeddings body as OpenAI sends it: ``object``, ``data``, ``model``, ``usage`` with
     ``prompt_tokens`` and ``total_tokens``."""
-    usage = body.get("usage") or {}
-    prompt = int(usage.get("prompt_tokens") or 0)
     data = [{key: item[key] for key in _EMBEDDING_FIELDS} for item in body.get("data") or ()]
+    usage = embeddings_usage(body.get("usage"))
     body.clear()
-    body.update(
-        object="list", data=data, model=(request or {}).get("model"),
-        usage={"prompt_tokens": prompt, "total_tokens": prompt},
-    )
+    body.update(object="list", data=data, model=(request or {}).get("model"), usage=usage)
     return body
+
+
+def embeddings_usage(usage: Body | None) -> Body:
+    """vLLM's embeddings usage as OpenAI's: the prompt tokens, and the same as the total."""
+    prompt = int((usage or {}).get("prompt_tokens") or 0)
+    return {"prompt_tokens": prompt, "total_tokens": prompt}

@@ -115,15 +115,13 @@ def encoded_embeddings(raw: bytes, model: Any) -> Answer | None:
     if start < 0 or end < start or not raw.endswith(b"}"):
         return None
     try:
-        usage = json.loads(raw[end + len(_USAGE):-1])
-        prompt = int(usage.get("prompt_tokens") or 0)
+        usage = openai_shape.embeddings_usage(json.loads(raw[end + len(_USAGE):-1]))
     except (ValueError, TypeError, AttributeError):
         return None
-    tail = {"model": model, "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
-    tail_json = json.dumps(tail, separators=(",", ":")).encode()
+    tail_json = json.dumps({"model": model, "usage": usage}, separators=(",", ":")).encode()
     encoded = b"".join((b'{"object":"list","data":', memoryview(raw)[start + len(_DATA) - 1:end + 1], b",",
                         memoryview(tail_json)[1:]))
-    return Answer(200, {}, Trailer(usage=token_usage(prompt, 0)), encoded=encoded)
+    return Answer(200, {}, Trailer(usage=token_usage(usage["prompt_tokens"], 0)), encoded=encoded)
 
 
 def token_usage(prompt: int | None, completion: int | None) -> Body | None:

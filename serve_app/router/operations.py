@@ -15,10 +15,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serve_app import catalog
-from serve_app.auth import admin
+from serve_app.auth import admin, tokens
 from serve_app.auth.keys import SCOPE_ADMIN, SCOPE_INFERENCE, SCOPE_OPERATOR, is_key_id
 from serve_app.auth.principal import Principal, forbidden
-from serve_app.auth import tokens
 from serve_app.errors import APIError
 from serve_app.hot_load.state import COLD, LOADED, RECOVERING
 from serve_app.router.request_schema import parse_json_object
